@@ -1,0 +1,98 @@
+"""Run a function on N real CPU processes over gloo, with a timeout so a hang fails the test.
+
+Usage::
+
+    def body(rank: int, world_size: int, tmp: str) -> dict:
+        ...  # torch.distributed is initialised here (gloo)
+        return {"value": 1.0}     # picklable; collected per rank
+
+    results = run_distributed(body, world_size=4, args=(str(tmp_path),), timeout=120)
+    assert results[0]["value"] == ...
+
+``body`` must be a module-level function (it is pickled into spawned processes).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        TRAINVITALS_STRICT="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 120.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return the results
+    by rank. Raises ``AssertionError`` with the traceback of a failing rank, or ``TimeoutError``
+    naming the ranks that did not finish within ``timeout`` seconds."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results) - set(errors))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout}s (hang?)")
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                if errors:
+                    break  # a rank failed; the others may wait forever on it
+                continue
+            (results if status == "ok" else errors)[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,107 @@
+"""What callbacks know about a run, shared by the Lightning adapter and the loop driver."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainvitals.distributed import ProcessGroups, global_rank, group_size, world_group
+
+__all__ = ["BatchInfo", "RunContext", "infer_batch_size", "infer_num_tokens"]
+
+
+@dataclass
+class BatchInfo:
+    """One training micro-batch as seen by the callbacks.
+
+    ``batch_size`` (samples) and ``num_tokens`` are ``None`` when unknown; see
+    :func:`infer_batch_size` and :func:`infer_num_tokens` for the defaults used under Lightning.
+    """
+
+    batch: Any = None
+    batch_size: int | None = None
+    num_tokens: int | None = None
+
+
+@dataclass
+class RunContext:
+    """What a callback needs to know about the run; built once by the Lightning adapter or the
+    driver and shared by all callbacks of that run.
+
+    ``step`` is the 0-based index of the optimizer step in progress; ``micro_batch`` the 0-based
+    index of the micro-batch within it; ``micro_batches_in_step`` how many micro-batches of the
+    current step have started (at ``on_step_end``: the step's number of micro-batches).
+    """
+
+    writer: Any
+    groups: ProcessGroups
+    model: torch.nn.Module | None = None
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    log_every_n_steps: int = 50
+    accumulate_grad_batches: int = 1
+    max_steps: int | None = None
+    num_training_batches: int | None = None
+    max_epochs: int | None = None
+    run_dir: Path = Path("runs")
+    framework: str = "loop"
+    trainer: Any = None
+    step: int = 0
+    micro_batch: int = 0
+    micro_batches_in_step: int = 0
+    in_validation: bool = False
+
+    @property
+    def global_rank(self) -> int:
+        return global_rank()
+
+    @property
+    def world_size(self) -> int:
+        return group_size(world_group())
+
+    @property
+    def device(self) -> torch.device:
+        if self.model is not None:
+            for p in self.model.parameters():
+                return p.device
+        return torch.device("cpu")
+
+
+def infer_batch_size(batch: Any) -> int | None:
+    """Samples in a batch: the first dim of the first tensor found (dicts, lists, tuples)."""
+    tensor = _first_tensor(batch)
+    if tensor is None or tensor.ndim == 0:
+        return None
+    return int(tensor.shape[0])
+
+
+def infer_num_tokens(batch: Any) -> int | None:
+    """Tokens in a batch: ``input_ids``' element count when present, else that of the first
+    integer tensor of two or more dims (``[batch, seq]`` token ids); ``None`` otherwise.
+
+    Padding is counted; pass ``num_tokens_fn`` (Lightning) or ``num_tokens=`` (driver) to count
+    only real tokens, e.g. ``lambda b: int(b["attention_mask"].sum())``.
+    """
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return int(batch["input_ids"].numel())
+    tensor = _first_tensor(batch, integer_2d=True)
+    return None if tensor is None else int(tensor.numel())
+
+
+def _first_tensor(obj: Any, integer_2d: bool = False) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        if not integer_2d or (obj.ndim >= 2 and not obj.is_floating_point()):
+            return obj
+        return None
+    values = obj.values() if isinstance(obj, Mapping) else obj
+    if isinstance(values, list | tuple) or isinstance(obj, Mapping):
+        for v in values:
+            found = _first_tensor(v, integer_2d)
+            if found is not None:
+                return found
+    return None
+
+

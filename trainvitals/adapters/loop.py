@@ -1,0 +1,297 @@
+"""The driver that runs trainvitals callbacks in a hand-written or Accelerate training loop.
+
+Three lines in a loop::
+
+    vitals = Vitals([NormMonitor(), ThroughputMonitor()], run_dir="runs/exp1")  # 1
+    vitals.attach(model, optimizer)                                               # 2
+    for batch in loader:
+        vitals.batch(batch)                        # 3: once per micro-batch, before forward
+        loss = model(batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    vitals.close()
+
+The driver learns of optimizer steps from the optimizer itself (``register_step_pre_hook`` and
+``register_step_post_hook`` on the innermost torch optimizer), so under gradient accumulation,
+where the optimizer steps once per real step, each step is seen once. Gradients are observed in
+the pre-hook, or earlier, right after AMP unscaling and before clipping, when the loop clips
+with ``accelerator.clip_grad_norm_`` or :meth:`Vitals.clip_grad_norm_`.
+
+The driver's ``state_dict``/``load_state_dict`` hold its step counter and every callback's
+state, so ``accelerator.register_for_checkpointing(vitals)`` (or saving ``vitals.state_dict()``
+next to the model) resumes counters, windows and estimates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
+from trainvitals.distributed import ProcessGroups
+
+
+def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """Unwrap Accelerate's ``AcceleratedOptimizer`` (and similar wrappers with ``.optimizer``)."""
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+        seen += 1
+        if seen > 8:
+            break
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return optimizer
+
+
+class Vitals:
+    """Runs trainvitals callbacks in a loop that has no callback system.
+
+    Args:
+        callbacks: the callbacks to run, e.g. ``[NormMonitor(), MemoryMonitor()]``.
+        writer: where values go; default: ``FanoutWriter.from_accelerator(accelerator)`` when an
+            accelerator is given and it has trackers, else a JSONL file ``metrics.jsonl`` in
+            ``run_dir``.
+        accelerator: an ``accelerate.Accelerator``; gives the writer, the process groups and the
+            gradient-accumulation steps.
+        groups: the :class:`ProcessGroups`; default from the accelerator, else the world group
+            as data parallel when ``torch.distributed`` is initialised, else trivial.
+        log_every_n_steps: the default logging interval of the callbacks, in optimizer steps.
+        run_dir: folder for files the callbacks write (JSONL metrics, tensor statistics).
+        max_steps: the training horizon in optimizer steps (for remaining-time estimates).
+        accumulate_grad_batches: micro-batches per optimizer step, when not counted.
+    """
+
+    def __init__(
+        self,
+        callbacks: Sequence[Any],
+        *,
+        writer: Any = None,
+        accelerator: Any = None,
+        groups: ProcessGroups | None = None,
+        log_every_n_steps: int = 50,
+        run_dir: str | Path = "runs/vitals",
+        max_steps: int | None = None,
+        accumulate_grad_batches: int | None = None,
+    ) -> None:
+        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int):
+            raise TypeError(f"log_every_n_steps must be an int, got {log_every_n_steps!r}")
+        if log_every_n_steps <= 0:
+            raise ValueError(f"log_every_n_steps must be positive, got {log_every_n_steps}")
+        if max_steps is not None and max_steps <= 0:
+            raise ValueError(f"max_steps must be positive or None, got {max_steps}")
+        self.callbacks = list(callbacks)
+        keys = [cb.state_key for cb in self.callbacks]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"two callbacks share a state_key: {keys}; give them distinct names")
+        run_dir = Path(run_dir)
+        if accumulate_grad_batches is None:
+            accumulate_grad_batches = int(getattr(accelerator, "gradient_accumulation_steps", 1))
+        self._owns_writer = writer is None
+        if writer is None:
+            from trainvitals.adapters import FanoutWriter
+
+            if accelerator is not None and getattr(accelerator, "trackers", None):
+                writer = FanoutWriter.from_accelerator(accelerator)
+            else:
+                from trainvitals.adapters import JsonlSink
+
+                writer = FanoutWriter([JsonlSink(run_dir / "metrics.jsonl")])
+        if groups is None:
+            groups = (
+                ProcessGroups.from_accelerator(accelerator)
+                if accelerator is not None
+                else _default_groups()
+            )
+        self.ctx = RunContext(
+            writer=writer,
+            groups=groups,
+            log_every_n_steps=log_every_n_steps,
+            accumulate_grad_batches=accumulate_grad_batches,
+            max_steps=max_steps,
+            run_dir=run_dir,
+            framework="accelerate" if accelerator is not None else "loop",
+        )
+        self._accelerator = accelerator
+        self._handles: list[Any] = []
+        self._started = False
+        self._grads_seen_for_step = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ wiring
+
+    def attach(self, model: torch.nn.Module, optimizer: Any) -> Vitals:
+        """Attach to the model and its optimizer (one or a list); returns ``self``."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
+        optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
+        inner = [_inner_optimizer(o) for o in optimizers]
+        self.ctx.model = model
+        self.ctx.optimizers = inner
+        # The first optimizer defines the step; the others are usually stepped in the same
+        # iteration (several param groups split over optimizers).
+        self._handles.append(inner[0].register_step_pre_hook(self._on_pre_step))
+        self._handles.append(inner[0].register_step_post_hook(self._on_post_step))
+        if self._accelerator is not None:
+            self._wrap_accelerator_clip()
+        return self
+
+    def _wrap_accelerator_clip(self) -> None:
+        accelerator = self._accelerator
+        original = accelerator.clip_grad_norm_
+
+        def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+            # Accelerate unscales inside clip_grad_norm_; observe after that, before the clip.
+            accelerator.unscale_gradients()
+            self.gradients_ready()
+            return original(parameters, max_norm, norm_type)
+
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` that lets the callbacks see the unclipped gradients
+        first (for plain loops that clip)."""
+        self.gradients_ready()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, **kwargs)
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        if self.ctx.model is None:
+            raise RuntimeError("call vitals.attach(model, optimizer) before the first batch")
+        self._started = True
+        self._each("run_start")
+
+    def _each(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            cb._dispatch(hook, self.ctx, *args)
+
+    # ------------------------------------------------------------------ per batch / step
+
+    def batch(
+        self,
+        batch: Any = None,
+        *,
+        batch_size: int | None = None,
+        num_tokens: int | None = None,
+    ) -> None:
+        """Call once per training micro-batch, before its forward pass.
+
+        ``batch_size`` (samples) and ``num_tokens`` default to what can be read off ``batch``
+        (the first dim of its first tensor; the element count of ``input_ids`` or of the first
+        2-d integer tensor). Pass them to count only real tokens, or the tokens of this rank.
+        """
+        self._start()
+        if batch_size is None and batch is not None:
+            batch_size = infer_batch_size(batch)
+        if num_tokens is None and batch is not None:
+            num_tokens = infer_num_tokens(batch)
+        ctx = self.ctx
+        ctx.micro_batch = ctx.micro_batches_in_step
+        ctx.micro_batches_in_step += 1
+        self._each("micro_batch_start", BatchInfo(batch, batch_size, num_tokens))
+
+    def gradients_ready(self) -> None:
+        """Gradients of this step are final (unscaled, unclipped): run the gradient hooks now.
+
+        Called by the driver's optimizer pre-hook when nothing called it earlier in the step.
+        """
+        if self._grads_seen_for_step:
+            return
+        self._start()
+        self._grads_seen_for_step = True
+        self._each("before_optimizer_step")
+
+    def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.gradients_ready()
+
+    def _on_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._start()
+        self._each("step_end")
+        self.ctx.step += 1
+        self.ctx.micro_batch = 0
+        self.ctx.micro_batches_in_step = 0
+        self._grads_seen_for_step = False
+
+    @contextlib.contextmanager
+    def validating(self) -> Iterator[None]:
+        """Wrap evaluation so its time is not counted as training time::
+
+        with vitals.validating():
+            evaluate(model)
+        """
+        self.ctx.in_validation = True
+        self._each("validation_start")
+        try:
+            yield
+        finally:
+            self.ctx.in_validation = False
+            self._each("validation_end")
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed so far."""
+        return self.ctx.step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.ctx.step,
+            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or "callbacks" not in state_dict:
+            raise ValueError("not a Vitals state_dict (expected keys 'step' and 'callbacks')")
+        self._apply_state(state_dict)
+
+    def _apply_state(self, state_dict: dict[str, Any]) -> None:
+        self.ctx.step = int(state_dict.get("step", 0))
+        states = state_dict["callbacks"]
+        for cb in self.callbacks:
+            if cb.state_key in states:
+                cb.load_state_dict(states[cb.state_key])
+            else:
+                warnings.warn(
+                    f"Vitals.load_state_dict: no state for {cb.state_key}", stacklevel=2
+                )
+
+    # ------------------------------------------------------------------ end
+
+    def close(self, exception: BaseException | None = None) -> None:
+        """End the run: final hooks, remove hooks, flush (and close the writer if we made it)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            if exception is None:
+                self._each("run_end")
+            else:
+                self._each("exception_raised", exception)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        writer = self.ctx.writer
+        if self._owns_writer:
+            writer.close()
+        else:
+            writer.flush()
+
+    def __enter__(self) -> Vitals:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(exc)
+
+
+def _default_groups() -> ProcessGroups:
+    from trainvitals.distributed import is_distributed
+
+    return ProcessGroups.world() if is_distributed() else ProcessGroups()

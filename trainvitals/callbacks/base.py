@@ -1,0 +1,291 @@
+"""The callback base: one class that runs under Lightning and under the :class:`Vitals` driver.
+
+A trainvitals callback implements a small, framework-neutral set of hooks:
+
+==============================  ==================================================================
+hook                            when
+==============================  ==================================================================
+``run_start(ctx)``              once, when training starts (model, optimizers, writer, groups set)
+``micro_batch_start(ctx, b)``   before the forward pass of every training micro-batch; ``b`` (a
+                                :class:`BatchInfo`) carries the batch and its sample/token counts
+``before_optimizer_step(ctx)``  once per optimizer step, when gradients are complete: after AMP
+                                unscaling, before clipping
+``step_end(ctx)``               once per optimizer step, after ``optimizer.step()`` and after every
+                                micro-batch of that step has ended
+``validation_start(ctx)``       validation begins (time until it ends is not training time)
+``validation_end(ctx)``         validation ends
+``exception_raised(ctx, exc)``  training raised: remove hooks, keep state
+``run_end(ctx)``                training ended normally
+==============================  ==================================================================
+
+``ctx.step`` is the index of the optimizer step in progress, counted from 0 (Lightning's
+``trainer.global_step`` before the step; the driver's own counter), so step 0 is the first
+optimizer step and is always a logging step. Values are written with this step.
+
+The same instance is a Lightning callback: :class:`VitalsCallback` defines every Lightning
+``Callback`` hook (duck typing, so it works with both ``lightning.pytorch`` and
+``pytorch_lightning`` Trainers without importing either) and translates them to the hooks above.
+
+A callback that raises inside a training hook is reported once with a warning and disabled, so a
+telemetry bug never ends a run; set ``TRAINVITALS_STRICT=1`` (the test suite does) to re-raise.
+Configuration errors (``ValueError``/``TypeError``) are raised at construction or at run start.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
+from trainvitals.distributed import ProcessGroups
+
+_WRITER_ATTR = "_trainvitals_writer"
+
+
+def _strict() -> bool:
+    return os.environ.get("TRAINVITALS_STRICT", "0") not in ("", "0", "false", "False")
+
+
+def _positive_int_or_none(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return value
+
+
+class VitalsCallback:
+    """Base class of every trainvitals callback.
+
+    Args:
+        log_every_n_steps: log on optimizer steps ``0, n, 2n, ...``. ``None`` takes the run's
+            setting: Lightning's ``Trainer(log_every_n_steps=...)`` or the driver's.
+        writer: where values go. ``None`` takes the run's writer: under Lightning
+            ``FanoutWriter.from_lightning(trainer)`` (one per trainer, shared by all callbacks;
+            a JSONL file ``metrics.jsonl`` in the run folder when the trainer has no logger),
+            under the driver the driver's writer.
+    """
+
+    def __init__(self, *, log_every_n_steps: int | None = None, writer: Any = None) -> None:
+        self.log_every_n_steps = _positive_int_or_none("log_every_n_steps", log_every_n_steps)
+        self._writer_override = writer
+        self._ctx: RunContext | None = None
+        self._disabled = False
+        self._warned: set[str] = set()
+        # Lightning adapter state
+        self._pl_last_global_step: int | None = None
+
+    # ------------------------------------------------------------------ neutral hooks
+
+    def run_start(self, ctx: RunContext) -> None:
+        """Training starts."""
+
+    def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
+        """A training micro-batch is about to run its forward pass."""
+
+    def before_optimizer_step(self, ctx: RunContext) -> None:
+        """Gradients of the step are complete (unscaled, not yet clipped)."""
+
+    def step_end(self, ctx: RunContext) -> None:
+        """The optimizer step ``ctx.step`` finished."""
+
+    def validation_start(self, ctx: RunContext) -> None:
+        """Validation starts."""
+
+    def validation_end(self, ctx: RunContext) -> None:
+        """Validation ended."""
+
+    def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
+        """Training raised."""
+
+    def run_end(self, ctx: RunContext) -> None:
+        """Training ended."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+    # ------------------------------------------------------------------ helpers for subclasses
+
+    def interval(self, ctx: RunContext) -> int:
+        return self.log_every_n_steps or ctx.log_every_n_steps
+
+    def should_log(self, ctx: RunContext, step: int | None = None) -> bool:
+        """Whether optimizer step ``step`` (default ``ctx.step``) is a logging step."""
+        step = ctx.step if step is None else step
+        return step % self.interval(ctx) == 0
+
+    def writer(self, ctx: RunContext) -> Any:
+        return self._writer_override if self._writer_override is not None else ctx.writer
+
+    def write(self, ctx: RunContext, values: Mapping[str, Any], step: int | None = None) -> None:
+        """Hand ``values`` (numbers or 0-d tensors, not modified afterwards) to the writer."""
+        if values:
+            self.writer(ctx).add_scalars(dict(values), ctx.step if step is None else step)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in checkpoints (Lightning and the driver)."""
+        return type(self).__qualname__
+
+    # ------------------------------------------------------------------ dispatch with guard
+
+    def _dispatch(self, hook: str, ctx: RunContext, *args: Any) -> None:
+        if self._disabled:
+            return
+        try:
+            getattr(self, hook)(ctx, *args)
+        except Exception as exc:
+            if _strict():
+                raise
+            self._disabled = True
+            warnings.warn(
+                f"trainvitals: {type(self).__name__}.{hook} raised {type(exc).__name__}: {exc}; "
+                "the callback is disabled for the rest of the run (training continues). "
+                "Set TRAINVITALS_STRICT=1 to raise instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------ Lightning adapter
+    # Every Lightning Callback hook is defined here (duck typing): the Trainer calls
+    # getattr(callback, hook)(trainer, pl_module, ...).
+
+    def _pl_context(self, trainer: Any, pl_module: Any) -> RunContext:
+        ctx = getattr(trainer, "_trainvitals_ctx", None)
+        if ctx is None:
+            ctx = _context_from_trainer(trainer, pl_module)
+            trainer._trainvitals_ctx = ctx
+        return ctx
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        pass
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        writer = getattr(trainer, _WRITER_ATTR, None)
+        if writer is not None and not getattr(trainer, "_trainvitals_writer_closed", False):
+            trainer._trainvitals_writer_closed = True
+            writer.close()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        ctx = self._pl_context(trainer, pl_module)
+        self._ctx = ctx
+        self._pl_last_global_step = trainer.global_step
+        ctx.step = trainer.global_step
+        self._dispatch("run_start", ctx)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        ctx = self._pl_context(trainer, pl_module)
+        if ctx.step != trainer.global_step:
+            ctx.step = trainer.global_step
+            ctx.micro_batches_in_step = 0
+        ctx.micro_batch = ctx.micro_batches_in_step
+        self._dispatch("micro_batch_start", ctx, self._batch_info(batch))
+
+    def _batch_info(self, batch: Any) -> BatchInfo:
+        bs_fn: Callable[[Any], int | None] = getattr(self, "batch_size_fn", None) or infer_batch_size
+        tok_fn: Callable[[Any], int | None] = getattr(self, "num_tokens_fn", None) or infer_num_tokens
+        return BatchInfo(batch=batch, batch_size=bs_fn(batch), num_tokens=tok_fn(batch))
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        ctx = self._pl_context(trainer, pl_module)
+        self._dispatch("before_optimizer_step", ctx)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        ctx = self._pl_context(trainer, pl_module)
+        ctx.micro_batches_in_step = max(ctx.micro_batches_in_step, ctx.micro_batch + 1)
+        last = self._pl_last_global_step
+        if last is not None and trainer.global_step > last:
+            # One optimizer step finished (the step index is the one before the increment).
+            ctx.step = last
+            self._dispatch("step_end", ctx)
+            ctx.step = trainer.global_step
+        self._pl_last_global_step = trainer.global_step
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        ctx = getattr(trainer, "_trainvitals_ctx", None)
+        if ctx is not None and not trainer.sanity_checking:
+            ctx.in_validation = True
+            self._dispatch("validation_start", ctx)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        ctx = getattr(trainer, "_trainvitals_ctx", None)
+        if ctx is not None and not trainer.sanity_checking:
+            ctx.in_validation = False
+            self._dispatch("validation_end", ctx)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        ctx = getattr(trainer, "_trainvitals_ctx", None)
+        if ctx is not None:
+            self._dispatch("run_end", ctx)
+            self.writer(ctx).flush()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        ctx = getattr(trainer, "_trainvitals_ctx", None)
+        if ctx is not None:
+            self._dispatch("exception_raised", ctx, exception)
+
+    # Lightning's checkpoint hooks: state_dict/load_state_dict above are what it calls.
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        pass
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        pass
+
+    @property
+    def _legacy_state_key(self) -> str:
+        return type(self).__qualname__
+
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        return f"{type(self).__qualname__}{kwargs!r}"
+
+    def __getattr__(self, name: str) -> Any:
+        # Any other Lightning hook (on_fit_start, on_train_epoch_end, ... and hooks added by
+        # future versions) is a no-op.
+        if name.startswith("on_"):
+            return _noop
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _context_from_trainer(trainer: Any, pl_module: Any) -> RunContext:
+    writer = getattr(trainer, _WRITER_ATTR, None)
+    run_dir = Path(getattr(trainer, "log_dir", None) or trainer.default_root_dir)
+    if writer is None:
+        from trainvitals.adapters import FanoutWriter
+
+        writer = FanoutWriter.from_lightning(trainer, default_jsonl=run_dir / "metrics.jsonl")
+        setattr(trainer, _WRITER_ATTR, writer)
+    max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+    num_batches = trainer.num_training_batches
+    return RunContext(
+        writer=writer,
+        groups=ProcessGroups.from_strategy(trainer.strategy),
+        model=pl_module,
+        optimizers=list(trainer.optimizers),
+        log_every_n_steps=trainer.log_every_n_steps,
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        max_steps=max_steps,
+        num_training_batches=int(num_batches) if num_batches != float("inf") else None,
+        max_epochs=trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None,
+        run_dir=run_dir,
+        framework="lightning",
+        trainer=trainer,
+    )

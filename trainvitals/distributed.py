@@ -1,0 +1,410 @@
+"""Process groups and the coalesced collectives every reduction in trainvitals goes through.
+
+No other module calls ``torch.distributed`` collectives. Every helper here:
+
+* is a no-op (returns its input) when ``torch.distributed`` is not initialised or the group has
+  one member, so single-process runs pay nothing;
+* flattens all tensors of one call into one buffer and issues exactly one collective, whatever
+  the number of tensors (the design's "at most one collective per reduction kind per group");
+* counts the collectives it issues in :data:`collective_counter`, so tests and benchmarks can
+  check that count.
+
+A group argument of ``None`` means "no group": nothing to reduce over (not the world group,
+which would silently multiply replicated values by the world size, the review bug of
+Megatron-LM PR #5492). Pass :func:`world_group` explicitly for the world.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+ReduceOpName = Literal["sum", "avg", "max", "min"]
+
+_OPS = ("sum", "avg", "max", "min")
+
+# Number of collectives issued, per op kind ("all_reduce", "all_gather", "all_gather_object").
+collective_counter: collections.Counter[str] = collections.Counter()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_group() -> Any:
+    """The default (world) process group, or ``None`` when not distributed."""
+    return dist.group.WORLD if is_distributed() else None
+
+
+def group_size(group: Any) -> int:
+    if group is None or not is_distributed():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    if group is None or not is_distributed():
+        return 0
+    return dist.get_rank(group)
+
+
+def global_rank() -> int:
+    """Global rank: from torch.distributed when initialised, else the launcher's RANK env var."""
+    if is_distributed():
+        return dist.get_rank()
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _torch_op(op: str) -> dist.ReduceOp:
+    return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+
+
+def all_reduce_coalesced(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOpName = "sum",
+    group: Any = None,
+    *,
+    dtype: torch.dtype | None = torch.float64,
+) -> list[torch.Tensor]:
+    """All-reduce ``tensors`` over ``group`` in one collective.
+
+    The tensors are flattened into one buffer of ``dtype`` (float64 by default, so sums of many
+    float32 values and integer counts up to 2**53 stay exact), reduced, and split back into
+    tensors of the original shapes, in ``dtype``. ``avg`` is a sum divided by the group size
+    (gloo has no AVG). Returns new tensors; the inputs are not modified.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    if dtype is None:
+        dtype = tensors[0].dtype
+    size = group_size(group)
+    if size == 1:
+        return [t.detach().to(dtype) for t in tensors]
+    device = _collective_device(group, tensors[0].device)
+    buffer = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
+    dist.all_reduce(buffer, op=_torch_op("sum" if op == "avg" else op), group=group)
+    collective_counter["all_reduce"] += 1
+    if op == "avg":
+        buffer /= size
+    out = []
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        out.append(buffer[offset : offset + n].view(t.shape).to(t.device))
+        offset += n
+    return out
+
+
+def all_gather_coalesced(
+    tensors: Sequence[torch.Tensor],
+    group: Any = None,
+    *,
+    dtype: torch.dtype | None = torch.float64,
+) -> list[torch.Tensor]:
+    """Gather ``tensors`` from every member of ``group`` in one collective.
+
+    Returns, for each input of shape ``S``, a tensor of shape ``[group_size, *S]`` whose row ``r``
+    is rank ``r``'s value. Every rank must pass tensors of the same shapes (agree on them first
+    with :func:`all_gather_objects` when they can differ).
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    if dtype is None:
+        dtype = tensors[0].dtype
+    size = group_size(group)
+    if size == 1:
+        return [t.detach().to(dtype).unsqueeze(0) for t in tensors]
+    device = _collective_device(group, tensors[0].device)
+    local = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
+    gathered = torch.empty(size * local.numel(), dtype=dtype, device=device)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    collective_counter["all_gather"] += 1
+    rows = gathered.view(size, local.numel())
+    out = []
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        out.append(rows[:, offset : offset + n].reshape(size, *t.shape).to(t.device))
+        offset += n
+    return out
+
+
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Gather one picklable object from every member of ``group`` (one collective).
+
+    Used before tensor collectives so that ranks agree on names and sizes instead of hanging on
+    mismatched buffers.
+    """
+    size = group_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    collective_counter["all_gather_object"] += 1
+    return out
+
+
+def _collective_device(group: Any, fallback: torch.device) -> torch.device:
+    """gloo reduces CPU tensors, nccl CUDA tensors: pick the device the backend wants."""
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        return torch.device("cpu")
+    if fallback.type == "cpu" and torch.cuda.is_available() and "nccl" in str(backend):
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback
+
+
+# --------------------------------------------------------------------------------------------
+# DTensor placements
+
+
+def shard_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """The process groups of the mesh dims over which ``tensor`` (a DTensor) is sharded.
+
+    A sum over a DTensor's elements is the local sum all-reduced over exactly these groups, one
+    after the other; ``Replicate`` dims are left out so replicas are never counted twice, and
+    ``Partial`` placements are treated as sharded (their values sum). A plain tensor returns
+    ``()``: it is either the whole tensor or a replica (DDP).
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import Partial, Replicate
+    except ImportError:  # pragma: no cover - very old torch
+        return ()
+    if not isinstance(tensor, DTensor):
+        return ()
+    mesh = tensor.device_mesh
+    groups = []
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if isinstance(placement, Partial) or placement.is_shard():
+            groups.append(mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group())
+    return tuple(groups)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local data of a DTensor (the tensor itself otherwise)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def all_reduce_by_groups(
+    items: Sequence[tuple[torch.Tensor, tuple[Any, ...]]],
+    op: ReduceOpName = "sum",
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> list[torch.Tensor]:
+    """Reduce each tensor over its own tuple of groups, with one collective per distinct group.
+
+    ``items`` pairs a tensor with the groups it must be reduced over (typically
+    :func:`shard_groups` of the DTensor it came from). All tensors that need group ``g`` are
+    reduced in one coalesced collective on ``g``; groups are processed in a fixed order so every
+    rank issues the same sequence. ``avg`` is not allowed (an average over a sequence of groups
+    is rarely what is meant); use ``sum`` and divide.
+    """
+    if op == "avg":
+        raise ValueError("all_reduce_by_groups supports sum, max and min, not avg")
+    results = [t.detach().to(dtype) for t, _ in items]
+    # Order groups by first appearance: the same on every rank because ranks iterate the same
+    # parameters in the same order.
+    order: list[Any] = []
+    for _, groups in items:
+        for g in groups:
+            if not any(g is seen for seen in order):
+                order.append(g)
+    for g in order:
+        idx = [i for i, (_, groups) in enumerate(items) if any(g is x for x in groups)]
+        reduced = all_reduce_coalesced([results[i] for i in idx], op, g, dtype=dtype)
+        for i, r in zip(idx, reduced, strict=True):
+            results[i] = r
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# ProcessGroups
+
+_MESH_DIM_ALIASES: dict[str, str] = {
+    "dp": "dp",
+    "data_parallel": "dp",
+    "dp_shard": "dp_shard",
+    "dp_replicate": "dp_replicate",
+    "fsdp": "dp_shard",
+    "ddp": "dp_replicate",
+    "tp": "tp",
+    "tensor_parallel": "tp",
+    "pp": "pp",
+    "pipeline_parallel": "pp",
+    "ep": "ep",
+    "expert_parallel": "ep",
+    "cp": "cp",
+    "context_parallel": "cp",
+}
+
+
+@dataclass
+class ProcessGroups:
+    """The process groups of the parallel layout in use.
+
+    Each field is a ``torch.distributed`` process group or ``None`` (trivial: this rank alone).
+    ``dp`` is the whole data-parallel group (replicate x shard); ``dp_cp`` the data- and
+    context-parallel ranks together (the ranks that see different tokens), defaulting to ``dp``
+    when there is no context parallelism. A single process means every group is ``None``.
+
+    Example::
+
+        groups = ProcessGroups.from_device_mesh(mesh)      # dims ("dp", "tp")
+        tokens = all_reduce_coalesced([local_tokens], "sum", groups.dp_cp)[0]
+    """
+
+    dp: Any = None
+    tp: Any = None
+    pp: Any = None
+    ep: Any = None
+    cp: Any = None
+    dp_cp: Any = None
+
+    def __post_init__(self) -> None:
+        if self.dp_cp is None and self.cp is None:
+            self.dp_cp = self.dp
+
+    @property
+    def is_trivial(self) -> bool:
+        return all(group_size(getattr(self, f.name)) == 1 for f in fields(self))
+
+    def sizes(self) -> dict[str, int]:
+        return {f.name: group_size(getattr(self, f.name)) for f in fields(self)}
+
+    # ---- constructors
+
+    @classmethod
+    def single(cls) -> ProcessGroups:
+        return cls()
+
+    @classmethod
+    def world(cls) -> ProcessGroups:
+        """Every rank is a data-parallel replica (DDP)."""
+        return cls(dp=world_group())
+
+    @classmethod
+    def from_device_mesh(cls, mesh: Any) -> ProcessGroups:
+        """Groups from a ``DeviceMesh`` whose dims carry the usual names.
+
+        Recognised: ``dp``/``data_parallel``, ``dp_shard``/``fsdp``, ``dp_replicate``/``ddp``,
+        ``tp``/``tensor_parallel``, ``pp``, ``ep``, ``cp``. With both ``dp_replicate`` and
+        ``dp_shard`` (HSDP) the data-parallel group is their flattened product. A mesh with
+        unnamed or unknown dims raises ``ValueError`` naming them.
+        """
+        names = tuple(mesh.mesh_dim_names or ())
+        if len(names) != mesh.ndim:
+            raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names")
+        roles: dict[str, str] = {}
+        unknown = []
+        for name in names:
+            role = _MESH_DIM_ALIASES.get(name)
+            if role is None:
+                unknown.append(name)
+            else:
+                roles[role] = name
+        if unknown:
+            raise ValueError(
+                f"unknown mesh dim names {unknown}; expected some of {sorted(_MESH_DIM_ALIASES)}"
+            )
+
+        def group(role: str) -> Any:
+            return mesh[roles[role]].get_group() if role in roles else None
+
+        dp_dims = [roles[r] for r in ("dp", "dp_replicate", "dp_shard") if r in roles]
+        dp = _flat_group(mesh, dp_dims)
+        cp = group("cp")
+        dp_cp = _flat_group(mesh, [*dp_dims, roles["cp"]]) if cp is not None else dp
+        return cls(dp=dp, tp=group("tp"), pp=group("pp"), ep=group("ep"), cp=cp, dp_cp=dp_cp)
+
+    @classmethod
+    def from_accelerator(cls, accelerator: Any) -> ProcessGroups:
+        """Groups from an ``accelerate.Accelerator``.
+
+        Uses ``accelerator.torch_device_mesh`` (dims ``dp_replicate``, ``dp_shard``, ``cp``,
+        ``tp``) when a ``ParallelismConfig`` built one, else treats every process as a
+        data-parallel replica.
+        """
+        mesh = getattr(accelerator, "torch_device_mesh", None)
+        if mesh is not None:
+            base_dims = [n for n in (mesh.mesh_dim_names or ()) if n in _MESH_DIM_ALIASES]
+            return cls.from_device_mesh(mesh[tuple(base_dims)] if len(base_dims) > 1 else mesh)
+        if getattr(accelerator, "num_processes", 1) > 1:
+            return cls.world()
+        return cls()
+
+    @classmethod
+    def from_strategy(cls, strategy: Any) -> ProcessGroups:
+        """Groups from a Lightning strategy (``lightning`` or ``pytorch_lightning``).
+
+        Single-device: trivial. DDP, FSDP, DeepSpeed: every rank a data-parallel replica (the
+        world group). ``ModelParallelStrategy``: its ``device_mesh`` dims ``data_parallel`` and
+        ``tensor_parallel``.
+        """
+        mesh = None
+        try:
+            mesh = getattr(strategy, "device_mesh", None)
+        except Exception:  # Lightning raises before setup
+            mesh = None
+        if mesh is not None:
+            return cls.from_device_mesh(mesh)
+        world_size = getattr(strategy, "world_size", 1) or 1
+        if world_size > 1 and is_distributed():
+            return cls.world()
+        return cls()
+
+
+def _flat_group(mesh: Any, dims: list[str]) -> Any:
+    if not dims:
+        return None
+    if len(dims) == 1:
+        return mesh[dims[0]].get_group()
+    sub = mesh[tuple(dims)]
+    flat_name = "_".join(dims)
+    try:
+        return sub._flatten(flat_name).get_group()
+    except Exception:
+        # Fall back to a new group with the same members (costs one new_group per call).
+        ranks = sub.mesh.flatten().tolist()
+        return _new_group_for(mesh, dims, ranks)
+
+
+def _new_group_for(mesh: Any, dims: list[str], my_ranks: list[int]) -> Any:
+    # Every rank must call new_group for every subgroup, in the same order.
+    full = mesh.mesh
+    other = [i for i, n in enumerate(mesh.mesh_dim_names) if n not in dims]
+    keep = [mesh.mesh_dim_names.index(n) for n in dims]
+    perm = full.permute(*other, *keep)
+    blocks = perm.reshape(-1, math.prod(perm.shape[len(other) :]))
+    mine = None
+    for block in blocks:
+        ranks = block.tolist()
+        g = dist.new_group(ranks)
+        if ranks == sorted(my_ranks) or set(ranks) == set(my_ranks):
+            mine = g
+    return mine
+
+
+def unique_by_identity(items: Iterable[Any]) -> list[Any]:
+    seen: set[int] = set()
+    out = []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
+    return out
