@@ -79,9 +79,11 @@ def main(argv: list[str] | None = None) -> None:
     warmup = max(1, args.steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: min(1.0, (s + 1) / warmup)
-        * 0.5
-        * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)),
+        lambda s: (
+            min(1.0, (s + 1) / warmup)
+            * 0.5
+            * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+        ),
     )
 
     tensorboard_dir = run_dir / "tensorboard"

@@ -103,5 +103,3 @@ def _first_tensor(obj: Any, integer_2d: bool = False) -> torch.Tensor | None:
             if found is not None:
                 return found
     return None
-
-

@@ -259,9 +259,7 @@ class Vitals:
             if cb.state_key in states:
                 cb.load_state_dict(states[cb.state_key])
             else:
-                warnings.warn(
-                    f"Vitals.load_state_dict: no state for {cb.state_key}", stacklevel=2
-                )
+                warnings.warn(f"Vitals.load_state_dict: no state for {cb.state_key}", stacklevel=2)
 
     # ------------------------------------------------------------------ end
 

@@ -39,8 +39,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
 from trainvitals.distributed import ProcessGroups
 
@@ -186,17 +184,30 @@ class VitalsCallback:
         ctx.step = trainer.global_step
         self._dispatch("run_start", ctx)
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         ctx = self._pl_context(trainer, pl_module)
-        if ctx.step != trainer.global_step:
-            ctx.step = trainer.global_step
-            ctx.micro_batches_in_step = 0
-        ctx.micro_batch = ctx.micro_batches_in_step
+        ctx.step = trainer.global_step
+        batch_key = (trainer.global_step, batch_idx)
+        previous = getattr(ctx, "_pl_batch_key", None)
+        if previous != batch_key:
+            # The context is shared by all callbacks of the trainer: only the first callback to
+            # see this batch advances the micro-batch count.
+            if previous is None or previous[0] != trainer.global_step:
+                ctx.micro_batches_in_step = 0
+            ctx._pl_batch_key = batch_key
+            ctx.micro_batch = ctx.micro_batches_in_step
+            ctx.micro_batches_in_step += 1
         self._dispatch("micro_batch_start", ctx, self._batch_info(batch))
 
     def _batch_info(self, batch: Any) -> BatchInfo:
-        bs_fn: Callable[[Any], int | None] = getattr(self, "batch_size_fn", None) or infer_batch_size
-        tok_fn: Callable[[Any], int | None] = getattr(self, "num_tokens_fn", None) or infer_num_tokens
+        bs_fn: Callable[[Any], int | None] = (
+            getattr(self, "batch_size_fn", None) or infer_batch_size
+        )
+        tok_fn: Callable[[Any], int | None] = (
+            getattr(self, "num_tokens_fn", None) or infer_num_tokens
+        )
         return BatchInfo(batch=batch, batch_size=bs_fn(batch), num_tokens=tok_fn(batch))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -207,7 +218,6 @@ class VitalsCallback:
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         ctx = self._pl_context(trainer, pl_module)
-        ctx.micro_batches_in_step = max(ctx.micro_batches_in_step, ctx.micro_batch + 1)
         last = self._pl_last_global_step
         if last is not None and trainer.global_step > last:
             # One optimizer step finished (the step index is the one before the increment).
