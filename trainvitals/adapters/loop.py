@@ -143,16 +143,17 @@ class Vitals:
         return self
 
     def _wrap_accelerator_clip(self) -> None:
+        # Accelerate unscales AMP gradients in unscale_gradients(), which its clip_grad_norm_ and
+        # clip_grad_value_ call right before clipping: observe the gradients just after it.
+        # (Calling unscale ourselves would unscale twice, which GradScaler refuses.)
         accelerator = self._accelerator
-        original = accelerator.clip_grad_norm_
+        original = accelerator.unscale_gradients
 
-        def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
-            # Accelerate unscales inside clip_grad_norm_; observe after that, before the clip.
-            accelerator.unscale_gradients()
+        def unscale_gradients(optimizer: Any = None) -> None:
+            original(optimizer)
             self.gradients_ready()
-            return original(parameters, max_norm, norm_type)
 
-        accelerator.clip_grad_norm_ = clip_grad_norm_
+        accelerator.unscale_gradients = unscale_gradients
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` that lets the callbacks see the unclipped gradients
