@@ -121,7 +121,13 @@ class VitalsCallback:
         return step % self.interval(ctx) == 0
 
     def writer(self, ctx: RunContext) -> Any:
-        return self._writer_override if self._writer_override is not None else ctx.writer
+        if self._writer_override is not None:
+            return self._writer_override
+        if ctx.writer is None and ctx.trainer is not None:
+            # Under Lightning the run's writer is made on first use, so callbacks that all
+            # bring their own writer never need the default one.
+            ctx.writer = _lightning_writer(ctx.trainer, ctx.run_dir)
+        return ctx.writer
 
     def write(self, ctx: RunContext, values: Mapping[str, Any], step: int | None = None) -> None:
         """Hand ``values`` (numbers or 0-d tensors, not modified afterwards) to the writer."""
@@ -173,9 +179,15 @@ class VitalsCallback:
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         writer = getattr(trainer, _WRITER_ATTR, None)
-        if writer is not None and not getattr(trainer, "_trainvitals_writer_closed", False):
-            trainer._trainvitals_writer_closed = True
+        if writer is not None:
+            # The first callback to tear down closes the shared writer; a later fit() on the
+            # same trainer builds a fresh context and writer.
+            setattr(trainer, _WRITER_ATTR, None)
             writer.close()
+        if getattr(trainer, "_trainvitals_ctx", None) is not None:
+            trainer._trainvitals_ctx = None
+            trainer._trainvitals_batch_key = None
+            trainer._trainvitals_batch_step = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         ctx = self._pl_context(trainer, pl_module)
@@ -242,7 +254,9 @@ class VitalsCallback:
         ctx = getattr(trainer, "_trainvitals_ctx", None)
         if ctx is not None:
             self._dispatch("run_end", ctx)
-            self.writer(ctx).flush()
+            writer = self._writer_override if self._writer_override is not None else ctx.writer
+            if writer is not None:
+                writer.flush()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         ctx = getattr(trainer, "_trainvitals_ctx", None)
@@ -275,14 +289,20 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _context_from_trainer(trainer: Any, pl_module: Any) -> RunContext:
+def _lightning_writer(trainer: Any, run_dir: Path) -> Any:
+    """The trainer's shared writer: its loggers, or ``metrics.jsonl`` in the run folder."""
     writer = getattr(trainer, _WRITER_ATTR, None)
-    run_dir = Path(getattr(trainer, "log_dir", None) or trainer.default_root_dir)
     if writer is None:
         from trainvitals.adapters import FanoutWriter
 
         writer = FanoutWriter.from_lightning(trainer, default_jsonl=run_dir / "metrics.jsonl")
         setattr(trainer, _WRITER_ATTR, writer)
+    return writer
+
+
+def _context_from_trainer(trainer: Any, pl_module: Any) -> RunContext:
+    writer = getattr(trainer, _WRITER_ATTR, None)  # made on first use (VitalsCallback.writer)
+    run_dir = Path(getattr(trainer, "log_dir", None) or trainer.default_root_dir)
     max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
     num_batches = trainer.num_training_batches
     return RunContext(
