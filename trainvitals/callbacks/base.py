@@ -186,8 +186,6 @@ class VitalsCallback:
             writer.close()
         if getattr(trainer, "_trainvitals_ctx", None) is not None:
             trainer._trainvitals_ctx = None
-            trainer._trainvitals_batch_key = None
-            trainer._trainvitals_batch_step = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         ctx = self._pl_context(trainer, pl_module)
