@@ -1,0 +1,273 @@
+"""NormMonitor in one process: the driver and a Lightning Trainer, against float64 references."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tests.callbacks.test_norm_monitor_helpers import (
+    RecordingWriter,
+    TiedLM,
+    float64_norms,
+    lm_loss,
+)
+from trainvitals.adapters.loop import Vitals
+from trainvitals.callbacks.norm_monitor import NormMonitor
+from trainvitals.distributed import collective_counter
+from trainvitals.stats import norms as norms_module
+from trainvitals.stats.norms import canonical_name, dedupe_named_tensors, local_sq_norms
+
+REL = 1e-6
+
+
+def _batches(n: int, seed: int = 0, vocab: int = 13) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (4, 6), generator=g) for _ in range(n)]
+
+
+def _run_driver(monitor: NormMonitor, steps: int, interval: int, **kwargs):
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    writer = RecordingWriter()
+    refs: dict[int, tuple[float, float]] = {}
+    grads: dict[int, dict[str, torch.Tensor]] = {}
+    with Vitals([monitor], writer=writer, log_every_n_steps=interval, **kwargs) as vitals:
+        vitals.attach(model, opt)
+        for step, ids in enumerate(_batches(steps)):
+            vitals.batch(ids)
+            lm_loss(model, ids).backward()
+            refs[step] = float64_norms(list(model.parameters()))
+            grads[step] = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+            grads[step].update(
+                {f"param:{n}": p.detach().double().clone() for n, p in model.named_parameters()}
+            )
+            opt.step()
+            opt.zero_grad()
+    return model, writer, refs, grads
+
+
+def test_driver_global_norms_equal_float64_reference_and_tied_weight_counts_once():
+    _, writer, refs, _ = _run_driver(NormMonitor(), steps=5, interval=2)
+    assert sorted(writer.steps) == [0, 2, 4]
+    for step, row in writer.steps.items():
+        p_ref, g_ref = refs[step]
+        assert row["l2_norm/param/global"] == pytest.approx(p_ref, rel=REL)
+        assert row["l2_norm/grad/global"] == pytest.approx(g_ref, rel=REL)
+        assert row["l2_norm/grad/nonfinite_count"] == 0
+
+
+def test_tied_weight_is_counted_once():
+    torch.manual_seed(0)
+    model = TiedLM()
+    named = list(model.named_parameters(remove_duplicate=False))
+    assert len(named) == len(list(model.parameters())) + 1  # the head repeats the embedding
+    assert [n for n, _ in dedupe_named_tensors(named)] == [n for n, _ in model.named_parameters()]
+    # A second Parameter object over the same memory is the same tensor too.
+    alias = nn.Parameter(model.embed.weight.data)
+    assert len(dedupe_named_tensors([("a", model.embed.weight), ("b", alias)])) == 1
+    # ... but a different view of it (one row) is not.
+    row = nn.Parameter(model.embed.weight.data[0])
+    assert len(dedupe_named_tensors([("a", model.embed.weight), ("b", row)])) == 2
+
+
+def test_per_param_globs_write_grad_and_param_norms():
+    monitor = NormMonitor(per_param=["up.*", "embed.weight"], per_param_kinds=("grad", "param"))
+    _, writer, _, grads = _run_driver(monitor, steps=1, interval=1)
+    row = writer.steps[0]
+    per_param = {k for k in row if k.count("/") == 2 and not k.endswith(("global", "count"))}
+    names = ["up.weight", "up.bias", "embed.weight"]
+    assert per_param == {f"l2_norm/{kind}/{n}" for kind in ("grad", "param") for n in names}
+    for n in names:
+        assert row[f"l2_norm/grad/{n}"] == pytest.approx(float(grads[0][n].norm()), rel=REL)
+        param_ref = float(grads[0][f"param:{n}"].norm())
+        assert row[f"l2_norm/param/{n}"] == pytest.approx(param_ref, rel=REL)
+    assert "head.weight" not in str(sorted(row))  # tied head is reported under its first name
+
+
+def test_param_norm_is_taken_before_the_update():
+    torch.manual_seed(0)
+    ref_model = TiedLM()
+    before = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in ref_model.parameters()))
+    _, writer, _, _ = _run_driver(NormMonitor(), steps=1, interval=1)
+    assert writer.steps[0]["l2_norm/param/global"] == pytest.approx(before, rel=REL)
+
+
+def test_nonfinite_gradients_are_counted_and_named():
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    writer = RecordingWriter()
+    monitor = NormMonitor(max_nonfinite_names=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals([monitor], writer=writer, log_every_n_steps=1) as vitals:
+            vitals.attach(model, opt)
+            for step, ids in enumerate(_batches(3)):
+                vitals.batch(ids)
+                lm_loss(model, ids).backward()
+                if step >= 1:
+                    model.down.weight.grad[0, 0] = float("nan")
+                    model.norm.bias.grad[1] = float("inf")
+                opt.step()
+                opt.zero_grad()
+    assert writer.steps[0]["l2_norm/grad/nonfinite_count"] == 0
+    assert writer.steps[1]["l2_norm/grad/nonfinite_count"] == 2
+    assert math.isnan(writer.steps[1]["l2_norm/grad/global"])
+    assert math.isfinite(writer.steps[1]["l2_norm/param/global"])
+    messages = [str(w.message) for w in caught if "NaN/Inf" in str(w.message)]
+    assert len(messages) == 2  # steps 1 and 2
+    assert "down.weight" in messages[0] and "and 1 more" in messages[0]
+    assert "step 1" in messages[0]
+    assert monitor.state_dict() == {
+        "first_nonfinite_step": 1,
+        "first_nonfinite_names": ["down.weight"],
+        "nonfinite_logging_steps": 2,
+    }
+    restored = NormMonitor()
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.state_dict() == monitor.state_dict()
+
+
+def test_non_logging_steps_compute_nothing(monkeypatch):
+    calls = []
+    real = norms_module.local_sq_norms
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("trainvitals.callbacks.norm_monitor.local_sq_norms", counting)
+    before = sum(collective_counter.values())
+    _, writer, _, _ = _run_driver(NormMonitor(), steps=7, interval=3)
+    assert sorted(writer.steps) == [0, 3, 6]
+    assert len(calls) == 3
+    assert sum(collective_counter.values()) == before  # single process: no collective at all
+
+
+def test_glob_matching_nothing_is_an_error_at_run_start():
+    monitor = NormMonitor(per_param=["up.*", "decoder.layers.*"])
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    vitals = Vitals([monitor], writer=RecordingWriter(), log_every_n_steps=1).attach(model, opt)
+    with pytest.raises(ValueError, match=r"decoder\.layers\.\*"):
+        vitals.batch(_batches(1)[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"log_every_n_steps": 0}, ValueError),
+        ({"log_every_n_steps": -3}, ValueError),
+        ({"per_param_kinds": ("grads",)}, ValueError),
+        ({"per_param_kinds": ()}, ValueError),
+        ({"per_param": [""]}, TypeError),
+        ({"per_param": 3}, TypeError),
+        ({"max_nonfinite_names": 0}, ValueError),
+    ],
+)
+def test_bad_arguments(kwargs, error):
+    with pytest.raises(error):
+        NormMonitor(**kwargs)
+
+
+def test_canonical_names_strip_wrappers():
+    assert canonical_name("module._orig_mod.layers.0.weight") == "layers.0.weight"
+    assert canonical_name("_forward_module.model.w") == "model.w"
+    assert (
+        canonical_name("layers.1._fsdp_wrapped_module._checkpoint_wrapped_module.mlp.weight")
+        == "layers.1.mlp.weight"
+    )
+    assert canonical_name("encoder.module.weight") == "encoder.module.weight"
+
+
+def test_wrapped_model_reports_original_names():
+    torch.manual_seed(0)
+    model = TiedLM()
+    wrapped = nn.DataParallel(model)  # CPU: a plain wrapper whose params are named module.*
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = RecordingWriter()
+    with Vitals([NormMonitor(per_param="up.weight")], writer=writer, log_every_n_steps=1) as v:
+        v.attach(wrapped, opt)
+        ids = _batches(1)[0]
+        v.batch(ids)
+        lm_loss(wrapped, ids).backward()
+        expected = float(model.up.weight.grad.double().norm())
+        opt.step()
+    assert writer.steps[0]["l2_norm/grad/up.weight"] == pytest.approx(expected, rel=REL)
+
+
+def test_local_sq_norms_are_accurate_for_large_and_low_precision_tensors():
+    g = torch.Generator().manual_seed(1)
+    tensors = [
+        torch.randn(3_000_001, generator=g) * 3 + 1,  # torch's own fp32 CPU norm is off ~1e-4
+        torch.randn(5000, generator=g).bfloat16(),
+        None,
+        torch.randn(0, 4),
+    ]
+    got = local_sq_norms(tensors)
+    assert got.dtype == torch.float64
+    for value, t in zip(got.tolist(), tensors, strict=True):
+        ref = 0.0 if t is None else float(t.double().pow(2).sum())
+        assert value == pytest.approx(ref, rel=1e-6, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------- Lightning
+
+
+def _lightning_module_cls():
+    import lightning.pytorch as pl
+
+    class LitTied(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TiedLM()
+            self.refs: dict[int, tuple[float, float]] = {}
+
+        def training_step(self, batch, batch_idx):
+            return lm_loss(self.model, batch[0])
+
+        def on_before_optimizer_step(self, optimizer):
+            # unscaled, before Lightning's gradient clipping
+            self.refs[self.trainer.global_step] = float64_norms(list(self.parameters()))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    return LitTied
+
+
+def test_lightning_single_device_with_accumulation_and_clipping(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    data = torch.utils.data.TensorDataset(torch.cat(_batches(6)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    module = _lightning_module_cls()()
+    writer = RecordingWriter()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1e-3,
+        log_every_n_steps=1,
+        callbacks=[NormMonitor(writer=writer, per_param="model.up.weight")],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, loader)
+    assert sorted(writer.steps) == [0, 1, 2]
+    for step, row in writer.steps.items():
+        p_ref, g_ref = module.refs[step]
+        assert row["l2_norm/param/global"] == pytest.approx(p_ref, rel=REL)
+        # clipping to 1e-3 happened after: the logged norm is the unclipped one
+        assert row["l2_norm/grad/global"] == pytest.approx(g_ref, rel=REL)
+        assert g_ref > 1e-2
+        assert "l2_norm/grad/model.up.weight" in row

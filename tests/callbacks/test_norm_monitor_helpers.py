@@ -1,0 +1,81 @@
+"""Shared pieces of the NormMonitor tests: a recording writer, tiny models and float64 references."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RecordingWriter:
+    """Stores every value as a float, per step: ``self.steps[step][key]``."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.steps: dict[int, dict[str, float]] = {}
+        self.path = path
+        self.calls = 0
+
+    def add_scalars(self, mapping: dict[str, Any], step: int) -> None:
+        self.calls += 1
+        row = self.steps.setdefault(int(step), {})
+        for key, value in mapping.items():
+            row[key] = float(value.item() if isinstance(value, torch.Tensor) else value)
+        if self.path is not None:
+            Path(self.path).write_text(json.dumps(self.steps))
+
+    def add_scalar(self, name: str, value: Any, step: int) -> None:
+        self.add_scalars({name: value}, step)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TiedLM(nn.Module):
+    """Embedding -> MLP block -> norm -> head whose weight IS the embedding's (tied)."""
+
+    def __init__(self, vocab: int = 13, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.down(torch.relu(self.up(x)))
+        return self.head(self.norm(x))
+
+
+class MLP(nn.Module):
+    """Two linear layers and a LayerNorm; the shape tensor parallel examples use."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(torch.relu(self.up(x))))
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def float64_norms(params: list[torch.Tensor]) -> tuple[float, float]:
+    """(param norm, grad norm) in float64 over distinct tensors, computed elementwise here."""
+    unique = list({id(p): p for p in params}.values())
+    p2 = sum(float(p.detach().double().pow(2).sum()) for p in unique)
+    g2 = sum(float(p.grad.double().pow(2).sum()) for p in unique if p.grad is not None)
+    return math.sqrt(p2), math.sqrt(g2)

@@ -1,0 +1,289 @@
+"""NormMonitor: global (and optionally per-parameter) L2 norms of parameters and gradients."""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainvitals.adapters.context import RunContext
+from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.distributed import all_reduce_coalesced, group_rank, group_size
+from trainvitals.stats.norms import (
+    canonical_name,
+    dedupe_named_tensors,
+    local_sq_norms,
+    reduce_sq_norms,
+    sharding_groups,
+    unwrap_model,
+)
+
+__all__ = ["NormMonitor"]
+
+_KINDS = ("grad", "param")
+
+
+@dataclass
+class _Tracked:
+    name: str  # canonical name in the user's module
+    param: torch.nn.Parameter
+    groups: tuple[Any, ...]  # the groups its per-tensor sums are summed over
+
+
+@dataclass
+class _PendingFlags:
+    step: int
+    flags: torch.Tensor  # bool per tracked parameter: its gradient holds NaN/Inf (host memory)
+    event: Any  # a CUDA event marking the end of the copy, or None when already on the host
+
+
+class NormMonitor(VitalsCallback):
+    """Global L2 norms of the parameters and gradients, exact under DDP, FSDP2 and TP.
+
+    On each logging step, in ``before_optimizer_step`` (gradients after AMP unscaling and
+    before clipping), the monitor computes every trainable parameter's and gradient's sum of
+    squares on its device, sums the shards of ``DTensor`` parameters over their ``Shard`` mesh
+    dims only (one collective per distinct group for parameters and gradients together), and
+    writes the norms. Plain tensors are replicas (DDP) and are not reduced; tied parameters
+    count once. Non-logging steps cost nothing: no computation, no sync, no collective.
+
+    The parameter norm is taken at the same moment, i.e. of the weights the step's gradients
+    were computed with (before the update). Only parameters with ``requires_grad`` count.
+    With pipeline parallelism (``groups.pp`` non-trivial) the totals are summed over the
+    pipeline stages in one more collective; per-parameter keys then come from rank 0's stage.
+
+    Args:
+        per_param: globs (``fnmatch``, matched against canonical parameter names such as
+            ``layers.0.attn.q_proj.weight``, wrapper prefixes like ``module.``/``_orig_mod.``
+            removed) of the parameters to also report one by one; ``None`` for none, ``"*"``
+            for all. A glob matching no parameter is a ``ValueError`` at run start.
+        per_param_kinds: which per-parameter norms to write: ``"grad"`` and/or ``"param"``.
+        max_nonfinite_names: how many non-finite gradients the warning names.
+        log_every_n_steps: interval in optimizer steps (default: the run's).
+        writer: where values go (default: the run's writer).
+
+    Keys written (on logging steps):
+
+    ================================  ===========================================================  =====
+    key                               meaning                                                      unit
+    ================================  ===========================================================  =====
+    ``l2_norm/param/global``          L2 norm of all trainable parameters, each counted once       1
+    ``l2_norm/grad/global``           L2 norm of all gradients, unscaled, before clipping          1
+    ``l2_norm/grad/nonfinite_count``  number of gradient tensors holding a NaN or an Inf           count
+    ``l2_norm/grad/<name>``           L2 norm of one parameter's gradient (``per_param`` only)     1
+    ``l2_norm/param/<name>``          L2 norm of one parameter (``per_param_kinds`` has "param")   1
+    ================================  ===========================================================  =====
+
+    Norms are in the parameters' own units (the L2 norm has the unit of the tensor's values).
+    When a gradient holds NaN/Inf, ``l2_norm/grad/global`` is NaN/Inf too, and a
+    ``RuntimeWarning`` names the first ``max_nonfinite_names`` bad tensors in parameter order
+    (issued once the values reach the host, at the latest by the next logging step).
+
+    Example::
+
+        import lightning.pytorch as pl
+        from trainvitals import NormMonitor
+
+        trainer = pl.Trainer(callbacks=[NormMonitor(per_param=["*.router.*"])])
+
+        # or in a plain / Accelerate loop
+        from trainvitals.adapters.loop import Vitals
+
+        vitals = Vitals([NormMonitor()], log_every_n_steps=10).attach(model, optimizer)
+    """
+
+    def __init__(
+        self,
+        *,
+        per_param: str | Sequence[str] | None = None,
+        per_param_kinds: Sequence[str] = ("grad",),
+        max_nonfinite_names: int = 5,
+        log_every_n_steps: int | None = None,
+        writer: Any = None,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
+        self.per_param = _globs(per_param)
+        kinds = (per_param_kinds,) if isinstance(per_param_kinds, str) else per_param_kinds
+        if not kinds or any(k not in _KINDS for k in kinds):
+            raise ValueError(
+                f"per_param_kinds must be a non-empty subset of {_KINDS}, got {kinds!r}"
+            )
+        self.per_param_kinds = tuple(dict.fromkeys(kinds))
+        if (
+            isinstance(max_nonfinite_names, bool)
+            or not isinstance(max_nonfinite_names, int)
+            or max_nonfinite_names <= 0
+        ):
+            raise ValueError(
+                f"max_nonfinite_names must be a positive int, got {max_nonfinite_names!r}"
+            )
+        self.max_nonfinite_names = max_nonfinite_names
+        self._tracked: list[_Tracked] = []
+        self._selected: list[int] = []
+        self._pending: _PendingFlags | None = None
+        # state kept across checkpoints
+        self.first_nonfinite_step: int | None = None
+        self.first_nonfinite_names: list[str] = []
+        self.nonfinite_logging_steps = 0
+
+    # ------------------------------------------------------------------ hooks
+
+    def run_start(self, ctx: RunContext) -> None:
+        """Find the trainable parameters (deduplicated, canonical names) and the per-parameter
+        selection; a glob matching nothing raises here, before any collective."""
+        if ctx.model is None:
+            raise ValueError("NormMonitor needs the model: attach it (vitals.attach(model, opt))")
+        self._ctx = ctx
+        model = unwrap_model(ctx.model)
+        named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        self._tracked = [
+            _Tracked(name, p, sharding_groups(p)) for name, p in dedupe_named_tensors(named)
+        ]
+        self._selected = self._select(ctx)
+
+    def before_optimizer_step(self, ctx: RunContext) -> None:
+        """On logging steps: norms of the parameters and of the complete gradients."""
+        if not self.should_log(ctx) or not self._tracked:
+            return
+        self._report_pending(block=True)
+        tracked = self._tracked
+        n = len(tracked)
+        grads = [t.param.grad for t in tracked]
+        if all(g is None for g in grads):
+            self.warn_once("no-grads", "no parameter has a gradient at a logging step")
+        sq = local_sq_norms([t.param for t in tracked] + grads)
+        groups = [t.groups for t in tracked] + [
+            t.groups if g is None else sharding_groups(g)
+            for t, g in zip(tracked, grads, strict=True)
+        ]
+        sq = reduce_sq_norms(sq, groups)
+        param_sq, grad_sq = sq[:n], sq[n:]
+        bad = ~torch.isfinite(grad_sq)
+        totals = torch.stack([param_sq.sum(), grad_sq.sum(), bad.sum().to(sq.dtype)])
+        if group_size(ctx.groups.pp) > 1:
+            totals = all_reduce_coalesced([totals], "sum", ctx.groups.pp)[0]
+        values: dict[str, Any] = {
+            "l2_norm/param/global": totals[0].sqrt(),
+            "l2_norm/grad/global": totals[1].sqrt(),
+            "l2_norm/grad/nonfinite_count": totals[2],
+        }
+        norms = sq.sqrt()
+        for i in self._selected:
+            name = tracked[i].name
+            if "grad" in self.per_param_kinds and grads[i] is not None:
+                values[f"l2_norm/grad/{name}"] = norms[n + i]
+            if "param" in self.per_param_kinds:
+                values[f"l2_norm/param/{name}"] = norms[i]
+        self.write(ctx, values)
+        self._pending = _to_host(ctx.step, bad)
+        self._report_pending(block=False)
+
+    def step_end(self, ctx: RunContext) -> None:
+        """Name the non-finite gradients of the last logging step once their flags arrived."""
+        self._report_pending(block=False)
+
+    def run_end(self, ctx: RunContext) -> None:
+        self._report_pending(block=True)
+
+    def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
+        self._report_pending(block=True)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "first_nonfinite_step": self.first_nonfinite_step,
+            "first_nonfinite_names": list(self.first_nonfinite_names),
+            "nonfinite_logging_steps": self.nonfinite_logging_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.first_nonfinite_step = state_dict.get("first_nonfinite_step")
+        self.first_nonfinite_names = list(state_dict.get("first_nonfinite_names", []))
+        self.nonfinite_logging_steps = int(state_dict.get("nonfinite_logging_steps", 0))
+
+    # ------------------------------------------------------------------ internals
+
+    def _select(self, ctx: RunContext) -> list[int]:
+        if not self.per_param:
+            return []
+        names = [t.name for t in self._tracked]
+        selected: set[int] = set()
+        unmatched = []
+        for glob in self.per_param:
+            hits = [i for i, name in enumerate(names) if fnmatch.fnmatchcase(name, glob)]
+            if not hits:
+                unmatched.append(glob)
+            selected.update(hits)
+        if unmatched:
+            message = (
+                f"per_param globs {unmatched} match no trainable parameter; "
+                f"names look like {names[:5]}"
+            )
+            if group_size(ctx.groups.pp) > 1:
+                # Another pipeline stage may hold them; raising on one stage would hang the others.
+                self.warn_once("unmatched", message)
+            else:
+                raise ValueError(f"NormMonitor: {message}")
+        return sorted(selected)
+
+    def _report_pending(self, *, block: bool) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        if pending.event is not None:
+            if not block and not pending.event.query():
+                return
+            pending.event.synchronize()
+        self._pending = None
+        bad = [self._tracked[i].name for i in pending.flags.nonzero().flatten().tolist()]
+        if not bad:
+            return
+        self.nonfinite_logging_steps += 1
+        if self.first_nonfinite_step is None:
+            self.first_nonfinite_step = pending.step
+            self.first_nonfinite_names = bad[: self.max_nonfinite_names]
+        if self._is_reporting_rank():
+            shown = ", ".join(bad[: self.max_nonfinite_names])
+            extra = len(bad) - self.max_nonfinite_names
+            more = f" and {extra} more" if extra > 0 else ""
+            warnings.warn(
+                f"NormMonitor: {len(bad)} gradient(s) hold NaN/Inf at step {pending.step}: "
+                f"{shown}{more} (parameter order)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _is_reporting_rank(self) -> bool:
+        ctx = self._ctx
+        if ctx is None:
+            return True
+        g = ctx.groups
+        return all(group_rank(x) == 0 for x in (g.dp, g.tp, g.cp, g.ep))
+
+
+def _globs(per_param: str | Sequence[str] | None) -> tuple[str, ...]:
+    if per_param is None:
+        return ()
+    if isinstance(per_param, str):
+        per_param = (per_param,)
+    if not isinstance(per_param, Sequence) or not all(isinstance(g, str) and g for g in per_param):
+        raise TypeError(
+            f"per_param must be None, a glob or a list of non-empty globs, got {per_param!r}"
+        )
+    return tuple(per_param)
+
+
+def _to_host(step: int, flags: torch.Tensor) -> _PendingFlags:
+    """Start copying the flags to the host without waiting (CUDA: pinned memory + event)."""
+    if flags.device.type == "cuda":
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _PendingFlags(step, host, event)
+    return _PendingFlags(step, flags.cpu(), None)
