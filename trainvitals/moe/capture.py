@@ -1,0 +1,585 @@
+"""Router capture: find the routers of a MoE model without changing it, and count on the device
+how many tokens each expert of each layer received over every micro-batch of a step.
+
+:class:`RouterCapture` walks ``model.named_modules()`` once, recognises routers, and registers
+forward hooks on them. Each hook adds the router's token-to-expert assignment counts of one
+forward into row ``i`` of one ``[L, E]`` accumulator that lives on the router's device: no
+``.item()``, no host copy, no collective. So under gradient accumulation every micro-batch of
+the step is counted (NeMo Automodel's gates keep only the last micro-batch's load, a bug), and
+the owner (``LoadBalanceMonitor``) reads the whole step at once and resets it.
+
+Recognised routers (first match wins, user extractors first):
+
+==========================  =======================================================================
+router                      how its counts are read
+==========================  =======================================================================
+user extractor              ``register_router_extractor(predicate_or_type, fn)``; ``fn(module,
+                            inputs, output)`` returns the ``[E]`` tokens per expert of one forward,
+                            or a pair ``(tokens_per_expert, aux_loss)``
+``trainvitals.moe.          output ``(probs [T, E], routing_map [T, E] bool)``: ``routing_map.sum(0)``;
+TopKRouter``                ``module.last_aux_loss`` (when not ``None``) as the layer's aux loss
+Hugging Face transformers   ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,
+routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter`` (and
+                            any ``transformers`` module whose class name ends in ``TopKRouter`` /
+                            ``TopkRouter`` with ``num_experts`` and ``top_k``): output
+                            ``(router_logits [N, E], scores [N, k], indices [N, k])``; the counts
+                            are a scatter-add of the router's own ``indices``
+torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (torchtitan 0.3) or
+                            ``tokens_per_expert`` (older): torchtitan adds each training forward's
+                            counts to it and its optimizer step PRE-hook ``_update_expert_bias``
+                            zeroes it; the capture reads the buffer's increase over each forward
+                            (a pre-hook snapshot, a post-hook difference), so the counts are taken
+                            before that zeroing and are right whether or not torchtitan's hook is
+                            registered
+==========================  =======================================================================
+
+What is counted: forwards with the module in training mode and autograd enabled. Evaluation
+(``model.eval()``, ``torch.no_grad()``, ``torch.inference_mode()``) is not counted, nor is the
+re-run of a forward during the backward pass by activation checkpointing (detected with
+``torch._C._current_graph_task_id()``, which is ``-1`` outside the autograd engine), so a
+checkpointed layer is not counted twice (torchtitan's own buffer is; it halves it for full AC).
+
+Layer numbers come from the module name: the first integer component, so
+``model.layers.10.mlp.gate`` is layer 10 and ``module.decoder.layers.3.mlp.router`` layer 3.
+Routers are ordered numerically by all the integers of their name (``layers.2`` before
+``layers.10``), never as strings. A router whose name contains no integer uses its own
+``layer_number`` attribute when it has one (``TopKRouter``), else its position in discovery
+order; such routers sort after the numbered ones. Two routers with the same number (e.g. an
+encoder and a decoder stack) get labels made of all their integers (``3_1``), and a remaining
+clash gets ``_<position>`` appended, so labels are unique.
+
+Why a scatter-add and not ``torch.bincount``: on CUDA ``bincount`` reads the maximum index back
+to the host to size its output, a device synchronisation on every forward. Indices outside
+``[0, E)`` (some dispatchers use ``E`` or ``-1`` for "no expert") go to an extra overflow column
+that is never reported, so a sentinel cannot corrupt the counts or raise a device assert.
+
+Example::
+
+    capture = RouterCapture(model)           # finds the routers, registers hooks
+    for micro_batch in step_batches:
+        model(micro_batch).loss.backward()
+    loads = capture.loads()                  # [L, E] float64 on the device, summed over the step
+    capture.reset()
+    capture.remove()                         # remove the hooks
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainvitals.distributed import local_tensor
+
+__all__ = [
+    "HF_ROUTER_CLASSES",
+    "RouterCapture",
+    "RouterInfo",
+    "clear_router_extractors",
+    "find_routers",
+    "layer_number_from_name",
+    "register_router_extractor",
+]
+
+# Router classes of transformers 5.x verified against the installed source (modeling_*.py):
+# each forward returns (router_logits, top-k scores, top-k indices).
+HF_ROUTER_CLASSES: frozenset[str] = frozenset(
+    {
+        "MixtralTopKRouter",
+        "Qwen2MoeTopKRouter",
+        "Qwen3MoeTopKRouter",
+        "OlmoeTopKRouter",
+        "DeepseekV3TopkRouter",
+        "GptOssTopKRouter",
+    }
+)
+_HF_GENERIC = re.compile(r"Top[kK]Router$")
+_TORCHTITAN_BUFFERS = ("tokens_per_expert_E", "tokens_per_expert")
+_INT = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+
+Extractor = Callable[[nn.Module, Any, Any], Any]
+Predicate = Callable[[nn.Module], bool]
+
+
+@dataclass
+class _ExtractorEntry:
+    predicate: Predicate
+    fn: Extractor
+    num_experts: int | Callable[[nn.Module], int] | None
+    description: str
+
+
+_REGISTRY: list[_ExtractorEntry] = []
+
+
+def _strict() -> bool:
+    return os.environ.get("TRAINVITALS_STRICT", "0") not in ("", "0", "false", "False")
+
+
+def _as_predicate(predicate_or_type: Any, argname: str) -> tuple[Predicate, str]:
+    if isinstance(predicate_or_type, type):
+        if not issubclass(predicate_or_type, nn.Module):
+            raise TypeError(
+                f"{argname} must be an nn.Module subclass or a predicate, got {predicate_or_type!r}"
+            )
+        cls = predicate_or_type
+        return (lambda m: isinstance(m, cls)), cls.__name__
+    if (
+        isinstance(predicate_or_type, tuple)
+        and predicate_or_type
+        and all(isinstance(t, type) and issubclass(t, nn.Module) for t in predicate_or_type)
+    ):
+        classes = predicate_or_type
+        return (lambda m: isinstance(m, classes)), "/".join(t.__name__ for t in classes)
+    if callable(predicate_or_type):
+        return predicate_or_type, getattr(predicate_or_type, "__name__", "predicate")
+    raise TypeError(
+        f"{argname} must be an nn.Module subclass, a tuple of them, or a callable(module) -> bool, "
+        f"got {type(predicate_or_type).__name__}"
+    )
+
+
+def _make_entry(
+    predicate_or_type: Any, fn: Any, num_experts: Any, argname: str = "predicate_or_type"
+) -> _ExtractorEntry:
+    predicate, description = _as_predicate(predicate_or_type, argname)
+    if not callable(fn):
+        raise TypeError(
+            f"fn must be callable(module, inputs, output) -> tokens_per_expert, got {fn!r}"
+        )
+    if (
+        num_experts is not None
+        and not callable(num_experts)
+        and (isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0)
+    ):
+        raise ValueError(
+            f"num_experts must be a positive int, a callable(module) -> int or None, got {num_experts!r}"
+        )
+    return _ExtractorEntry(predicate, fn, num_experts, description)
+
+
+def register_router_extractor(
+    predicate_or_type: Any,
+    fn: Extractor,
+    *,
+    num_experts: int | Callable[[nn.Module], int] | None = None,
+) -> None:
+    """Teach router capture (every :class:`RouterCapture` made afterwards) a new kind of router.
+
+    Args:
+        predicate_or_type: an ``nn.Module`` subclass (or tuple of them), or a callable
+            ``module -> bool`` that says whether a module is such a router.
+        fn: ``fn(module, inputs, output)``, called after each counted forward of the router,
+            returns the ``[E]`` tensor of tokens per expert of that forward (on the device, do
+            not call ``.item()``), or a pair ``(tokens_per_expert, aux_loss)`` with the layer's
+            auxiliary loss of that forward (a 0-d tensor, before its coefficient) or ``None``.
+        num_experts: the number of experts ``E`` (an int, or a callable on the module); default
+            the module's ``num_experts`` attribute. It must be known when the routers are found.
+
+    Example::
+
+        register_router_extractor(MyGate, lambda m, inp, out: out.expert_counts)
+    """
+    _REGISTRY.append(_make_entry(predicate_or_type, fn, num_experts))
+
+
+def clear_router_extractors() -> None:
+    """Forget every extractor registered with :func:`register_router_extractor`."""
+    _REGISTRY.clear()
+
+
+def layer_number_from_name(name: str) -> int | None:
+    """The first integer component of a dotted module name (``model.layers.10.mlp.gate`` ->
+    ``10``), or ``None`` when there is none."""
+    match = _INT.search(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class RouterInfo:
+    """One router found in the model.
+
+    Attributes:
+        name: the module's qualified name in the model.
+        module: the router module.
+        kind: ``"custom"``, ``"topk_router"``, ``"hf"`` or ``"torchtitan"``.
+        num_experts: its number of experts ``E``.
+        layer: the layer number used in keys (see the module docstring), or ``None`` before
+            labels are assigned.
+        label: the unique layer label used in keys (``str(layer)`` unless two routers clash).
+        has_aux_loss: whether the router reports an auxiliary loss.
+    """
+
+    name: str
+    module: nn.Module
+    kind: str
+    num_experts: int
+    layer: int | None = None
+    label: str = ""
+    has_aux_loss: bool = False
+    extractor: Extractor | None = field(default=None, repr=False)
+    sort_key: tuple = field(default=(), repr=False)
+
+
+def _is_trainvitals_topk_router(module: nn.Module) -> bool:
+    cls = type(module)
+    if cls.__name__ != "TopKRouter" or not cls.__module__.startswith("trainvitals"):
+        return False
+    return hasattr(module, "num_experts")
+
+
+def _is_hf_router(module: nn.Module) -> bool:
+    cls = type(module)
+    if not cls.__module__.startswith("transformers."):
+        return False
+    if cls.__name__ in HF_ROUTER_CLASSES:
+        return True
+    return (
+        bool(_HF_GENERIC.search(cls.__name__))
+        and hasattr(module, "num_experts")
+        and hasattr(module, "top_k")
+    )
+
+
+def _torchtitan_buffer(module: nn.Module) -> str | None:
+    for name in _TORCHTITAN_BUFFERS:
+        buf = module._buffers.get(name) if hasattr(module, "_buffers") else None
+        if isinstance(buf, torch.Tensor) and buf.ndim == 1 and buf.numel() > 0:
+            return name
+    return None
+
+
+def _int_attr(module: nn.Module, attr: str) -> int | None:
+    value = getattr(module, attr, None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def find_routers(model: nn.Module, extractors: Iterable[Any] | None = None) -> list[RouterInfo]:
+    """The routers of ``model``, ordered numerically by layer, with unique layer labels.
+
+    ``extractors`` are extra ``(predicate_or_type, fn)`` or ``(predicate_or_type, fn,
+    num_experts)`` entries tried before the registered and built-in ones. A router nested
+    inside another router is not counted again. Raises ``ValueError`` when a router's number of
+    experts cannot be determined.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    local = [_entry_from_user(e) for e in (extractors or ())]
+    entries = [*local, *reversed(_REGISTRY)]
+    found: list[RouterInfo] = []
+    claimed: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in claimed):
+            continue
+        info = _classify(name, module, entries)
+        if info is not None:
+            found.append(info)
+            claimed.append(name)
+    _assign_labels(found)
+    return found
+
+
+def _entry_from_user(entry: Any) -> _ExtractorEntry:
+    if isinstance(entry, _ExtractorEntry):
+        return entry
+    if isinstance(entry, dict):
+        return _make_entry(
+            entry.get("predicate"), entry.get("fn"), entry.get("num_experts"), "extractors"
+        )
+    if isinstance(entry, Sequence) and len(entry) in (2, 3):
+        return _make_entry(entry[0], entry[1], entry[2] if len(entry) == 3 else None, "extractors")
+    raise TypeError(
+        "extractors must be a sequence of (predicate_or_type, fn) or (predicate_or_type, fn, "
+        f"num_experts) tuples, got an element {entry!r}"
+    )
+
+
+def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> RouterInfo | None:
+    for entry in entries:
+        if entry.predicate(module):
+            num = entry.num_experts
+            if callable(num):
+                num = num(module)
+            if num is None:
+                num = _int_attr(module, "num_experts")
+            if not isinstance(num, int) or isinstance(num, bool) or num <= 0:
+                raise ValueError(
+                    f"router {name!r} ({type(module).__name__}) matched the extractor "
+                    f"{entry.description!r} but its number of experts is unknown: pass "
+                    "num_experts= when registering the extractor or give the module a "
+                    "num_experts attribute"
+                )
+            return RouterInfo(name, module, "custom", num, extractor=entry.fn, has_aux_loss=True)
+    if _is_trainvitals_topk_router(module):
+        num = _int_attr(module, "num_experts")
+        if num is not None:
+            return RouterInfo(name, module, "topk_router", num, has_aux_loss=True)
+    if _is_hf_router(module):
+        num = _int_attr(module, "num_experts")
+        if num is not None:
+            return RouterInfo(name, module, "hf", num)
+    buffer = _torchtitan_buffer(module)
+    if buffer is not None:
+        return RouterInfo(name, module, "torchtitan", int(module._buffers[buffer].numel()))
+    return None
+
+
+def _assign_labels(routers: list[RouterInfo]) -> None:
+    for pos, r in enumerate(routers):
+        ints = tuple(int(m) for m in _INT.findall(r.name))
+        if ints:
+            r.layer = ints[0]
+            r.sort_key = (0, ints, pos)
+        else:
+            own = getattr(r.module, "layer_number", None)
+            r.layer = own if isinstance(own, int) and not isinstance(own, bool) else pos
+            r.sort_key = (1, (r.layer,), pos)
+        r.label = str(r.layer)
+    routers.sort(key=lambda r: r.sort_key)
+    _dedupe(routers, lambda r: "_".join(str(i) for i in r.sort_key[1]))
+    _dedupe(routers, lambda r: f"{r.label}_{routers.index(r)}")
+
+
+def _dedupe(routers: list[RouterInfo], relabel: Callable[[RouterInfo], str]) -> None:
+    counts: dict[str, int] = {}
+    for r in routers:
+        counts[r.label] = counts.get(r.label, 0) + 1
+    for r in routers:
+        if counts[r.label] > 1:
+            r.label = relabel(r)
+
+
+class RouterCapture:
+    """Hooks on the routers of ``model`` that count tokens per expert per layer on the device.
+
+    Args:
+        model: the model (any ``nn.Module``; wrappers such as DDP, Lightning modules and
+            ``torch.compile``'s ``_orig_mod`` are fine: names keep their layer numbers).
+        extractors: extra ``(predicate_or_type, fn[, num_experts])`` entries, see
+            :func:`register_router_extractor`.
+        attach: register the hooks now (default) or later with :meth:`attach`.
+
+    Raises ``ValueError`` when the routers do not all have the same number of experts.
+    """
+
+    def __init__(
+        self, model: nn.Module, *, extractors: Iterable[Any] | None = None, attach: bool = True
+    ) -> None:
+        self.routers = find_routers(model, extractors)
+        sizes = {r.num_experts for r in self.routers}
+        if len(sizes) > 1:
+            detail = ", ".join(f"{r.name}: {r.num_experts}" for r in self.routers)
+            raise ValueError(f"routers must all have the same number of experts, found {detail}")
+        self.num_experts = sizes.pop() if sizes else 0
+        self.enabled = True
+        self._handles: list[Any] = []
+        self._acc: torch.Tensor | None = None  # [L, E + 1], last column = out-of-range indices
+        self._aux_sum: torch.Tensor | None = None  # [L]
+        self._aux_count = [0] * len(self.routers)  # host ints: no sync to count forwards
+        self._ones: dict[torch.device, torch.Tensor] = {}
+        self._snapshots: dict[int, torch.Tensor] = {}
+        self._broken: set[int] = set()
+        if attach:
+            self.attach()
+
+    # ------------------------------------------------------------------ what was found
+
+    @property
+    def layer_labels(self) -> list[str]:
+        return [r.label for r in self.routers]
+
+    @property
+    def has_aux_loss(self) -> bool:
+        return any(r.has_aux_loss for r in self.routers)
+
+    def __len__(self) -> int:
+        return len(self.routers)
+
+    # ------------------------------------------------------------------ hooks
+
+    def attach(self) -> None:
+        """Register the forward hooks (idempotent)."""
+        if self._handles:
+            return
+        for i, r in enumerate(self.routers):
+            if r.kind == "torchtitan":
+                self._handles.append(r.module.register_forward_pre_hook(self._make_pre_hook(i)))
+            self._handles.append(r.module.register_forward_hook(self._make_hook(i)))
+
+    def remove(self) -> None:
+        """Remove every hook; the accumulated counts stay readable."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._snapshots.clear()
+
+    def _counting(self, module: nn.Module) -> bool:
+        return (
+            self.enabled
+            and module.training
+            and torch.is_grad_enabled()
+            and torch._C._current_graph_task_id() == -1  # not an activation-checkpoint re-run
+        )
+
+    def _make_pre_hook(self, i: int) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, inputs: Any) -> None:
+            if i in self._broken or not self._counting(module):
+                return
+            buffer = _torchtitan_buffer(module)
+            if buffer is not None:
+                self._snapshots[i] = module._buffers[buffer].detach().clone()
+
+        return pre_hook
+
+    def _make_hook(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if i in self._broken or not self._counting(module):
+                return
+            try:
+                self._count(i, module, inputs, output)
+            except Exception as exc:
+                if _strict():
+                    raise
+                self._broken.add(i)
+                warnings.warn(
+                    f"trainvitals router capture: counting {self.routers[i].name!r} raised "
+                    f"{type(exc).__name__}: {exc}; this router is no longer counted",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+        return hook
+
+    # ------------------------------------------------------------------ counting
+
+    def _count(self, i: int, module: nn.Module, inputs: Any, output: Any) -> None:
+        r = self.routers[i]
+        if r.kind == "hf":
+            indices = output[-1] if isinstance(output, tuple | list) and len(output) >= 3 else None
+            if not isinstance(indices, torch.Tensor) or indices.is_floating_point():
+                self._unsupported(
+                    i, "expected (router_logits, scores, indices) with integer indices"
+                )
+                return
+            self._add_indices(i, local_tensor(indices))
+        elif r.kind == "topk_router":
+            routing_map = (
+                output[1] if isinstance(output, tuple | list) and len(output) >= 2 else None
+            )
+            if not isinstance(routing_map, torch.Tensor) or routing_map.shape[-1] != r.num_experts:
+                self._unsupported(i, "expected (probs, routing_map [T, E])")
+                return
+            routing_map = local_tensor(routing_map)
+            self._add_counts(i, routing_map.reshape(-1, r.num_experts).sum(dim=0))
+            self._add_aux(i, getattr(module, "last_aux_loss", None))
+        elif r.kind == "torchtitan":
+            before = self._snapshots.pop(i, None)
+            buffer = _torchtitan_buffer(module)
+            if before is None or buffer is None:
+                return
+            self._add_counts(
+                i, local_tensor(module._buffers[buffer].detach()) - local_tensor(before)
+            )
+        else:
+            result = r.extractor(module, inputs, output)  # type: ignore[misc]
+            aux = None
+            if isinstance(result, tuple | list):
+                result, aux = result[0], (result[1] if len(result) > 1 else None)
+            if result is None:
+                return
+            if not isinstance(result, torch.Tensor) or result.numel() != r.num_experts:
+                self._unsupported(
+                    i, f"the extractor must return a tensor of {r.num_experts} counts"
+                )
+                return
+            self._add_counts(i, local_tensor(result).detach().reshape(-1))
+            self._add_aux(i, aux)
+
+    def _unsupported(self, i: int, why: str) -> None:
+        self._broken.add(i)
+        warnings.warn(
+            f"trainvitals router capture: {self.routers[i].name!r} "
+            f"({type(self.routers[i].module).__name__}) returned an unexpected output ({why}); "
+            "it is no longer counted. Register an extractor for it with "
+            "register_router_extractor().",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _accumulator(self, device: torch.device) -> torch.Tensor:
+        if self._acc is None:
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            self._acc = torch.zeros(
+                len(self.routers), self.num_experts + 1, dtype=dtype, device=device
+            )
+            self._aux_sum = torch.zeros(len(self.routers), dtype=dtype, device=device)
+        return self._acc
+
+    def _add_indices(self, i: int, indices: torch.Tensor) -> None:
+        acc = self._accumulator(indices.device)
+        e = self.num_experts
+        idx = indices.detach().reshape(-1).to(device=acc.device, dtype=torch.long)
+        # Out-of-range indices (sentinels) go to the overflow column e.
+        idx = idx.clamp(-1, e).remainder(e + 1)
+        acc[i].index_add_(0, idx, self._ones_for(acc, idx.numel()))
+
+    def _ones_for(self, acc: torch.Tensor, n: int) -> torch.Tensor:
+        ones = self._ones.get(acc.device)
+        if ones is None or ones.numel() < n or ones.dtype != acc.dtype:
+            ones = torch.ones(max(n, 1024), dtype=acc.dtype, device=acc.device)
+            self._ones[acc.device] = ones
+        return ones[:n]
+
+    def _add_counts(self, i: int, counts: torch.Tensor) -> None:
+        acc = self._accumulator(counts.device)
+        acc[i, : self.num_experts].add_(counts.to(device=acc.device, dtype=acc.dtype))
+
+    def _add_aux(self, i: int, aux: Any) -> None:
+        if aux is None:
+            return
+        if not isinstance(aux, torch.Tensor):
+            aux = torch.tensor(float(aux))
+        self._accumulator(aux.device)
+        assert self._aux_sum is not None
+        self._aux_sum[i].add_(
+            local_tensor(aux).detach().reshape(()).to(self._aux_sum.device, self._aux_sum.dtype)
+        )
+        self._aux_count[i] += 1
+
+    # ------------------------------------------------------------------ reading
+
+    def loads(self, device: torch.device | None = None) -> torch.Tensor:
+        """Tokens per expert per layer since the last :meth:`reset`: a new ``[L, E]`` float64
+        tensor (rows in :attr:`routers` order) on the accumulator's device (or ``device`` when
+        nothing was counted yet)."""
+        if self._acc is None:
+            return torch.zeros(
+                len(self.routers), self.num_experts, dtype=torch.float64, device=device
+            )
+        return self._acc[:, : self.num_experts].to(torch.float64, copy=True)
+
+    def aux_losses(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum, count)`` of the auxiliary losses recorded per layer since the last reset, two
+        ``[L]`` float64 tensors (their ratio is the mean over micro-batches; count 0 = unknown)."""
+        dev = self._acc.device if self._acc is not None else device
+        count = torch.tensor(self._aux_count, dtype=torch.float64, device=dev)
+        if self._aux_sum is None:
+            return torch.zeros(len(self.routers), dtype=torch.float64, device=dev), count
+        return self._aux_sum.to(torch.float64, copy=True), count
+
+    def reset(self) -> None:
+        """Zero the counts on the device (no synchronisation)."""
+        if self._acc is not None:
+            self._acc.zero_()
+        if self._aux_sum is not None:
+            self._aux_sum.zero_()
+        self._aux_count = [0] * len(self.routers)
+        self._snapshots.clear()
