@@ -1,0 +1,54 @@
+"""``TinyMoELightningModule``: :class:`TinyMoELM` as a LightningModule (imports lightning)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:  # the unified package first, the standalone one otherwise
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover
+    import pytorch_lightning as pl
+
+from trainvitals.distributed import ProcessGroups
+from trainvitals.moe._aux_loss import set_aux_loss_backward_scale
+from trainvitals.moe.tiny_model import TinyMoELM
+
+
+class TinyMoELightningModule(pl.LightningModule):
+    """Trains :class:`TinyMoELM` on batches ``{"input_ids", "labels"}`` with AdamW.
+
+    At train start it gives the routers the strategy's data-parallel group and scales the
+    routers' injected aux-loss gradients by ``1 / accumulate_grad_batches`` (Lightning divides
+    the main loss by it); after every optimizer step it calls :meth:`TinyMoELM.moe_step_end`.
+
+    Example:
+        >>> module = TinyMoELightningModule(lr=1e-3, vocab_size=64, hidden_size=32,
+        ...                                 num_layers=2, num_experts=4, top_k=2)
+    """
+
+    def __init__(self, lr: float = 1e-3, **model_kwargs: Any) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model = TinyMoELM(**model_kwargs)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        return self.model(input_ids, labels)
+
+    def on_train_start(self) -> None:
+        self.model.set_process_groups(ProcessGroups.from_strategy(self.trainer.strategy))
+        set_aux_loss_backward_scale(1.0 / max(int(self.trainer.accumulate_grad_batches), 1))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(batch["input_ids"], batch["labels"]).loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(batch["input_ids"], batch["labels"]).loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self.model.moe_step_end()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)

@@ -1,0 +1,581 @@
+"""Per-layer MoE metrics: recorded in the router's forward, reduced and reported once per step.
+
+:class:`MoEMetricsTracker` has the API and the semantics of Megatron-LM's tracker
+(``megatron/core/transformer/moe/moe_logging.py``, read 2026-11, see
+``/work/shared/reference/nvidia-references.md``), with the reference's failure modes fixed:
+
+* **No hang on pipeline ranks without MoE layers, no flag.** Before reducing, the ranks exchange
+  (one ``all_gather_object`` over the world per report) the names, sizes and groups of their
+  metrics and reduce over the union: a rank that recorded nothing contributes zeros. Megatron
+  needs ``report(force_initialize=True)`` there and hangs without it (Megatron-LM #1444, #3400).
+* **A mismatched configuration is an error on every rank, not a hang.** The same metric with
+  different sizes (``num_layers``), different ``needs_dp_avg``, or a reduce/avg group whose
+  members disagree raises the same ``ValueError`` on every rank, before any tensor collective.
+* **One collective per group and reduction kind**, whatever the number of metrics and layers:
+  the pipeline SUM, each distinct ``reduce_group`` SUM, each distinct ``avg_group`` AVG and the
+  data-parallel AVG are each one coalesced collective (Megatron issues one per metric per stage).
+* **One host transfer per report**: every scalar of a report is computed on the device, stacked,
+  and read back with one ``.tolist()``; the writer and the console string get Python floats.
+  Percentiles are computed on the device (no boolean indexing, which would synchronise).
+* **``total_loss_dict`` does not grow**: each loss key receives this report's value, replacing
+  the previous one (Megatron-Bridge #2989: the dict accumulated without bound). A report is
+  already an average over the micro-batches (and, under :class:`MoEMetricsMonitor`, over the
+  optimizer steps) it covers, so summing reports is never needed to get a mean.
+
+Keys written (``name`` is the recorded metric name, e.g. ``load_balancing_loss``):
+
+==================================  ===========================================================
+key                                 meaning
+==================================  ===========================================================
+``moe/{name}``                      mean over the MoE layers of the per-layer value, times
+                                    ``loss_scale`` (Megatron writes the bare ``{name}``; the
+                                    ``moe/`` prefix follows the project's ``area/metric`` keys)
+``moe/{name}_p{int(q*100)}``        quantile ``q`` over the layers with a non-zero value
+``moe/{name}_layer_{i}``            the value of layer slot ``i`` (0-based, so the module
+                                    ``layers.{i}`` of the model), with ``per_layer_logging``;
+                                    only MoE layers when ``moe_layer_freq`` is given
+==================================  ===========================================================
+
+Units are those of the recorded metric (the router's losses are dimensionless, 1.0 at perfect
+balance for the load-balancing losses).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from trainvitals.distributed import (
+    ProcessGroups,
+    all_gather_objects,
+    all_reduce_coalesced,
+    group_size,
+    is_distributed,
+    world_group,
+)
+from trainvitals.moe._math import quantiles_of_positive
+
+__all__ = [
+    "MetricEntry",
+    "MoEMetricsTracker",
+    "destroy_moe_metrics_tracker",
+    "get_moe_metrics_tracker",
+    "set_moe_metrics_tracker",
+]
+
+
+@dataclass
+class MetricEntry:
+    """One metric: a per-layer vector and how to reduce it across ranks."""
+
+    values: torch.Tensor
+    reduce_group: Any = None
+    avg_group: Any = None
+    needs_dp_avg: bool = True
+
+
+def _group_ranks(group: Any) -> tuple[int, ...] | None:
+    """Global ranks of ``group`` (``None`` for a trivial group: nothing to reduce over)."""
+    if group is None or group_size(group) <= 1:
+        return None
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class MoEMetricsTracker:
+    """Tracker for per-layer MoE metrics (router losses, dropped-token fractions, ...).
+
+    Lifecycle: :meth:`record` per layer in the forward pass -> :meth:`report` at the end of the
+    step (agree, reduce, aggregate, write, clear) -> repeat. :meth:`report` is collective over
+    the world when ``torch.distributed`` is initialised: every rank must call it, including
+    pipeline ranks without MoE layers (they need no flag).
+
+    Example:
+        >>> import torch
+        >>> tracker = MoEMetricsTracker()
+        >>> for layer in (1, 2):
+        ...     tracker.record("load_balancing_loss", torch.tensor(1.5), layer, num_layers=2)
+        >>> tracker.report(loss_scale=1.0, iteration=0, total_loss_dict=(d := {}))
+        ''
+        >>> d
+        {'load_balancing_loss': 1.5}
+    """
+
+    def __init__(self) -> None:
+        self._metrics: dict[str, MetricEntry] = {}
+
+    # ------------------------------------------------------------------ recording
+
+    @property
+    def metrics(self) -> Mapping[str, MetricEntry]:
+        """Read-only view of the metric entries, by name."""
+        return MappingProxyType(self._metrics)
+
+    def record(
+        self,
+        name: str,
+        value: torch.Tensor | float,
+        layer_number: int | None,
+        num_layers: int,
+        reduce_group: Any = None,
+        avg_group: Any = None,
+        needs_dp_avg: bool = True,
+    ) -> None:
+        """Add ``value`` (detached) to slot ``layer_number - 1`` of metric ``name``.
+
+        Args:
+            name: metric name, e.g. ``"load_balancing_loss"``.
+            value: a scalar tensor (stays on its device: no synchronisation) or a number.
+            layer_number: 1-based layer number; ``None`` skips the record (as Megatron).
+            num_layers: length of the per-layer vector (all layers, MTP layers included).
+            reduce_group: process group to SUM over (e.g. ranks that split the tokens).
+            avg_group: process group to AVG over.
+            needs_dp_avg: AVG over the data-parallel group after the other reductions.
+
+        The group settings of the last call win (as Megatron).
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if layer_number is None:
+            return
+        if not _is_int(num_layers) or num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        if not _is_int(layer_number) or not 1 <= layer_number <= num_layers:
+            raise ValueError(
+                f"layer_number must be an int in [1, num_layers={num_layers}], got {layer_number!r}"
+            )
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"value must be a scalar tensor, got shape {tuple(value.shape)}")
+            value = value.detach().reshape(())
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            value = torch.tensor(float(value))
+        else:
+            raise TypeError(f"value must be a tensor or a number, got {type(value).__name__}")
+        entry = self._metrics.get(name)
+        if entry is None:
+            entry = MetricEntry(torch.zeros(num_layers, dtype=torch.float32, device=value.device))
+            self._metrics[name] = entry
+        elif entry.values.numel() != num_layers:
+            raise ValueError(
+                f"metric {name!r} was recorded with num_layers={entry.values.numel()}, "
+                f"now with num_layers={num_layers}"
+            )
+        if entry.values.device != value.device:
+            entry.values = entry.values.to(value.device)
+        entry.values[layer_number - 1] += value.to(entry.values.dtype)
+        entry.reduce_group = reduce_group
+        entry.avg_group = avg_group
+        entry.needs_dp_avg = bool(needs_dp_avg)
+
+    def ensure_initialized(
+        self, name: str, num_layers: int, device: str | torch.device | int | None = None
+    ) -> None:
+        """Create metric ``name`` with ``num_layers`` zeros if it does not exist yet.
+
+        Not needed for pipeline ranks without MoE layers (:meth:`report` agrees on the names
+        across ranks); kept for API compatibility and to pre-allocate on a chosen device
+        (default: the device of an existing metric, else the current CUDA device, else CPU).
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if not _is_int(num_layers) or num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        entry = self._metrics.get(name)
+        if entry is not None:
+            if entry.values.numel() != num_layers:
+                raise ValueError(
+                    f"metric {name!r} exists with num_layers={entry.values.numel()}, "
+                    f"not {num_layers}"
+                )
+            return
+        if device is None:
+            device = self._default_device()
+        elif _is_int(device):
+            device = torch.device("cuda", device)
+        self._metrics[name] = MetricEntry(torch.zeros(num_layers, device=device))
+
+    def _default_device(self) -> torch.device:
+        for entry in self._metrics.values():
+            return entry.values.device
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def clear(self) -> None:
+        """Zero every metric's values (the entries are kept for reuse)."""
+        for entry in self._metrics.values():
+            entry.values.zero_()
+
+    # ------------------------------------------------------------------ snapshots (private)
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """Device copies of the values (no synchronisation)."""
+        return {name: e.values.clone() for name, e in self._metrics.items()}
+
+    def _restore(self, snapshot: Mapping[str, torch.Tensor]) -> None:
+        """Put the values of :meth:`_snapshot` back; metrics created since are zeroed."""
+        for name, entry in self._metrics.items():
+            if name in snapshot:
+                entry.values = snapshot[name].to(entry.values.device).clone()
+            else:
+                entry.values.zero_()
+
+    # ------------------------------------------------------------------ reporting
+
+    def report(
+        self,
+        loss_scale: float,
+        iteration: int,
+        writer: Any = None,
+        per_layer_logging: bool = False,
+        track_names: str | Sequence[str] | None = None,
+        num_layers: int | None = None,
+        moe_layer_freq: int | Sequence[int] | None = None,
+        mtp_num_layers: int | None = None,
+        total_loss_dict: dict[str, Any] | None = None,
+        percentiles: Mapping[str, Sequence[float]] | None = None,
+        groups: ProcessGroups | None = None,
+    ) -> str:
+        """Reduce across ranks, aggregate, write, and clear. Returns the console string.
+
+        Args:
+            loss_scale: multiplies every value, usually ``1 / micro-batches`` covered.
+            iteration: the step the values are written at.
+            writer: an object with ``add_scalars(mapping, step)`` (trainvitals'
+                ``FanoutWriter``) or ``add_scalar(tag, value, step)`` (a TensorBoard
+                ``SummaryWriter``); ``None`` writes nothing.
+            per_layer_logging: also write ``moe/{name}_layer_{i}``.
+            track_names: the metric name(s) to report; ``None`` reports every metric any rank
+                recorded. Every rank must pass the same.
+            num_layers: transformer layers (without MTP); default: the metric's length minus
+                ``mtp_num_layers``.
+            moe_layer_freq: which layers are MoE: an int ``f`` (layers ``i % f == 0``) or a 0/1
+                list of length ``num_layers``; default: every layer.
+            mtp_num_layers: Multi-Token-Prediction layers, counted as MoE layers after the
+                ``num_layers`` transformer layers.
+            total_loss_dict: keys ending in ``loss`` get this report's value (a float),
+                replacing any previous value; they are left out of the console string.
+            percentiles: per metric, quantiles in ``[0, 1]`` over the non-zero layers, e.g.
+                ``{"load_balancing_loss": [0.5, 0.95]}`` -> ``load_balancing_loss_p50``, ``_p95``.
+            groups: the run's :class:`~trainvitals.distributed.ProcessGroups`; ``pp`` is
+                summed over, ``dp`` averaged over (for ``needs_dp_avg`` metrics). ``None``:
+                no pipeline or data-parallel reduction.
+
+        The values of every metric (tracked or not) are zeroed afterwards.
+        """
+        # 1. Arguments: checked before any collective, so no rank is left waiting.
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float):
+            raise TypeError(f"loss_scale must be a number, got {loss_scale!r}")
+        if not math.isfinite(loss_scale):
+            raise ValueError(f"loss_scale must be finite, got {loss_scale!r}")
+        if not _is_int(iteration):
+            raise TypeError(f"iteration must be an int, got {iteration!r}")
+        names_filter = _resolve_names(track_names)
+        if num_layers is not None and (not _is_int(num_layers) or num_layers <= 0):
+            raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
+        if mtp_num_layers is not None and (not _is_int(mtp_num_layers) or mtp_num_layers < 0):
+            raise ValueError(f"mtp_num_layers must be an int >= 0 or None, got {mtp_num_layers!r}")
+        pattern_arg = _check_layer_freq(moe_layer_freq, num_layers)
+        pct = _check_percentiles(percentiles)
+        if groups is None:
+            groups = ProcessGroups()
+        elif not isinstance(groups, ProcessGroups):
+            raise TypeError(f"groups must be a ProcessGroups or None, got {type(groups).__name__}")
+        if total_loss_dict is not None and not isinstance(total_loss_dict, dict):
+            raise TypeError(f"total_loss_dict must be a dict or None, got {total_loss_dict!r}")
+
+        # 2. Agree on the metrics across ranks (one all_gather_object), then reduce.
+        names = [n for n in self._metrics if names_filter is None or n in names_filter]
+        schema = self._agree(names, names_filter, groups)
+        reduced = self._reduce(schema, groups)
+
+        # 3. Aggregate on the device; one host transfer for everything.
+        mtp = mtp_num_layers or 0
+        keys: list[str] = []
+        pieces: list[torch.Tensor] = []
+        loss_names: list[str] = []
+        for name, (size, _) in schema.items():
+            layers = num_layers if num_layers is not None else size - mtp
+            if layers <= 0 or layers + mtp != size:
+                raise ValueError(
+                    f"metric {name!r} has {size} layer slots but num_layers={num_layers} and "
+                    f"mtp_num_layers={mtp_num_layers} describe {max(layers, 0) + mtp}"
+                )
+            is_moe = _moe_layer_mask(layers, pattern_arg, mtp)
+            num_moe_layers = sum(is_moe)
+            if num_moe_layers <= 0:
+                raise ValueError(
+                    f"no MoE layers for num_layers={layers}, moe_layer_freq={moe_layer_freq}"
+                )
+            v = reduced[name] * float(loss_scale)
+            keys.append(name)
+            pieces.append((v.sum() / num_moe_layers).reshape(1))
+            if name.endswith("loss"):
+                loss_names.append(name)
+            if name in pct:
+                qs = pct[name]
+                keys.extend(f"{name}_p{int(q * 100)}" for q in qs)
+                pieces.append(quantiles_of_positive(v, qs))
+            if per_layer_logging:
+                idx = [i for i, m in enumerate(is_moe) if m]
+                keys.extend(f"{name}_layer_{i}" for i in idx)
+                pieces.append(v[idx])
+        host = torch.cat(pieces).tolist() if pieces else []
+        scalars = {k: x for k, x in zip(keys, host, strict=True) if not math.isnan(x)}
+
+        # 4. Write, hand losses to total_loss_dict, build the console string, clear.
+        if writer is not None and scalars:
+            _write(writer, {f"moe/{k}": x for k, x in scalars.items()}, iteration)
+        if total_loss_dict is not None:
+            for name in loss_names:
+                if name in scalars:
+                    total_loss_dict[name] = scalars[name]
+        self.clear()
+        return "".join(
+            f" {k}: {x:.2f} |"
+            for k, x in scalars.items()
+            if not k.endswith("loss") and "_layer_" not in k
+        )
+
+    # ------------------------------------------------------------------ agreement & reduction
+
+    def _agree(
+        self, names: list[str], names_filter: list[str] | None, groups: ProcessGroups
+    ) -> dict[str, tuple[int, bool]]:
+        """The metrics every rank reduces: ``{name: (size, needs_dp_avg)}``, sorted by name.
+
+        Single process: the local metrics. Distributed: one ``all_gather_object`` over the world
+        of each rank's description, and checks that raise the same ``ValueError`` on every rank
+        when ranks disagree (so no rank waits on a collective the others never issue).
+        """
+        local = {
+            name: (
+                self._metrics[name].values.numel(),
+                self._metrics[name].needs_dp_avg,
+                _group_ranks(self._metrics[name].reduce_group),
+                _group_ranks(self._metrics[name].avg_group),
+            )
+            for name in names
+        }
+        if not is_distributed() or group_size(world_group()) <= 1:
+            return {n: (local[n][0], local[n][1]) for n in sorted(local)}
+        mine = {
+            "metrics": local,
+            "pp": _group_ranks(groups.pp),
+            "dp": _group_ranks(groups.dp),
+            "track_names": names_filter,
+        }
+        gathered = all_gather_objects(mine, world_group())
+        _check_agreement(gathered)
+        schema: dict[str, tuple[int, bool]] = {}
+        for info in gathered:
+            for name, (size, needs_dp_avg, _, _) in info["metrics"].items():
+                schema.setdefault(name, (size, needs_dp_avg))
+        return dict(sorted(schema.items()))
+
+    def _reduce(
+        self, schema: Mapping[str, tuple[int, bool]], groups: ProcessGroups
+    ) -> dict[str, torch.Tensor]:
+        """PP SUM -> reduce_group SUM -> avg_group AVG -> DP AVG, one collective per group
+        and stage; returns float64 vectors (new tensors, the entries are not modified)."""
+        device = self._default_device()
+        values: dict[str, torch.Tensor] = {}
+        for name, (size, _) in schema.items():
+            entry = self._metrics.get(name)
+            values[name] = (
+                entry.values.to(device=device, dtype=torch.float64, copy=True)
+                if entry is not None
+                else torch.zeros(size, dtype=torch.float64, device=device)
+            )
+        names = list(values)
+
+        def reduce(subset: list[str], op: str, group: Any) -> None:
+            if subset and group is not None:
+                out = all_reduce_coalesced([values[n] for n in subset], op, group)  # type: ignore[arg-type]
+                for n, t in zip(subset, out, strict=True):
+                    values[n] = t.to(device)
+
+        reduce(names, "sum", groups.pp if _group_ranks(groups.pp) else None)
+        for attr, op in (("reduce_group", "sum"), ("avg_group", "avg")):
+            by_ranks: dict[tuple[int, ...], tuple[Any, list[str]]] = {}
+            for name in names:
+                entry = self._metrics.get(name)
+                group = getattr(entry, attr) if entry is not None else None
+                ranks = _group_ranks(group)
+                if ranks is not None:
+                    by_ranks.setdefault(ranks, (group, []))[1].append(name)
+            # A fixed order (by member ranks) that every rank shares, so collectives on
+            # overlapping groups are issued in the same sequence everywhere.
+            for ranks in sorted(by_ranks):
+                group, subset = by_ranks[ranks]
+                reduce(subset, op, group)
+        if _group_ranks(groups.dp):
+            reduce([n for n in names if schema[n][1]], "avg", groups.dp)
+        return values
+
+
+# ---------------------------------------------------------------------- argument helpers
+
+
+def _resolve_names(track_names: str | Sequence[str] | None) -> list[str] | None:
+    if track_names is None:
+        return None
+    if isinstance(track_names, str):
+        return [track_names]
+    if isinstance(track_names, Sequence) and all(isinstance(n, str) for n in track_names):
+        return list(track_names)
+    raise TypeError(f"track_names must be a str, a list of str or None, got {track_names!r}")
+
+
+def _check_layer_freq(
+    moe_layer_freq: int | Sequence[int] | None, num_layers: int | None
+) -> int | list[int] | None:
+    if moe_layer_freq is None:
+        return None
+    if _is_int(moe_layer_freq):
+        if moe_layer_freq <= 0:
+            raise ValueError(f"moe_layer_freq must be positive, got {moe_layer_freq}")
+        return moe_layer_freq
+    if isinstance(moe_layer_freq, Sequence) and all(
+        _is_int(x) and x in (0, 1) for x in moe_layer_freq
+    ):
+        pattern = list(moe_layer_freq)
+        if num_layers is not None and len(pattern) != num_layers:
+            raise ValueError(
+                f"moe_layer_freq list has {len(pattern)} entries, num_layers is {num_layers}"
+            )
+        return pattern
+    raise TypeError(
+        f"moe_layer_freq must be a positive int, a 0/1 list or None, got {moe_layer_freq!r}"
+    )
+
+
+def _moe_layer_mask(num_layers: int, freq: int | list[int] | None, mtp: int) -> list[bool]:
+    """Which layer slots are MoE layers (Megatron's ``_count_moe_layers`` as a mask)."""
+    if freq is None:
+        mask = [True] * num_layers
+    elif isinstance(freq, int):
+        mask = [i % freq == 0 for i in range(num_layers)]
+    else:
+        if len(freq) != num_layers:
+            raise ValueError(f"moe_layer_freq list has {len(freq)} entries, not {num_layers}")
+        mask = [bool(x) for x in freq]
+    return mask + [True] * mtp
+
+
+def _check_percentiles(percentiles: Mapping[str, Sequence[float]] | None) -> dict[str, list[float]]:
+    if percentiles is None:
+        return {}
+    if not isinstance(percentiles, Mapping):
+        raise TypeError(
+            f"percentiles must be a mapping name -> list of quantiles, got {percentiles!r}"
+        )
+    out: dict[str, list[float]] = {}
+    for name, qs in percentiles.items():
+        if isinstance(qs, int | float):
+            qs = [qs]
+        if not isinstance(name, str) or not all(
+            isinstance(q, int | float) and not isinstance(q, bool) and 0.0 <= q <= 1.0 for q in qs
+        ):
+            raise ValueError(f"percentiles[{name!r}] must be quantiles in [0, 1], got {qs!r}")
+        out[name] = [float(q) for q in qs]
+    return out
+
+
+def _check_agreement(gathered: list[dict[str, Any]]) -> None:
+    """Raise the same ValueError on every rank when the ranks' metrics cannot be reduced
+    together. Deterministic: every rank runs it on the same gathered list."""
+    problems: list[str] = []
+    filters = {repr(info["track_names"]) for info in gathered}
+    if len(filters) > 1:
+        problems.append(f"ranks passed different track_names: {sorted(filters)}")
+    for kind in ("pp", "dp"):
+        for rank, info in enumerate(gathered):
+            members = info[kind]
+            for other in members or ():
+                if gathered[other][kind] != members:
+                    problems.append(
+                        f"{kind} group of rank {rank} is {list(members)} but rank {other} has "
+                        f"{gathered[other][kind]}"
+                    )
+    first: dict[str, tuple[int, int, bool]] = {}
+    for rank, info in enumerate(gathered):
+        for name, (size, needs_dp_avg, reduce_ranks, avg_ranks) in info["metrics"].items():
+            seen = first.setdefault(name, (rank, size, needs_dp_avg))
+            if seen[1] != size:
+                problems.append(
+                    f"metric {name!r} has {seen[1]} layer slots on rank {seen[0]} but {size} on "
+                    f"rank {rank} (different num_layers)"
+                )
+            if seen[2] != needs_dp_avg:
+                problems.append(
+                    f"metric {name!r} has needs_dp_avg={seen[2]} on rank {seen[0]} but "
+                    f"{needs_dp_avg} on rank {rank}"
+                )
+            for label, members, pos in (
+                ("reduce_group", reduce_ranks, 2),
+                ("avg_group", avg_ranks, 3),
+            ):
+                for other in members or ():
+                    theirs = gathered[other]["metrics"].get(name)
+                    if theirs is None or theirs[pos] != members:
+                        problems.append(
+                            f"metric {name!r}: rank {rank} reduces over {label} {list(members)} "
+                            f"but rank {other} "
+                            + ("never recorded it" if theirs is None else f"uses {theirs[pos]}")
+                        )
+    if problems:
+        raise ValueError("MoEMetricsTracker.report: ranks disagree: " + "; ".join(problems[:8]))
+
+
+def _write(writer: Any, scalars: dict[str, float], step: int) -> None:
+    add_scalars = getattr(writer, "add_scalars", None)
+    if add_scalars is not None:
+        try:
+            params = inspect.signature(add_scalars).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "main_tag" not in params:  # not TensorBoard's add_scalars(main_tag, dict, step)
+            add_scalars(scalars, step)
+            return
+    for key, value in scalars.items():
+        writer.add_scalar(key, value, step)
+
+
+# ---------------------------------------------------------------------- the global tracker
+
+_MOE_METRICS_TRACKER: MoEMetricsTracker | None = None
+
+
+def get_moe_metrics_tracker() -> MoEMetricsTracker:
+    """The global tracker, created on first use."""
+    global _MOE_METRICS_TRACKER
+    if _MOE_METRICS_TRACKER is None:
+        _MOE_METRICS_TRACKER = MoEMetricsTracker()
+    return _MOE_METRICS_TRACKER
+
+
+def set_moe_metrics_tracker(tracker: MoEMetricsTracker) -> None:
+    """Replace the global tracker."""
+    if not isinstance(tracker, MoEMetricsTracker):
+        raise TypeError(f"tracker must be a MoEMetricsTracker, got {type(tracker).__name__}")
+    global _MOE_METRICS_TRACKER
+    _MOE_METRICS_TRACKER = tracker
+
+
+def destroy_moe_metrics_tracker() -> None:
+    """Drop the global tracker (the next :func:`get_moe_metrics_tracker` makes a new one)."""
+    global _MOE_METRICS_TRACKER
+    _MOE_METRICS_TRACKER = None
