@@ -16,7 +16,9 @@ The driver learns of optimizer steps from the optimizer itself (``register_step_
 ``register_step_post_hook`` on the innermost torch optimizer), so under gradient accumulation,
 where the optimizer steps once per real step, each step is seen once. Gradients are observed in
 the pre-hook, or earlier, right after AMP unscaling and before clipping, when the loop clips
-with ``accelerator.clip_grad_norm_`` or :meth:`Vitals.clip_grad_norm_`.
+with ``accelerator.clip_grad_norm_`` or :meth:`Vitals.clip_grad_norm_`. A step whose gradients
+were observed but that the optimizer skipped (AMP's ``GradScaler`` on inf/nan gradients) ends at
+the next :meth:`Vitals.batch` call, so its micro-batches are not counted into the next step.
 
 The driver's ``state_dict``/``load_state_dict`` hold its step counter and every callback's
 state, so ``accelerator.register_for_checkpointing(vitals)`` (or saving ``vitals.state_dict()``
@@ -151,7 +153,10 @@ class Vitals:
 
         def unscale_gradients(optimizer: Any = None) -> None:
             original(optimizer)
-            self.gradients_ready()
+            # Only when the optimizer will step: a loop that clips on every micro-batch would
+            # otherwise show the callbacks partial gradients.
+            if getattr(accelerator, "sync_gradients", True):
+                self.gradients_ready()
 
         accelerator.unscale_gradients = unscale_gradients
 
@@ -184,19 +189,41 @@ class Vitals:
     ) -> None:
         """Call once per training micro-batch, before its forward pass.
 
-        ``batch_size`` (samples) and ``num_tokens`` default to what can be read off ``batch``
+        ``batch_size`` (samples) and ``num_tokens`` default to what a callback's own
+        ``batch_size_fn``/``num_tokens_fn`` reads off ``batch``, else to what can be read off it
         (the first dim of its first tensor; the element count of ``input_ids`` or of the first
         2-d integer tensor). Pass them to count only real tokens, or the tokens of this rank.
+        Calls inside :meth:`validating` are ignored (validation batches are not training).
         """
+        if self.ctx.in_validation:
+            return
         self._start()
-        if batch_size is None and batch is not None:
-            batch_size = infer_batch_size(batch)
-        if num_tokens is None and batch is not None:
-            num_tokens = infer_num_tokens(batch)
+        if self._grads_seen_for_step:
+            # The gradients of the previous step were observed but the optimizer did not step
+            # (AMP's GradScaler skips steps with inf/nan gradients): that step is over.
+            self._end_step()
         ctx = self.ctx
         ctx.micro_batch = ctx.micro_batches_in_step
         ctx.micro_batches_in_step += 1
-        self._each("micro_batch_start", BatchInfo(batch, batch_size, num_tokens))
+        default: BatchInfo | None = None
+        for cb in self.callbacks:
+            if getattr(cb, "batch_size_fn", None) or getattr(cb, "num_tokens_fn", None):
+                info = cb._batch_info(batch) if batch is not None else BatchInfo(batch)
+            else:
+                if default is None:
+                    default = BatchInfo(
+                        batch,
+                        infer_batch_size(batch) if batch is not None else None,
+                        infer_num_tokens(batch) if batch is not None else None,
+                    )
+                info = default
+            if batch_size is not None or num_tokens is not None:
+                info = BatchInfo(
+                    batch,
+                    info.batch_size if batch_size is None else batch_size,
+                    info.num_tokens if num_tokens is None else num_tokens,
+                )
+            cb._dispatch("micro_batch_start", ctx, info)
 
     def gradients_ready(self) -> None:
         """Gradients of this step are final (unscaled, unclipped): run the gradient hooks now.
@@ -214,6 +241,9 @@ class Vitals:
 
     def _on_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._start()
+        self._end_step()
+
+    def _end_step(self) -> None:
         self._each("step_end")
         self.ctx.step += 1
         self.ctx.micro_batch = 0
