@@ -170,29 +170,49 @@ def _collective_device(group: Any, fallback: torch.device) -> torch.device:
 # DTensor placements
 
 
-def shard_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
+def shard_groups(tensor: torch.Tensor, *, include_partial: bool = True) -> tuple[Any, ...]:
     """The process groups of the mesh dims over which ``tensor`` (a DTensor) is sharded.
 
     A sum over a DTensor's elements is the local sum all-reduced over exactly these groups, one
-    after the other; ``Replicate`` dims are left out so replicas are never counted twice, and
-    ``Partial`` placements are treated as sharded (their values sum). A plain tensor returns
-    ``()``: it is either the whole tensor or a replica (DDP).
+    after the other; ``Replicate`` dims are left out so replicas are never counted twice. Every
+    other placement is a shard: ``Shard`` and also ``_StridedShard`` (FSDP2 over a
+    tensor-parallel dim; not a ``Shard`` subclass and ``is_shard()`` is False in recent torch).
+    ``Partial`` placements are included by default (the logical tensor is the sum of the
+    locals, so a *linear* sum of elements sums too); pass ``include_partial=False`` for
+    nonlinear statistics such as sums of squares, and reduce the :func:`partial_groups` of the
+    local data first. A plain tensor returns ``()``: it is either the whole tensor or a replica
+    (DDP).
     """
+    shards, partials = _placement_groups(tensor)
+    return shards + partials if include_partial else shards
+
+
+def partial_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """The groups of the mesh dims where ``tensor`` (a DTensor) is ``Partial`` (``()`` if none):
+    its logical value is the sum of the local tensors over these groups."""
+    return _placement_groups(tensor)[1]
+
+
+def _placement_groups(tensor: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     try:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.placement_types import Partial, Replicate
     except ImportError:  # pragma: no cover - very old torch
-        return ()
+        return (), ()
     if not isinstance(tensor, DTensor):
-        return ()
+        return (), ()
     mesh = tensor.device_mesh
-    groups = []
+    shards = []
+    partials = []
     for dim, placement in enumerate(tensor.placements):
         if isinstance(placement, Replicate):
             continue
-        if isinstance(placement, Partial) or placement.is_shard():
-            groups.append(mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group())
-    return tuple(groups)
+        group = mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group()
+        if isinstance(placement, Partial):
+            partials.append(group)
+        else:  # Shard, _StridedShard and any other shard-like placement
+            shards.append(group)
+    return tuple(shards), tuple(partials)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
