@@ -36,7 +36,13 @@ from typing import Any
 
 import torch
 
-from trainvitals.distributed import all_reduce_by_groups, local_tensor, shard_groups
+from trainvitals.distributed import (
+    all_reduce_by_groups,
+    group_size,
+    local_tensor,
+    partial_groups,
+    shard_groups,
+)
 
 __all__ = [
     "WRAPPER_PREFIXES",
@@ -127,8 +133,10 @@ def dedupe_named_tensors(
 
 
 def sharding_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """The groups a per-tensor sum over ``tensor`` must be summed over (see module doc)."""
-    return shard_groups(tensor)
+    """The groups a per-tensor sum of squares of ``tensor`` must be summed over: its ``Shard``
+    (and ``_StridedShard``) mesh dims, never ``Replicate`` nor ``Partial`` ones (see
+    :func:`local_sq_norms` for ``Partial``)."""
+    return shard_groups(tensor, include_partial=False)
 
 
 def local_sq_norms(
@@ -139,10 +147,15 @@ def local_sq_norms(
     ``None`` entries (parameters without a gradient) give 0. The result lives on ``device``
     (default: the device of the first tensor, CPU when there is none); nothing is synchronised
     with the host.
+
+    A ``Partial`` DTensor's logical value is the sum of its local tensors, whose squares do not
+    sum: such tensors are first summed elementwise over their partial groups (one collective per
+    distinct group, only when some tensor is ``Partial``; every rank has the same placements).
     """
     locals_: list[torch.Tensor | None] = [
         None if t is None else local_tensor(t).detach() for t in tensors
     ]
+    _resolve_partials(tensors, locals_)
     if device is None:
         device = next((t.device for t in locals_ if t is not None), torch.device("cpu"))
     out = torch.zeros(len(locals_), dtype=torch.float64, device=device)
@@ -159,6 +172,30 @@ def local_sq_norms(
             sq = torch.stack(norms).square()
         out.index_copy_(0, torch.tensor(idx, device=device), sq.to(device))
     return out
+
+
+def _resolve_partials(
+    tensors: Sequence[torch.Tensor | None], locals_: list[torch.Tensor | None]
+) -> None:
+    items = []
+    where = []
+    for i, t in enumerate(tensors):
+        groups = () if t is None else partial_groups(t)
+        if not groups:
+            continue
+        ops = {str(getattr(p, "reduce_op", "sum")) for p in t.placements if p.is_partial()}
+        if not ops <= {"sum", "avg"}:
+            raise ValueError(f"cannot take the norm of a Partial DTensor with reduce_op {ops}")
+        items.append((locals_[i], groups))
+        where.append((i, ops))
+    if not items:
+        return
+    reduced = all_reduce_by_groups(items, "sum", dtype=torch.float64)
+    for (i, ops), value, (_, groups) in zip(where, reduced, items, strict=True):
+        if "avg" in ops:
+            for g in groups:
+                value = value / group_size(g)
+        locals_[i] = value
 
 
 def _cpu_sq_norms(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,318 @@
+"""NormMonitor on real gloo processes: DDP, FSDP2, FSDP2+TP, and Lightning DDP / ModelParallel.
+
+Every norm is compared with a float64 computation on the whole, unsharded model: either the same
+seeded model rebuilt here in one process in float64 and fed the union of all ranks' data, or the
+full tensors gathered with ``full_tensor()`` and normed in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.callbacks.test_norm_monitor_helpers import (
+    MLP,
+    RecordingWriter,
+    TiedLM,
+    float64_norms,
+    lm_loss,
+)
+from tests.helpers.dist import run_distributed
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+LR = 0.5
+REL = 2e-5  # fp32 training vs the float64 rebuild, after at most one SGD step
+
+
+def _lm_batch(dp_rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randint(0, 13, (4, 6), generator=g)
+
+
+def _mlp_batch(dp_rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randn(4, 8, generator=g)
+
+
+def _mlp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = model(x)
+    return y.pow(2).mean() + y[:, 0].mean()
+
+
+def _reference(model_cls, batch_fn, loss_fn, dp_size: int) -> dict[int, tuple[float, float]]:
+    """Float64, one process: the loss of a step is the mean of the dp ranks' losses (what DDP
+    and FSDP2 average), plain SGD between steps."""
+    torch.manual_seed(0)
+    model = model_cls().double()
+    out = {}
+    for step in range(STEPS):
+        model.zero_grad()
+        loss = sum(loss_fn(model, _double(batch_fn(r, step))) for r in range(dp_size)) / dp_size
+        loss.backward()
+        out[step] = float64_norms(list(model.parameters()))
+        with torch.no_grad():
+            for p in {id(p): p for p in model.parameters()}.values():
+                p -= LR * p.grad
+    return out
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x.double() if x.is_floating_point() else x
+
+
+def _train(model, opt, batches, monitor, groups=None):
+    """The plain loop with the driver; returns what this rank's writer received."""
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.distributed import collective_counter
+
+    writer = RecordingWriter()
+    counts = []
+    with Vitals([monitor], writer=writer, log_every_n_steps=1, groups=groups) as vitals:
+        vitals.attach(model, opt)
+        for step, (x, loss_fn) in enumerate(batches):
+            vitals.batch(x)
+            loss_fn(model, x).backward()
+            before = collective_counter["all_reduce"]
+            opt.step()  # the driver's pre-hook runs NormMonitor here
+            counts.append(collective_counter["all_reduce"] - before)
+            opt.zero_grad()
+            assert step < STEPS
+    return {"steps": writer.steps, "all_reduce_per_step": counts}
+
+
+# ------------------------------------------------------------------------------------ DDP
+
+
+def _ddp_body(rank: int, world_size: int) -> dict:
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(TiedLM())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    batches = [(_lm_batch(rank, s), lm_loss) for s in range(STEPS)]
+    return _train(model, opt, batches, NormMonitor(per_param="up.weight"))
+
+
+def test_ddp_replicas_are_not_counted_twice():
+    results = run_distributed(_ddp_body, world_size=2, timeout=120)
+    ref = _reference(TiedLM, _lm_batch, lm_loss, dp_size=2)
+    for res in results:
+        for step in range(STEPS):
+            row = res["steps"][step]
+            assert row["l2_norm/param/global"] == pytest.approx(ref[step][0], rel=REL)
+            assert row["l2_norm/grad/global"] == pytest.approx(ref[step][1], rel=REL)
+        assert res["all_reduce_per_step"] == [0] * STEPS  # replicas: nothing to reduce
+
+
+# ------------------------------------------------------------------------------------ FSDP2
+
+
+def _fsdp2_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+    from trainvitals.distributed import ProcessGroups
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = TiedLM()
+    fully_shard(model.down, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the tied embedding/head lives in the root unit
+    assert type(model.embed.weight).__name__ == "DTensor"
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    batches = [(_lm_batch(rank, s), lm_loss) for s in range(STEPS)]
+    monitor = NormMonitor(per_param=["embed.weight", "down.weight"])
+    out = _train(model, opt, batches, monitor, groups=ProcessGroups.from_device_mesh(mesh))
+    return out
+
+
+def _per_param_reference(step: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    for s in range(step + 1):
+        model.zero_grad()
+        (sum(lm_loss(model, _lm_batch(r, s)) for r in range(2)) / 2).backward()
+        if s < step:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= LR * p.grad
+    return {n: float(p.grad.norm()) for n, p in model.named_parameters()}
+
+
+def test_fsdp2_shards_are_summed_once():
+    results = run_distributed(_fsdp2_body, world_size=2, timeout=120)
+    ref = _reference(TiedLM, _lm_batch, lm_loss, dp_size=2)
+    per_param = _per_param_reference(1)
+    for res in results:
+        for step in range(STEPS):
+            row = res["steps"][step]
+            assert row["l2_norm/param/global"] == pytest.approx(ref[step][0], rel=REL)
+            assert row["l2_norm/grad/global"] == pytest.approx(ref[step][1], rel=REL)
+            assert row["l2_norm/grad/nonfinite_count"] == 0
+        for name in ("embed.weight", "down.weight"):
+            assert res["steps"][1][f"l2_norm/grad/{name}"] == pytest.approx(
+                per_param[name], rel=REL
+            )
+        # parameters and gradients of every DTensor: one collective on the one shard group
+        assert res["all_reduce_per_step"] == [1] * STEPS
+
+
+# ------------------------------------------------------------------------------ FSDP2 + TP
+
+
+def _fsdp_tp_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+    from trainvitals.distributed import ProcessGroups
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = MLP()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    dp_rank = mesh.get_local_rank("dp")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    batches = [(_mlp_batch(dp_rank, s), _mlp_loss) for s in range(STEPS)]
+    monitor = NormMonitor(per_param="*", per_param_kinds=("grad", "param"))
+    out = _train(model, opt, batches, monitor, groups=ProcessGroups.from_device_mesh(mesh))
+    out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
+    return out
+
+
+def test_fsdp2_tp_sums_shard_dims_never_replicate_dims():
+    results = run_distributed(_fsdp_tp_body, world_size=4, timeout=180)
+    ref = _reference(MLP, _mlp_batch, _mlp_loss, dp_size=2)
+    # the layout under test: sharded over dp and tp, over dp only, and Replicate over tp
+    assert "Replicate()" in results[0]["placements"]["down.bias"]
+    assert results[0]["placements"]["norm.weight"] == "(Shard(dim=0),)"
+    torch.manual_seed(0)
+    full = MLP().double()
+    for res in results:
+        for step in range(STEPS):
+            row = res["steps"][step]
+            assert row["l2_norm/param/global"] == pytest.approx(ref[step][0], rel=REL)
+            assert row["l2_norm/grad/global"] == pytest.approx(ref[step][1], rel=REL)
+        for name, p in full.named_parameters():  # step 0: the initial weights, per parameter
+            expected = float(p.detach().norm())
+            assert res["steps"][0][f"l2_norm/param/{name}"] == pytest.approx(expected, rel=1e-6)
+        # one collective per distinct group (dp and tp), params and grads together
+        assert res["all_reduce_per_step"] == [2] * STEPS
+
+
+# ------------------------------------------------------------------------------- Lightning
+
+
+def _lightning_body(rank: int, world_size: int, strategy_name: str, out_dir: str) -> dict:
+    import lightning.pytorch as pl
+
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = MLP()
+            self.refs: dict[int, tuple[float, float]] = {}
+
+        def configure_model(self) -> None:
+            if strategy_name != "model_parallel":
+                return
+            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            mesh = self.device_mesh
+            plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            parallelize_module(self.model, mesh["tensor_parallel"], plan)
+            fully_shard(self.model, mesh=mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            return _mlp_loss(self.model, batch[0])
+
+        def on_before_optimizer_step(self, optimizer):
+            # independent float64 reference from the whole tensors (gathered when sharded)
+            p2 = g2 = 0.0
+            for p in self.parameters():
+                full_p = p.full_tensor() if hasattr(p, "full_tensor") else p
+                full_g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                p2 += float(full_p.detach().double().pow(2).sum())
+                g2 += float(full_g.double().pow(2).sum())
+            self.refs[self.trainer.global_step] = (math.sqrt(p2), math.sqrt(g2))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    if strategy_name == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    else:
+        strategy = "ddp"
+    x = torch.cat([_mlp_batch(r, s) for s in range(STEPS) for r in range(2)])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+    writer = RecordingWriter()
+    module = Lit()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=STEPS,
+        log_every_n_steps=1,
+        callbacks=[NormMonitor(writer=writer)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out_dir,
+    )
+    trainer.fit(module, loader)
+    groups = trainer._trainvitals_ctx.groups if hasattr(trainer, "_trainvitals_ctx") else None
+    return {
+        "steps": writer.steps,
+        "refs": module.refs,
+        "sizes": groups.sizes() if groups is not None else None,
+        "dtensor": type(next(module.parameters())).__name__,
+    }
+
+
+def _check_lightning(results: list[dict]) -> None:
+    for res in results:
+        assert sorted(res["steps"]) == list(range(STEPS))
+        for step in range(STEPS):
+            row = res["steps"][step]
+            p_ref, g_ref = res["refs"][step]
+            assert row["l2_norm/param/global"] == pytest.approx(p_ref, rel=1e-6)
+            assert row["l2_norm/grad/global"] == pytest.approx(g_ref, rel=1e-6)
+    assert results[0]["steps"] == results[1]["steps"]
+
+
+def test_lightning_ddp_two_devices(tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    results = run_distributed(_lightning_body, 2, args=("ddp", str(tmp_path)), timeout=180)
+    _check_lightning(results)
+    assert results[0]["dtensor"] == "Parameter"
+
+
+def test_lightning_model_parallel_fsdp2_tp_four_devices(tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    results = run_distributed(
+        _lightning_body, 4, args=("model_parallel", str(tmp_path)), timeout=240
+    )
+    _check_lightning(results)
+    assert results[0]["dtensor"] == "DTensor"
