@@ -1,0 +1,252 @@
+"""ThroughputMonitor: exact rates from a fake clock, measured global sums, flops/MFU, resume."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import FakeClock, RecordingWriter
+from trainvitals.adapters.loop import Vitals
+from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
+from trainvitals.distributed import collective_counter
+
+SEQ = 5
+
+
+def _dt(step: int, mb: int) -> float:
+    """Seconds the fake clock moves during micro-batch ``mb`` of ``step``."""
+    return 0.25 * (1 + (3 * step + mb) % 4)
+
+
+def _bs(step: int, mb: int, rank: int = 0) -> int:
+    return 2 + (step + mb) % 3 + 3 * rank
+
+
+def _loop(
+    monitor: ThroughputMonitor,
+    clock: FakeClock,
+    *,
+    steps: range,
+    acc: int = 2,
+    log_every: int = 2,
+    val_every: int = 3,
+    rank: int = 0,
+    state: dict | None = None,
+    counts_per_step: list | None = None,
+) -> tuple[RecordingWriter, Vitals]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    writer = RecordingWriter()
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=log_every).attach(model, opt)
+    if state is not None:
+        vitals.load_state_dict(state)
+    for step in steps:
+        for mb in range(acc):
+            bs = _bs(step, mb, rank)
+            batch = {"input_ids": torch.zeros(bs, SEQ, dtype=torch.long), "x": torch.randn(bs, 3)}
+            vitals.batch(batch)
+            clock.t += _dt(step, mb)
+            model(batch["x"]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if counts_per_step is not None:
+            counts_per_step.append(collective_counter["all_reduce"])
+        if (step + 1) % val_every == 0:
+            with vitals.validating():
+                clock.t += 100.0  # validation: never training time
+    vitals.close()
+    return writer, vitals
+
+
+def _expected(step: int, *, window: int, warmup: int, acc: int = 2, ranks=(0,)) -> dict:
+    """Independent computation of the window's rates at logging step ``step``."""
+    first = max(warmup, step - window + 1)
+    in_window = list(range(first, step + 1))
+    seconds = sum(_dt(s, mb) for s in in_window for mb in range(acc))
+    samples = {r: sum(_bs(s, mb, r) for s in in_window for mb in range(acc)) for r in ranks}
+    return {
+        "seconds": seconds,
+        "steps": len(in_window),
+        "device_samples_per_sec": samples[ranks[0]] / seconds,
+        "samples_per_sec": sum(samples.values()) / seconds,
+        "tokens_per_sec": SEQ * sum(samples.values()) / seconds,
+        "batches_per_sec": acc * len(in_window) * len(ranks) / seconds,
+    }
+
+
+def test_rates_exact_with_accumulation_and_validation_excluded():
+    clock = FakeClock()
+    monitor = ThroughputMonitor(window_size=3, warmup_steps=1, clock=clock)
+    writer, _ = _loop(monitor, clock, steps=range(9))
+    assert 0 not in writer.rows  # step 0 is warm-up: nothing to report yet
+    assert sorted(writer.rows) == [2, 4, 6, 8]  # logging steps only
+    for step in (2, 4, 6, 8):
+        exp = _expected(step, window=3, warmup=1)
+        row = writer.rows[step]
+        assert row["throughput/samples_per_sec"] == pytest.approx(exp["samples_per_sec"], rel=1e-12)
+        assert row["throughput/device/samples_per_sec"] == pytest.approx(
+            exp["device_samples_per_sec"], rel=1e-12
+        )
+        assert row["throughput/tokens_per_sec"] == pytest.approx(exp["tokens_per_sec"], rel=1e-12)
+        assert row["throughput/batches_per_sec"] == pytest.approx(exp["batches_per_sec"], rel=1e-12)
+        assert row["throughput/seconds_per_step"] == pytest.approx(
+            exp["seconds"] / exp["steps"], rel=1e-12
+        )
+        assert "throughput/mfu" not in row  # CPU, no peak given
+        assert "throughput/flops_per_sec" not in row  # no flops given
+
+
+def test_warmup_zero_reports_step_zero():
+    clock = FakeClock()
+    writer, _ = _loop(
+        ThroughputMonitor(window_size=4, warmup_steps=0, clock=clock), clock, steps=range(3)
+    )
+    exp = _expected(0, window=4, warmup=0)
+    assert writer.rows[0]["throughput/samples_per_sec"] == pytest.approx(exp["samples_per_sec"])
+
+
+def test_flops_given_mfu_and_device_mfu():
+    clock = FakeClock()
+    fpt, peak = 1234.0, 1e6
+    monitor = ThroughputMonitor(window_size=2, clock=clock, flops_per_token=fpt, peak_flops=peak)
+    writer, _ = _loop(monitor, clock, steps=range(5))
+    exp = _expected(4, window=2, warmup=1)
+    row = writer.rows[4]
+    assert row["throughput/flops_per_sec"] == pytest.approx(fpt * exp["tokens_per_sec"])
+    assert row["throughput/device/flops_per_sec"] == pytest.approx(fpt * exp["tokens_per_sec"])
+    assert row["throughput/mfu"] == pytest.approx(fpt * exp["tokens_per_sec"] / peak)
+    assert row["throughput/device/mfu"] == pytest.approx(fpt * exp["tokens_per_sec"] / peak)
+
+
+def test_measured_flops_match_analytic_count():
+    # Linear(8,16) -> ReLU -> Linear(16,4), batch B, input without grad:
+    # forward 2B(8*16 + 16*4); backward: layer 2 grad input and grad weight 2 * 2B*16*4,
+    # layer 1 grad weight only 2B*8*16. Per sample: 2*(128 + 64 + 128 + 128) = 896.
+    per_sample = 2 * (8 * 16 + 16 * 4) + 2 * 2 * 16 * 4 + 2 * 8 * 16
+    clock = FakeClock()
+    monitor = ThroughputMonitor(window_size=2, clock=clock, measure_flops=True, log_every_n_steps=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    writer = RecordingWriter()
+    vitals = Vitals([monitor], writer=writer).attach(model, opt)
+    batch_sizes = [6, 3, 5, 4]
+    for b in batch_sizes:
+        x = torch.randn(b, 8)  # float batch: samples known, tokens unknown
+        vitals.batch(x)
+        clock.t += 1.0
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    assert monitor.state_dict()["measured"] == ["samples", pytest.approx(per_sample)]
+    row = writer.rows[3]
+    assert row["throughput/device/flops_per_sec"] == pytest.approx(per_sample * (5 + 4) / 2.0)
+    assert "throughput/tokens_per_sec" not in row  # tokens unknown: no rate, no wrong number
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None  # the counting mode was left
+
+
+def test_cuda_sync_only_on_logging_steps(monkeypatch):
+    syncs: list[int] = []
+    clock = FakeClock()
+    monitor = ThroughputMonitor(window_size=4, clock=clock, log_every_n_steps=3)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    vitals = Vitals([monitor], writer=RecordingWriter()).attach(model, opt)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(vitals.step))
+    for step in range(7):
+        vitals.batch(torch.randn(2, 3))
+        if step == 0:
+            monitor._cuda = torch.device("cuda", 0)  # pretend the model is on a GPU
+        clock.t += 1.0
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    assert syncs == [0, 3, 6]
+
+
+def test_resume_continues_window_exactly():
+    def make():
+        return ThroughputMonitor(window_size=5, warmup_steps=0, clock=clock)
+
+    clock = FakeClock()
+    full, _ = _loop(make(), clock, steps=range(16))
+    clock = FakeClock()
+    _, first = _loop(make(), clock, steps=range(10))
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)  # plain data only
+    clock = FakeClock()
+    resumed, vitals = _loop(make(), clock, steps=range(10, 16), state=state)
+    assert vitals.step == 16
+    for step in (10, 12, 14):
+        for key, value in full.rows[step].items():
+            assert resumed.rows[step][key] == pytest.approx(value, rel=1e-12), (step, key)
+    totals = vitals.callbacks[0].state_dict()["totals"]
+    assert totals["steps"] == 16
+    assert totals["samples"] == sum(_bs(s, mb) for s in range(16) for mb in range(2))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"window_size": 0},
+        {"window_size": -3},
+        {"warmup_steps": -1},
+        {"log_every_n_steps": 0},
+        {"precision": "bf17"},
+        {"flops_per_token": -1.0},
+        {"peak_flops": 0},
+        {"flops_per_token": 1.0, "flops_per_sample": 2.0},
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        ThroughputMonitor(**kwargs)
+
+
+def test_bad_callable_raises_type_error():
+    with pytest.raises(TypeError, match="num_tokens_fn"):
+        ThroughputMonitor(num_tokens_fn=3)
+
+
+# ---------------------------------------------------------------------------- multi-rank
+
+
+def _two_rank_body(rank: int, world_size: int) -> dict:
+    clock = FakeClock()
+    counts: list[int] = []
+    monitor = ThroughputMonitor(window_size=3, clock=clock, flops_per_token=10.0, peak_flops=1e3)
+    before = collective_counter["all_reduce"]
+    writer, _ = _loop(monitor, clock, steps=range(7), rank=rank, counts_per_step=counts)
+    return {"rows": writer.rows, "collectives": [c - before for c in counts]}
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_global_sums_count_the_bigger_rank():
+    results = run_distributed(_two_rank_body, world_size=2, timeout=150)
+    for rank, result in enumerate(results):
+        rows = result["rows"]
+        for step in (2, 4, 6):
+            exp = _expected(step, window=3, warmup=1, ranks=(rank, 1 - rank))
+            row = rows[step]
+            # rank 1 has 3 more samples per micro-batch: the global figure is the true sum,
+            # not this rank's rate times two.
+            assert row["throughput/samples_per_sec"] == pytest.approx(exp["samples_per_sec"])
+            assert row["throughput/tokens_per_sec"] == pytest.approx(exp["tokens_per_sec"])
+            assert row["throughput/device/samples_per_sec"] == pytest.approx(
+                exp["device_samples_per_sec"]
+            )
+            assert row["throughput/mfu"] == pytest.approx(10.0 * exp["tokens_per_sec"] / (2 * 1e3))
+            assert not math.isclose(
+                row["throughput/samples_per_sec"], 2 * row["throughput/device/samples_per_sec"]
+            )
+        # One all-reduce per logging step that has a window (2, 4, 6), none on other steps.
+        assert result["collectives"] == [0, 0, 1, 1, 2, 2, 3]

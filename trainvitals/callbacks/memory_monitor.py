@@ -1,0 +1,219 @@
+"""MemoryMonitor: device allocator statistics and host memory, worst rank first."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainvitals.adapters.context import RunContext
+from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.distributed import all_gather_coalesced, all_reduce_coalesced, world_group
+from trainvitals.stats import memory as memory_stats
+
+__all__ = ["MemoryMonitor"]
+
+
+class MemoryMonitor(VitalsCallback):
+    """Memory of every rank at the end of logging steps, reduced so the worst rank shows.
+
+    At ``step_end`` of a logging step (after the optimizer step, so optimizer state is in;
+    the peaks cover the forward and backward passes) the monitor reads the CUDA caching
+    allocator's counters (``torch.cuda.memory_stats``: host-side counters, no sync) when the
+    model is on a CUDA device, and this process's resident set (psutil) in every case. The
+    readings of all ranks are reduced in ONE collective: an all-reduce MAX when only ``"max"``
+    is asked for, else one all-gather from which max, min and mean are taken. Non-logging steps
+    read nothing.
+
+    Peaks are since the process started (as Composer's and Megatron-Bridge's reports), or since
+    the previous logging step with ``peak_since_last_log=True`` (then the allocator's peak
+    counters are reset after each reading: do not combine with other code that relies on
+    them). Nothing here is checkpoint state: a resumed process starts its own peaks.
+
+    Allocator history (CUDA only): ``record_history=True`` starts
+    ``torch.cuda.memory._record_memory_history`` at run start (allocations made earlier, such
+    as the model's weights, appear without a stack), and ``snapshot_steps`` dumps
+    ``torch.cuda.memory._dump_snapshot`` at the end of those optimizer steps to
+    ``<run_dir>/memory_snapshots/rank<r>_step<s>.pickle`` (open them at
+    https://pytorch.org/memory_viz). Recording stops at the end of the run. On a device without
+    CUDA both are a no-op with one warning.
+
+    Args:
+        reduce: which reductions over ranks to write: a non-empty subset of ``("max", "min",
+            "mean")``. ``"max"`` writes the plain keys, the others add ``/min`` and ``/mean``.
+        host: also write the process's resident set (``memory/rss_gb``, ``memory/peak_rss_gb``).
+        peak_since_last_log: peaks since the previous logging step instead of since start.
+        record_history: record the CUDA allocator's history (for snapshots).
+        max_history_entries: events the history keeps (``max_entries`` of the torch API).
+        snapshot_steps: optimizer steps after which to dump an allocator snapshot.
+        snapshot_dir: folder for snapshots (default ``<run_dir>/memory_snapshots``).
+        log_every_n_steps: interval in optimizer steps (default: the run's).
+        writer: where values go (default: the run's writer).
+
+    Keys written on logging steps (each also as ``<key>/min`` and ``<key>/mean`` when asked):
+
+    ============================  =========================================================  =====
+    key                           meaning (max over ranks)                                   unit
+    ============================  =========================================================  =====
+    ``memory/allocated_gb``       memory held by live tensors (CUDA)                         GB
+    ``memory/active_gb``          allocated plus blocks awaiting stream sync (CUDA)          GB
+    ``memory/inactive_gb``        inactive, non-releasable split blocks: fragmentation       GB
+    ``memory/reserved_gb``        memory the caching allocator holds from the driver (CUDA)  GB
+    ``memory/peak_allocated_gb``  peak of ``allocated`` (CUDA)                               GB
+    ``memory/peak_active_gb``     peak of ``active`` (CUDA)                                  GB
+    ``memory/peak_inactive_gb``   peak of ``inactive`` (CUDA)                                GB
+    ``memory/peak_reserved_gb``   peak of ``reserved`` (CUDA)                                GB
+    ``memory/alloc_retries``      cudaMalloc failures that flushed the cache and retried     count
+    ``memory/ooms``               out-of-memory errors the allocator raised                  count
+    ``memory/rss_gb``             resident set size of the process (``host=True``)           GB
+    ``memory/peak_rss_gb``        peak resident set size of the process (``host=True``)      GB
+    ============================  =========================================================  =====
+
+    GB are 1e9 bytes. Megatron-Bridge names these ``memory/mem-allocated-gigabytes``,
+    ``memory/mem-max-allocated-gigabytes``, ... and ``memory/mem-alloc-retires`` (sic), Composer
+    ``memory/current_allocated_mem``, ``memory/peak_allocated_mem``, ...; we use the shorter
+    ``memory/<what>_gb`` / ``memory/peak_<what>_gb`` of the design's conventions and reduce
+    over every rank (Megatron-Bridge reduces over the pipeline group only, and reported only
+    the last stage's memory before, Megatron-Bridge issue #3167).
+
+    Example::
+
+        import lightning.pytorch as pl
+        from trainvitals import MemoryMonitor
+
+        trainer = pl.Trainer(callbacks=[MemoryMonitor(reduce=("max", "min"))])
+
+        # plain loop, with an allocator snapshot after step 3
+        vitals = Vitals([MemoryMonitor(record_history=True, snapshot_steps=[3])])
+    """
+
+    def __init__(
+        self,
+        *,
+        reduce: str | Sequence[str] = ("max",),
+        host: bool = True,
+        peak_since_last_log: bool = False,
+        record_history: bool = False,
+        max_history_entries: int = 100_000,
+        snapshot_steps: Iterable[int] = (),
+        snapshot_dir: str | Path | None = None,
+        log_every_n_steps: int | None = None,
+        writer: Any = None,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
+        names = (reduce,) if isinstance(reduce, str) else tuple(reduce)
+        unknown = [r for r in names if r not in memory_stats.REDUCTIONS]
+        if not names or unknown:
+            raise ValueError(
+                f"reduce must be a non-empty subset of {memory_stats.REDUCTIONS}, got {reduce!r}"
+            )
+        if (
+            isinstance(max_history_entries, bool)
+            or not isinstance(max_history_entries, int)
+            or (max_history_entries <= 0)
+        ):
+            raise ValueError(
+                f"max_history_entries must be a positive int, got {max_history_entries!r}"
+            )
+        steps = list(snapshot_steps)
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
+            raise ValueError(f"snapshot_steps must be non-negative ints, got {steps!r}")
+        self.reduce = tuple(dict.fromkeys(names))
+        self.host = bool(host)
+        self.peak_since_last_log = bool(peak_since_last_log)
+        self.record_history = bool(record_history)
+        self.max_history_entries = max_history_entries
+        self.snapshot_steps = frozenset(steps)
+        self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
+        self._cuda: torch.device | None = None
+        self._recording = False
+        self.snapshots: list[Path] = []  # files written by this process
+
+    # ------------------------------------------------------------------ hooks
+
+    def run_start(self, ctx: RunContext) -> None:
+        device = ctx.device
+        self._cuda = device if device.type == "cuda" and torch.cuda.is_available() else None
+        if self._cuda is None and (self.record_history or self.snapshot_steps):
+            self.warn_once(
+                "nocuda",
+                "allocator history and snapshots need a CUDA device; the model is on "
+                f"{device}: no history is recorded and no snapshot written",
+            )
+        if self._cuda is not None and self.record_history:
+            torch.cuda.memory._record_memory_history(
+                enabled="all", max_entries=self.max_history_entries
+            )
+            self._recording = True
+
+    def step_end(self, ctx: RunContext) -> None:
+        if self._cuda is not None and ctx.step in self.snapshot_steps:
+            self._dump_snapshot(ctx)
+        if self.should_log(ctx):
+            self.write(ctx, self._read_and_reduce())
+
+    def run_end(self, ctx: RunContext) -> None:
+        self._stop_recording()
+
+    def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
+        if self._cuda is not None and self._recording:
+            # The state at the failure (often an OOM) is the most useful snapshot there is.
+            self._dump_snapshot(ctx, suffix="exception")
+        self._stop_recording()
+
+    # ------------------------------------------------------------------ what it measures
+
+    def _readings(self) -> dict[str, float]:
+        values: dict[str, float] = {}
+        if self._cuda is not None:
+            values.update(memory_stats.cuda_memory_readings(self._cuda))
+            if self.peak_since_last_log:
+                torch.cuda.reset_peak_memory_stats(self._cuda)
+        if self.host:
+            values.update(memory_stats.host_memory_readings())
+        return values
+
+    def _read_and_reduce(self) -> dict[str, Any]:
+        readings = self._readings()
+        if not readings:
+            return {}
+        names = list(readings)
+        local = torch.tensor([readings[n] for n in names], dtype=torch.float64)
+        group = world_group()
+        reduced: dict[str, torch.Tensor] = {}
+        if self.reduce == ("max",):
+            reduced["max"] = all_reduce_coalesced([local], "max", group)[0]
+        else:
+            rows = all_gather_coalesced([local], group)[0]  # [ranks, n]
+            reduced = {"max": rows.amax(0), "min": rows.amin(0), "mean": rows.mean(0)}
+        out: dict[str, Any] = {}
+        for kind in self.reduce:
+            suffix = "" if kind == "max" else f"/{kind}"
+            for i, name in enumerate(names):
+                out[f"memory/{name}{suffix}"] = reduced[kind][i]
+        return out
+
+    def _dump_snapshot(self, ctx: RunContext, suffix: str | None = None) -> None:
+        if not self._recording:
+            self.warn_once(
+                "nohistory",
+                "snapshot without record_history=True: it holds the live blocks only, no "
+                "history and no stacks",
+            )
+        folder = self.snapshot_dir or Path(ctx.run_dir) / "memory_snapshots"
+        folder.mkdir(parents=True, exist_ok=True)
+        tag = suffix or f"step{ctx.step}"
+        path = folder / f"rank{ctx.global_rank}_{tag}.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        self.snapshots.append(path)
+
+    def _stop_recording(self) -> None:
+        if self._recording:
+            self._recording = False
+            try:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            except Exception as exc:  # never let telemetry end a run at its end
+                warnings.warn(f"MemoryMonitor: could not stop memory history: {exc}", stacklevel=2)

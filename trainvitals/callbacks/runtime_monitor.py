@@ -1,0 +1,244 @@
+"""RuntimeMonitor: remaining training time, consumed data and elapsed time of the run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainvitals.adapters.context import BatchInfo, RunContext
+from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.callbacks.throughput_monitor import reduce_counts
+from trainvitals.distributed import ProcessGroups
+from trainvitals.stats.runtime import (
+    TIME_UNITS,
+    TrainClock,
+    remaining_seconds,
+    seconds_to,
+    training_horizon,
+)
+from trainvitals.stats.throughput import COUNT_FIELDS, StepCounter, to_vector
+
+__all__ = ["RuntimeMonitor"]
+
+_CONSUMED = ("batches", "samples", "tokens")
+
+
+class RuntimeMonitor(VitalsCallback):
+    """How long the run has taken, how much data it consumed, and how long it has left.
+
+    A clock starts at the first training micro-batch and stops during validation. At every
+    ``step_end`` the monitor notes the step; the training seconds per optimizer step are the
+    training time of all steps so far divided by their number, leaving out the first
+    ``warmup_steps`` steps of each process (compilation and warm-up). The remaining time is
+    that rate times the optimizer steps left to the training horizon: ``max_steps`` given here,
+    else the run's ``max_steps``, else ``max_epochs * ceil(num_training_batches /
+    accumulate_grad_batches)`` (the smaller of the two when both are known). Validation time is
+    not in the estimate (it is reported apart). Consumed batches, samples and tokens are summed
+    over the ranks that see different data in one collective on each logging step (samples
+    and batches over data-parallel ranks, tokens over data- and context-parallel ranks).
+
+    Everything is state: a resumed run continues its clocks, its counters and its rate from the
+    checkpoint (Lightning checkpoints, the driver's ``state_dict``); time between the
+    checkpoint and the restart (downtime) is not counted. On CUDA a logging step synchronises
+    the device once before reading the clock; non-logging steps read the clock and add a few
+    Python numbers: no sync, no transfer, no collective.
+
+    Args:
+        max_steps: the training horizon in optimizer steps (default: the run's).
+        time_unit: unit of the time keys: ``seconds``, ``minutes``, ``hours`` or ``days``.
+        warmup_steps: steps after each (re)start left out of the per-step rate.
+        batch_size_fn: ``batch -> samples`` (as in :class:`ThroughputMonitor`).
+        num_tokens_fn: ``batch -> tokens`` (as in :class:`ThroughputMonitor`).
+        clock: a callable returning seconds (default ``time.perf_counter``), for tests.
+        log_every_n_steps: interval in optimizer steps (default: the run's).
+        writer: where values go (default: the run's writer).
+
+    Keys written on logging steps (``<unit>`` is ``time_unit``, ``hours`` by default):
+
+    ==========================  ===================================================================  ========
+    key                         meaning                                                              unit
+    ==========================  ===================================================================  ========
+    ``time/remaining_<unit>``   estimated training time to the horizon (after a measured step)       <unit>
+    ``time/seconds_per_step``   training seconds per optimizer step the estimate uses                s
+    ``time/train_<unit>``       training wall time so far, validation excluded, over all restarts    <unit>
+    ``time/validation_<unit>``  validation wall time so far                                          <unit>
+    ``time/total_<unit>``       training plus validation wall time so far                            <unit>
+    ``time/batches``            micro-batches consumed, summed over data-parallel ranks              batches
+    ``time/samples``            samples consumed, summed over data-parallel ranks                    samples
+    ``time/tokens``             tokens consumed, summed over data- and context-parallel ranks        tokens
+    ==========================  ===================================================================  ========
+
+    Megatron-Bridge's ``report_runtime`` writes ``time/remaining_estimate`` and ``time/total``
+    without a unit in the name; ours carry the unit (``time/remaining_hours``) and exclude
+    validation from the estimate, which theirs does not. A count some rank could not provide
+    (no tensor in a batch, no ``input_ids``) is not written.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from trainvitals import RuntimeMonitor
+
+        trainer = pl.Trainer(max_steps=10_000, callbacks=[RuntimeMonitor(time_unit="hours")])
+    """
+
+    def __init__(
+        self,
+        *,
+        max_steps: int | None = None,
+        time_unit: str = "hours",
+        warmup_steps: int = 1,
+        batch_size_fn: Callable[[Any], Any] | None = None,
+        num_tokens_fn: Callable[[Any], Any] | None = None,
+        clock: Callable[[], float] | None = None,
+        log_every_n_steps: int | None = None,
+        writer: Any = None,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
+        if max_steps is not None and (
+            isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0
+        ):
+            raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
+        if time_unit not in TIME_UNITS:
+            raise ValueError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {time_unit!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+        for name, fn in (("batch_size_fn", batch_size_fn), ("num_tokens_fn", num_tokens_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable batch -> int, got {fn!r}")
+        self.max_steps = max_steps
+        self.time_unit = time_unit
+        self.warmup_steps = warmup_steps
+        self.batch_size_fn = batch_size_fn
+        self.num_tokens_fn = num_tokens_fn
+        self._clock = TrainClock(clock)
+        self._counter = StepCounter()
+        self._groups = ProcessGroups()
+        self._horizon: int | None = None
+        self._cuda: torch.device | None = None
+        self._steps_this_process = 0
+        self._rate_anchor: float | None = None  # train-clock reading where the rate starts
+        # Carried over from earlier processes of the run (checkpoint state).
+        self._prev = {"train": 0.0, "validation": 0.0, "total": 0.0}
+        self._prev_rate = {"seconds": 0.0, "steps": 0}
+        # Global consumed counts (synced on logging steps) and this rank's counts since then.
+        self._consumed = dict.fromkeys(COUNT_FIELDS[1:], 0.0)
+        self._pending = dict.fromkeys(COUNT_FIELDS[1:], 0.0)
+
+    # ------------------------------------------------------------------ hooks
+
+    def run_start(self, ctx: RunContext) -> None:
+        self._groups = ctx.groups
+        device = ctx.device
+        self._cuda = device if device.type == "cuda" else None
+        self._horizon = self.max_steps or training_horizon(
+            max_steps=ctx.max_steps,
+            max_epochs=ctx.max_epochs,
+            num_training_batches=ctx.num_training_batches,
+            accumulate_grad_batches=ctx.accumulate_grad_batches,
+        )
+        if self._horizon is None:
+            self.warn_once(
+                "horizon",
+                "training horizon unknown (no max_steps, no epochs x "
+                "batches): time/remaining is not written; pass max_steps=",
+            )
+
+    def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
+        if ctx.in_validation:
+            return
+        self._clock.start()
+        self._counter.add(batch.batch_size, batch.num_tokens)
+
+    def validation_start(self, ctx: RunContext) -> None:
+        self._clock.pause()
+
+    def validation_end(self, ctx: RunContext) -> None:
+        self._clock.resume()
+
+    def step_end(self, ctx: RunContext) -> None:
+        log = self.should_log(ctx)
+        if log and self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
+        self._clock.start()  # no-op unless no micro-batch was reported
+        train_now = self._clock.train_seconds()
+        self._steps_this_process += 1
+        if self._steps_this_process == self.warmup_steps:
+            self._rate_anchor = train_now
+        elif self.warmup_steps == 0 and self._rate_anchor is None:
+            self._rate_anchor = 0.0
+        record = self._counter.take(0.0)
+        for name in COUNT_FIELDS[1:]:
+            self._pending[name] = self._pending[name] + getattr(record, name)
+        if log:
+            self._sync_consumed()
+            self.write(ctx, self._values(ctx.step + 1))
+
+    # ------------------------------------------------------------------ what it measures
+
+    def _sync_consumed(self) -> None:
+        """Add every rank's counts since the last sync to the global counts (one collective)."""
+        vec = to_vector([self._pending[n] for n in COUNT_FIELDS[1:]]).unsqueeze(0)
+        summed = reduce_counts(vec, self._groups)[0].tolist()
+        for name, value in zip(COUNT_FIELDS[1:], summed, strict=True):
+            self._consumed[name] += value
+            self._pending[name] = 0.0
+
+    def _rate(self, train_now: float) -> tuple[float, int]:
+        """(training seconds, steps) the per-step rate is made of, over all processes."""
+        seconds, steps = self._prev_rate["seconds"], self._prev_rate["steps"]
+        if self._rate_anchor is not None:
+            seconds += train_now - self._rate_anchor
+            steps += self._steps_this_process - self.warmup_steps
+        return seconds, steps
+
+    def _values(self, steps_done: int) -> dict[str, Any]:
+        now = self._clock.read()
+        unit = self.time_unit
+        out: dict[str, Any] = {
+            f"time/{kind}_{unit}": seconds_to(self._prev[kind] + now[kind], unit)
+            for kind in ("train", "validation", "total")
+        }
+        for name in _CONSUMED:
+            if self._consumed[f"{name}_missing"] == 0:
+                out[f"time/{name}"] = self._consumed[name]
+        seconds, steps = self._rate(now["train"])
+        if steps > 0:
+            per_step = seconds / steps
+            out["time/seconds_per_step"] = per_step
+            if self._horizon is not None:
+                left = remaining_seconds(per_step, steps_done, self._horizon)
+                out[f"time/remaining_{unit}"] = seconds_to(left, unit)
+        return out
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """Clocks, rate and consumed counts. On a multi-rank run this is collective (every rank's
+        counts since the last logging step are summed into the global counts): call it on every
+        rank, as Lightning's and Accelerate's checkpointing do."""
+        self._sync_consumed()
+        now = self._clock.read()
+        seconds, steps = self._rate(now["train"])
+        return {
+            "seconds": {kind: self._prev[kind] + now[kind] for kind in self._prev},
+            "rate": {"seconds": seconds, "steps": steps},
+            "consumed": dict(self._consumed),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        seconds = state_dict.get("seconds", {})
+        self._prev = {k: float(seconds.get(k, 0.0)) for k in self._prev}
+        rate = state_dict.get("rate", {})
+        self._prev_rate = {
+            "seconds": float(rate.get("seconds", 0.0)),
+            "steps": int(rate.get("steps", 0)),
+        }
+        consumed = state_dict.get("consumed", {})
+        self._consumed = {k: float(consumed.get(k, 0.0)) for k in self._consumed}
+        self._pending = dict.fromkeys(self._pending, 0.0)
+        # This process starts its own clock and its own warm-up.
+        self._clock = TrainClock(self._clock._clock)
+        self._steps_this_process = 0
+        self._rate_anchor = None

@@ -1,0 +1,391 @@
+"""ThroughputMonitor: batches, samples, tokens and flops per second over a rolling window."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import astuple
+from typing import Any
+
+import torch
+
+from trainvitals.adapters.context import BatchInfo, RunContext
+from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.distributed import ProcessGroups, all_reduce_by_groups, group_size, world_group
+from trainvitals.stats.flops import PRECISIONS, FlopCounterSession, device_name_of, peak_flops
+from trainvitals.stats.runtime import TrainClock
+from trainvitals.stats.throughput import COUNT_FIELDS, RollingWindow, StepCounter, to_vector
+
+__all__ = ["ThroughputMonitor", "reduce_counts"]
+
+# Which group each count of a StepRecord (COUNT_FIELDS[1:]) is summed over. Samples and batches:
+# the data-parallel ranks (tensor-, context- and pipeline-parallel peers share their samples).
+# Tokens: data- and context-parallel ranks (a context-parallel rank holds its own slice of the
+# sequence; tensor-parallel peers hold the same tokens). Flops: every rank (each does its part).
+_FIELD_GROUP = {
+    "batches": "dp",
+    "samples": "dp",
+    "tokens": "dp_cp",
+    "batches_missing": "dp",
+    "samples_missing": "dp",
+    "tokens_missing": "dp_cp",
+    "flops": "world",
+}
+
+
+def reduce_counts(matrix: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """Sum the columns of ``matrix`` (``[n, 7]``, the :data:`COUNT_FIELDS` after ``seconds``)
+    over their groups: one SUM collective per distinct group (one in all under plain DDP)."""
+    names = COUNT_FIELDS[1:]
+    by_role: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        by_role.setdefault(_FIELD_GROUP[name], []).append(i)
+    group_of = {"dp": groups.dp, "dp_cp": groups.dp_cp, "world": world_group()}
+    roles = list(by_role)
+    reduced = all_reduce_by_groups([(matrix[:, by_role[r]], (group_of[r],)) for r in roles], "sum")
+    out = torch.empty_like(matrix, dtype=torch.float64)
+    for r, values in zip(roles, reduced, strict=True):
+        out[:, by_role[r]] = values
+    return out
+
+
+class ThroughputMonitor(VitalsCallback):
+    """Training throughput over a rolling window of optimizer steps, global and per device.
+
+    Every training micro-batch is counted (``micro_batch_start``: one batch, its samples and its
+    tokens) into the optimizer step it belongs to; at ``step_end`` the step's wall time is taken
+    from a clock that stops during validation, and the step enters a window of the last
+    ``window_size`` steps. On a logging step the window's counts are summed over the ranks that
+    see different data in ONE collective (samples and batches over the data-parallel group,
+    tokens over data- and context-parallel ranks, flops over all ranks; one collective in all
+    under DDP/FSDP), so the global figures are measured, not rank 0 times the world size: a
+    rank that processed more tokens counts as such. Per-device figures are this rank's own
+    (rank 0's in the written values). Non-logging steps read the clock and add a few Python
+    numbers: no sync, no transfer, no collective. On CUDA the logging step synchronises the
+    device once before reading the clock, so the window ends when the GPU's work ends. Window
+    boundaries that fall on non-logging steps are read without a sync; with ``window_size`` a
+    multiple of the logging interval (the defaults 100 and 50) every boundary is synchronised.
+
+    The first ``warmup_steps`` steps of each process (compilation, allocator and data-loader
+    warm-up) are not put in the window, so with the default nothing is written at step 0.
+
+    Flops: give ``flops_per_token`` or ``flops_per_sample`` (forward + backward flops of the
+    whole model per token or sample, e.g. ``6 * n_params`` per token for a dense transformer),
+    or set ``measure_flops=True`` to count the first optimizer step of the run with
+    ``torch.utils.flop_counter.FlopCounterMode`` (forward and backward of its micro-batches, on
+    this rank's model as it runs: the whole model under DDP/FSDP, the local shard under tensor
+    parallelism; it slows that one step; not under ``torch.compile``); the count is divided by
+    the step's tokens (else samples, else batches) and kept in the checkpoint. MFU needs the
+    device's dense peak FLOP/s: ``peak_flops`` (per device) or the table in
+    :mod:`trainvitals.stats.flops` for the CUDA device at ``precision``; on CPU, without
+    ``peak_flops``, no MFU key is written.
+
+    Args:
+        window_size: optimizer steps in the rolling window.
+        warmup_steps: steps after each (re)start left out of the window.
+        batch_size_fn: ``batch -> samples`` (default: the first dim of the first tensor).
+        num_tokens_fn: ``batch -> tokens`` (default: ``input_ids.numel()`` or the element count
+            of the first 2-d integer tensor). Under the driver, explicit
+            ``vitals.batch(batch_size=..., num_tokens=...)`` values win.
+        flops_per_token: model flops (forward + backward) per token.
+        flops_per_sample: model flops (forward + backward) per sample.
+        measure_flops: measure the flops of the first step with ``FlopCounterMode``.
+        peak_flops: dense peak FLOP/s of one device (overrides the table).
+        precision: the table column for the peak: one of ``fp32``, ``tf32``, ``bf16``,
+            ``fp16``, ``fp8``.
+        clock: a callable returning seconds (default ``time.perf_counter``), for tests.
+        log_every_n_steps: interval in optimizer steps (default: the run's).
+        writer: where values go (default: the run's writer).
+
+    Keys written (on logging steps, once the window holds a step):
+
+    ===================================  ========================================================  ===========
+    key                                  meaning                                                   unit
+    ===================================  ========================================================  ===========
+    ``throughput/batches_per_sec``       micro-batches of all data-parallel ranks per second        batches/s
+    ``throughput/samples_per_sec``       samples of all data-parallel ranks per second              samples/s
+    ``throughput/tokens_per_sec``        tokens of all data- and context-parallel ranks per second  tokens/s
+    ``throughput/device/batches_per_sec``  this rank's micro-batches per second                     batches/s
+    ``throughput/device/samples_per_sec``  this rank's samples per second                           samples/s
+    ``throughput/device/tokens_per_sec``   this rank's tokens per second                            tokens/s
+    ``throughput/seconds_per_step``      mean training wall time per optimizer step in the window   s
+    ``throughput/flops_per_sec``         flops of all ranks per second (flops known)                FLOP/s
+    ``throughput/device/flops_per_sec``  this device's flops per second (flops known)               FLOP/s
+    ``throughput/mfu``                   ``flops_per_sec / (world_size * peak)`` (peak known)       fraction
+    ``throughput/device/mfu``            ``device/flops_per_sec / peak`` (peak known)               fraction
+    ===================================  ========================================================  ===========
+
+    Rates are counts summed over the window divided by the window's training time (validation
+    excluded). A rate whose count some rank could not provide (a batch without a tensor, no
+    ``input_ids``) is not written. Names follow Composer's ``SpeedMonitor`` and Megatron-Bridge's
+    ``report_throughput``; ``throughput/mfu`` (global) and ``throughput/seconds_per_step`` are
+    ours, and our global rates are sums over the ranks where theirs are rank 0 times the world
+    size (Lightning's ``ThroughputMonitor``).
+
+    Example::
+
+        import lightning.pytorch as pl
+        from trainvitals import ThroughputMonitor
+
+        monitor = ThroughputMonitor(flops_per_token=6 * 25e6, window_size=100)
+        trainer = pl.Trainer(callbacks=[monitor], log_every_n_steps=50)
+
+        # plain / Accelerate loop
+        vitals = Vitals([monitor]).attach(model, optimizer)
+        for batch in loader:
+            vitals.batch(batch, num_tokens=int(batch["attention_mask"].sum()))
+            ...
+    """
+
+    def __init__(
+        self,
+        *,
+        window_size: int = 100,
+        warmup_steps: int = 1,
+        batch_size_fn: Callable[[Any], Any] | None = None,
+        num_tokens_fn: Callable[[Any], Any] | None = None,
+        flops_per_token: float | None = None,
+        flops_per_sample: float | None = None,
+        measure_flops: bool = False,
+        peak_flops: float | None = None,
+        precision: str = "bf16",
+        clock: Callable[[], float] | None = None,
+        log_every_n_steps: int | None = None,
+        writer: Any = None,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+        for name, fn in (("batch_size_fn", batch_size_fn), ("num_tokens_fn", num_tokens_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable batch -> int, got {fn!r}")
+        for name, value in (
+            ("flops_per_token", flops_per_token),
+            ("flops_per_sample", flops_per_sample),
+            ("peak_flops", peak_flops),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        given = [
+            n
+            for n, v in (
+                ("flops_per_token", flops_per_token),
+                ("flops_per_sample", flops_per_sample),
+                ("measure_flops", measure_flops or None),
+            )
+            if v is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(
+                f"give at most one of flops_per_token, flops_per_sample, measure_flops; got {given}"
+            )
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.window_size = window_size
+        self.warmup_steps = warmup_steps
+        self.batch_size_fn = batch_size_fn
+        self.num_tokens_fn = num_tokens_fn
+        self.flops_per_token = flops_per_token
+        self.flops_per_sample = flops_per_sample
+        self.measure_flops = bool(measure_flops)
+        self.peak_flops = peak_flops
+        self.precision = precision
+        self._clock = TrainClock(clock)
+        self._counter = StepCounter()
+        self._window = RollingWindow(window_size)
+        self._last_end: float | None = None  # train-clock reading at the previous step end
+        self._steps_this_process = 0
+        self._totals = {"steps": 0, "batches": 0, "samples": 0.0, "tokens": 0.0}
+        self._measured: tuple[str, float] | None = None  # (unit, flops per unit), measured
+        self._session: FlopCounterSession | None = None
+        self._groups = ProcessGroups()
+        self._peak: float | None = None
+        self._mp = {"tokens": 1, "samples": 1}
+        self._cuda: torch.device | None = None
+
+    # ------------------------------------------------------------------ hooks
+
+    def run_start(self, ctx: RunContext) -> None:
+        self._groups = ctx.groups
+        device = ctx.device
+        self._cuda = device if device.type == "cuda" else None
+        self._peak = self.peak_flops
+        if self._peak is None and self._cuda is not None:
+            self._peak = peak_flops(device_name_of(device) or "", self.precision)
+            if self._peak is None:
+                self.warn_once(
+                    "peak",
+                    f"no peak FLOP/s known for {device_name_of(device)!r}; "
+                    "pass peak_flops= for MFU",
+                )
+        world = ctx.world_size
+        # Devices that share one token (sample) stream and split its model flops between them.
+        self._mp = {
+            "tokens": max(world // group_size(ctx.groups.dp_cp), 1),
+            "samples": max(world // group_size(ctx.groups.dp), 1),
+        }
+
+    def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
+        if ctx.in_validation:
+            return
+        self._clock.start()
+        if self.measure_flops and self._measured is None and self._session is None:
+            self._session = FlopCounterSession()
+            self._session.start()
+        self._counter.add(batch.batch_size, batch.num_tokens)
+
+    def before_optimizer_step(self, ctx: RunContext) -> None:
+        self._finish_flop_measurement()
+
+    def validation_start(self, ctx: RunContext) -> None:
+        self._clock.pause()
+
+    def validation_end(self, ctx: RunContext) -> None:
+        self._clock.resume()
+
+    def step_end(self, ctx: RunContext) -> None:
+        log = self.should_log(ctx)
+        if log and self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)  # the window ends when the GPU's work ends
+        self._finish_flop_measurement()
+        self._clock.start()  # no-op unless no micro-batch was reported
+        now = self._clock.train_seconds()
+        seconds = now - (self._last_end or 0.0)
+        self._last_end = now
+        counts = self._counter
+        record = counts.take(seconds)
+        record.flops = self._device_flops(record)
+        self._count_totals(record)
+        self._steps_this_process += 1
+        if record.batches_missing:
+            self.warn_once(
+                "nobatch",
+                "no micro-batch reported in a step: call vitals.batch() "
+                "once per micro-batch; counts of such steps are not reported",
+            )
+        if self._steps_this_process > self.warmup_steps:
+            self._window.append(record)
+        if log:
+            self.write(ctx, self._rates(ctx))
+
+    def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
+        self._finish_flop_measurement()
+
+    def run_end(self, ctx: RunContext) -> None:
+        self._finish_flop_measurement()
+
+    # ------------------------------------------------------------------ what it measures
+
+    def _finish_flop_measurement(self) -> None:
+        session, self._session = self._session, None
+        if session is None or not session.active:
+            return
+        flops = session.stop()
+        c = self._counter
+        if flops is None:
+            self.warn_once(
+                "flops",
+                "could not leave FlopCounterMode cleanly (another dispatch "
+                "mode is active); flops not measured",
+            )
+            self.measure_flops = False
+            return
+        for unit, count, missing in (
+            ("tokens", c.tokens, c.tokens_missing),
+            ("samples", c.samples, c.samples_missing),
+            ("batches", c.batches, int(c.batches == 0)),
+        ):
+            if not missing and float(count) > 0:
+                self._measured = (unit, flops / float(count))
+                return
+
+    def _device_flops(self, record: Any) -> Any:
+        """This device's flops in the step, or 0 when unknown."""
+        if self.flops_per_token is not None:
+            return record.tokens * (self.flops_per_token / self._mp["tokens"])
+        if self.flops_per_sample is not None:
+            return record.samples * (self.flops_per_sample / self._mp["samples"])
+        if self._measured is not None:
+            unit, per_unit = self._measured
+            return getattr(record, unit) * per_unit
+        return 0.0
+
+    def _flops_missing_field(self) -> str | None:
+        if self.flops_per_token is not None:
+            return "tokens_missing"
+        if self.flops_per_sample is not None:
+            return "samples_missing"
+        if self._measured is not None:
+            return {
+                "tokens": "tokens_missing",
+                "samples": "samples_missing",
+                "batches": "batches_missing",
+            }[self._measured[0]]
+        return None
+
+    def _count_totals(self, record: Any) -> None:
+        t = self._totals
+        t["steps"] += 1
+        t["batches"] += record.batches
+        t["samples"] = t["samples"] + record.samples
+        t["tokens"] = t["tokens"] + record.tokens
+
+    def _rates(self, ctx: RunContext) -> dict[str, Any]:
+        if not len(self._window):
+            return {}
+        local = self._window.sums()
+        live, restored = self._window.split_sums()
+        live_vec = to_vector(astuple(live)[1:]).unsqueeze(0)
+        glob = reduce_counts(live_vec, self._groups)[0] + torch.tensor(
+            restored, dtype=torch.float64
+        )
+        g = dict(zip(COUNT_FIELDS[1:], glob, strict=True))
+        seconds = float(local.seconds)
+        if seconds <= 0:
+            return {}
+        out: dict[str, Any] = {"throughput/seconds_per_step": seconds / len(self._window)}
+        local_vec = to_vector(astuple(local)[1:])
+        loc = dict(zip(COUNT_FIELDS[1:], local_vec, strict=True))
+        for unit in ("batches", "samples", "tokens"):
+            if float(g[f"{unit}_missing"]) == 0:
+                out[f"throughput/{unit}_per_sec"] = g[unit] / seconds
+            if float(loc[f"{unit}_missing"]) == 0:
+                out[f"throughput/device/{unit}_per_sec"] = loc[unit] / seconds
+        missing = self._flops_missing_field()
+        if missing is not None:
+            if float(g[missing]) == 0:
+                flops_per_sec = g["flops"] / seconds
+                out["throughput/flops_per_sec"] = flops_per_sec
+                if self._peak:
+                    out["throughput/mfu"] = flops_per_sec / (ctx.world_size * self._peak)
+            if float(loc[missing]) == 0:
+                device_flops = loc["flops"] / seconds
+                out["throughput/device/flops_per_sec"] = device_flops
+                if self._peak:
+                    out["throughput/device/mfu"] = device_flops / self._peak
+        return out
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """Window, totals and measured flops. On a multi-rank run this is collective (the window's
+        counts are summed over the ranks so that rank 0's copy restores exact global rates):
+        call it on every rank, as Lightning's and Accelerate's checkpointing do."""
+        idx, matrix = self._window.live_matrix()
+        if idx:
+            self._window.set_globals(idx, reduce_counts(matrix, self._groups))
+        return {
+            "window": self._window.state_dict(),
+            "totals": {k: float(v) for k, v in self._totals.items()},
+            "measured": list(self._measured) if self._measured is not None else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._window.load_state_dict(state_dict.get("window", {}))
+        totals = state_dict.get("totals", {})
+        self._totals = {k: totals.get(k, 0) for k in self._totals}
+        self._totals["steps"] = int(self._totals["steps"])
+        self._totals["batches"] = int(self._totals["batches"])
+        measured = state_dict.get("measured")
+        self._measured = (str(measured[0]), float(measured[1])) if measured else None

@@ -1,0 +1,188 @@
+"""Floating-point work: peak dense FLOP/s of common accelerators, and measuring a step's flops.
+
+Peak figures are DENSE tensor-core (or vector, for ``fp32``) throughput per GPU, from NVIDIA's
+datasheets. Datasheets print tensor-core figures "with sparsity" (2:4 structured sparsity,
+which training does not use); the dense figure is half of it. Lightning's table
+(``lightning.fabric.utilities.throughput._CUDA_FLOPS``, read 2026-11-21) mixes the two: its H200
+entries are the sparse figures (2.0e15 bf16) and its "h100 nvl" entry is the figure of the
+two-GPU NVL pair, which halves the MFU it reports on those devices; we use dense per-GPU
+figures throughout.
+
+Sources (datasheets, dense = sparse / 2):
+
+* H100 SXM / H100 PCIe / H100 NVL: "NVIDIA H100 Tensor Core GPU" datasheet
+  (https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet):
+  SXM BF16 1,979 TFLOPS sparse; PCIe 1,513; NVL (94 GB, per GPU) 1,671.
+* H200 SXM / H200 NVL: "NVIDIA H200 Tensor Core GPU" datasheet
+  (https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446):
+  SXM BF16 1,979 TFLOPS sparse, NVL 1,671. GH200 has the H100 SXM compute figures.
+* A100: "NVIDIA A100 Tensor Core GPU" datasheet: BF16 312 TFLOPS dense (624 sparse), TF32 156,
+  FP32 19.5.
+* L4, L40S, A10: their product datasheets (L4 BF16 121 dense; L40S BF16 362 dense; A10 BF16 125).
+* V100: "NVIDIA V100" datasheet: FP16 tensor 125 (SXM2) / 112 (PCIe) TFLOPS, FP32 15.7 / 14.
+* B200: "NVIDIA HGX B200" datasheet: FP8 9 PFLOPS, BF16 4.5 PFLOPS, TF32 2.2 PFLOPS sparse per
+  GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PEAK_FLOPS",
+    "PRECISIONS",
+    "FlopCounterSession",
+    "chip_name",
+    "measure_flops",
+    "peak_flops",
+]
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+# chip -> precision -> dense FLOP/s per device.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "b200": {"tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
+    "h200 sxm": {
+        "fp32": 67e12,
+        "tf32": 494.7e12,
+        "bf16": 989.4e12,
+        "fp16": 989.4e12,
+        "fp8": 1978.9e12,
+    },
+    "h200 nvl": {
+        "fp32": 60e12,
+        "tf32": 417.5e12,
+        "bf16": 835.5e12,
+        "fp16": 835.5e12,
+        "fp8": 1670.5e12,
+    },
+    "h100 sxm": {
+        "fp32": 67e12,
+        "tf32": 494.7e12,
+        "bf16": 989.4e12,
+        "fp16": 989.4e12,
+        "fp8": 1978.9e12,
+    },
+    "h100 nvl": {
+        "fp32": 60e12,
+        "tf32": 417.5e12,
+        "bf16": 835.5e12,
+        "fp16": 835.5e12,
+        "fp8": 1670.5e12,
+    },
+    "h100 pcie": {
+        "fp32": 51.2e12,
+        "tf32": 378e12,
+        "bf16": 756.5e12,
+        "fp16": 756.5e12,
+        "fp8": 1513e12,
+    },
+    "a100": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    "l40s": {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362.05e12, "fp16": 362.05e12, "fp8": 733e12},
+    "l4": {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12, "fp8": 242.5e12},
+    "a10": {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12},
+    "v100 sxm": {"fp32": 15.7e12, "fp16": 125e12},
+    "v100 pcie": {"fp32": 14e12, "fp16": 112e12},
+}
+
+
+def chip_name(device_name: str) -> str | None:
+    """The :data:`PEAK_FLOPS` key of a CUDA device name (``torch.cuda.get_device_name()``), e.g.
+    ``"NVIDIA H100 80GB HBM3"`` -> ``"h100 sxm"``, ``"NVIDIA H200"`` -> ``"h200 sxm"``."""
+    name = device_name.lower()
+    if "gh200" in name:
+        return "h100 sxm"
+    if "b200" in name:
+        return "b200"
+    for chip in ("h200", "h100"):
+        if chip in name:
+            if "nvl" in name:
+                return f"{chip} nvl"
+            if "pcie" in name:
+                return f"{chip} pcie" if chip == "h100" else None
+            return f"{chip} sxm"
+    if "a100" in name:
+        return "a100"
+    if "l40s" in name:
+        return "l40s"
+    if "l4" in name.replace("l40", ""):
+        return "l4"
+    if "a10" in name and "a100" not in name and "a10g" not in name:
+        return "a10"
+    if "v100" in name:
+        return "v100 pcie" if "pcie" in name else "v100 sxm"
+    return None
+
+
+def peak_flops(device_name: str, precision: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of one device of this name at ``precision``; ``None`` if unknown."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    chip = chip_name(device_name)
+    if chip is None:
+        return None
+    return PEAK_FLOPS[chip].get(precision)
+
+
+def measure_flops(fn: Callable[[], Any]) -> int:
+    """Floating-point operations of ``fn()`` as counted by ``torch.utils.flop_counter``.
+
+    ``fn`` should run one forward and backward pass (for example on a model built on the
+    ``meta`` device, which costs no memory or time); matrix products, convolutions and
+    attention are counted, element-wise work is not. Activation recomputation is counted too,
+    so under activation checkpointing this is hardware, not model, flops.
+
+    Example::
+
+        with torch.device("meta"):
+            model = MyModel()
+            x = torch.randint(0, 1000, (8, 512))
+        flops = measure_flops(lambda: model(x).sum().backward())
+        ThroughputMonitor(flops_per_sample=flops / 8)
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+class FlopCounterSession:
+    """A ``FlopCounterMode`` entered in one hook and left in a later one.
+
+    Used to count the flops of the first optimizer step of a run (forward and backward of its
+    micro-batches) without wrapping the user's code. :meth:`stop` returns the count, or ``None``
+    when the mode could not be left cleanly (another dispatch mode entered after ours is still
+    active, e.g. under ``torch.compile``); it then leaves the mode stack as it is.
+    """
+
+    def __init__(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._mode = FlopCounterMode(display=False)
+        self.active = False
+
+    def start(self) -> None:
+        self._mode.__enter__()
+        self.active = True
+
+    def stop(self) -> int | None:
+        if not self.active:
+            return None
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not getattr(self._mode, "mode", self._mode):
+            return None
+        self.active = False
+        self._mode.__exit__(None, None, None)
+        return int(self._mode.get_total_flops())
+
+
+def device_name_of(device: torch.device) -> str | None:
+    """``torch.cuda.get_device_name`` for CUDA devices, else ``None``."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device)

@@ -1,0 +1,77 @@
+"""Memory readings: CUDA caching-allocator statistics and the host process's resident set.
+
+No I/O, no collectives: these read counters the allocator and the OS keep anyway. Byte counts
+are converted to GB as ``bytes / 1e9`` (decimal gigabytes, as Composer's ``MemoryMonitor`` and
+Megatron-Bridge's ``report_memory`` do); counts stay counts.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BYTES_PER_GB",
+    "CUDA_STATS",
+    "REDUCTIONS",
+    "cuda_memory_readings",
+    "host_memory_readings",
+]
+
+BYTES_PER_GB = 1e9
+
+# Our key (under ``memory/``) -> (torch.cuda.memory_stats() key, is a byte count).
+# Megatron-Bridge / Composer names in comments; see docs/callbacks.md for the deviations.
+CUDA_STATS: dict[str, tuple[str, bool]] = {
+    "allocated_gb": ("allocated_bytes.all.current", True),  # mem-allocated-gigabytes
+    "active_gb": ("active_bytes.all.current", True),  # mem-active-gigabytes
+    "inactive_gb": ("inactive_split_bytes.all.current", True),  # mem-inactive-gigabytes
+    "reserved_gb": ("reserved_bytes.all.current", True),  # mem-reserved-gigabytes
+    "peak_allocated_gb": ("allocated_bytes.all.peak", True),  # mem-max-allocated-gigabytes
+    "peak_active_gb": ("active_bytes.all.peak", True),  # mem-max-active-gigabytes
+    "peak_inactive_gb": ("inactive_split_bytes.all.peak", True),  # mem-max-inactive-gigabytes
+    "peak_reserved_gb": ("reserved_bytes.all.peak", True),  # mem-max-reserved-gigabytes
+    "alloc_retries": ("num_alloc_retries", False),  # mem-alloc-retires (sic)
+    "ooms": ("num_ooms", False),
+}
+
+# Reductions over ranks a MemoryMonitor can report.
+REDUCTIONS = ("max", "min", "mean")
+
+
+def cuda_memory_readings(device: torch.device | int | None = None) -> dict[str, float]:
+    """The :data:`CUDA_STATS` of ``device`` (GB for byte counts), from
+    ``torch.cuda.memory_stats``. Host-side counters: no synchronisation, no device transfer."""
+    stats = torch.cuda.memory_stats(device)
+    out: dict[str, float] = {}
+    for key, (stat, is_bytes) in CUDA_STATS.items():
+        value = float(stats.get(stat, 0))
+        out[key] = value / BYTES_PER_GB if is_bytes else value
+    return out
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def host_memory_readings(process: Any = None) -> dict[str, float]:
+    """This process's resident set size and its peak since the process started, in GB.
+
+    ``rss_gb`` from ``psutil`` (``memory_info().rss``); ``peak_rss_gb`` from
+    ``getrusage(RUSAGE_SELF).ru_maxrss`` (``peak_wset`` on Windows), never below ``rss_gb``.
+    """
+    import psutil
+
+    process = process or psutil.Process()
+    info = process.memory_info()
+    rss = int(info.rss)
+    peak = getattr(info, "peak_wset", None) or _peak_rss_bytes() or rss
+    return {"rss_gb": rss / BYTES_PER_GB, "peak_rss_gb": max(peak, rss) / BYTES_PER_GB}

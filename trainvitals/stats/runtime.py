@@ -1,0 +1,133 @@
+"""Training time bookkeeping: wall time split into training and validation, remaining-time math.
+
+Pure Python, no I/O, no framework. The clock is injectable (``clock=``) so that tests can drive
+it deterministically; the default is :func:`time.perf_counter`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["TIME_UNITS", "TrainClock", "seconds_to", "training_horizon"]
+
+# Seconds per unit, for the ``time_unit`` arguments and the key suffixes (``time/total_hours``).
+TIME_UNITS: dict[str, float] = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0}
+
+
+def seconds_to(seconds: float, unit: str) -> float:
+    """``seconds`` expressed in ``unit`` (one of :data:`TIME_UNITS`)."""
+    if unit not in TIME_UNITS:
+        raise ValueError(f"time unit must be one of {sorted(TIME_UNITS)}, got {unit!r}")
+    return seconds / TIME_UNITS[unit]
+
+
+class TrainClock:
+    """Wall time of one process's part of a run, with validation time kept apart.
+
+    ``start()`` starts the clock (idempotent); ``pause()``/``resume()`` bracket validation.
+    ``train_seconds()`` is the time since ``start()`` minus every paused interval (including one
+    in progress), ``validation_seconds()`` the paused time, ``total_seconds()`` both together.
+    Before ``start()`` all three are 0.
+
+    Example::
+
+        clock = TrainClock(clock=iter([0.0, 5.0, 7.0, 10.0]).__next__)
+        clock.start()          # t=0
+        clock.pause()          # t=5: validation starts
+        clock.resume()         # t=7: validation ends
+        clock.train_seconds()  # t=10 -> 8.0
+    """
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        self._clock: Callable[[], float] = clock or time.perf_counter
+        self._start: float | None = None
+        self._paused_at: float | None = None
+        self._paused_seconds = 0.0
+
+    @property
+    def started(self) -> bool:
+        return self._start is not None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def now(self) -> float:
+        return float(self._clock())
+
+    def start(self) -> None:
+        if self._start is None:
+            self._start = self.now()
+
+    def pause(self) -> None:
+        if self._start is not None and self._paused_at is None:
+            self._paused_at = self.now()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._paused_seconds += self.now() - self._paused_at
+            self._paused_at = None
+
+    def _read(self) -> tuple[float, float]:
+        """(total, validation) seconds from one clock reading."""
+        if self._start is None:
+            return 0.0, 0.0
+        now = self.now()
+        paused = self._paused_seconds
+        if self._paused_at is not None:
+            paused += now - self._paused_at
+        return now - self._start, paused
+
+    def train_seconds(self) -> float:
+        total, paused = self._read()
+        return total - paused
+
+    def validation_seconds(self) -> float:
+        return self._read()[1]
+
+    def total_seconds(self) -> float:
+        return self._read()[0]
+
+    def read(self) -> dict[str, float]:
+        """``{"train": ..., "validation": ..., "total": ...}`` from a single clock reading."""
+        total, paused = self._read()
+        return {"train": total - paused, "validation": paused, "total": total}
+
+
+def training_horizon(
+    *,
+    max_steps: int | None = None,
+    max_epochs: int | None = None,
+    num_training_batches: int | None = None,
+    accumulate_grad_batches: int = 1,
+) -> int | None:
+    """Total optimizer steps of the run, or ``None`` when unknown.
+
+    The smaller of ``max_steps`` and ``max_epochs * ceil(num_training_batches /
+    accumulate_grad_batches)`` (an epoch ends with an optimizer step even when its last
+    accumulation is incomplete, as in Lightning's ``estimated_stepping_batches``).
+    """
+    candidates: list[int] = []
+    if max_steps is not None and max_steps > 0:
+        candidates.append(int(max_steps))
+    if max_epochs and num_training_batches:
+        acc = max(int(accumulate_grad_batches or 1), 1)
+        candidates.append(int(max_epochs) * math.ceil(int(num_training_batches) / acc))
+    return min(candidates) if candidates else None
+
+
+def remaining_seconds(seconds_per_step: float, steps_done: int, horizon: int) -> float:
+    """Estimated training seconds left: the steps left times the seconds per step."""
+    return max(horizon - steps_done, 0) * seconds_per_step
+
+
+def as_float_state(value: Any) -> Any:
+    """A count (int, float or 0-d tensor) as a plain number for checkpoints."""
+    if value is None or isinstance(value, int | float):
+        return value
+    return float(value)
