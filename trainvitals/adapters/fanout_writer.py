@@ -1,0 +1,1022 @@
+"""The fan-out writer: every scalar once, delivered to every sink through its batch API.
+
+How a value travels
+-------------------
+1. **Training thread** (``add_scalar`` / ``add_scalars``): the key, value and step are checked
+   (bad input raises here, before anything is queued) and the value is stored as it is: a
+   Python float, or a reference to the one-element tensor. Nothing is copied, synchronised or
+   moved. Values of the current step accumulate in one dict; a value for a key already logged
+   in that step replaces the earlier one.
+2. **Step boundary**: a call with a larger step (or ``flush()``/``close()``) closes the current
+   step and puts it on a bounded queue (``queue_size`` steps). With CUDA tensors in the step, a
+   CUDA event is recorded on the current stream (a few microseconds); that is all the training
+   thread does.
+3. **Dispatcher thread**: takes a step off the queue and moves all of its tensors to the host
+   in one batched transfer per (device, dtype): ``torch.stack`` on a side stream that waits for
+   the recorded event, one non-blocking copy into pinned memory, one event the dispatcher (not
+   the training thread) waits on, then ``tolist()``. It hands the resulting ``{key: float}`` to
+   every sink's worker.
+4. **Sink workers**: each sink has its own thread and its own bounded buffer of pending steps
+   (``buffer_steps``), and delivers the steps in order through the backend's batch API. A slow,
+   failing or hanging sink therefore delays nobody but itself: not the training thread, not the
+   other sinks, not the dispatcher. Sinks marked ``thread_safe = False`` (Lightning's
+   ``CSVLogger``, unknown loggers and trackers) are instead called from the training thread, at
+   the next step boundary or ``flush()`` after their values reached the host.
+
+The tensor contract
+-------------------
+The writer keeps a *reference* to each tensor until its step has been copied to the host, some
+time after the step closed. A caller must not modify such a tensor in place after handing it
+over (hand over a fresh tensor: the result of an operation, or ``t.detach().clone()``). No
+``.item()`` or ``.cpu()`` is ever issued per value, and the training thread never waits for
+the device.
+
+Faults
+------
+A sink whose ``write`` raises is reported once (a ``RuntimeWarning`` with its name and the
+error) and retried with exponential backoff (``retry_backoff``); its pending steps stay in its
+buffer, whose oldest step is dropped (and counted as missed) when it is full. After
+``max_failures`` consecutive failures the sink is disabled with a warning saying how many steps
+it missed. A ``write`` that has not returned after ``sink_timeout`` seconds is reported as hung;
+``flush()`` and ``close()`` stop waiting for it. ``close()`` never raises because of a sink, and
+its last warning lists every sink that missed steps.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import numbers
+import os
+import queue
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainvitals import distributed
+from trainvitals.adapters.sinks.base import Sink, StepRefused
+
+__all__ = ["FanoutWriter"]
+
+log = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+_STOP = object()
+
+
+def _warn(message: str) -> None:
+    """Warn without ever raising (a warnings filter set to "error" must not kill a thread)."""
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    except Exception:  # pragma: no cover - only under -W error
+        log.warning(message)
+
+
+# --------------------------------------------------------------------------------------------
+# input checks (training thread)
+
+
+def _bad_key(key: Any) -> None:
+    if not isinstance(key, str):
+        raise TypeError(f"metric key must be a str, got {type(key).__name__}: {key!r}")
+    if not key or key.isspace():
+        raise ValueError(f"metric key must be a non-empty string, got {key!r}")
+
+
+def _as_value(key: str, value: Any) -> float | torch.Tensor:
+    """``value`` as a float, or the one-element tensor itself; raises naming ``key``."""
+    if isinstance(value, _Tensor):
+        if type(value) is not _Tensor and hasattr(value, "placements"):
+            value = _local_dtensor(key, value)
+        n = value.numel()
+        if n != 1:
+            raise ValueError(
+                f"value for key {key!r} is a tensor of shape {tuple(value.shape)} ({n} "
+                "elements); expected a tensor with exactly one element"
+            )
+        if value.is_complex():
+            raise TypeError(f"value for key {key!r} is a complex tensor; expected a real number")
+        if value.is_meta:
+            raise ValueError(f"value for key {key!r} is a meta tensor, which has no value")
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return 1.0 if value else 0.0
+    if isinstance(value, numbers.Real):
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError(f"value for key {key!r} does not fit a float64: {value!r}") from None
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        if value.size != 1:
+            raise ValueError(
+                f"value for key {key!r} is an array of shape {value.shape}; expected one element"
+            )
+        return float(value.reshape(()))
+    raise TypeError(
+        f"value for key {key!r} must be a real number, bool, numpy scalar or one-element "
+        f"tensor, got {type(value).__name__}: {value!r:.80}"
+    )
+
+
+def _local_dtensor(key: str, value: Any) -> torch.Tensor:
+    placements = value.placements
+    if all(type(p).__name__ == "Replicate" for p in placements):
+        return value.to_local()
+    raise ValueError(
+        f"value for key {key!r} is a DTensor with placements {placements}; reduce it to a "
+        "replicated value (for example with .full_tensor()) before logging"
+    )
+
+
+def _as_step(step: Any) -> int:
+    if type(step) is int:
+        s = step
+    elif isinstance(step, numbers.Integral) and not isinstance(step, (bool, np.bool_)):
+        s = int(step)
+    else:
+        hint = (
+            " (pass int(step); a tensor step would need a device sync)"
+            if isinstance(step, _Tensor)
+            else ""
+        )
+        raise TypeError(f"step must be an int, got {type(step).__name__}: {step!r:.40}{hint}")
+    if s < 0:
+        raise ValueError(f"step must be >= 0, got {s}")
+    return s
+
+
+# --------------------------------------------------------------------------------------------
+# steps in flight
+
+
+class _StepBatch:
+    """A closed step as it leaves the training thread: values still floats or tensors."""
+
+    __slots__ = ("cuda_event", "has_tensors", "seq", "step", "time", "values")
+
+    def __init__(
+        self, seq: int, step: int, time_: float, values: dict[str, Any], has_tensors: bool
+    ) -> None:
+        self.seq = seq
+        self.step = step
+        self.time = time_
+        self.values = values
+        self.has_tensors = has_tensors
+        self.cuda_event: tuple[int, Any] | None = None
+
+
+class _Record:
+    """A step on the host, shared (read-only) by every sink worker."""
+
+    __slots__ = ("metrics", "seq", "step", "time")
+
+    def __init__(self, seq: int, step: int, time_: float, metrics: dict[str, float]) -> None:
+        self.seq = seq
+        self.step = step
+        self.time = time_
+        self.metrics = metrics
+
+
+_side_streams: dict[int, Any] = {}
+
+
+def _gather_to_host(tensors: list[torch.Tensor], batch: _StepBatch) -> tuple[torch.Tensor, Any]:
+    """One tensor on the host holding ``tensors`` (same device, dtype and ndim), and an event.
+
+    CPU: one ``torch.stack``. CUDA: on a side stream that first waits for the event the
+    training thread recorded when the step closed (so every kernel that produced the values has
+    run, and later kernels of the training stream are not waited for), ``torch.stack`` then one
+    non-blocking copy into pinned memory and an event to wait on. The tensors stay referenced by
+    ``batch`` until the caller has waited on that event, so their memory cannot be reused
+    before the copy has read it. Tensors on a CUDA device other than the one whose stream the
+    event was recorded on are read after a ``torch.cuda.synchronize`` of their device (in this
+    thread). Other devices: a blocking ``.cpu()`` in this thread.
+    """
+    device = tensors[0].device
+    if device.type == "cpu":
+        return torch.stack(tensors).reshape(len(tensors)), None
+    if device.type != "cuda":
+        return torch.stack(tensors).reshape(len(tensors)).cpu(), None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _side_streams.get(index)
+    if stream is None:
+        stream = _side_streams[index] = torch.cuda.Stream(device=index)
+    with torch.cuda.device(index), torch.cuda.stream(stream):
+        if batch.cuda_event is not None and batch.cuda_event[0] == index:
+            stream.wait_event(batch.cuda_event[1])
+        else:
+            torch.cuda.synchronize(index)
+        flat = torch.stack(tensors).reshape(len(tensors))
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return host, done
+
+
+def _materialize(batch: _StepBatch, warned: set[str]) -> dict[str, float]:
+    """The step's values as ``{key: float}``, in the order the keys were first logged."""
+    values = batch.values
+    if not batch.has_tensors:
+        return values
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for k, v in values.items():
+        if type(v) is not float:
+            groups.setdefault((v.device, v.dtype, v.dim()), []).append(k)
+    out: dict[str, Any] = dict(values)
+    copies = []
+    with torch.no_grad():
+        for keys in groups.values():
+            try:
+                copies.append((keys, *_gather_to_host([values[k] for k in keys], batch)))
+            except Exception as e:  # unusual dtype or device: fall back to one read per value
+                log.debug("batched host transfer failed (%r); reading values one by one", e)
+                copies.append((keys, None, None))
+        for keys, host, event in copies:
+            if host is not None:
+                try:
+                    if event is not None:
+                        event.synchronize()
+                    out.update(zip(keys, host.to(torch.float64).tolist(), strict=True))
+                    continue
+                except Exception:
+                    pass
+            for k in keys:
+                try:
+                    out[k] = float(values[k])
+                except Exception as e:
+                    del out[k]
+                    if k not in warned:
+                        warned.add(k)
+                        _warn(f"trainvitals FanoutWriter: could not read the value of {k!r}: {e!r}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# one worker per sink
+
+
+class _SinkWorker:
+    """Delivers one sink's steps in order; all state is guarded by the writer's condition."""
+
+    def __init__(self, writer: FanoutWriter, sink: Sink, name: str, threaded: bool) -> None:
+        self.writer = writer
+        self.sink = sink
+        self.name = name
+        self.threaded = threaded
+        self.cond = writer._cond
+        self.pending: deque[_Record] = deque()
+        self.inflight: _Record | None = None
+        self.busy_since: float | None = None
+        self.opened = False
+        self.delivered = 0
+        self.missed = 0
+        self.failures = 0  # consecutive
+        self.total_failures = 0
+        self.last_error: str | None = None
+        self.next_attempt = 0.0
+        self.disabled = False
+        self.closing = False
+        self.abandoned = False
+        self.finished = False
+        self.reported: set[str] = set()  # which one-time warnings were given
+        self.thread: threading.Thread | None = None
+
+    # -- state queries (under cond)
+
+    def idle_through(self, seq: int) -> bool:
+        return (self.inflight is None or self.inflight.seq > seq) and (
+            not self.pending or self.pending[0].seq > seq
+        )
+
+    def hung(self, now: float) -> bool:
+        return self.busy_since is not None and now - self.busy_since > self.writer.sink_timeout
+
+    def settled(self, seq: int, now: float) -> bool:
+        """Nothing more to wait for, for a flush up to ``seq``."""
+        return self.disabled or self.failures > 0 or self.hung(now) or self.idle_through(seq)
+
+    def _report_once(self, what: str, message: str) -> None:
+        if what not in self.reported:
+            self.reported.add(what)
+            _warn(message)
+
+    # -- from the dispatcher (under cond)
+
+    def offer(self, record: _Record) -> None:
+        if self.disabled or self.abandoned:
+            self.missed += 1
+            return
+        if len(self.pending) >= self.writer.buffer_steps:
+            self.pending.popleft()
+            self.missed += 1
+            self._report_once(
+                "overflow",
+                f"trainvitals FanoutWriter: sink {self.name!r} is behind; its buffer of "
+                f"{self.writer.buffer_steps} steps is full, dropping its oldest steps",
+            )
+        self.pending.append(record)
+        self.cond.notify_all()
+
+    def check_hang(self, now: float) -> None:
+        if self.hung(now):
+            assert self.busy_since is not None
+            self._report_once(
+                "hang",
+                f"trainvitals FanoutWriter: sink {self.name!r} has not returned from writing "
+                f"step {self.inflight.step if self.inflight else '?'} for "
+                f"{now - self.busy_since:.0f} s; treating it as hung (the other sinks go on, "
+                "flush() and close() no longer wait for it)",
+            )
+
+    # -- delivery
+
+    def attempt(self) -> bool:
+        """Deliver the oldest pending step once; False when there was nothing to try now."""
+        with self.cond:
+            if (
+                self.disabled
+                or self.abandoned
+                or not self.pending
+                or time.monotonic() < self.next_attempt
+            ):
+                return False
+            record = self.pending.popleft()
+            self.inflight = record
+            self.busy_since = time.monotonic()
+        error: BaseException | None = None
+        refused = False
+        try:
+            if not self.opened:
+                self.sink.open()
+                self.opened = True
+            self.sink.write(record.step, record.metrics, record.time)
+        except StepRefused as e:
+            refused, error = True, e
+        except Exception as e:
+            error = e
+        with self.cond:
+            self.inflight = None
+            self.busy_since = None
+            if error is None:
+                self.delivered += 1
+                if self.failures:
+                    log.warning(
+                        "trainvitals FanoutWriter: sink %r recovered after %d failures",
+                        self.name,
+                        self.failures,
+                    )
+                self.failures = 0
+            elif refused:
+                self.missed += 1
+                self._report_once(
+                    "refused",
+                    f"trainvitals FanoutWriter: sink {self.name!r} refused step "
+                    f"{record.step}: {error}; such steps are counted as missed",
+                )
+            else:
+                self._failed(record, error)
+            self.cond.notify_all()
+        return True
+
+    def _failed(self, record: _Record, error: BaseException) -> None:
+        w = self.writer
+        self.failures += 1
+        self.total_failures += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        self._report_once(
+            "error",
+            f"trainvitals FanoutWriter: sink {self.name!r} failed on step {record.step}: "
+            f"{self.last_error}. Retrying with backoff, keeping up to {w.buffer_steps} pending "
+            f"steps; disabled after {w.max_failures} consecutive failures",
+        )
+        if self.failures >= w.max_failures:
+            lost = 1 + len(self.pending)
+            self.pending.clear()
+            self.missed += lost
+            self.disabled = True
+            _warn(
+                f"trainvitals FanoutWriter: sink {self.name!r} disabled after {self.failures} "
+                f"consecutive failures (last error: {self.last_error}); it missed "
+                f"{self.missed} steps so far and will get no further steps"
+            )
+            return
+        if len(self.pending) >= w.buffer_steps:
+            self.missed += 1  # the buffer filled up meanwhile: the oldest step goes
+        else:
+            self.pending.appendleft(record)
+        first, cap = w.retry_backoff
+        self.next_attempt = time.monotonic() + min(cap, first * 2 ** (self.failures - 1))
+
+    def pump(self) -> None:
+        """Deliver what can be delivered now (the calling thread does the work)."""
+        while self.attempt():
+            pass
+
+    def run(self) -> None:
+        """The worker thread: deliver, wait (for steps or the end of a backoff), finish."""
+        while True:
+            with self.cond:
+                while True:
+                    if self.abandoned:
+                        return
+                    if self.disabled or not self.pending:
+                        if self.closing:
+                            break
+                        self.cond.wait()
+                        continue
+                    delay = self.next_attempt - time.monotonic()
+                    if delay > 0:
+                        self.cond.wait(delay)
+                        continue
+                    break
+                done = self.closing and (self.disabled or not self.pending)
+            if done:
+                self.finish()
+                return
+            self.attempt()
+
+    def finish(self) -> None:
+        """Close the sink (it flushes; it closes what it owns) and mark the worker finished."""
+        try:
+            self.sink.close()
+        except Exception as e:
+            self._report_once(
+                "close", f"trainvitals FanoutWriter: closing sink {self.name!r} failed: {e!r}"
+            )
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+
+
+# --------------------------------------------------------------------------------------------
+# the writer
+
+_live_writers: weakref.WeakSet[FanoutWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_writers() -> None:
+    """Deliver what is still queued when the interpreter exits without ``close()``."""
+    for writer in list(_live_writers):
+        writer.close()
+
+
+class FanoutWriter:
+    """A ``SummaryWriter``-shaped writer that sends every scalar to several backends at once.
+
+    Args:
+        sinks: the sinks to deliver to (:class:`~trainvitals.adapters.TensorBoardSink`,
+            :class:`~trainvitals.adapters.MLflowSink`, :class:`~trainvitals.adapters.CometSink`,
+            :class:`~trainvitals.adapters.WandbSink`, :class:`~trainvitals.adapters.JsonlSink`
+            or any :class:`~trainvitals.adapters.Sink`).
+        rank: this process's global rank; ``None`` asks
+            :func:`trainvitals.distributed.global_rank`. Only rank 0 delivers; on every other
+            rank the writer checks its input (so every rank raises on the same bad call) and
+            drops it, and never opens a sink.
+        background: deliver from background threads (default). ``False`` delivers in the
+            calling thread at each step boundary (for debugging; a hanging sink then hangs
+            the caller).
+        queue_size: closed steps waiting for their host transfer; the training thread waits
+            when it is full (it only fills if the dispatcher is stuck).
+        buffer_steps: per sink, the most pending steps kept while it is failing or slow; when
+            full its oldest step is dropped and counted as missed. Memory: about
+            ``buffer_steps * keys per step * 100`` bytes, shared by all sinks.
+        max_failures: consecutive failures after which a sink is disabled.
+        retry_backoff: ``(first, largest)`` delay in seconds between retries of a failing
+            sink; the delay doubles per consecutive failure.
+        sink_timeout: seconds after which a ``write`` that has not returned counts as hung.
+        flush_timeout: the longest ``flush()`` waits (seconds; ``None``: no limit other than
+            the per-sink ``sink_timeout``).
+        close_timeout: the longest ``close()`` waits for the sinks to drain (seconds).
+
+    Steps: values are grouped per step. A call with a larger step closes the current step and
+    queues it; ``flush()`` and ``close()`` close it too. A step lower than the last step given
+    to the writer raises ``ValueError``; the same step again after a ``flush()`` is delivered as
+    a second batch of that step. Keys must be non-empty strings, values real numbers, bools,
+    numpy scalars or one-element tensors (see the module docstring for the tensor contract).
+
+    Example::
+
+        writer = FanoutWriter([TensorBoardSink("runs/a/tb"), JsonlSink("runs/a/metrics.jsonl")])
+        for step in range(100):
+            loss = train_step()
+            writer.add_scalar("train/loss", loss.detach(), step)   # a tensor: no sync
+            writer.add_scalars({"lr": sched.get_last_lr()[0], "tokens": n}, step)
+        writer.close()
+    """
+
+    def __init__(
+        self,
+        sinks: Iterable[Sink] = (),
+        *,
+        rank: int | None = None,
+        background: bool = True,
+        queue_size: int = 64,
+        buffer_steps: int = 1000,
+        max_failures: int = 10,
+        retry_backoff: tuple[float, float] = (0.5, 30.0),
+        sink_timeout: float = 30.0,
+        flush_timeout: float | None = 120.0,
+        close_timeout: float = 60.0,
+    ) -> None:
+        sinks = list(sinks)
+        for s in sinks:
+            if not isinstance(s, Sink):
+                raise TypeError(f"sinks must be Sink instances, got {type(s).__name__}")
+        if queue_size < 1 or buffer_steps < 1 or max_failures < 1:
+            raise ValueError("queue_size, buffer_steps and max_failures must be >= 1")
+        if sink_timeout <= 0 or close_timeout < 0:
+            raise ValueError("sink_timeout must be > 0 and close_timeout >= 0")
+        if len(retry_backoff) != 2 or not 0 <= retry_backoff[0] <= retry_backoff[1]:
+            raise ValueError("retry_backoff must be (first, largest) with 0 <= first <= largest")
+        self.rank = distributed.global_rank() if rank is None else int(rank)
+        self.sinks = sinks
+        self.background = background
+        self.buffer_steps = buffer_steps
+        self.max_failures = max_failures
+        self.retry_backoff = (float(retry_backoff[0]), float(retry_backoff[1]))
+        self.sink_timeout = float(sink_timeout)
+        self.flush_timeout = flush_timeout
+        self.close_timeout = float(close_timeout)
+        self._active = self.rank == 0
+
+        # training-thread state
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._step_time = 0.0
+        self._values: dict[str, Any] = {}
+        self._has_tensors = False
+        self._closed = False
+        self._closed_warned = False
+        self._seq = 0
+        self._pid = os.getpid()
+
+        # delivery state, guarded by _cond
+        self._cond = threading.Condition()
+        self._dispatched = 0
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._dispatcher: threading.Thread | None = None
+        self._unreadable: set[str] = set()
+        self._workers: list[_SinkWorker] = []
+        if self._active:
+            names: set[str] = set()
+            for s in sinks:
+                name = s.name
+                i = 2
+                while name in names:
+                    name, i = f"{s.name}#{i}", i + 1
+                names.add(name)
+                threaded = background and s.thread_safe
+                self._workers.append(_SinkWorker(self, s, name, threaded))
+            _live_writers.add(self)
+
+    def __repr__(self) -> str:
+        names = [w.name for w in self._workers] or [s.name for s in self.sinks]
+        return f"FanoutWriter(sinks={names}, rank={self.rank})"
+
+    # ---- constructors from frameworks
+
+    @classmethod
+    def from_lightning(
+        cls, trainer: Any, *, default_jsonl: str | os.PathLike[str] | None = None, **kwargs: Any
+    ) -> FanoutWriter:
+        """A writer delivering to the loggers of a Lightning ``Trainer``.
+
+        Works for ``lightning.pytorch`` and ``pytorch_lightning`` trainers. Each logger in
+        ``trainer.loggers`` becomes a sink writing into the run that logger already set up:
+        ``TensorBoardLogger`` -> its ``SummaryWriter``; ``MLFlowLogger`` -> its
+        ``MlflowClient`` and ``run_id`` (``log_batch``); ``CometLogger`` -> its experiment;
+        ``WandbLogger`` -> its run, with ``trainer/global_step`` as the step metric like the
+        logger itself; ``CSVLogger`` and any other logger -> its ``log_metrics`` once per step,
+        called from the training thread. The writer's rank is ``trainer.global_rank``: on other
+        ranks Lightning's loggers are dummies, and the writer drops everything.
+
+        With no logger (``Trainer(logger=False)``) the writer writes JSONL to ``default_jsonl``;
+        without that path it raises ``ValueError``. ``kwargs`` go to :class:`FanoutWriter`.
+        """
+        from trainvitals.adapters.from_frameworks import lightning_sinks
+
+        rank = int(getattr(trainer, "global_rank", 0))
+        sinks = lightning_sinks(trainer, default_jsonl=default_jsonl, build=rank == 0)
+        return cls(sinks, rank=rank, **kwargs)
+
+    @classmethod
+    def from_accelerator(
+        cls,
+        accelerator: Any,
+        *,
+        default_jsonl: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> FanoutWriter:
+        """A writer delivering to the trackers of an ``accelerate.Accelerator``.
+
+        Call it after ``accelerator.init_trackers(...)``. Trackers: ``tensorboard`` -> its
+        ``SummaryWriter``; ``mlflow`` -> an ``MlflowClient`` on the current tracking URI and the
+        tracker's active run (``log_batch``); ``comet_ml`` -> its experiment; ``wandb`` -> its
+        run (``run.log(dict, step=)``, as Accelerate itself does); any other tracker -> its
+        ``log(dict, step=)`` with Python floats (Accelerate's own trackers drop tensor values
+        silently; this writer converts them first), called from the training thread. Only the
+        main process delivers.
+
+        With no tracker the writer writes JSONL to ``default_jsonl``; without that path it
+        raises ``ValueError``. ``kwargs`` go to :class:`FanoutWriter`.
+        """
+        from trainvitals.adapters.from_frameworks import accelerator_sinks
+
+        rank = int(getattr(accelerator, "process_index", 0))
+        sinks = accelerator_sinks(accelerator, default_jsonl=default_jsonl, build=rank == 0)
+        return cls(sinks, rank=rank, **kwargs)
+
+    # ---- logging (training thread)
+
+    def add_scalar(
+        self,
+        name: str,
+        value: Any,
+        step: int | None = None,
+        walltime: float | None = None,
+        *,
+        global_step: int | None = None,
+    ) -> None:
+        """Log one scalar for ``step``.
+
+        ``value``: a real number, bool, numpy scalar, or a tensor with one element on any
+        device (kept by reference: do not modify it in place afterwards). ``global_step`` is
+        accepted as an alias of ``step`` (``SummaryWriter.add_scalar``'s name); ``walltime``
+        (Unix seconds) sets the step's time when it is the step's first value.
+
+        Raises ``TypeError``/``ValueError`` (naming the key) for a non-string or empty key, a
+        non-numeric value, a tensor with more than one element, a missing, negative or
+        decreasing step.
+
+        Example::
+
+            writer.add_scalar("train/loss", loss.detach(), step=global_step)
+        """
+        if type(name) is not str or not name or name.isspace():
+            _bad_key(name)
+        if type(value) is not float:
+            value = _as_value(name, value)
+        if step is None:
+            step = global_step
+            if step is None:
+                raise TypeError(f"add_scalar({name!r}, ...) needs a step")
+        if type(step) is not int or step < 0:
+            step = _as_step(step)
+        with self._lock:
+            if step != self._step:
+                self._advance(step, name)
+            if self._closed:
+                self._warn_closed()
+            elif self._active:
+                values = self._values
+                if not values:
+                    self._step_time = time.time() if walltime is None else float(walltime)
+                values[name] = value
+                if type(value) is not float:
+                    self._has_tensors = True
+
+    def add_scalars(
+        self,
+        mapping: Mapping[str, Any] | str,
+        step: Any = None,
+        global_step: int | None = None,
+        walltime: float | None = None,
+    ) -> None:
+        """Log several scalars for one step: ``add_scalars({"a": 1.0, "b": t}, step)``.
+
+        The whole mapping is checked before any of it is stored: one bad entry raises and
+        nothing of the call is logged. ``SummaryWriter``'s form
+        ``add_scalars(main_tag, {tag: value}, global_step)`` is accepted too and logs the keys
+        ``main_tag/tag``.
+
+        Example::
+
+            writer.add_scalars({"memory/allocated_gb": a, "memory/reserved_gb": r}, step)
+        """
+        if isinstance(mapping, str):
+            main_tag, mapping, step = mapping, step, global_step
+            if not isinstance(mapping, Mapping):
+                raise TypeError("add_scalars(main_tag, tag_scalar_dict, global_step) needs a dict")
+            if not main_tag or main_tag.isspace():
+                _bad_key(main_tag)
+            mapping = {f"{main_tag}/{k}": v for k, v in mapping.items()}
+        elif not isinstance(mapping, Mapping):
+            raise TypeError(f"add_scalars needs a mapping of key -> value, got {type(mapping)}")
+        if step is None:
+            step = global_step
+            if step is None:
+                raise TypeError("add_scalars(...) needs a step")
+        if type(step) is not int or step < 0:
+            step = _as_step(step)
+        checked: dict[str, Any] = {}
+        has_tensors = False
+        for k, v in mapping.items():
+            if type(k) is not str or not k or k.isspace():
+                _bad_key(k)
+            if type(v) is not float:
+                v = _as_value(k, v)
+                if type(v) is not float:
+                    has_tensors = True
+            checked[k] = v
+        if not checked:
+            return
+        with self._lock:
+            if step != self._step:
+                self._advance(step, next(iter(checked)))
+            if self._closed:
+                self._warn_closed()
+            elif self._active:
+                values = self._values
+                if not values:
+                    self._step_time = time.time() if walltime is None else float(walltime)
+                values.update(checked)
+                if has_tensors:
+                    self._has_tensors = True
+
+    def _advance(self, step: int, key: str) -> None:
+        """Move to ``step`` (lock held): close the current step, or refuse a lower one."""
+        current = self._step
+        if current is not None and step < current:
+            raise ValueError(
+                f"step {step} for key {key!r} is lower than step {current}, already given to "
+                "this writer; steps must not decrease"
+            )
+        if self._values:
+            self._close_step()
+        self._step = step
+
+    def _warn_closed(self) -> None:
+        if not self._closed_warned:
+            self._closed_warned = True
+            _warn("trainvitals FanoutWriter: values logged after close() are dropped")
+
+    def _close_step(self) -> None:
+        """Queue the current step's values (lock held)."""
+        if not self._values:
+            return
+        assert self._step is not None
+        self._seq += 1
+        batch = _StepBatch(self._seq, self._step, self._step_time, self._values, self._has_tensors)
+        self._values = {}
+        self._has_tensors = False
+        if batch.has_tensors and torch.cuda.is_available() and torch.cuda.is_initialized():
+            event = torch.cuda.Event()
+            event.record()
+            batch.cuda_event = (torch.cuda.current_device(), event)
+        if self.background:
+            self._start_threads()
+            self._queue.put(batch)
+        else:
+            self._dispatch(batch)
+        for w in self._workers:
+            if not w.threaded and w.pending:
+                w.pump()
+
+    # ---- delivery
+
+    def _start_threads(self) -> None:
+        if self._dispatcher is not None:
+            return
+        self._dispatcher = threading.Thread(
+            target=self._dispatch_loop, name="trainvitals-writer", daemon=True
+        )
+        self._dispatcher.start()
+        for w in self._workers:
+            if w.threaded:
+                w.thread = threading.Thread(
+                    target=w.run, name=f"trainvitals-sink-{w.name}", daemon=True
+                )
+                w.thread.start()
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                self._check_hangs()
+                continue
+            if item is _STOP:
+                return
+            try:
+                self._dispatch(item)
+            except Exception as e:  # pragma: no cover - _materialize does not raise
+                _warn(f"trainvitals FanoutWriter: dropped step {item.step}: {e!r}")
+            self._check_hangs()
+
+    def _dispatch(self, batch: _StepBatch) -> None:
+        metrics = _materialize(batch, self._unreadable)
+        record = _Record(batch.seq, batch.step, batch.time, metrics)
+        with self._cond:
+            for w in self._workers:
+                w.offer(record)
+            self._dispatched = batch.seq
+            self._cond.notify_all()
+
+    def _check_hangs(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            for w in self._workers:
+                w.check_hang(now)
+
+    def _wait_dispatched(self, seq: int, deadline: float | None) -> bool:
+        with self._cond:
+            while self._dispatched < seq:
+                if self._dispatcher is None or not self._dispatcher.is_alive():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Deliver everything logged so far; return ``True`` when every sink has it.
+
+        Closes the current step, waits until it and every earlier step went to the host, and
+        until every sink has delivered them, except a sink that is failing (its steps stay
+        buffered and are retried), hung (``sink_timeout``) or disabled. Waits at most
+        ``timeout`` seconds (default: the writer's ``flush_timeout``). Returns ``False`` when
+        some sink has not got everything.
+
+        Example::
+
+            writer.flush()   # e.g. before a checkpoint, or before reading the files back
+        """
+        if not self._active or self._pid != os.getpid():
+            return True
+        with self._lock:
+            self._close_step()
+            target = self._seq
+        if timeout is None:
+            timeout = self.flush_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.background and target > 0:
+            self._wait_dispatched(target, deadline)
+        for w in self._workers:
+            if not w.threaded:
+                w.pump()
+                try:
+                    w.sink.flush()
+                except Exception as e:
+                    w._report_once("flush", f"trainvitals: flushing sink {w.name!r} failed: {e!r}")
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                waiting = [w for w in self._workers if not w.settled(target, now)]
+                if not waiting:
+                    break
+                remaining = None if deadline is None else deadline - now
+                if remaining is not None and remaining <= 0:
+                    break
+                wake = min(
+                    (w.busy_since + self.sink_timeout - now for w in waiting if w.busy_since),
+                    default=None,
+                )
+                wait = [t for t in (remaining, wake) if t is not None]
+                self._cond.wait(max(0.0, min(wait)) + 1e-3 if wait else None)
+            now = time.monotonic()
+            for w in self._workers:
+                w.check_hang(now)
+            return all(not w.disabled and w.idle_through(target) for w in self._workers)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Deliver what is queued, close the sinks this writer owns, stop the threads.
+
+        Waits up to ``timeout`` seconds (default: ``close_timeout``) for the sinks to drain,
+        retrying failing sinks on their backoff schedule; a sink still busy after that is
+        abandoned and its undelivered steps are counted as missed. Sinks built on objects the
+        caller passed in (a ``SummaryWriter``, an MLflow client and run, a Comet experiment, a
+        W&B run) are flushed, not closed. Never raises because of a sink; warns once, at the
+        end, for every sink that missed steps. Calling it again does nothing.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._active and self._pid == os.getpid():
+                try:
+                    self._close_step()
+                except Exception as e:  # pragma: no cover - defensive
+                    _warn(f"trainvitals FanoutWriter: could not queue the last step: {e!r}")
+        _live_writers.discard(self)
+        if not self._active or self._pid != os.getpid():
+            return
+        try:
+            self._shutdown(self.close_timeout if timeout is None else timeout)
+        except Exception as e:  # pragma: no cover - defensive: close never raises
+            _warn(f"trainvitals FanoutWriter: error while closing: {e!r}")
+
+    def _shutdown(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        dispatcher = self._dispatcher
+        if dispatcher is not None:
+            with contextlib.suppress(queue.Full):
+                self._queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+            dispatcher.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            for w in self._workers:
+                w.closing = True
+            self._cond.notify_all()
+        for w in self._workers:
+            if w.threaded and w.thread is not None:
+                continue
+            # the calling thread delivers: drain on the backoff schedule, then close
+            while True:
+                w.pump()
+                with self._cond:
+                    if w.disabled or not w.pending:
+                        break
+                    delay = w.next_attempt - time.monotonic()
+                if time.monotonic() + max(delay, 0.0) > deadline:
+                    break
+                if delay > 0:
+                    time.sleep(delay)
+            if w.pending:
+                with self._cond:
+                    w.missed += len(w.pending)
+                    w.pending.clear()
+            w.finish()
+        with self._cond:
+            # wait for the worker threads to finish, but not for a hung one
+            while True:
+                now = time.monotonic()
+                busy = [w for w in self._workers if not w.finished and not w.hung(now)]
+                if not busy or now >= deadline:
+                    break
+                wake = min(
+                    (w.busy_since + self.sink_timeout for w in busy if w.busy_since),
+                    default=deadline,
+                )
+                self._cond.wait(max(0.0, min(deadline, wake) - now) + 1e-3)
+            for w in self._workers:
+                w.check_hang(now)
+                if not w.finished:
+                    w.abandoned = True
+                    left = len(w.pending) + (w.inflight is not None)
+                    w.missed += left
+                    w.pending.clear()
+                    _warn(
+                        f"trainvitals FanoutWriter: sink {w.name!r} did not finish within "
+                        f"{timeout:.0f} s of close(); abandoned with {left} undelivered steps"
+                    )
+            self._cond.notify_all()
+            total = self._dispatched
+            lossy = [w for w in self._workers if w.missed]
+        for w in lossy:
+            why = (
+                f"disabled after {w.failures} consecutive failures"
+                if w.disabled
+                else "buffer overflow, refused or unfinished steps"
+            )
+            last = f"; last error: {w.last_error}" if w.last_error else ""
+            _warn(
+                f"trainvitals FanoutWriter closed: sink {w.name!r} missed {w.missed} of "
+                f"{total} steps ({why}){last}"
+            )
+
+    # ---- introspection
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Per sink: steps ``delivered``, ``missed``, ``pending``; ``failures`` (all),
+        ``consecutive_failures``, ``disabled``, ``hung``, ``last_error``.
+
+        Example::
+
+            >>> writer.status()["mlflow"]["missed"]   # doctest: +SKIP
+            0
+        """
+        now = time.monotonic()
+        with self._cond:
+            return {
+                w.name: {
+                    "delivered": w.delivered,
+                    "missed": w.missed,
+                    "pending": len(w.pending) + (w.inflight is not None),
+                    "failures": w.total_failures,
+                    "consecutive_failures": w.failures,
+                    "disabled": w.disabled,
+                    "hung": w.hung(now),
+                    "last_error": w.last_error,
+                }
+                for w in self._workers
+            }
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> FanoutWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,134 @@
+"""The JSONL metrics file: its schema, the encoding of non-finite values, and its reader.
+
+Schema: one JSON object per line and per delivered step, appended and flushed as the step is
+delivered::
+
+    {"step": 120, "time": 1732186112.513, "metrics": {"train/loss": 2.31, "moe/layer_0/cv": "NaN"}}
+
+* ``step``: the integer step the values were logged at (an optimizer step).
+* ``time``: Unix time in seconds (float) of the first value logged for that step.
+* ``metrics``: key -> value. A finite value is a JSON number written with Python's shortest
+  round-tripping ``repr``, so it reads back bit-exactly as a float64. JSON has no literal for
+  NaN or infinities: they are written as the strings ``"NaN"``, ``"Infinity"`` and
+  ``"-Infinity"`` (the spellings of JavaScript and of Python's ``json`` module), which
+  :func:`read_jsonl` turns back into floats. No other string ever appears as a value.
+
+The same step can appear on more than one line (values logged for a step after a ``flush()``);
+:func:`metric_history` merges them. A process killed while writing leaves a last line without
+its newline: :func:`read_jsonl` skips it and warns; a sink appending to such a file starts a new
+line first.
+
+Example::
+
+    records = read_jsonl("runs/demo/metrics.jsonl")
+    steps, values = zip(*metric_history(records, "train/loss"))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, TypedDict
+
+__all__ = ["JsonlRecord", "decode_value", "encode_metrics", "metric_history", "read_jsonl"]
+
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+class JsonlRecord(TypedDict):
+    step: int
+    time: float
+    metrics: dict[str, float]
+
+
+def _encode_nonfinite(v: float) -> str:
+    if v != v:
+        return "NaN"
+    return "Infinity" if v > 0 else "-Infinity"
+
+
+def encode_metrics(metrics: Mapping[str, float]) -> dict[str, float | str]:
+    """``metrics`` with NaN and infinities replaced by their string spellings."""
+    # v - v is 0.0 for every finite float and NaN for NaN and +-Inf: one cheap test per value.
+    return {k: (v if v - v == 0.0 else _encode_nonfinite(v)) for k, v in metrics.items()}
+
+
+def decode_value(value: Any) -> float:
+    """A metric value from the file as a float (``"NaN"`` -> nan, ``"Infinity"`` -> inf)."""
+    if isinstance(value, str):
+        try:
+            return _NONFINITE[value]
+        except KeyError:
+            raise ValueError(f"unexpected string metric value {value!r}") from None
+    return float(value)
+
+
+def read_jsonl(path: str | os.PathLike[str], *, strict: bool = False) -> list[JsonlRecord]:
+    """Read a trainvitals JSONL metrics file into a list of records, in file order.
+
+    Values come back as floats, NaN and infinities included. A last line without its newline
+    (the writing process was killed mid-line) is skipped with a ``RuntimeWarning`` saying so;
+    other lines that do not parse (a truncated line followed by later appends) are skipped with
+    a warning naming their line numbers, or raise ``ValueError`` when ``strict`` is true.
+
+    Example::
+
+        >>> records = read_jsonl("metrics.jsonl")          # doctest: +SKIP
+        >>> records[0]["step"], records[0]["metrics"]["train/loss"]  # doctest: +SKIP
+        (0, 2.302585092994046)
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    truncated_tail = lines.pop()  # b"" when the file ends with a newline
+    records: list[JsonlRecord] = []
+    bad: list[int] = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        record = _parse(raw)
+        if record is None:
+            bad.append(number)
+        else:
+            records.append(record)
+    if bad:
+        msg = f"{os.fspath(path)}: skipped {len(bad)} line(s) that do not parse: {bad[:10]}"
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    if truncated_tail.strip():
+        record = _parse(truncated_tail)
+        if record is not None:
+            # a complete object whose newline did not make it: keep it
+            records.append(record)
+        else:
+            warnings.warn(
+                f"{os.fspath(path)}: the last line is truncated ({len(truncated_tail)} bytes "
+                "without a newline; the writing process was probably killed mid-write); "
+                "it was skipped",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return records
+
+
+def _parse(raw: bytes) -> JsonlRecord | None:
+    try:
+        obj = json.loads(raw)
+        metrics = {str(k): decode_value(v) for k, v in obj["metrics"].items()}
+        return {"step": int(obj["step"]), "time": float(obj["time"]), "metrics": metrics}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def metric_history(records: Iterable[JsonlRecord], key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` pairs of one key, in file order (a later line wins within a step)."""
+    out: dict[int, float] = {}
+    for r in records:
+        if key in r["metrics"]:
+            out.pop(r["step"], None)
+            out[r["step"]] = r["metrics"][key]
+    return list(out.items())

@@ -1,0 +1,287 @@
+"""The :class:`Sink` base class and the key-mapping rule shared by every sink.
+
+A sink turns one delivered step (``step``, wall time, ``{key: float}``) into one call of its
+backend's batch API. Sinks never see tensors: the writer has already moved every value to the
+host and converted it to a Python ``float``.
+
+Key mapping
+-----------
+Some backends refuse some keys. MLflow accepts only ASCII letters and digits, ``_ - . /`` and
+space (and ``:`` except on Windows servers), at most 250 characters, and no name that
+``posixpath.normpath`` would change (``a//b``, ``a/./b``, ``/a``, ``a/``, ``..a``). W&B silently
+overwrites the keys it uses itself (``_step``, ``_runtime``, ``_timestamp``, ``_wandb...``).
+Every sink maps keys through one rule (:class:`KeyRule`), which differs between backends only in
+*which* characters it has to escape:
+
+* a character the backend refuses is replaced by ``_x`` and two lower-case hex digits per byte
+  of its UTF-8 encoding: ``loss[0]`` becomes ``loss_x5b0_x5d``;
+* an underscore that would otherwise read as the start of such an escape (``_x`` followed by two
+  lower-case hex digits in the key itself, as in ``idx_x1f``) is escaped too (``_x5f``), so that
+  decoding is unambiguous: :func:`unmap_key` turns every mapped key back into the original and
+  two different keys can never map to the same name;
+* a key still longer than the backend's limit is cut at an escape boundary and ends with
+  ``_x2d`` plus the first 12 hex digits of the SHA-256 of the original key. ``_x2d`` (an escaped
+  ``-``) never occurs in an uncut mapped key because ``-`` is never escaped, so a cut key can
+  only meet another cut key, with probability 2**-48.
+
+A key the backend accepts and that contains no ``_x`` + two hex digits is left unchanged.
+
+Example::
+
+    >>> MLFLOW_KEYS.map("moe/layer_3/cv")
+    'moe/layer_3/cv'
+    >>> MLFLOW_KEYS.map("loss[0]")
+    'loss_x5b0_x5d'
+    >>> unmap_key("loss_x5b0_x5d")
+    'loss[0]'
+    >>> WANDB_KEYS.map("_step")
+    '_x5fstep'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Mapping
+
+__all__ = [
+    "IDENTITY_KEYS",
+    "MLFLOW_KEYS",
+    "WANDB_KEYS",
+    "KeyRule",
+    "Sink",
+    "StepRefused",
+    "unmap_key",
+]
+
+_ESCAPE = re.compile(r"_x([0-9a-f]{2})")
+_AMBIGUOUS_UNDERSCORE = re.compile(r"x[0-9a-f]{2}")
+_CUT_MARK = "_x2d"  # an escaped "-": never produced for an uncut key
+_HASH_DIGITS = 12
+
+
+def _escape_char(ch: str) -> str:
+    return "".join(f"_x{b:02x}" for b in ch.encode("utf-8", "surrogatepass"))
+
+
+class KeyRule:
+    """A deterministic, injective mapping of metric keys onto names a backend accepts.
+
+    Args:
+        name: the backend, for error messages.
+        allowed: a regular-expression character class of the characters the backend accepts
+            (``None``: every character).
+        path_safe: escape ``/`` and ``.`` where they would make the name change under
+            ``posixpath.normpath`` (MLflow stores metric names as paths).
+        reserved: keys the backend uses itself; their first character is escaped.
+        reserved_prefixes: key prefixes the backend uses itself.
+        max_length: the longest name the backend accepts.
+
+    ``map`` caches its results, so mapping the same keys every step costs one dict look-up.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        allowed: str | None = None,
+        path_safe: bool = False,
+        reserved: frozenset[str] = frozenset(),
+        reserved_prefixes: tuple[str, ...] = (),
+        max_length: int | None = None,
+    ) -> None:
+        self.name = name
+        self._allowed = re.compile(f"[{allowed}]") if allowed is not None else None
+        self._valid = re.compile(f"[{allowed}]*") if allowed is not None else None
+        self.path_safe = path_safe
+        self.reserved = reserved
+        self.reserved_prefixes = reserved_prefixes
+        self.max_length = max_length
+        self._cache: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"KeyRule({self.name!r})"
+
+    def map(self, key: str) -> str:
+        """The backend name for ``key`` (the key itself when the backend accepts it)."""
+        mapped = self._cache.get(key)
+        if mapped is None:
+            mapped = self._map(key)
+            if len(self._cache) < 1_000_000:
+                self._cache[key] = mapped
+        return mapped
+
+    def map_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """``metrics`` with every key mapped."""
+        m = self.map
+        return {m(k): v for k, v in metrics.items()}
+
+    # ---- the rule
+
+    def _needs_escape(self, key: str) -> Callable[[int], bool] | None:
+        """None when ``key`` maps to itself, else a predicate on character positions."""
+        n = len(key)
+        flagged: set[int] = set()
+        if self.reserved and (
+            key in self.reserved or any(key.startswith(p) for p in self.reserved_prefixes)
+        ):
+            flagged.add(0)
+        if self.path_safe:
+            for i, ch in enumerate(key):
+                if ch == "/" and (i == 0 or i == n - 1 or key[i + 1] == "/"):
+                    flagged.add(i)
+            start = 0
+            for segment in key.split("/"):
+                if segment in (".", ".."):
+                    flagged.add(start)
+                start += len(segment) + 1
+            if key.startswith(".."):
+                flagged.add(0)
+        allowed = self._allowed
+        for i, ch in enumerate(key):
+            ambiguous = ch == "_" and _AMBIGUOUS_UNDERSCORE.match(key, i + 1)
+            if ambiguous or (allowed is not None and not allowed.match(ch)):
+                flagged.add(i)
+        if not flagged:
+            return None
+        return flagged.__contains__
+
+    def _map(self, key: str) -> str:
+        escape = self._needs_escape(key)
+        if escape is None:
+            tokens = None
+            mapped = key
+        else:
+            tokens = [_escape_char(ch) if escape(i) else ch for i, ch in enumerate(key)]
+            mapped = "".join(tokens)
+        limit = self.max_length
+        if limit is None or len(mapped) <= limit:
+            return mapped
+        if tokens is None:
+            tokens = list(key)
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_DIGITS]
+        budget = limit - len(_CUT_MARK) - _HASH_DIGITS
+        kept: list[str] = []
+        length = 0
+        for tok in tokens:
+            # an escaped multi-byte character is one token: never cut inside an escape
+            if length + len(tok) > budget:
+                break
+            kept.append(tok)
+            length += len(tok)
+        return "".join(kept) + _CUT_MARK + digest
+
+
+def unmap_key(mapped: str) -> str | None:
+    """The original key of a mapped name, or ``None`` for a name that was cut to fit.
+
+    Example::
+
+        >>> unmap_key("moe_x3alayer")
+        'moe:layer'
+    """
+    if _CUT_MARK in mapped:
+        return None
+    out = bytearray()
+    i = 0
+    n = len(mapped)
+    while i < n:
+        m = _ESCAPE.match(mapped, i)
+        if m is not None:
+            out.append(int(m.group(1), 16))
+            i = m.end()
+        else:
+            out += mapped[i].encode("utf-8", "surrogatepass")
+            i += 1
+    return out.decode("utf-8", "surrogatepass")
+
+
+#: Keys every backend accepts unchanged (TensorBoard, JSONL, Comet, CSV).
+IDENTITY_KEYS: KeyRule | None = None
+
+#: MLflow: ASCII letters and digits, ``_ - . /`` and space (``:`` is left out: Windows servers
+#: refuse it), names unchanged by ``posixpath.normpath``, at most 250 characters
+#: (``mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH``).
+MLFLOW_KEYS = KeyRule("mlflow", allowed=r"A-Za-z0-9_\-. /", path_safe=True, max_length=250)
+
+#: W&B: every key except the ones W&B writes itself into each history row.
+WANDB_KEYS = KeyRule(
+    "wandb",
+    reserved=frozenset({"_step", "_runtime", "_timestamp"}),
+    reserved_prefixes=("_wandb",),
+)
+
+
+class StepRefused(Exception):
+    """Raised by :meth:`Sink.write` for a step the backend will not take (retrying cannot help).
+
+    The writer counts the step as missed for that sink, warns once, and carries on; it is not a
+    failure and does not count towards disabling the sink.
+    """
+
+
+class Sink:
+    """Base class of the writer's sinks: one backend, written one step at a time.
+
+    Subclasses implement :meth:`write` (and :meth:`open`, :meth:`flush`, :meth:`close` where
+    needed). The writer calls them from one thread at a time:
+
+    * :meth:`open` once, lazily, before the first :meth:`write` (so that a sink built on a
+      non-zero rank, or never written to, creates no files, runs or connections); when it
+      raises, it is retried like a failed write;
+    * :meth:`write` once per step, in step order, with host floats; it must raise on failure
+      (the writer retries the same step later, so a write should be idempotent or resume
+      where it stopped), and may raise :class:`StepRefused`;
+    * :meth:`close` once at the end: flush, and release what the sink owns. A sink built from
+      an object the user passed in (a ``SummaryWriter``, an MLflow client and run, a Comet
+      experiment, a W&B run) does not own it and leaves it open.
+
+    Attributes:
+        name: used in warnings and :meth:`FanoutWriter.status`.
+        thread_safe: ``True`` when the writer may call this sink from its background worker
+            thread; ``False`` makes the writer call it from the training thread (at the next
+            writer call after the step's values reached the host), for backends that the
+            training thread also uses without locking (Lightning's ``CSVLogger``).
+        key_rule: the :class:`KeyRule` of the backend, or ``None`` when it takes every key.
+
+    Example (a sink printing each step)::
+
+        class PrintSink(Sink):
+            name = "print"
+
+            def write(self, step, metrics, wall_time):
+                print(step, dict(metrics))
+    """
+
+    name: str = "sink"
+    thread_safe: bool = True
+    key_rule: KeyRule | None = None
+
+    def __init__(self, *, name: str | None = None, owned: bool = True) -> None:
+        if name is not None:
+            self.name = name
+        self.owned = owned
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    def map_key(self, key: str) -> str:
+        """The name ``key`` is written under in this sink's backend."""
+        return key if self.key_rule is None else self.key_rule.map(key)
+
+    def map_metrics(self, metrics: Mapping[str, float]) -> Mapping[str, float]:
+        return metrics if self.key_rule is None else self.key_rule.map_metrics(metrics)
+
+    def open(self) -> None:
+        """Create or connect to the backend (called once, before the first write)."""
+
+    def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
+        """Deliver one step: ``metrics`` maps the original keys to floats (NaN/Inf included)."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Push buffered data to the backend."""
+
+    def close(self) -> None:
+        """Flush, and close what this sink owns. Called once, after the last write."""
+        self.flush()

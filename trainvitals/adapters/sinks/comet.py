@@ -1,0 +1,76 @@
+"""Comet sink: one ``Experiment.log_metrics(dict, step=)`` per step."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from trainvitals.adapters.sinks.base import Sink
+
+__all__ = ["CometSink"]
+
+
+class CometSink(Sink):
+    """Write each step to a Comet ``Experiment`` or ``OfflineExperiment``.
+
+    Args:
+        experiment: an existing experiment (Lightning's ``CometLogger.experiment``,
+            Accelerate's comet_ml tracker's ``writer``); the sink leaves it running.
+        offline_directory: instead of ``experiment``: the sink creates an
+            ``OfflineExperiment`` writing its archive (a ``.zip``) into this directory on its
+            first delivery, and ends it (which writes the archive) when the writer closes.
+        experiment_kwargs: extra keyword arguments for that ``OfflineExperiment``.
+        name: the sink's name in warnings.
+
+    Keys are passed unchanged (Comet accepts any metric name). Comet serialises NaN and
+    infinities as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` in its messages
+    (``messages.json`` of the offline archive); finite values as JSON numbers.
+
+    Example::
+
+        sink = CometSink(comet_logger.experiment)
+        sink = CometSink(offline_directory="runs/demo/comet", experiment_kwargs={"project_name": "demo"})
+    """
+
+    name = "comet"
+
+    def __init__(
+        self,
+        experiment: Any = None,
+        *,
+        offline_directory: str | os.PathLike[str] | None = None,
+        experiment_kwargs: Mapping[str, Any] | None = None,
+        name: str | None = None,
+    ) -> None:
+        if experiment is None and offline_directory is None:
+            raise ValueError("CometSink needs an experiment or an offline_directory")
+        if experiment is not None and not callable(getattr(experiment, "log_metrics", None)):
+            raise TypeError(
+                f"CometSink needs a comet_ml Experiment, got {type(experiment).__name__}"
+            )
+        super().__init__(name=name, owned=experiment is None)
+        self.experiment = experiment
+        self.offline_directory = (
+            os.fspath(offline_directory) if offline_directory is not None else None
+        )
+        self.experiment_kwargs = dict(experiment_kwargs or {})
+
+    def open(self) -> None:
+        if self.experiment is None:
+            import comet_ml
+
+            assert self.offline_directory is not None
+            os.makedirs(self.offline_directory, exist_ok=True)
+            self.experiment = comet_ml.OfflineExperiment(
+                offline_directory=self.offline_directory, **self.experiment_kwargs
+            )
+
+    def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
+        if self.experiment is None:
+            self.open()
+        self.experiment.log_metrics(dict(metrics), step=step)
+
+    def close(self) -> None:
+        if self.owned and self.experiment is not None:
+            self.experiment.end()
