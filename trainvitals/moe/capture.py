@@ -44,9 +44,10 @@ Layer numbers come from the module name: the first integer component, so
 Routers are ordered numerically by all the integers of their name (``layers.2`` before
 ``layers.10``), never as strings. A router whose name contains no integer uses its own
 ``layer_number`` attribute when it has one (``TopKRouter``), else its position in discovery
-order; such routers sort after the numbered ones. Two routers with the same number (e.g. an
-encoder and a decoder stack) get labels made of all their integers (``3_1``), and a remaining
-clash gets ``_<position>`` appended, so labels are unique.
+order; such routers sort after the numbered ones. Two routers with the same number get labels
+made of all the integers of their names (``layers.3.experts.1.router`` -> ``3_1``), and if
+that still clashes (an encoder and a decoder stack) their full module names with ``_`` for
+``.`` (``encoder_layers_3_router``), so labels are unique.
 
 Why a scatter-add and not ``torch.bincount``: on CUDA ``bincount`` reads the maximum index back
 to the host to size its output, a device synchronisation on every forward. Indices outside
@@ -345,7 +346,7 @@ def _assign_labels(routers: list[RouterInfo]) -> None:
         r.label = str(r.layer)
     routers.sort(key=lambda r: r.sort_key)
     _dedupe(routers, lambda r: "_".join(str(i) for i in r.sort_key[1]))
-    _dedupe(routers, lambda r: f"{r.label}_{routers.index(r)}")
+    _dedupe(routers, lambda r: r.name.replace(".", "_"))
 
 
 def _dedupe(routers: list[RouterInfo], relabel: Callable[[RouterInfo], str]) -> None:

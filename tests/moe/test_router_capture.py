@@ -1,0 +1,453 @@
+"""Router capture on tiny randomly initialised models: the counts equal the bincount of the
+routers' own indices (recorded here by a separate hook), summed over the step's micro-batches;
+evaluation forwards and activation-checkpoint re-runs are not counted."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from trainvitals.moe.capture import (
+    RouterCapture,
+    clear_router_extractors,
+    find_routers,
+    layer_number_from_name,
+    register_router_extractor,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
+# family -> (config class, model class, config kwargs, router class name, expected layers, E)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any], str, list[int], int]] = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2),
+        "MixtralTopKRouter",
+        [0, 1],
+        4,
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            intermediate_size=32,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=8,
+            num_hidden_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,  # MoE on layers 1 and 3
+        ),
+        "Qwen2MoeTopKRouter",
+        [1, 3],
+        4,
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            intermediate_size=32,
+            moe_intermediate_size=8,
+            head_dim=8,
+            num_hidden_layers=12,  # layers.10 and layers.11 must come after layers.2
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0, 5],
+        ),
+        "Qwen3MoeTopKRouter",
+        [1, 2, 3, 4, 6, 7, 8, 9, 10, 11],
+        4,
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(intermediate_size=32, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2),
+        "OlmoeTopKRouter",
+        [0, 1],
+        4,
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            intermediate_size=32,
+            moe_intermediate_size=8,
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,  # layer 0 dense
+            n_shared_experts=1,
+            kv_lora_rank=8,
+            q_lora_rank=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            qk_nope_head_dim=4,
+        ),
+        "DeepseekV3TopkRouter",
+        [1, 2],
+        8,
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            intermediate_size=16,
+            head_dim=8,
+            num_hidden_layers=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+        ),
+        "GptOssTopKRouter",
+        [0, 1],
+        4,
+    ),
+}
+
+
+def build(family: str, seed: int = 0) -> tuple[nn.Module, str, list[int], int]:
+    cfg_name, model_name, kwargs, router_cls, layers, num_experts = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, cfg_name)(**COMMON, **kwargs)
+    model = getattr(transformers, model_name)(config)
+    if family == "deepseek_v3":
+        # exercise the aux-loss-free bias in the selection
+        for module in model.modules():
+            if type(module).__name__ == router_cls:
+                module.e_score_correction_bias.normal_(0, 0.1)
+    return model, router_cls, layers, num_experts
+
+
+class IndexRecorder:
+    """Independent record of each router's top-k indices (a hook of the test's own)."""
+
+    def __init__(self, model: nn.Module, router_cls: str) -> None:
+        self.recording = False
+        self.by_layer: dict[int, list[np.ndarray]] = {}
+        self.handles = []
+        for name, module in model.named_modules():
+            if type(module).__name__ == router_cls:
+                layer = int(name.split("layers.")[1].split(".")[0])
+                self.by_layer[layer] = []
+                self.handles.append(module.register_forward_hook(self._hook(layer)))
+
+    def _hook(self, layer: int):
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if self.recording:
+                self.by_layer[layer].append(output[2].detach().numpy().copy())
+
+        return hook
+
+    def counts(self, num_experts: int) -> np.ndarray:
+        rows = []
+        for layer in sorted(self.by_layer):
+            idx = np.concatenate([a.reshape(-1) for a in self.by_layer[layer]])
+            rows.append(np.bincount(idx, minlength=num_experts).astype(np.float64))
+        return np.stack(rows)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_family_counts_equal_bincount_over_micro_batches(family: str) -> None:
+    model, router_cls, layers, num_experts = build(family)
+    capture = RouterCapture(model)
+    recorder = IndexRecorder(model, router_cls)
+    assert [r.layer for r in capture.routers] == layers
+    assert capture.layer_labels == [str(x) for x in layers]
+    assert {r.kind for r in capture.routers} == {"hf"}
+
+    gen = torch.Generator().manual_seed(1)
+    model.train()
+    for micro_batch in range(3):  # gradient accumulation: three micro-batches, one step
+        x = torch.randint(0, VOCAB, (2, 5 + micro_batch), generator=gen)
+        recorder.recording = True
+        model(x).logits.float().pow(2).mean().backward()
+        recorder.recording = False
+        # forwards that must not count: no_grad in train mode, and eval mode
+        with torch.no_grad():
+            model(x)
+        model.eval()
+        model(x)
+        model.train()
+
+    expected = recorder.counts(num_experts)
+    loads = capture.loads()
+    assert loads.dtype == torch.float64 and loads.shape == (len(layers), num_experts)
+    np.testing.assert_array_equal(loads.numpy(), expected)
+    # every token is routed to exactly k experts
+    top_k = model.config.num_experts_per_tok
+    assert (loads.sum(1) == top_k * (2 * 5 + 2 * 6 + 2 * 7)).all()
+
+    capture.reset()
+    assert capture.loads().sum() == 0
+    capture.remove()
+    model(torch.randint(0, VOCAB, (2, 5))).logits.sum().backward()
+    assert capture.loads().sum() == 0  # hooks removed
+
+
+def test_deepseek_indices_follow_group_limited_rule() -> None:
+    """The counted indices are DeepSeek-V3's group-limited, bias-corrected sigmoid choice
+    (recomputed here from the router logits), not a plain top-k of the logits."""
+    model, router_cls, _, num_experts = build("deepseek_v3")
+    router = next(m for m in model.modules() if type(m).__name__ == router_cls)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    router.register_forward_hook(lambda m, i, o: seen.append((o[0].detach(), o[2].detach())))
+    capture = RouterCapture(model)
+    model.train()
+    model(torch.randint(0, VOCAB, (3, 7))).logits.sum().backward()
+    logits, _ = seen[0]
+    scores = logits.double().sigmoid() + router.e_score_correction_bias.double()
+    groups = scores.view(-1, router.num_group, num_experts // router.num_group)
+    group_scores = groups.topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(router.topk_group, dim=-1).indices, True)
+    masked = scores.masked_fill(~keep.repeat_interleave(num_experts // router.num_group, 1), -1e9)
+    chosen = masked.topk(router.top_k, dim=-1).indices
+    expected = np.bincount(chosen.reshape(-1).numpy(), minlength=num_experts)
+    np.testing.assert_array_equal(capture.loads()[0].numpy(), expected)
+
+
+def test_activation_checkpoint_rerun_not_counted() -> None:
+    model, _, _, _ = build("mixtral")
+    reference, _, _, _ = build("mixtral")
+    reference.load_state_dict(model.state_dict())
+    model.activation_checkpointing_enable()
+    x = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    counts = []
+    for m in (reference, model):
+        capture = RouterCapture(m)
+        m.train()
+        m(x).logits.sum().backward()
+        counts.append(capture.loads())
+    assert counts[0].sum() > 0
+    torch.testing.assert_close(counts[1], counts[0], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- torchtitan stand-in
+
+
+class TitanRouter(nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.gate(x).softmax(-1)
+        top, idx = scores.topk(self.top_k, dim=-1)
+        return top, idx
+
+
+class TitanMoE(nn.Module):
+    """Faithful stand-in for torchtitan 0.3 ``models/common/moe.py::MoE`` (torchtitan itself
+    needs triton and cannot be imported on this CPU machine): a non-persistent float32 buffer
+    ``tokens_per_expert_E`` to which each training forward adds its counts."""
+
+    def __init__(self, dim: int = 8, num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.router = TitanRouter(dim, num_experts, top_k)
+        self.experts = nn.Parameter(torch.randn(num_experts, dim, dim) * 0.1)
+        self.register_buffer("tokens_per_expert_E", torch.zeros(num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, idx = self.router(x)
+        routing_map = torch.zeros(*idx.shape[:-1], self.experts.shape[0], dtype=torch.bool)
+        routing_map.scatter_(-1, idx, True)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert_E.add_(routing_map.reshape(-1, routing_map.shape[-1]).sum(0))
+        out = torch.einsum("td,edf->tef", x, self.experts)
+        return (out.gather(1, idx[..., None].expand(-1, -1, x.shape[-1])) * top[..., None]).sum(1)
+
+
+class TitanModel(nn.Module):
+    def __init__(self, num_layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict(
+            {str(i): nn.ModuleDict({"moe": TitanMoE()}) for i in range(num_layers)}
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = x + block["moe"](x)
+        return x
+
+
+@pytest.mark.parametrize("titan_zeroes_buffer", [True, False])
+def test_torchtitan_buffer_read_before_its_pre_hook_zeroes_it(titan_zeroes_buffer: bool) -> None:
+    torch.manual_seed(0)
+    model = TitanModel()
+    capture = RouterCapture(model)
+    assert [r.kind for r in capture.routers] == ["torchtitan"] * 3
+    assert capture.layer_labels == ["0", "1", "2"]
+    seen: dict[int, list[np.ndarray]] = {i: [] for i in range(3)}
+    for i in range(3):
+        model.layers[str(i)]["moe"].router.register_forward_hook(
+            lambda m, inp, out, i=i: (
+                seen[i].append(out[1].detach().numpy().copy())
+                if m.training and torch.is_grad_enabled()
+                else None
+            )
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if titan_zeroes_buffer:  # torchtitan's _update_expert_bias runs as an optimizer PRE-hook
+
+        def update_expert_bias(*args: Any) -> None:
+            for block in model.layers.values():
+                block["moe"].tokens_per_expert_E.zero_()
+
+        opt.register_step_pre_hook(update_expert_bias)
+    for step in range(2):
+        for _ in seen.values():
+            _.clear()
+        for _ in range(2):  # two micro-batches
+            model(torch.randn(10, 8)).pow(2).mean().backward()
+        with torch.no_grad():
+            model.eval()
+            model(torch.randn(10, 8))
+            model.train()
+        opt.step()  # torchtitan zeroes its buffer here; the capture must already have it
+        opt.zero_grad()
+        expected = np.stack(
+            [np.bincount(np.concatenate(seen[i]).reshape(-1), minlength=4) for i in range(3)]
+        )
+        np.testing.assert_array_equal(capture.loads().numpy(), expected, err_msg=f"step {step}")
+        capture.reset()
+
+
+# ---------------------------------------------------------------------- user extractors, naming
+
+
+class CountingGate(nn.Module):
+    """A router with an unusual output: (weights, a dict with the counts)."""
+
+    def __init__(self, num_experts: int = 3) -> None:
+        super().__init__()
+        self.w = nn.Linear(4, num_experts)
+        self.n = num_experts
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        choice = self.w(x).argmax(-1)
+        return self.w(x), {
+            "counts": torch.bincount(choice, minlength=self.n),
+            "aux": self.w(x).pow(2).mean(),
+        }
+
+
+class Gates(nn.Module):
+    def __init__(self, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            [nn.ModuleDict({"gate": CountingGate()}) for _ in range(num_layers)]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(block["gate"](x)[0].sum() for block in self.layers)
+
+
+def _extract(module: nn.Module, inputs: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return output[1]["counts"], output[1]["aux"]
+
+
+def test_registered_extractor_counts_and_aux() -> None:
+    torch.manual_seed(0)
+    model = Gates(3)
+    clear_router_extractors()
+    try:
+        assert len(find_routers(model)) == 0
+        register_router_extractor(CountingGate, _extract, num_experts=lambda m: m.n)
+        capture = RouterCapture(model)
+    finally:
+        clear_router_extractors()
+    assert capture.layer_labels == ["0", "1", "2"]
+    xs = [torch.randn(6, 4) for _ in range(2)]
+    expected = np.zeros((3, 3))
+    aux = np.zeros(3)
+    for x in xs:
+        for i, block in enumerate(model.layers):
+            expected[i] += np.bincount(block["gate"].w(x).argmax(-1).numpy(), minlength=3)
+            aux[i] += block["gate"].w(x).pow(2).mean().item()
+        model(x)
+    np.testing.assert_array_equal(capture.loads().numpy(), expected)
+    aux_sum, aux_count = capture.aux_losses()
+    np.testing.assert_allclose(aux_sum.numpy(), aux, rtol=1e-6)
+    np.testing.assert_array_equal(aux_count.numpy(), [2, 2, 2])
+
+
+def test_layer_numbers_numeric_fallbacks_and_clashes() -> None:
+    assert layer_number_from_name("model.layers.10.mlp.gate") == 10
+    assert layer_number_from_name("module.decoder.layers.3.mlp.router") == 3
+    assert layer_number_from_name("mlp.gate") is None
+    assert layer_number_from_name("block2.gate") is None  # only whole dotted components count
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module() for _ in range(12)])
+    for i in (11, 2, 10, 0):
+        model.layers[i].gate = CountingGate()
+    model.encoder = nn.ModuleList([nn.Module() for _ in range(3)])
+    model.encoder[2].gate = CountingGate()  # clashes with layers.2
+    model.shared_gate = CountingGate()  # no number
+    own = CountingGate()
+    own.layer_number = 40
+    model.final_gate = own  # no number in the name, but its own layer_number
+    routers = find_routers(model, extractors=[(CountingGate, _extract, 3)])
+    labels = [r.label for r in routers]
+    # numeric order; the clash of layers.2 / encoder.2 resolved with full names; routers
+    # without a number after the numbered ones (own layer_number, else discovery position 5)
+    assert labels == ["0", "layers_2_gate", "encoder_2_gate", "10", "11", "5", "40"]
+    assert len(set(labels)) == len(labels)
+
+
+def test_routers_with_different_expert_counts_raise() -> None:
+    model = nn.Sequential(CountingGate(3), CountingGate(5))
+    with pytest.raises(ValueError, match="same number of experts"):
+        RouterCapture(model, extractors=[(CountingGate, _extract, lambda m: m.n)])
+    with pytest.raises(ValueError, match="number of experts is unknown"):
+        RouterCapture(nn.Sequential(nn.Linear(2, 2)), extractors=[(nn.Linear, _extract)])
+    with pytest.raises(TypeError, match="extractors"):
+        RouterCapture(model, extractors=["nope"])
+
+
+class FakeTopKRouter(nn.Module):
+    """A router of an HF family not in the verified list, with sentinel indices (-1, E)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = 4
+        self.top_k = 2
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx = torch.tensor([[0, 1], [1, 4], [-1, 3], [3, 3]])
+        return x, x, idx
+
+
+FakeTopKRouter.__module__ = "transformers.models.fake.modeling_fake"
+
+
+def test_generic_hf_router_and_out_of_range_indices() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), FakeTopKRouter())
+    capture = RouterCapture(model)
+    assert [(r.kind, r.label) for r in capture.routers] == [("hf", "1")]
+    model(torch.randn(4, 2).requires_grad_())
+    np.testing.assert_array_equal(capture.loads().numpy(), [[1, 2, 0, 3]])

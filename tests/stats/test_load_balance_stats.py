@@ -1,0 +1,113 @@
+"""stats/load_balance against independent float64 numpy formulas on the whole load matrix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainvitals.stats.load_balance import (
+    AGGREGATES,
+    LAYER_METRICS,
+    UTILIZATION_QUANTILES,
+    aggregate_across_layers,
+    load_balance_stats,
+)
+
+
+def _reference(loads: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-layer metrics computed row by row with numpy, float64."""
+    rows = {name: [] for name in LAYER_METRICS}
+    for row in loads.astype(np.float64):
+        if row.sum() == 0:
+            for name in LAYER_METRICS:
+                rows[name].append(np.nan)
+            continue
+        e = row.size
+        mean = row.mean()
+        util = row / (row.sum() / e)
+        p = row[row > 0] / row.sum()
+        rows["cv"].append(np.std(row, ddof=0) / mean)
+        rows["dead_expert_frac"].append(np.count_nonzero(row == 0) / e)
+        rows["expert_diversity"].append(np.exp(-(p * np.log(p)).sum()) / e)
+        rows["max_overload_factor"].append(row.max() / mean)
+        for name, q in UTILIZATION_QUANTILES:
+            rows[f"utilization_{name}"].append(np.quantile(util, q))
+    return {k: np.array(v) for k, v in rows.items()}
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (3, 8), (12, 16), (5, 7)])
+def test_per_layer_and_aggregates_match_numpy(shape: tuple[int, int]) -> None:
+    rng = np.random.default_rng(sum(shape))
+    loads = rng.integers(0, 50, size=shape).astype(np.float64)
+    loads[0, 0] = 0.0  # at least one dead expert
+    if shape[0] > 2:
+        loads[1] = 0.0  # an inactive layer: NaN and left out of the aggregates
+        loads[2, :] = [100.0] + [0.0] * (shape[1] - 1)  # all tokens on one expert
+    s = load_balance_stats(torch.tensor(loads, dtype=torch.float32), top_k=3)
+    ref = _reference(loads)
+    for i, name in enumerate(LAYER_METRICS):
+        np.testing.assert_allclose(
+            s.per_layer[i].numpy(), ref[name], rtol=1e-12, atol=1e-12, err_msg=name
+        )
+        active = ref[name][~np.isnan(ref[name])]
+        expected = [active.mean(), np.median(active), active.min(), active.max()]
+        np.testing.assert_allclose(s.aggregates[i].numpy(), expected, rtol=1e-12, err_msg=name)
+
+    with np.errstate(invalid="ignore"):
+        util = loads / (loads.sum(1, keepdims=True) / shape[1])
+    active_util = util[loads.sum(1) > 0].reshape(-1)
+    np.testing.assert_allclose(
+        s.utilization_quantiles.numpy(),
+        [np.quantile(active_util, q) for _, q in UTILIZATION_QUANTILES],
+        rtol=1e-12,
+    )
+    # top / bottom experts overall: the values are the k largest / smallest utilizations and
+    # the indices point at experts that have them.
+    k = min(3, active_util.size)
+    np.testing.assert_allclose(s.top_values[:k].numpy(), np.sort(active_util)[::-1][:k], rtol=1e-12)
+    np.testing.assert_allclose(s.bottom_values[:k].numpy(), np.sort(active_util)[:k], rtol=1e-12)
+    flat = util.reshape(-1)
+    np.testing.assert_allclose(
+        flat[s.top_indices[:k].numpy()], s.top_values[:k].numpy(), rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        flat[s.bottom_indices[:k].numpy()], s.bottom_values[:k].numpy(), rtol=1e-12
+    )
+
+
+def test_known_values_and_nemo_conversion() -> None:
+    loads = torch.tensor([[10.0, 10, 10, 10], [40, 0, 0, 0], [30, 10, 0, 0]])
+    s = load_balance_stats(loads)
+    cv = s.per_layer[LAYER_METRICS.index("cv")].numpy()
+    # perfectly balanced: cv 0, diversity 1; one expert takes all: cv sqrt(E-1), diversity 1/E
+    assert cv[0] == 0.0
+    assert cv[1] == pytest.approx(np.sqrt(3.0))
+    div = s.per_layer[LAYER_METRICS.index("expert_diversity")].numpy()
+    assert div[0] == pytest.approx(1.0) and div[1] == pytest.approx(0.25)
+    # NeMo's sample-std CV is ours times sqrt(E / (E - 1))
+    row = loads[2].double().numpy()
+    assert np.std(row, ddof=1) / row.mean() == pytest.approx(cv[2] * np.sqrt(4 / 3))
+
+
+def test_median_of_even_count_interpolates() -> None:
+    out = aggregate_across_layers(torch.tensor([[1.0, 2.0, 10.0, 20.0, float("nan")]]))
+    assert out.shape == (1, len(AGGREGATES))
+    np.testing.assert_allclose(out[0].numpy(), [8.25, 6.0, 1.0, 20.0])
+    assert torch.isnan(aggregate_across_layers(torch.full((2, 3), float("nan")))).all()
+
+
+def test_all_layers_inactive_gives_nan_not_zero() -> None:
+    s = load_balance_stats(torch.zeros(2, 4), top_k=2)
+    assert torch.isnan(s.per_layer).all()
+    assert torch.isnan(s.aggregates).all()
+    assert torch.isinf(s.top_values).all() and torch.isinf(s.bottom_values).all()
+
+
+def test_bad_input() -> None:
+    with pytest.raises(TypeError, match="loads"):
+        load_balance_stats([[1, 2]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\[layers, experts\]"):
+        load_balance_stats(torch.ones(4))
+    with pytest.raises(ValueError, match="top_k"):
+        load_balance_stats(torch.ones(2, 4), top_k=-1)
