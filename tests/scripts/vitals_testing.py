@@ -42,3 +42,61 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def dt(step: int, mb: int) -> float:
+    """Seconds the fake clock moves during micro-batch ``mb`` of ``step`` in :func:`fake_loop`."""
+    return 0.25 * (1 + (3 * step + mb) % 4)
+
+
+def batch_size(step: int, mb: int, rank: int = 0) -> int:
+    """Samples in micro-batch ``mb`` of ``step`` on ``rank`` in :func:`fake_loop`."""
+    return 2 + (step + mb) % 3 + 3 * rank
+
+
+def fake_loop(
+    callbacks: list,
+    clock: FakeClock | None,
+    *,
+    steps: range,
+    acc: int = 2,
+    seq: int = 5,
+    log_every: int = 2,
+    val_every: int = 3,
+    val_seconds: float = 100.0,
+    rank: int = 0,
+    state: dict | None = None,
+    max_steps: int | None = None,
+    on_step: Any = None,
+) -> tuple[RecordingWriter, Any]:
+    """A plain loop under the driver: ``acc`` micro-batches per optimizer step (the fake clock
+    moves :func:`dt` inside each), validation of ``val_seconds`` after every ``val_every``-th
+    step. Returns the writer and the closed driver."""
+    from trainvitals.adapters.loop import Vitals
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    writer = RecordingWriter()
+    vitals = Vitals(callbacks, writer=writer, log_every_n_steps=log_every, max_steps=max_steps)
+    vitals.attach(model, opt)
+    if state is not None:
+        vitals.load_state_dict(state)
+    for step in steps:
+        for mb in range(acc):
+            bs = batch_size(step, mb, rank)
+            batch = {"input_ids": torch.zeros(bs, seq, dtype=torch.long), "x": torch.randn(bs, 3)}
+            vitals.batch(batch)
+            if clock is not None:
+                clock.t += dt(step, mb)
+            model(batch["x"]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if on_step is not None:
+            on_step(step)
+        if (step + 1) % val_every == 0:
+            with vitals.validating():
+                if clock is not None:
+                    clock.t += val_seconds
+    vitals.close()
+    return writer, vitals

@@ -1,0 +1,148 @@
+"""RuntimeMonitor: exact times from a fake clock, validation excluded, horizon, resume, ranks."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import FakeClock, batch_size, dt, fake_loop
+from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+from trainvitals.distributed import collective_counter
+from trainvitals.stats.runtime import training_horizon
+
+ACC = 2
+
+
+def _train_seconds(first: int, last: int) -> float:
+    return sum(dt(s, mb) for s in range(first, last + 1) for mb in range(ACC))
+
+
+def _validations_before(step: int, val_every: int = 3) -> int:
+    """Validations run after steps 0..step-1 (they follow step s when (s+1) % val_every == 0)."""
+    return sum(1 for s in range(step) if (s + 1) % val_every == 0)
+
+
+def test_times_counts_and_remaining_exact():
+    clock = FakeClock()
+    horizon = 30
+    writer, _ = fake_loop([RuntimeMonitor(clock=clock, max_steps=horizon)], clock, steps=range(9))
+    assert sorted(writer.rows) == [0, 2, 4, 6, 8]
+    assert "time/remaining_hours" not in writer.rows[0]  # only the warm-up step so far
+    for step in (0, 2, 4, 6, 8):
+        row = writer.rows[step]
+        train = _train_seconds(0, step)
+        val = 100.0 * _validations_before(step)
+        assert row["time/train_hours"] == pytest.approx(train / 3600, rel=1e-12)
+        assert row["time/validation_hours"] == pytest.approx(val / 3600, rel=1e-12)
+        assert row["time/total_hours"] == pytest.approx((train + val) / 3600, rel=1e-12)
+        samples = sum(batch_size(s, mb) for s in range(step + 1) for mb in range(ACC))
+        assert row["time/samples"] == samples
+        assert row["time/tokens"] == 5 * samples
+        assert row["time/batches"] == ACC * (step + 1)
+        if step:
+            per_step = _train_seconds(1, step) / step  # step 0 is warm-up
+            assert row["time/seconds_per_step"] == pytest.approx(per_step, rel=1e-12)
+            remaining = (horizon - step - 1) * per_step
+            assert row["time/remaining_hours"] == pytest.approx(remaining / 3600, rel=1e-12)
+
+
+def test_time_unit_and_horizon_from_the_driver():
+    clock = FakeClock()
+    writer, _ = fake_loop(
+        [RuntimeMonitor(clock=clock, time_unit="minutes", warmup_steps=0)],
+        clock,
+        steps=range(3),
+        max_steps=12,
+    )
+    row = writer.rows[2]
+    per_step = _train_seconds(0, 2) / 3
+    assert row["time/remaining_minutes"] == pytest.approx((12 - 3) * per_step / 60)
+    assert "time/remaining_hours" not in row
+
+
+def test_resume_continues_clocks_rate_and_counts():
+    horizon = 40
+    clock = FakeClock()
+    _, first = fake_loop([RuntimeMonitor(clock=clock, max_steps=horizon)], clock, steps=range(10))
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    clock = FakeClock(t=5e6)  # a new process: its clock has nothing to do with the old one
+    writer, vitals = fake_loop(
+        [RuntimeMonitor(clock=clock, max_steps=horizon)], clock, steps=range(10, 20), state=state
+    )
+    assert vitals.step == 20
+    for step in (12, 14, 16, 18):
+        row = writer.rows[step]
+        train = _train_seconds(0, step)
+        val = 100.0 * _validations_before(step)
+        assert row["time/train_hours"] == pytest.approx(train / 3600, rel=1e-12)
+        assert row["time/total_hours"] == pytest.approx((train + val) / 3600, rel=1e-12)
+        assert row["time/samples"] == sum(
+            batch_size(s, mb) for s in range(step + 1) for mb in range(ACC)
+        )
+        # Rate: steps 1..9 of the first process, 11..step of the second (10 is its warm-up).
+        seconds = _train_seconds(1, 9) + _train_seconds(11, step)
+        steps = 9 + (step - 10)
+        assert row["time/seconds_per_step"] == pytest.approx(seconds / steps, rel=1e-12)
+        remaining = (horizon - step - 1) * seconds / steps
+        assert row["time/remaining_hours"] == pytest.approx(remaining / 3600, rel=1e-12)
+
+
+def test_training_horizon():
+    assert training_horizon(max_steps=100) == 100
+    assert training_horizon(max_epochs=3, num_training_batches=10, accumulate_grad_batches=4) == 9
+    assert training_horizon(max_steps=5, max_epochs=3, num_training_batches=10) == 5
+    assert training_horizon() is None
+
+
+def test_unknown_horizon_warns_and_writes_no_estimate():
+    clock = FakeClock()
+    with pytest.warns(RuntimeWarning, match="horizon unknown"):
+        writer, _ = fake_loop([RuntimeMonitor(clock=clock)], clock, steps=range(3))
+    assert "time/remaining_hours" not in writer.rows[2]
+    assert "time/train_hours" in writer.rows[2]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"time_unit": "weeks"}, {"max_steps": 0}, {"warmup_steps": -2}, {"log_every_n_steps": -1}],
+)
+def test_bad_arguments_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        RuntimeMonitor(**kwargs)
+
+
+def _two_rank_body(rank: int, world_size: int) -> dict:
+    clock = FakeClock()
+    counts: list[int] = []
+    before = collective_counter["all_reduce"]
+    writer, vitals = fake_loop(
+        [RuntimeMonitor(clock=clock, max_steps=10)],
+        clock,
+        steps=range(5),
+        rank=rank,
+        on_step=lambda s: counts.append(collective_counter["all_reduce"] - before),
+    )
+    state = vitals.callbacks[0].state_dict()  # collective: every rank calls it
+    return {"rows": writer.rows, "collectives": counts, "state": state}
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_consumed_counts_are_true_sums():
+    results = run_distributed(_two_rank_body, world_size=2, timeout=150)
+    for result in results:
+        for step in (0, 2, 4):
+            true = sum(
+                batch_size(s, mb, r) for r in (0, 1) for s in range(step + 1) for mb in range(ACC)
+            )
+            assert result["rows"][step]["time/samples"] == true
+            assert result["rows"][step]["time/batches"] == 2 * ACC * (step + 1)
+        assert result["collectives"] == [1, 1, 2, 2, 3]  # one per logging step only
+        assert result["state"]["consumed"]["samples"] == sum(
+            batch_size(s, mb, r) for r in (0, 1) for s in range(5) for mb in range(ACC)
+        )
