@@ -451,3 +451,64 @@ def test_generic_hf_router_and_out_of_range_indices() -> None:
     assert [(r.kind, r.label) for r in capture.routers] == [("hf", "1")]
     model(torch.randn(4, 2).requires_grad_())
     np.testing.assert_array_equal(capture.loads().numpy(), [[1, 2, 0, 3]])
+
+
+# ---------------------------------------------------------------------- trainvitals TopKRouter
+
+
+def test_topk_router_in_tiny_moe_lm_twelve_layers_numeric_order() -> None:
+    from trainvitals.moe import TinyMoELM, TopKRouter
+
+    torch.manual_seed(0)
+    model = TinyMoELM(
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=12,
+        num_experts=4,
+        top_k=2,
+        ffn_hidden_size=8,
+        num_heads=2,
+        max_seq_len=16,
+    )
+    capture = RouterCapture(model)
+    assert capture.layer_labels == [str(i) for i in range(12)]  # layers.10 after layers.2
+    assert {r.kind for r in capture.routers} == {"topk_router"}
+    maps: dict[int, list[np.ndarray]] = {i: [] for i in range(12)}
+    aux: dict[int, list[float]] = {i: [] for i in range(12)}
+    for i, block in enumerate(model.layers):
+        router = block.mlp.router
+        assert isinstance(router, TopKRouter)
+
+        def hook(m: nn.Module, inp: Any, out: Any, i: int = i) -> None:
+            if m.training and torch.is_grad_enabled():
+                maps[i].append(out[1].numpy().copy())
+                aux[i].append(float(m.last_aux_loss))
+
+        router.register_forward_hook(hook)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x = torch.randint(0, 32, (2, 6), generator=gen)
+        model(x, labels=x).loss.backward()
+    with torch.no_grad():
+        model(x)
+    expected = np.stack([np.concatenate(maps[i]).sum(0) for i in range(12)]).astype(np.float64)
+    np.testing.assert_array_equal(capture.loads().numpy(), expected)
+    aux_sum, aux_count = capture.aux_losses()
+    np.testing.assert_allclose(aux_sum.numpy(), [sum(aux[i]) for i in range(12)], rtol=1e-6)
+    np.testing.assert_array_equal(aux_count.numpy(), [2] * 12)
+
+
+def test_topk_router_padding_slots_not_counted() -> None:
+    from trainvitals.moe import TopKRouter
+
+    torch.manual_seed(0)
+    padded = TopKRouter(8, 4, 2, capacity_factor=1.0, pad_to_capacity=True)
+    plain = TopKRouter(8, 4, 2, capacity_factor=1.0)
+    plain.load_state_dict(padded.state_dict())
+    model = nn.ModuleList([padded])
+    capture = RouterCapture(model)
+    x = torch.randn(12, 8) * torch.linspace(0.1, 3, 8)
+    _, padded_map = padded(x)
+    _, kept_map = plain(x)
+    assert padded_map.sum() > kept_map.sum()  # the padding is really there
+    np.testing.assert_array_equal(capture.loads()[0].numpy(), kept_map.sum(0).numpy())

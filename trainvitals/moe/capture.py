@@ -16,8 +16,10 @@ router                      how its counts are read
 user extractor              ``register_router_extractor(predicate_or_type, fn)``; ``fn(module,
                             inputs, output)`` returns the ``[E]`` tokens per expert of one forward,
                             or a pair ``(tokens_per_expert, aux_loss)``
-``trainvitals.moe.          output ``(probs [T, E], routing_map [T, E] bool)``: ``routing_map.sum(0)``;
-TopKRouter``                ``module.last_aux_loss`` (when not ``None``) as the layer's aux loss
+``trainvitals.moe.          output ``(probs [T, E], routing_map [T, E] bool)``: ``routing_map.sum(0)``
+TopKRouter``                (the tokens each expert processes, after any capacity drop; with
+                            ``pad_to_capacity`` the weight-0 padding slots are not counted);
+                            ``module.last_aux_loss`` (when not ``None``) as the layer's aux loss
 Hugging Face transformers   ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,
 routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter`` (and
                             any ``transformers`` module whose class name ends in ``TopKRouter`` /
@@ -478,8 +480,11 @@ class RouterCapture:
             if not isinstance(routing_map, torch.Tensor) or routing_map.shape[-1] != r.num_experts:
                 self._unsupported(i, "expected (probs, routing_map [T, E])")
                 return
-            routing_map = local_tensor(routing_map)
-            self._add_counts(i, routing_map.reshape(-1, r.num_experts).sum(dim=0))
+            routing_map = local_tensor(routing_map).reshape(-1, r.num_experts)
+            if getattr(module, "pad_to_capacity", False) and isinstance(output[0], torch.Tensor):
+                # padding slots are marked in the map with weight 0: count routed tokens only
+                routing_map = routing_map & (local_tensor(output[0]).reshape(-1, r.num_experts) > 0)
+            self._add_counts(i, routing_map.sum(dim=0))
             self._add_aux(i, getattr(module, "last_aux_loss", None))
         elif r.kind == "torchtitan":
             before = self._snapshots.pop(i, None)
