@@ -282,11 +282,12 @@ def _lightning_body(rank: int, world_size: int, strategy_name: str, out_dir: str
         default_root_dir=out_dir,
     )
     trainer.fit(module, loader)
-    groups = trainer._trainvitals_ctx.groups if hasattr(trainer, "_trainvitals_ctx") else None
+    from trainvitals.distributed import ProcessGroups
+
     return {
         "steps": writer.steps,
         "refs": module.refs,
-        "sizes": groups.sizes() if groups is not None else None,
+        "sizes": ProcessGroups.from_strategy(trainer.strategy).sizes(),
         "dtensor": type(next(module.parameters())).__name__,
     }
 
@@ -307,6 +308,7 @@ def test_lightning_ddp_two_devices(tmp_path):
     results = run_distributed(_lightning_body, 2, args=("ddp", str(tmp_path)), timeout=180)
     _check_lightning(results)
     assert results[0]["dtensor"] == "Parameter"
+    assert results[0]["sizes"]["dp"] == 2 and results[0]["sizes"]["tp"] == 1
 
 
 def test_lightning_model_parallel_fsdp2_tp_four_devices(tmp_path):
@@ -316,3 +318,4 @@ def test_lightning_model_parallel_fsdp2_tp_four_devices(tmp_path):
     )
     _check_lightning(results)
     assert results[0]["dtensor"] == "DTensor"
+    assert results[0]["sizes"]["dp"] == 2 and results[0]["sizes"]["tp"] == 2

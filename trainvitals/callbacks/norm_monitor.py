@@ -139,7 +139,11 @@ class NormMonitor(VitalsCallback):
             raise ValueError("NormMonitor needs the model: attach it (vitals.attach(model, opt))")
         self._ctx = ctx
         model = unwrap_model(ctx.model)
-        named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [
+            (canonical_name(n), p)
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if p.requires_grad
+        ]
         self._tracked = [
             _Tracked(name, p, sharding_groups(p)) for name, p in dedupe_named_tensors(named)
         ]
