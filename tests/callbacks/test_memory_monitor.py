@@ -1,0 +1,188 @@
+"""MemoryMonitor: host RSS on CPU, CUDA allocator path (against the real torch API names, with
+the device faked), reductions over ranks in one collective, snapshots, bad input."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import fake_loop
+from trainvitals.adapters.context import RunContext
+from trainvitals.callbacks.memory_monitor import MemoryMonitor
+from trainvitals.distributed import collective_counter
+from trainvitals.stats import memory as memory_stats
+
+
+def test_cpu_rss_on_logging_steps_only():
+    before = psutil.Process().memory_info().rss / 1e9
+    writer, _ = fake_loop([MemoryMonitor()], None, steps=range(5), log_every=2)
+    after = psutil.Process().memory_info().rss / 1e9
+    assert sorted(writer.rows) == [0, 2, 4]
+    for row in writer.rows.values():
+        assert set(row) == {"memory/rss_gb", "memory/peak_rss_gb"}
+        # The RSS read during the run lies between what we read around it (allowing for the
+        # allocator returning a little memory to the OS meanwhile).
+        assert 0.9 * min(before, after) <= row["memory/rss_gb"] <= 1.1 * max(before, after)
+        assert row["memory/peak_rss_gb"] >= row["memory/rss_gb"]
+
+
+def test_host_readings_against_os():
+    import resource
+
+    readings = memory_stats.host_memory_readings()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    assert readings["peak_rss_gb"] == pytest.approx(max(peak, readings["rss_gb"]), rel=0.05)
+
+
+_FAKE_STATS = {
+    "allocated_bytes.all.current": 3_000_000_000,
+    "active_bytes.all.current": 3_500_000_000,
+    "inactive_split_bytes.all.current": 250_000_000,
+    "reserved_bytes.all.current": 8_000_000_000,
+    "allocated_bytes.all.peak": 6_000_000_000,
+    "active_bytes.all.peak": 6_500_000_000,
+    "inactive_split_bytes.all.peak": 750_000_000,
+    "reserved_bytes.all.peak": 9_000_000_000,
+    "num_alloc_retries": 7,
+    "num_ooms": 1,
+}
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, tmp_path):
+    """Pretend the model is on cuda:0; record calls into the real torch API names (raising=True
+    makes the test fail if one of them does not exist in this torch)."""
+    import inspect
+
+    # The calls MemoryMonitor makes bind to the real signatures of this torch.
+    inspect.signature(torch.cuda.memory._record_memory_history).bind(enabled="all", max_entries=1)
+    inspect.signature(torch.cuda.memory._record_memory_history).bind(enabled=None)
+    inspect.signature(torch.cuda.memory._dump_snapshot).bind("file.pickle")
+    inspect.signature(torch.cuda.memory_stats).bind(torch.device("cuda", 0))
+    calls: dict[str, list] = {"record": [], "dump": [], "reset": []}
+    monkeypatch.setattr(RunContext, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(_FAKE_STATS))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda device=None: calls["reset"].append(device)
+    )
+    monkeypatch.setattr(
+        torch.cuda.memory,
+        "_record_memory_history",
+        lambda enabled="all", **kw: calls["record"].append((enabled, kw)),
+    )
+    monkeypatch.setattr(
+        torch.cuda.memory, "_dump_snapshot", lambda filename="x": calls["dump"].append(filename)
+    )
+    return calls
+
+
+def test_cuda_allocator_statistics_in_gb(fake_cuda):
+    writer, _ = fake_loop([MemoryMonitor(host=False)], None, steps=range(3), log_every=2)
+    row = writer.rows[2]
+    for key, (stat, is_bytes) in memory_stats.CUDA_STATS.items():
+        expected = _FAKE_STATS[stat] / 1e9 if is_bytes else _FAKE_STATS[stat]
+        assert row[f"memory/{key}"] == pytest.approx(expected, rel=1e-15)
+    assert row["memory/reserved_gb"] == 8.0
+    assert row["memory/alloc_retries"] == 7
+    assert fake_cuda["reset"] == []  # peaks since start by default
+
+
+def test_cuda_history_and_snapshots(fake_cuda, tmp_path):
+    monitor = MemoryMonitor(
+        record_history=True, max_history_entries=1234, snapshot_steps=[1, 3], snapshot_dir=tmp_path
+    )
+    fake_loop([monitor], None, steps=range(5))
+    assert fake_cuda["record"][0] == ("all", {"max_entries": 1234})
+    assert fake_cuda["record"][-1][0] is None  # stopped at run end
+    assert fake_cuda["dump"] == [
+        str(tmp_path / "rank0_step1.pickle"),
+        str(tmp_path / "rank0_step3.pickle"),
+    ]
+
+
+def test_peak_since_last_log_resets_peaks(fake_cuda):
+    fake_loop([MemoryMonitor(peak_since_last_log=True)], None, steps=range(4), log_every=2)
+    assert len(fake_cuda["reset"]) == 2  # steps 0 and 2
+
+
+def test_history_on_cpu_warns_and_does_nothing(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("must not be called on CPU")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", boom)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", boom)
+    with pytest.warns(RuntimeWarning, match="need a CUDA device"):
+        writer, _ = fake_loop(
+            [MemoryMonitor(record_history=True, snapshot_steps=[0])], None, steps=range(2)
+        )
+    assert "memory/rss_gb" in writer.rows[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"reduce": ("median",)},
+        {"reduce": ()},
+        {"reduce": "avg"},
+        {"snapshot_steps": [-1]},
+        {"max_history_entries": 0},
+        {"log_every_n_steps": 0},
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        MemoryMonitor(**kwargs)
+
+
+# ---------------------------------------------------------------------------- multi-rank
+
+
+def _ranks_body(rank: int, world_size: int, reduce: tuple[str, ...]) -> dict:
+    # Rank-dependent readings, so the reductions can be checked exactly.
+    memory_stats.host_memory_readings = lambda process=None: {
+        "rss_gb": 1.0 + rank,
+        "peak_rss_gb": 10.0 - 2 * rank,
+    }
+    counts: list[tuple[int, int]] = []
+    base = (collective_counter["all_reduce"], collective_counter["all_gather"])
+    writer, _ = fake_loop(
+        [MemoryMonitor(reduce=reduce)],
+        None,
+        steps=range(4),
+        log_every=2,
+        on_step=lambda s: counts.append(
+            (collective_counter["all_reduce"] - base[0], collective_counter["all_gather"] - base[1])
+        ),
+    )
+    return {"rows": writer.rows, "counts": counts}
+
+
+@pytest.mark.timeout(180)
+def test_three_ranks_max_min_mean_in_one_collective():
+    world = 3
+    results = run_distributed(_ranks_body, world_size=world, args=(("max", "min", "mean"),))
+    rss = [1.0 + r for r in range(world)]
+    peak = [10.0 - 2 * r for r in range(world)]
+    for result in results:
+        row = result["rows"][2]
+        assert row["memory/rss_gb"] == max(rss)
+        assert row["memory/rss_gb/min"] == min(rss)
+        assert row["memory/rss_gb/mean"] == pytest.approx(sum(rss) / world)
+        assert row["memory/peak_rss_gb"] == max(peak)
+        assert row["memory/peak_rss_gb/min"] == min(peak)
+        assert row["memory/peak_rss_gb/mean"] == pytest.approx(sum(peak) / world)
+        # one all-gather per logging step (0 and 2), nothing else
+        assert result["counts"] == [(0, 1), (0, 1), (0, 2), (0, 2)]
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_max_only_is_one_all_reduce():
+    results = run_distributed(_ranks_body, world_size=2, args=(("max",),))
+    for result in results:
+        row = result["rows"][0]
+        assert row == {"memory/rss_gb": 2.0, "memory/peak_rss_gb": 10.0}
+        assert result["counts"] == [(1, 0), (1, 0), (2, 0), (2, 0)]
