@@ -1,0 +1,352 @@
+"""MoEMetricsTracker in one process: aggregation, percentiles, per-layer keys, total_loss_dict,
+console string, clearing, host transfers, writers and argument errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from trainvitals.moe import (
+    MoEMetricsTracker,
+    destroy_moe_metrics_tracker,
+    get_moe_metrics_tracker,
+    set_moe_metrics_tracker,
+)
+
+
+class Recorder:
+    """A minimal writer: add_scalars(mapping, step) storing floats."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def add_scalars(self, mapping, step):
+        row = self.rows.setdefault(step, {})
+        for k, v in mapping.items():
+            row[k] = float(v)
+
+    def add_scalar(self, name, value, step):
+        self.add_scalars({name: value}, step)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class SummaryWriterLike:
+    """TensorBoard's SummaryWriter signatures: add_scalars(main_tag, dict, step) groups runs,
+    so the tracker must use add_scalar for it."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[str, tuple[float, int]] = {}
+        self.add_scalars_calls = 0
+
+    def add_scalar(self, tag, scalar_value, global_step=None, walltime=None):
+        self.scalars[tag] = (float(scalar_value), global_step)
+
+    def add_scalars(self, main_tag, tag_scalar_dict, global_step=None, walltime=None):
+        self.add_scalars_calls += 1
+
+
+def _record_random(tracker, name, num_layers, layers, micro_batches, seed):
+    """Record random values; return the float64 [micro_batches, num_layers] array recorded."""
+    rng = np.random.default_rng(seed)
+    table = np.zeros((micro_batches, num_layers))
+    for m in range(micro_batches):
+        for layer in layers:  # 1-based layer numbers
+            v = rng.uniform(0.1, 3.0)
+            table[m, layer - 1] = v
+            tracker.record(name, torch.tensor(v, dtype=torch.float32), layer, num_layers)
+    return table
+
+
+def test_report_mean_percentiles_per_layer_match_independent_computation():
+    tracker = MoEMetricsTracker()
+    table = _record_random(tracker, "load_balancing_loss", 6, range(1, 7), 3, seed=0)
+    other = _record_random(tracker, "load_imbalance", 6, [1, 3, 5], 3, seed=1)
+    writer = Recorder()
+    log = tracker.report(
+        loss_scale=1 / 3,
+        iteration=7,
+        writer=writer,
+        per_layer_logging=True,
+        percentiles={"load_balancing_loss": [0.25, 0.5, 0.95], "load_imbalance": [0.5]},
+    )
+    row = writer.rows[7]
+    per_layer = table.sum(axis=0) / 3
+    assert row["moe/load_balancing_loss"] == pytest.approx(per_layer.mean(), rel=1e-6)
+    for q in (0.25, 0.5, 0.95):
+        expected = np.quantile(per_layer[per_layer > 0], q)
+        assert row[f"moe/load_balancing_loss_p{int(q * 100)}"] == pytest.approx(expected, rel=1e-6)
+    for i in range(6):
+        assert row[f"moe/load_balancing_loss_layer_{i}"] == pytest.approx(per_layer[i], rel=1e-6)
+    # load_imbalance: only layers 1, 3, 5 recorded; the mean is over all 6 (moe_layer_freq
+    # not given: every layer is MoE), the percentile over the non-zero ones.
+    other_layer = other.sum(axis=0) / 3
+    assert row["moe/load_imbalance"] == pytest.approx(other_layer.sum() / 6, rel=1e-6)
+    assert row["moe/load_imbalance_p50"] == pytest.approx(
+        np.median(other_layer[other_layer > 0]), rel=1e-6
+    )
+    # Console: metrics not ending in "loss", Megatron's format, no per-layer keys.
+    assert log == (
+        f" load_balancing_loss_p25: {row['moe/load_balancing_loss_p25']:.2f} |"
+        f" load_balancing_loss_p50: {row['moe/load_balancing_loss_p50']:.2f} |"
+        f" load_balancing_loss_p95: {row['moe/load_balancing_loss_p95']:.2f} |"
+        f" load_imbalance: {row['moe/load_imbalance']:.2f} |"
+        f" load_imbalance_p50: {row['moe/load_imbalance_p50']:.2f} |"
+    )
+
+
+def test_moe_layer_freq_int_list_and_mtp_count_layers_and_select_per_layer_keys():
+    tracker = MoEMetricsTracker()
+    # 6 transformer layers + 1 MTP layer; MoE every second layer: slots 0, 2, 4 and 6 (MTP).
+    table = _record_random(tracker, "z_loss", 7, [1, 3, 5, 7], 2, seed=2)
+    writer = Recorder()
+    tracker.report(
+        0.5, 1, writer, per_layer_logging=True, num_layers=6, moe_layer_freq=2, mtp_num_layers=1
+    )
+    per_layer = table.sum(axis=0) / 2
+    row = writer.rows[1]
+    assert row["moe/z_loss"] == pytest.approx(per_layer.sum() / 4, rel=1e-6)
+    assert sorted(k for k in row if "_layer_" in k) == [
+        f"moe/z_loss_layer_{i}" for i in (0, 2, 4, 6)
+    ]
+
+    table = _record_random(tracker, "z_loss", 7, [2, 3], 1, seed=3)
+    tracker.report(
+        1.0, 2, writer, per_layer_logging=True, moe_layer_freq=[0, 1, 1, 0, 0, 0], mtp_num_layers=1
+    )
+    row = writer.rows[2]
+    assert row["moe/z_loss"] == pytest.approx(table.sum() / 3, rel=1e-6)  # 2 + 1 MTP layers
+    assert sorted(k for k in row if "_layer_" in k) == [f"moe/z_loss_layer_{i}" for i in (1, 2, 6)]
+
+
+def test_total_loss_dict_receives_this_reports_values_and_does_not_grow():
+    tracker = MoEMetricsTracker()
+    totals: dict[str, float] = {}
+    expected = []
+    for it in range(5):
+        t1 = _record_random(tracker, "load_balancing_loss", 2, [1, 2], 1, seed=10 + it)
+        t2 = _record_random(tracker, "dropped_token_fraction", 2, [1, 2], 1, seed=20 + it)
+        log = tracker.report(1.0, it, total_loss_dict=totals)
+        expected.append(t1.sum() / 2)
+        assert set(totals) == {"load_balancing_loss"}
+        assert totals["load_balancing_loss"] == pytest.approx(t1.sum() / 2, rel=1e-6)
+        assert log == f" dropped_token_fraction: {t2.sum() / 2:.2f} |"
+    # replaced, not summed over the five reports
+    assert totals["load_balancing_loss"] != pytest.approx(sum(expected), rel=1e-3)
+
+
+def test_values_are_zeroed_after_report_and_entries_kept():
+    tracker = MoEMetricsTracker()
+    tracker.record("a_loss", torch.tensor(2.0), 1, 2)
+    tracker.report(1.0, 0)
+    assert set(tracker.metrics) == {"a_loss"}
+    assert torch.count_nonzero(tracker.metrics["a_loss"].values) == 0
+    tracker.record("a_loss", torch.tensor(4.0), 2, 2)
+    totals: dict[str, float] = {}
+    tracker.report(1.0, 1, total_loss_dict=totals)
+    assert totals["a_loss"] == pytest.approx(2.0)  # 4 / 2 layers, not (2 + 4) / 2
+
+
+def test_track_names_reports_only_those_and_clears_all():
+    tracker = MoEMetricsTracker()
+    tracker.record("a", torch.tensor(1.0), 1, 1)
+    tracker.record("b", torch.tensor(3.0), 1, 1)
+    writer = Recorder()
+    tracker.report(1.0, 0, writer, track_names="b")
+    assert writer.rows[0] == {"moe/b": 3.0}
+    assert float(tracker.metrics["a"].values.sum()) == 0.0
+
+
+def test_percentile_without_nonzero_layer_is_not_written():
+    tracker = MoEMetricsTracker()
+    tracker.ensure_initialized("x", 3, device="cpu")
+    writer = Recorder()
+    tracker.report(1.0, 0, writer, percentiles={"x": [0.5]})
+    assert writer.rows[0] == {"moe/x": 0.0}
+
+
+def test_one_host_transfer_per_report(monkeypatch):
+    tracker = MoEMetricsTracker()
+    for name in ("a_loss", "b", "c"):
+        _record_random(tracker, name, 4, [1, 2, 3, 4], 2, seed=5)
+    calls = {"tolist": 0, "item": 0, "cpu": 0}
+    for method in calls:
+        original = getattr(torch.Tensor, method)
+
+        def counting(self, *a, _m=method, _o=original, **k):
+            calls[_m] += 1
+            return _o(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    writer = Recorder()
+    tracker.report(
+        0.5, 3, writer, per_layer_logging=True, percentiles={"a_loss": [0.5, 0.9], "b": [0.1]}
+    )
+    assert calls == {"tolist": 1, "item": 0, "cpu": 0}
+    assert len(writer.rows[3]) == 3 + 3 + 3 * 4
+
+
+def test_record_does_not_synchronise_or_keep_the_graph(monkeypatch):
+    tracker = MoEMetricsTracker()
+    w = torch.tensor(2.0, requires_grad=True)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("record called .item()"))
+    tracker.record("a", w * 3, 1, 1)
+    assert not tracker.metrics["a"].values.requires_grad
+
+
+def test_summary_writer_shaped_writer_gets_add_scalar_per_key():
+    tracker = MoEMetricsTracker()
+    tracker.record("load_balancing_loss", torch.tensor(1.25), 1, 2)
+    tracker.record("load_balancing_loss", torch.tensor(0.75), 2, 2)
+    writer = SummaryWriterLike()
+    tracker.report(1.0, 11, writer, per_layer_logging=True)
+    assert writer.add_scalars_calls == 0
+    assert writer.scalars == {
+        "moe/load_balancing_loss": (1.0, 11),
+        "moe/load_balancing_loss_layer_0": (1.25, 11),
+        "moe/load_balancing_loss_layer_1": (0.75, 11),
+    }
+
+
+def test_real_tensorboard_summary_writer(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    tracker = MoEMetricsTracker()
+    tracker.record("z_loss", torch.tensor(3.0), 1, 1)
+    writer = SummaryWriter(str(tmp_path))
+    tracker.report(1.0, 4, writer)
+    writer.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    (event,) = acc.Scalars("moe/z_loss")
+    assert (event.step, event.value) == (4, 3.0)
+
+
+def test_real_fanout_writer_with_jsonl_sink(tmp_path):
+    adapters = pytest.importorskip("trainvitals.adapters")
+    if not hasattr(adapters, "FanoutWriter") or not hasattr(adapters, "JsonlSink"):
+        pytest.skip("FanoutWriter not available yet")
+    import json
+
+    path = tmp_path / "metrics.jsonl"
+    writer = adapters.FanoutWriter([adapters.JsonlSink(path)])
+    tracker = MoEMetricsTracker()
+    tracker.record("load_balancing_loss", torch.tensor(1.5), 1, 2)
+    tracker.record("load_balancing_loss", torch.tensor(0.5), 2, 2)
+    tracker.report(1.0, 2, writer, per_layer_logging=True)
+    writer.close()
+    values: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        flat = rec.get("metrics", rec)
+        for k, v in flat.items():
+            if k.startswith("moe/"):
+                values[k] = v
+    assert values == {
+        "moe/load_balancing_loss": 1.0,
+        "moe/load_balancing_loss_layer_0": 1.5,
+        "moe/load_balancing_loss_layer_1": 0.5,
+    }
+
+
+def test_snapshot_restore_keeps_training_values_apart():
+    tracker = MoEMetricsTracker()
+    tracker.record("a", torch.tensor(1.0), 1, 1)
+    snap = tracker._snapshot()
+    tracker.record("a", torch.tensor(5.0), 1, 1)
+    tracker.record("b", torch.tensor(5.0), 1, 1)
+    tracker._restore(snap)
+    assert float(tracker.metrics["a"].values[0]) == 1.0
+    assert float(tracker.metrics["b"].values[0]) == 0.0
+
+
+def test_global_tracker_get_set_destroy():
+    destroy_moe_metrics_tracker()
+    first = get_moe_metrics_tracker()
+    assert get_moe_metrics_tracker() is first
+    mine = MoEMetricsTracker()
+    set_moe_metrics_tracker(mine)
+    assert get_moe_metrics_tracker() is mine
+    destroy_moe_metrics_tracker()
+    assert get_moe_metrics_tracker() is not mine
+    with pytest.raises(TypeError, match="tracker"):
+        set_moe_metrics_tracker(object())  # type: ignore[arg-type]
+    destroy_moe_metrics_tracker()
+
+
+def test_layer_number_none_is_skipped():
+    tracker = MoEMetricsTracker()
+    tracker.record("a", torch.tensor(1.0), None, 4)
+    assert "a" not in tracker.metrics
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"name": "", "value": 1.0, "layer_number": 1, "num_layers": 2}, TypeError, "name"),
+        (
+            {"name": "a", "value": 1.0, "layer_number": 3, "num_layers": 2},
+            ValueError,
+            "layer_number",
+        ),
+        (
+            {"name": "a", "value": 1.0, "layer_number": 0, "num_layers": 2},
+            ValueError,
+            "layer_number",
+        ),
+        ({"name": "a", "value": 1.0, "layer_number": 1, "num_layers": 0}, ValueError, "num_layers"),
+        (
+            {"name": "a", "value": torch.ones(2), "layer_number": 1, "num_layers": 2},
+            ValueError,
+            "scalar",
+        ),
+        ({"name": "a", "value": "x", "layer_number": 1, "num_layers": 2}, TypeError, "value"),
+    ],
+)
+def test_record_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MoEMetricsTracker().record(**kwargs)
+
+
+def test_record_with_a_different_num_layers_is_an_error():
+    tracker = MoEMetricsTracker()
+    tracker.record("a", torch.tensor(1.0), 1, 4)
+    with pytest.raises(ValueError, match="num_layers=4"):
+        tracker.record("a", torch.tensor(1.0), 1, 6)
+    with pytest.raises(ValueError, match="num_layers=4"):
+        tracker.ensure_initialized("a", 6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"loss_scale": "1"}, TypeError, "loss_scale"),
+        ({"loss_scale": math.inf}, ValueError, "loss_scale"),
+        ({"iteration": 1.5}, TypeError, "iteration"),
+        ({"track_names": 3}, TypeError, "track_names"),
+        ({"num_layers": 0}, ValueError, "num_layers"),
+        ({"moe_layer_freq": 0}, ValueError, "moe_layer_freq"),
+        ({"moe_layer_freq": [1, 2]}, TypeError, "moe_layer_freq"),
+        ({"moe_layer_freq": [1, 0, 1], "num_layers": 2}, ValueError, "moe_layer_freq"),
+        ({"mtp_num_layers": -1}, ValueError, "mtp_num_layers"),
+        ({"percentiles": {"a": [1.5]}}, ValueError, "percentiles"),
+        ({"groups": "dp"}, TypeError, "groups"),
+        ({"num_layers": 3}, ValueError, "layer slots"),
+    ],
+)
+def test_report_rejects_bad_arguments_and_keeps_values(kwargs, error, match):
+    tracker = MoEMetricsTracker()
+    tracker.record("a", torch.tensor(1.0), 1, 2)
+    args = {"loss_scale": 1.0, "iteration": 0, **kwargs}
+    with pytest.raises(error, match=match):
+        tracker.report(**args)
+    assert float(tracker.metrics["a"].values[0]) == 1.0

@@ -1,0 +1,203 @@
+"""MoEMetricsTracker on 4 gloo ranks: dp x tp reductions against a float64 computation on all
+ranks' values, one coalesced collective per group and stage, a pipeline stage without MoE
+layers (no flag, no hang), and mismatched configurations raising on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.helpers.dist import run_distributed
+
+NUM_LAYERS = 4
+MICRO = 2
+
+
+def _value(rank: int, name: str, layer: int, micro: int) -> float:
+    """A deterministic value per rank, metric, layer (1-based) and micro-batch."""
+    return 0.1 + 0.37 * rank + 0.11 * layer + 0.05 * micro + 0.3 * len(name)
+
+
+def _dp_tp_body(rank: int, world_size: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainvitals.distributed import ProcessGroups, collective_counter
+    from trainvitals.moe import MoEMetricsTracker
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    groups = ProcessGroups.from_device_mesh(mesh)
+    tracker = MoEMetricsTracker()
+    for micro in range(MICRO):
+        for layer in range(1, NUM_LAYERS + 1):
+            for name in ("load_balancing_loss", "tokens_loss"):  # SUM over tp, AVG over dp
+                v = torch.tensor(_value(rank, name, layer, micro))
+                tracker.record(name, v, layer, NUM_LAYERS, reduce_group=groups.tp)
+            v = torch.tensor(_value(rank, "z_loss", layer, micro))  # AVG over tp, AVG over dp
+            tracker.record("z_loss", v, layer, NUM_LAYERS, avg_group=groups.tp)
+            v = torch.tensor(_value(rank, "global_loss", layer, micro))  # SUM over dp only
+            tracker.record(
+                "global_loss", v, layer, NUM_LAYERS, reduce_group=groups.dp, needs_dp_avg=False
+            )
+    before = dict(collective_counter)
+    rows: dict[str, float] = {}
+
+    class W:
+        def add_scalars(self, mapping, step):
+            rows.update(mapping)
+
+    totals: dict[str, float] = {}
+    tracker.report(1 / MICRO, 5, W(), per_layer_logging=True, total_loss_dict=totals, groups=groups)
+    counts = {k: collective_counter[k] - before.get(k, 0) for k in collective_counter}
+    # a second report with nothing recorded: zeros, same collectives
+    tracker.report(1.0, 6, None, groups=groups)
+    return {"rows": rows, "counts": counts, "coords": mesh.get_coordinate()}
+
+
+def _all_body(rank: int, world_size: int) -> dict:
+    """Every scenario in one set of 4 processes (spawning costs ~20 s on the shared machine)."""
+    return {
+        "dp_tp": _dp_tp_body(rank, world_size),
+        "pipeline": _pipeline_body(rank, world_size),
+        **{kind: _mismatch_body(rank, world_size, kind) for kind in MISMATCHES},
+    }
+
+
+MISMATCHES = {
+    "num_layers": "has 4 layer slots on rank 0 but 6 on rank 2",
+    "reduce_group": "rank 1 never recorded it",
+    "track_names": "different track_names",
+}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_all_body, 4, timeout=180)
+
+
+def test_dp_x_tp_reductions_match_float64_and_use_one_collective_per_group_and_stage(results):
+    results = [r["dp_tp"] for r in results]
+    coords = {r: tuple(res["coords"]) for r, res in enumerate(results)}  # rank -> (dp, tp)
+    ranks_of_dp = {d: [r for r, c in coords.items() if c[0] == d] for d in (0, 1)}
+
+    def per_layer(name: str, rank: int) -> np.ndarray:
+        return np.array(
+            [
+                sum(_value(rank, name, layer, m) for m in range(MICRO)) / MICRO
+                for layer in range(1, NUM_LAYERS + 1)
+            ]
+        )
+
+    for rank, res in enumerate(results):
+        tp_peers = ranks_of_dp[coords[rank][0]]
+        dp_peers = [r for r, c in coords.items() if c[1] == coords[rank][1]]
+        row = res["rows"]
+        # SUM over tp, then AVG over dp: the mean over dp replicas of the tp-summed values.
+        for name in ("load_balancing_loss", "tokens_loss"):
+            expected = np.mean(
+                [sum(per_layer(name, r) for r in ranks_of_dp[d]) for d in (0, 1)], axis=0
+            )
+            assert row[f"moe/{name}"] == pytest.approx(expected.mean(), rel=1e-6)
+            for i in range(NUM_LAYERS):
+                assert row[f"moe/{name}_layer_{i}"] == pytest.approx(expected[i], rel=1e-6)
+        expected = np.mean(
+            [np.mean([per_layer("z_loss", r) for r in ranks_of_dp[d]], axis=0) for d in (0, 1)],
+            axis=0,
+        )
+        assert row["moe/z_loss"] == pytest.approx(expected.mean(), rel=1e-6)
+        # SUM over this rank's dp group, no dp average.
+        expected = sum(per_layer("global_loss", r) for r in dp_peers)
+        assert row["moe/global_loss"] == pytest.approx(expected.mean(), rel=1e-6)
+        assert len(tp_peers) == 2
+        # one all_gather_object; all_reduce: tp SUM (2 metrics coalesced), dp SUM, tp AVG, dp AVG
+        assert res["counts"] == {"all_gather_object": 1, "all_reduce": 4}
+
+
+def _pipeline_body(rank: int, world_size: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainvitals.distributed import ProcessGroups, collective_counter
+    from trainvitals.moe import MoEMetricsTracker
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    groups = ProcessGroups.from_device_mesh(mesh)
+    stage = mesh.get_coordinate()[0]
+    tracker = MoEMetricsTracker()
+    out = []
+    for step in range(2):
+        if stage == 0:  # the first stage holds layers 1-2 (MoE); stage 1 is dense: no record
+            for layer in (1, 2):
+                for name in ("load_balancing_loss", "z_loss"):
+                    v = _value(rank, name, layer, step)
+                    tracker.record(name, torch.tensor(v), layer, NUM_LAYERS)
+        rows: dict[str, float] = {}
+
+        class W:
+            def add_scalars(self, mapping, s, rows=rows):
+                rows.update(mapping)
+
+        before = dict(collective_counter)
+        log = tracker.report(
+            1.0, step, W(), per_layer_logging=True, moe_layer_freq=[1, 1, 0, 0], groups=groups
+        )
+        counts = {k: collective_counter[k] - before.get(k, 0) for k in collective_counter}
+        out.append({"rows": rows, "log": log, "counts": counts})
+    return {"steps": out, "stage": stage, "dp": mesh.get_coordinate()[1]}
+
+
+def test_pipeline_stage_without_moe_layers_needs_no_flag_and_gets_the_values(results):
+    results = [r["pipeline"] for r in results]
+    stage0 = [r for r, res in enumerate(results) if res["stage"] == 0]
+    for step in range(2):
+        for name in ("load_balancing_loss", "z_loss"):
+            # SUM over pp (stage 1 adds zeros), AVG over the dp ranks of stage 0.
+            layers = np.array(
+                [np.mean([_value(r, name, layer, step) for r in stage0]) for layer in (1, 2)]
+            )
+            for res in results:  # every rank, with or without MoE layers, has the values
+                row = res["steps"][step]["rows"]
+                assert row[f"moe/{name}"] == pytest.approx(layers.sum() / 2, rel=1e-6)
+                assert row[f"moe/{name}_layer_0"] == pytest.approx(layers[0], rel=1e-6)
+                assert row[f"moe/{name}_layer_1"] == pytest.approx(layers[1], rel=1e-6)
+                assert f"moe/{name}_layer_2" not in row
+        for res in results:
+            assert res["steps"][step]["counts"] == {"all_gather_object": 1, "all_reduce": 2}
+            assert res["steps"][step]["log"] == results[0]["steps"][step]["log"]
+
+
+def _mismatch_body(rank: int, world_size: int, kind: str) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from trainvitals.distributed import ProcessGroups, world_group
+    from trainvitals.moe import MoEMetricsTracker
+
+    tracker = MoEMetricsTracker()
+    if kind == "num_layers":
+        tracker.record("load_balancing_loss", torch.tensor(1.0), 1, 4 if rank < 2 else 6)
+    elif kind == "reduce_group":
+        pair = dist.new_group([0, 1])
+        dist.new_group([2, 3])
+        if rank == 0:  # rank 1 never records it: Megatron would hang in the collective
+            tracker.record("z_loss", torch.tensor(1.0), 1, 2, reduce_group=pair)
+    elif kind == "track_names":
+        tracker.record("z_loss", torch.tensor(1.0), 1, 2)
+    try:
+        tracker.report(
+            1.0,
+            0,
+            track_names=["z_loss"] if kind == "track_names" and rank == 3 else None,
+            groups=ProcessGroups(dp=world_group()),
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", sorted(MISMATCHES))
+def test_mismatched_configuration_is_an_error_on_every_rank(results, kind):
+    match = MISMATCHES[kind]
+    messages = [r[kind] for r in results]
+    assert all(match in m for m in messages), messages
+    assert len(set(messages)) == 1  # the same message everywhere
