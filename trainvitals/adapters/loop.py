@@ -99,8 +99,11 @@ class Vitals:
         if writer is None:
             from trainvitals.adapters import FanoutWriter
 
-            if accelerator is not None and getattr(accelerator, "trackers", None):
-                writer = FanoutWriter.from_accelerator(accelerator)
+            if accelerator is not None:
+                # Its trackers, or metrics.jsonl in the run folder when it has none.
+                writer = FanoutWriter.from_accelerator(
+                    accelerator, default_jsonl=run_dir / "metrics.jsonl"
+                )
             else:
                 from trainvitals.adapters import JsonlSink
 

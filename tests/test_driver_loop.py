@@ -1,0 +1,263 @@
+"""The Vitals driver in plain loops: hook order under gradient accumulation, validation, clipping,
+AMP-skipped steps, batch counts, state, the default JSONL writer, bad input, failing callbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.scripts.vitals_testing import FakeClock, RecordingWriter, batch_size, dt
+from trainvitals.adapters.loop import Vitals
+from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
+
+
+class Recorder(VitalsCallback):
+    def __init__(self, name: str = "Recorder", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.name = name
+        self.events: list[tuple] = []
+        self.grad_norms: list[float] = []
+
+    @property
+    def state_key(self) -> str:
+        return self.name
+
+    def run_start(self, ctx):
+        self.events.append(("run_start",))
+
+    def micro_batch_start(self, ctx, batch):
+        self.events.append(("mb", ctx.step, ctx.micro_batch, batch.batch_size, batch.num_tokens))
+
+    def before_optimizer_step(self, ctx):
+        norm = torch.norm(torch.stack([p.grad.norm() for p in ctx.model.parameters()]))
+        self.grad_norms.append(float(norm))
+        self.events.append(("grads", ctx.step))
+
+    def step_end(self, ctx):
+        self.events.append(("end", ctx.step, ctx.micro_batches_in_step))
+
+    def validation_start(self, ctx):
+        self.events.append(("val_start", ctx.step))
+
+    def validation_end(self, ctx):
+        self.events.append(("val_end", ctx.step))
+
+    def exception_raised(self, ctx, exc):
+        self.events.append(("exception", type(exc).__name__))
+
+    def run_end(self, ctx):
+        self.events.append(("run_end",))
+
+    def state_dict(self):
+        return {"events": len(self.events)}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def _model_opt():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_one_step_per_real_optimizer_step_with_accumulation():
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, opt)
+    acc = 3
+    for i in range(10):  # 3 full steps and a last partial one of 1 micro-batch
+        x = torch.randn(2 + i % 2, 4)
+        vitals.batch(x)
+        (model(x).pow(2).mean() / acc).backward()
+        if (i + 1) % acc == 0 or i == 9:
+            opt.step()
+            opt.zero_grad()
+    vitals.close()
+    mbs = [e for e in rec.events if e[0] == "mb"]
+    assert [(e[1], e[2]) for e in mbs] == [(s, m) for s in range(3) for m in range(3)] + [(3, 0)]
+    assert [e[3] for e in mbs] == [2 + i % 2 for i in range(10)]
+    assert [e for e in rec.events if e[0] == "grads"] == [("grads", s) for s in range(4)]
+    assert [e for e in rec.events if e[0] == "end"] == [
+        ("end", 0, 3),
+        ("end", 1, 3),
+        ("end", 2, 3),
+        ("end", 3, 1),
+    ]
+    assert rec.events[0] == ("run_start",) and rec.events[-1] == ("run_end",)
+    assert vitals.step == 4
+
+
+def test_validation_hooks_and_batches_inside_validation_ignored():
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, opt)
+    vitals.batch(torch.randn(2, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with vitals.validating():
+        vitals.batch(torch.randn(5, 4))  # an evaluation batch: not training
+    vitals.close()
+    assert [e[0] for e in rec.events] == [
+        "run_start",
+        "mb",
+        "grads",
+        "end",
+        "val_start",
+        "val_end",
+        "run_end",
+    ]
+
+
+def test_clip_grad_norm_shows_unclipped_gradients():
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, opt)
+    x = torch.randn(8, 4) * 100
+    vitals.batch(x)
+    model(x).pow(2).mean().backward()
+    expected = float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    vitals.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    opt.step()
+    vitals.close()
+    assert expected > 1.0
+    assert rec.grad_norms == [pytest.approx(expected)]
+    assert [e for e in rec.events if e[0] == "grads"] == [("grads", 0)]
+
+
+def test_skipped_optimizer_step_ends_at_next_batch():
+    # GradScaler skips optimizer.step() on inf gradients: the pre/post hooks do not fire.
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, opt)
+    for i in range(3):
+        x = torch.randn(2, 4)
+        vitals.batch(x)
+        model(x).sum().backward()
+        vitals.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        if i != 1:  # step 1 is skipped
+            opt.step()
+        opt.zero_grad()
+    vitals.close()
+    assert [e for e in rec.events if e[0] == "end"] == [("end", 0, 1), ("end", 1, 1), ("end", 2, 1)]
+    assert [e[1] for e in rec.events if e[0] == "mb"] == [0, 1, 2]
+    assert vitals.step == 3
+
+
+def test_batch_counts_explicit_beat_callback_functions_beat_inference():
+    model, opt = _model_opt()
+    plain = Recorder("plain")
+    custom = Recorder("custom")
+    custom.num_tokens_fn = lambda b: int(b["attention_mask"].sum())
+    vitals = Vitals([plain, custom], writer=RecordingWriter()).attach(model, opt)
+    batch = {"input_ids": torch.zeros(3, 7, dtype=torch.long), "attention_mask": torch.ones(3, 7)}
+    batch["attention_mask"][:, 5:] = 0
+    vitals.batch(batch)
+    vitals.batch(batch, num_tokens=11)
+    vitals.close()
+    assert [e[3:] for e in plain.events if e[0] == "mb"] == [(3, 21), (3, 11)]
+    assert [e[3:] for e in custom.events if e[0] == "mb"] == [(3, 15), (3, 11)]
+
+
+def test_state_dict_round_trip_and_errors():
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, opt)
+    for _ in range(3):
+        vitals.batch(torch.randn(2, 4))
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    state = vitals.state_dict()
+    assert state["step"] == 3
+    other = Recorder()
+    resumed = Vitals([other], writer=RecordingWriter()).attach(*_model_opt())
+    resumed.load_state_dict(state)
+    assert resumed.step == 3 and other.loaded == {"events": len(rec.events)}
+    with pytest.raises(ValueError, match="state_dict"):
+        resumed.load_state_dict({"step": 1})
+    with pytest.raises(ValueError, match="state_key"):
+        Vitals([Recorder("a"), Recorder("a")], writer=RecordingWriter())
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_bad_interval_is_value_error(value):
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        Vitals([], writer=RecordingWriter(), log_every_n_steps=value)
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        Recorder(log_every_n_steps=value)
+
+
+def test_bad_input_types():
+    with pytest.raises(TypeError, match="log_every_n_steps"):
+        Vitals([], writer=RecordingWriter(), log_every_n_steps="5")
+    with pytest.raises(ValueError, match="max_steps"):
+        Vitals([], writer=RecordingWriter(), max_steps=0)
+    vitals = Vitals([Recorder()], writer=RecordingWriter())
+    with pytest.raises(RuntimeError, match="attach"):
+        vitals.batch(torch.randn(2, 4))
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        vitals.attach("model", None)
+    with pytest.raises(TypeError, match="Optimizer"):
+        vitals.attach(torch.nn.Linear(2, 2), object())
+
+
+def test_failing_callback_is_disabled_and_training_continues(monkeypatch):
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+
+    class Broken(VitalsCallback):
+        calls = 0
+
+        def step_end(self, ctx):
+            Broken.calls += 1
+            raise RuntimeError("telemetry bug")
+
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([Broken(), rec], writer=RecordingWriter()).attach(model, opt)
+    with pytest.warns(RuntimeWarning, match="disabled"):
+        for _ in range(3):
+            vitals.batch(torch.randn(2, 4))
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    vitals.close()
+    assert Broken.calls == 1
+    assert len([e for e in rec.events if e[0] == "end"]) == 3
+
+
+def test_exception_in_context_manager_reaches_callbacks():
+    model, opt = _model_opt()
+    rec = Recorder()
+    with pytest.raises(KeyError), Vitals([rec], writer=RecordingWriter()) as vitals:
+        vitals.attach(model, opt)
+        vitals.batch(torch.randn(2, 4))
+        raise KeyError("boom")
+    assert rec.events[-1] == ("exception", "KeyError")
+
+
+def test_default_writer_is_jsonl_in_run_dir(tmp_path):
+    from trainvitals.adapters import read_jsonl
+
+    clock = FakeClock()
+    model, opt = _model_opt()
+    monitors = [
+        RuntimeMonitor(clock=clock, max_steps=10),
+        ThroughputMonitor(clock=clock, window_size=2, warmup_steps=0),
+    ]
+    vitals = Vitals(monitors, run_dir=tmp_path, log_every_n_steps=2).attach(model, opt)
+    for step in range(4):
+        bs = batch_size(step, 0)
+        vitals.batch({"input_ids": torch.zeros(bs, 5, dtype=torch.long)})
+        clock.t += dt(step, 0)
+        model(torch.randn(bs, 4)).sum().backward()
+        opt.step()
+    vitals.close()
+    records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert sorted(records) == [0, 2]
+    samples = sum(batch_size(s, 0) for s in range(3))
+    assert records[2]["time/samples"] == samples
+    assert records[2]["time/train_hours"] == pytest.approx(sum(dt(s, 0) for s in range(3)) / 3600)
+    window = (1, 2)
+    rate = sum(batch_size(s, 0) for s in window) / sum(dt(s, 0) for s in window)
+    assert records[2]["throughput/samples_per_sec"] == pytest.approx(rate)
