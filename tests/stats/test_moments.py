@@ -1,0 +1,187 @@
+"""Moments against an independent float64 computation on the whole tensor (numpy)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from trainvitals.stats.moments import (
+    CHUNK,
+    FIELDS,
+    SMALL_NUMEL,
+    combine_moments,
+    derive,
+    empty_moments,
+    fused_moments,
+    merge_moments,
+    moments_from_dicts,
+    moments_to_dicts,
+    tensor_moments,
+)
+
+REL = 1e-4
+
+
+def reference(x: torch.Tensor) -> dict[str, float]:
+    """float64 statistics of the finite elements of the whole tensor, computed with numpy."""
+    a = x.detach().to(torch.float64).reshape(-1).numpy()
+    finite = np.isfinite(a)
+    a = a[finite]
+    n = a.size
+    mean = a.mean()
+    d = a - mean
+    var = (d**2).mean()
+    return {
+        "count": float(n),
+        "mean": float(mean),
+        "var": float(var),
+        "std": float(np.sqrt(var)),
+        "l2": float(np.sqrt((a**2).sum())),
+        "rms": float(np.sqrt((a**2).mean())),
+        "skewness": float((d**3).mean() / var**1.5),
+        "kurtosis": float((d**4).mean() / var**2),
+        "excess_kurtosis": float((d**4).mean() / var**2 - 3.0),
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "nonfinite": float((~finite).sum()),
+    }
+
+
+def assert_matches(got: dict[str, torch.Tensor], i: int, ref: dict[str, float], what: str) -> None:
+    # Relative 1e-4 of the float64 value. Statistics that can be ~0 relative to their natural
+    # scale (mean vs. rms; skewness vs. 1) get an absolute floor at that scale's 1e-6.
+    floors = {"mean": 1e-6 * ref["rms"], "skewness": 1e-6, "excess_kurtosis": 1e-6}
+    for name, want in ref.items():
+        value = float(got[name][i])
+        tol = REL * abs(want) + floors.get(name, 0.0)
+        assert abs(value - want) <= tol, f"{what}: {name} = {value!r}, float64 says {want!r}"
+
+
+def cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    return {
+        # the issue's two pathological examples
+        "layernorm_weight": 1 + 0.01 * randn(4096),
+        "offset_100": 100 + randn(10**6),
+        # |mean| / std = 1000, large tensor with a tail that is not a multiple of CHUNK
+        "offset_1000_tail": 1000 + randn(3 * CHUNK * 17 + 11),
+        "tiny_grad": 1e-6 * randn(512, 768),
+        "heavy_tail": randn(300, 257) ** 3,
+        "uniform_shifted": 1e4 + torch.rand(50_000, generator=g),
+        "bias": randn(96),
+        "bf16": (3 + randn(64, 1024)).bfloat16(),
+        "fp16_small": (randn(1000) * 0.1).half(),
+        "float64": 5 + randn(20, CHUNK) * 1e-3,
+        "noncontiguous": randn(512, 64).t(),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compile"])
+def test_every_statistic_matches_float64(kernel: str) -> None:
+    xs = cases()
+    if kernel == "compile":  # compiling is slow on 2 CPU cores: a few large tensors suffice
+        xs = {k: xs[k] for k in ("offset_100", "offset_1000_tail", "bf16", "heavy_tail")}
+    got = derive(fused_moments(list(xs.values()), kernel=kernel))
+    for i, (name, x) in enumerate(xs.items()):
+        assert_matches(got, i, reference(x), f"{kernel}/{name}")
+
+
+def test_raw_power_sums_would_fail_this_test() -> None:
+    # The test above can fail: the float32 raw-power-sum method (Megatron-LM PR #5492) is far
+    # off on the LayerNorm example, ours is not.
+    x = cases()["layernorm_weight"]
+    n = x.numel()
+    s1, s2, s3, s4 = (float((x**k).sum()) for k in range(1, 5))
+    mu = s1 / n
+    var = s2 / n - mu * mu
+    raw_kurt = (s4 / n - 4 * mu * s3 / n + 6 * mu * mu * s2 / n - 3 * mu**4) / var**2
+    want = reference(x)["kurtosis"]
+    assert abs(raw_kurt - want) > 1.0
+    assert abs(float(derive(tensor_moments(x))["kurtosis"]) - want) <= REL * want
+
+
+def test_nonfinite_elements_are_counted_and_excluded() -> None:
+    g = torch.Generator().manual_seed(1)
+    big = 10 + torch.randn(40 * CHUNK + 5, generator=g)
+    big[[3, 777, 40 * CHUNK + 2]] = torch.tensor([math.nan, math.inf, -math.inf])
+    small = torch.randn(100, generator=g)
+    small[7] = math.nan
+    all_bad = torch.full((10,), math.nan)
+    clean = torch.randn(20 * CHUNK, generator=g)
+    xs = [big, small, clean, all_bad]
+    for kernel in ("eager", "compile"):
+        m = fused_moments(xs, kernel=kernel)
+        got = derive(m)
+        for i, x in enumerate(xs[:3]):
+            assert_matches(got, i, reference(x), f"{kernel}/nonfinite{i}")
+        assert m[3, 0] == 0 and m[3, 7] == 10
+        assert math.isnan(float(got["mean"][3])) and math.isnan(float(got["kurtosis"][3]))
+
+
+def test_constant_and_empty_tensors() -> None:
+    m = fused_moments([torch.ones(SMALL_NUMEL * 2), torch.empty(0), torch.zeros(3)])
+    d = derive(m)
+    assert d["var"][0] == 0 and d["mean"][0] == 1 and d["l2"][0] == math.sqrt(SMALL_NUMEL * 2)
+    assert math.isnan(float(d["kurtosis"][0])) and math.isnan(float(d["skewness"][0]))
+    assert d["count"][1] == 0 and math.isnan(float(d["mean"][1]))
+    assert d["rms"][2] == 0
+
+
+@pytest.mark.parametrize("offset", [0.0, 100.0, 1e4])
+def test_combination_over_splits_is_exact(offset: float) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = offset + torch.randn(200_003, generator=g) * torch.linspace(0.5, 3, 200_003)
+    # random split points: pieces of very different sizes, some tiny, some chunked
+    cuts = sorted(torch.randint(1, x.numel(), (9,), generator=g).tolist())
+    pieces = list(torch.tensor_split(x, cuts))
+    whole = derive(tensor_moments(x))
+    ref = reference(x)
+    per_piece = fused_moments(pieces)
+    merged = combine_moments(per_piece)  # all parts at once
+    assert_matches(derive(merged.unsqueeze(0)), 0, ref, "combine all")
+    # pairwise, left to right (as micro-batches arrive)
+    acc = empty_moments()
+    for row in per_piece:
+        acc = merge_moments(acc, row)
+    assert_matches(derive(acc.unsqueeze(0)), 0, ref, "pairwise")
+    # grouped: pieces 0..4 -> group 0, the rest -> group 1, then the two groups
+    idx = torch.tensor([0] * 5 + [1] * (len(pieces) - 5))
+    two = combine_moments(per_piece, idx, 2)
+    assert_matches(derive(combine_moments(two).unsqueeze(0)), 0, ref, "tree")
+    for name in ("mean", "var", "kurtosis"):
+        assert abs(float(whole[name]) - ref[name]) <= REL * abs(ref[name]) + 1e-6 * ref["rms"]
+
+
+def test_combination_over_a_gathered_dim() -> None:
+    # [ranks, tensors, fields] -> [tensors, fields], as after an all_gather
+    g = torch.Generator().manual_seed(3)
+    full = [1 + 0.01 * torch.randn(4096, generator=g), torch.randn(64, 1024, generator=g)]
+    shards = [torch.tensor_split(t.reshape(-1), 4) for t in full]
+    stacked = torch.stack([fused_moments([s[r] for s in shards]) for r in range(4)])
+    got = derive(combine_moments(stacked, dim=0))
+    for i, t in enumerate(full):
+        assert_matches(got, i, reference(t), f"gathered{i}")
+
+
+def test_dict_round_trip_keeps_identity() -> None:
+    m = fused_moments([torch.randn(10), torch.empty(0)])
+    rows = moments_to_dicts(m)
+    assert set(rows[0]) == set(FIELDS) and rows[1]["min"] is None
+    back = moments_from_dicts(rows)
+    assert torch.equal(back, m)
+
+
+def test_bad_input_is_rejected() -> None:
+    with pytest.raises(TypeError, match=r"tensors\[1\]"):
+        fused_moments([torch.randn(3), torch.arange(3)])
+    with pytest.raises(ValueError, match="kernel"):
+        fused_moments([torch.randn(3)], kernel="triton")
+    with pytest.raises(ValueError, match="parts"):
+        combine_moments(torch.zeros(3, 5))
