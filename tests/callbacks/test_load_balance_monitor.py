@@ -1,0 +1,362 @@
+"""LoadBalanceMonitor end to end: the numbers it writes against an independent float64
+computation on the routers' own routing maps, over micro-batches, steps and ranks."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.dist import run_distributed
+from tests.stats.test_load_balance_stats import _reference
+from trainvitals.adapters.loop import Vitals
+from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
+from trainvitals.stats.load_balance import UTILIZATION_QUANTILES
+
+VOCAB = 32
+
+
+@pytest.fixture(autouse=True)
+def _fresh_moe_tracker():
+    """TinyMoELM's routers record into the global MoE tracker: start each test without one."""
+    from trainvitals.moe import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    yield
+    destroy_moe_metrics_tracker()
+
+
+class Recorder:
+    """A writer that keeps floats: rows[step][key]."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def add_scalar(self, name: str, value: Any, step: int) -> None:
+        self.add_scalars({name: value}, step)
+
+    def add_scalars(self, mapping: dict[str, Any], step: int) -> None:
+        row = self.rows.setdefault(int(step), {})
+        for k, v in mapping.items():
+            row[k] = float(v.item() if isinstance(v, torch.Tensor) else v)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def tiny_lm(num_layers: int = 3, seed: int = 0) -> nn.Module:
+    from trainvitals.moe import TinyMoELM
+
+    torch.manual_seed(seed)
+    return TinyMoELM(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_layers=num_layers,
+        num_experts=4,
+        top_k=2,
+        ffn_hidden_size=8,
+        num_heads=2,
+        max_seq_len=16,
+    )
+
+
+class MapRecorder:
+    """The routers' own routing maps and aux losses per training forward (independent hooks)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from trainvitals.moe import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.maps: list[list[np.ndarray]] = [[] for _ in self.routers]
+        self.aux: list[list[float]] = [[] for _ in self.routers]
+        for i, r in enumerate(self.routers):
+            r.register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(m: nn.Module, inp: Any, out: Any) -> None:
+            if m.training and torch.is_grad_enabled():
+                self.maps[i].append(out[1].numpy().copy())
+                self.aux[i].append(float(m.last_aux_loss))
+
+        return hook
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        loads = np.stack([np.concatenate(m).sum(0) for m in self.maps]).astype(np.float64)
+        aux = np.array([np.mean(a) for a in self.aux])
+        self.maps = [[] for _ in self.routers]
+        self.aux = [[] for _ in self.routers]
+        return loads, aux
+
+
+def expected_keys(
+    loads: np.ndarray, labels: list[str], aux: np.ndarray | None, top_k: int
+) -> dict[str, float]:
+    ref = _reference(loads)
+    out: dict[str, float] = {}
+    for metric in ("cv", "dead_expert_frac", "expert_diversity", "max_overload_factor"):
+        v = ref[metric][~np.isnan(ref[metric])]
+        out.update(
+            {
+                f"moe/{metric}_mean": v.mean(),
+                f"moe/{metric}_median": np.median(v),
+                f"moe/{metric}_min": v.min(),
+                f"moe/{metric}_max": v.max(),
+            }
+        )
+    if aux is not None:
+        out.update(
+            {
+                "moe/aux_loss_mean": aux.mean(),
+                "moe/aux_loss_median": np.median(aux),
+                "moe/aux_loss_min": aux.min(),
+                "moe/aux_loss_max": aux.max(),
+            }
+        )
+    util = loads / (loads.sum(1, keepdims=True) / loads.shape[1])
+    for name, q in UTILIZATION_QUANTILES:
+        out[f"moe/expert_utilization_{name}"] = np.quantile(util, q)
+    for i, label in enumerate(labels):
+        for metric, values in ref.items():
+            out[f"moe/layer_{label}/{metric}"] = values[i]
+        for e in range(loads.shape[1]):
+            out[f"moe/layer_{label}/tokens_per_expert/{e}"] = loads[i, e]
+        if aux is not None:
+            out[f"moe/layer_{label}/aux_loss"] = aux[i]
+    return out
+
+
+def check_row(
+    row: dict[str, float],
+    loads: np.ndarray,
+    labels: list[str],
+    aux: np.ndarray | None,
+    top_k: int,
+    detailed: bool = True,
+) -> None:
+    expected = expected_keys(loads, labels, aux, top_k)
+    if not detailed:
+        expected = {k: v for k, v in expected.items() if not k.startswith("moe/layer_")}
+    for key, value in expected.items():
+        assert key in row, key
+        assert row[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    # the top/bottom experts: their utilization is right, and they are the extremes
+    util = loads / (loads.sum(1, keepdims=True) / loads.shape[1])
+    per_expert = {k: v for k, v in row.items() if k.startswith("moe_expert_utilization/")}
+    assert 0 < len(per_expert) <= 2 * top_k
+    for key, value in per_expert.items():
+        layer, expert = key.removeprefix("moe_expert_utilization/layer_").split("_expert_")
+        assert value == pytest.approx(util[labels.index(layer), int(expert)], rel=1e-12)
+    flat = np.sort(util.reshape(-1))
+    assert max(per_expert.values()) == pytest.approx(flat[-1])
+    assert min(per_expert.values()) == pytest.approx(flat[0])
+    assert sorted(per_expert.values())[-1] >= flat[-top_k] - 1e-12
+
+
+def test_driver_grad_accumulation_eval_not_counted_reset_each_step() -> None:
+    model = tiny_lm()
+    maps = MapRecorder(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    writer = Recorder()
+    monitor = LoadBalanceMonitor(mode="detailed", top_k=2)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=2).attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    expected: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for step in range(4):
+        for _ in range(3):  # three micro-batches per optimizer step
+            x = torch.randint(0, VOCAB, (2, 6), generator=gen)
+            vitals.batch(x)
+            model(x, labels=x).loss.backward()
+        with vitals.validating(), torch.no_grad():
+            model.eval()
+            model(x)
+            model.train()
+        model(x)  # a training forward outside the micro-batches: counted (it routes tokens)
+        expected[step] = maps.take()
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    assert sorted(writer.rows) == [0, 2]  # logging steps only
+    labels = ["0", "1", "2"]
+    for step in (0, 2):
+        loads, aux = expected[step]
+        # k * tokens of the 3 micro-batches and the extra training forward, in every layer
+        assert (loads.sum(1) == 2 * (3 * 12 + 12)).all()
+        check_row(writer.rows[step], loads, labels, aux, top_k=2)
+    # counts of step 1 did not leak into step 2 (reset at every step end)
+    assert writer.rows[2]["moe/layer_0/tokens_per_expert/0"] == expected[2][0][0, 0]
+
+
+def test_brief_mode_keys_and_real_jsonl_writer(tmp_path: Path) -> None:
+    from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
+
+    model = tiny_lm(num_layers=2)
+    maps = MapRecorder(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")], rank=0)
+    vitals = Vitals([LoadBalanceMonitor(top_k=1)], writer=writer, log_every_n_steps=1)
+    vitals.attach(model, opt)
+    x = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(0))
+    vitals.batch(x)
+    model(x, labels=x).loss.backward()
+    loads, aux = maps.take()
+    opt.step()
+    vitals.close()
+    writer.close()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    row = {k: v for r in records if r["step"] == 0 for k, v in r["metrics"].items()}
+    assert not any(k.startswith("moe/layer_") for k in row)
+    check_row(row, loads, ["0", "1"], aux, top_k=1, detailed=False)
+    assert row["moe/dead_experts_persistent"] == 0
+
+
+# ---------------------------------------------------------------------- dead experts, state
+
+
+class FixedGate(nn.Module):
+    """Routes token t to expert t % 3: expert 3 of 4 never gets a token."""
+
+    num_experts = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w(x), torch.arange(x.shape[0]) % 3
+
+
+def _gate_counts(module: nn.Module, inputs: Any, output: Any) -> torch.Tensor:
+    return torch.zeros(4).index_add_(0, output[1], torch.ones(output[1].numel()))
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"gate": FixedGate()}) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(b["gate"](x)[0].sum() for b in self.layers)
+
+
+def _run_gated(monitor: LoadBalanceMonitor, steps: int, writer: Recorder) -> list[int]:
+    """Run ``steps`` steps; return the steps at which a dead-expert warning was raised."""
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=2).attach(model, opt)
+    warned = []
+    for step in range(steps):
+        vitals.batch()
+        model(torch.randn(6, 2)).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        if any("consecutive logging steps" in str(w.message) for w in caught):
+            message = next(str(w.message) for w in caught if "consecutive" in str(w.message))
+            assert "layer 0 expert 3" in message and "layer 1 expert 3" in message
+            warned.append(step)
+    vitals.close()
+    return warned
+
+
+def test_dead_expert_warning_after_patience_and_resume() -> None:
+    writer = Recorder()
+    monitor = LoadBalanceMonitor(
+        mode="detailed", dead_expert_patience=3, extractors=[(FixedGate, _gate_counts)]
+    )
+    # logging steps 0, 2, 4, 6: the third consecutive dead logging step is step 4
+    assert _run_gated(monitor, 7, writer) == [4]
+    assert [writer.rows[s]["moe/dead_experts_persistent"] for s in (0, 2, 4, 6)] == [0, 0, 2, 2]
+    assert writer.rows[0]["moe/layer_0/dead_expert_frac"] == 0.25
+    assert writer.rows[0]["moe/layer_1/tokens_per_expert/3"] == 0.0
+
+    # resume after two dead logging steps: the streak continues, the warning comes one step in
+    first = LoadBalanceMonitor(dead_expert_patience=3, extractors=[(FixedGate, _gate_counts)])
+    assert _run_gated(first, 3, Recorder()) == []
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = LoadBalanceMonitor(dead_expert_patience=3, extractors=[(FixedGate, _gate_counts)])
+    resumed.load_state_dict(state)
+    assert _run_gated(resumed, 1, Recorder()) == [0]
+
+
+def test_no_router_and_bad_arguments() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    vitals = Vitals([LoadBalanceMonitor()], writer=Recorder()).attach(model, opt)
+    with pytest.raises(
+        ValueError, match=r"found no router in Linear.*MixtralTopKRouter.*tokens_per_expert"
+    ):
+        vitals.batch()
+    with pytest.raises(ValueError, match="mode"):
+        LoadBalanceMonitor(mode="verbose")
+    with pytest.raises(ValueError, match="top_k"):
+        LoadBalanceMonitor(top_k=-1)
+    with pytest.raises(ValueError, match="dead_expert_patience"):
+        LoadBalanceMonitor(dead_expert_patience=0)
+
+
+# ---------------------------------------------------------------------- several ranks
+
+
+def _ddp_body(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainvitals.distributed import ProcessGroups, collective_counter
+
+    model = tiny_lm(num_layers=12)  # same weights on every rank
+    maps = MapRecorder(model)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    writer = Recorder()
+    monitor = LoadBalanceMonitor(mode="detailed", top_k=3)
+    vitals = Vitals([monitor], writer=writer, groups=ProcessGroups.world(), log_every_n_steps=2)
+    vitals.attach(ddp, opt)
+    gen = torch.Generator().manual_seed(100 + rank)  # different tokens on each rank
+    local: dict[int, list] = {}
+    collectives: dict[int, int] = {}
+    for step in range(3):
+        for _ in range(2):
+            x = torch.randint(0, VOCAB, (2, 5 + rank), generator=gen)
+            vitals.batch(x)
+            ddp(x, labels=x).loss.backward()
+        loads, aux = maps.take()
+        local[step] = [loads.tolist(), aux.tolist()]
+        before = sum(collective_counter.values())
+        opt.step()  # step_end runs in the optimizer's post-hook
+        collectives[step] = sum(collective_counter.values()) - before
+        opt.zero_grad()
+    vitals.close()
+    return {
+        "rows": writer.rows,
+        "local": local,
+        "collectives": collectives,
+        "labels": monitor.capture.layer_labels,
+    }
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_sum_loads_in_one_collective() -> None:
+    from trainvitals.moe import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    results = run_distributed(_ddp_body, world_size=2, timeout=180)
+    labels = results[0]["labels"]
+    assert labels == [str(i) for i in range(12)]  # DDP's "module." prefix, numeric order
+    # one all-reduce on logging steps (0, 2) whatever the number of layers, none otherwise
+    for r in results:
+        assert r["collectives"] == {0: 1, 1: 0, 2: 1}
+    for step in (0, 2):
+        loads = sum(np.array(r["local"][step][0]) for r in results)
+        # aux: mean over every micro-batch of every rank (each rank ran 2)
+        aux = sum(np.array(r["local"][step][1]) for r in results) / 2
+        for r in results:  # every rank computed the same reduced numbers
+            check_row(r["rows"][step], loads, labels, aux, top_k=3)
+    assert sorted(results[0]["rows"]) == [0, 2]

@@ -1,0 +1,297 @@
+"""LoadBalanceMonitor: how evenly the routers of a mixture-of-experts model spread tokens."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from trainvitals.adapters.context import RunContext
+from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.distributed import all_reduce_coalesced
+from trainvitals.moe.capture import HF_ROUTER_CLASSES, RouterCapture
+from trainvitals.stats.load_balance import (
+    AGGREGATES,
+    LAYER_METRICS,
+    UTILIZATION_QUANTILES,
+    aggregate_across_layers,
+    load_balance_stats,
+)
+
+__all__ = ["LoadBalanceMonitor"]
+
+_MODES = ("brief", "detailed")
+# Across-layer aggregates written in both modes (NeMo Automodel names for cv, dead expert
+# fraction and diversity; the same pattern for the overload factor).
+_AGGREGATED = ("cv", "dead_expert_frac", "expert_diversity", "max_overload_factor")
+
+
+class LoadBalanceMonitor(VitalsCallback):
+    """Expert load balance of every MoE layer, counted over all micro-batches of each step.
+
+    At ``run_start`` the monitor finds the model's routers (see :mod:`trainvitals.moe.capture`:
+    ``TopKRouter``, Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3 /
+    GPT-OSS routers, torchtitan ``MoE``, and your own extractors) and hooks them, without
+    changing the model. Every training forward adds its tokens-per-expert counts into one
+    ``[layers, experts]`` tensor on the device (evaluation and activation-checkpoint re-runs
+    are not counted). At the end of a logging step the counts of all layers, and the aux-loss
+    sums when routers report them, are summed over the data- and context-parallel ranks
+    (``ctx.groups.dp_cp``) in ONE collective, the statistics are computed on the device
+    (:mod:`trainvitals.stats.load_balance`), brought to the host in one transfer and written
+    together. At the end of every step, logging or not, the counts are zeroed on the device:
+    a non-logging step costs the hooks' scatter-adds and nothing else (no sync, no collective).
+
+    CV uses the population standard deviation (NeMo Automodel uses ``n - 1``; multiply ours by
+    ``sqrt(E / (E - 1))`` to compare). Quantiles interpolate linearly. Layers that routed no
+    tokens in the step get no per-layer keys and are left out of the aggregates (their
+    statistics would be undefined, not "balanced"). ``<l>`` in keys is the layer number from
+    the module name (``model.layers.10.mlp.gate`` -> 10), ordered numerically.
+
+    With pipeline parallelism, only the layers of the writing rank's stage are reported.
+
+    Args:
+        mode: ``"brief"`` (aggregates and the top/bottom experts) or ``"detailed"`` (also
+            every layer's statistics and tokens per expert).
+        top_k: how many of the highest and of the lowest utilization experts (over all layers)
+            to write; 0 for none.
+        dead_expert_patience: warn (once per streak, on rank 0) when an expert received no
+            token on this many consecutive logging steps; ``None`` disables the warning.
+        extractors: extra ``(predicate_or_type, fn)`` or ``(predicate_or_type, fn,
+            num_experts)`` router extractors, see
+            :func:`trainvitals.moe.capture.register_router_extractor`.
+        log_every_n_steps: interval in optimizer steps (default: the run's).
+        writer: where values go (default: the run's writer).
+
+    Example::
+
+        trainer = lightning.pytorch.Trainer(callbacks=[LoadBalanceMonitor(mode="detailed")])
+        # or, in a plain loop:
+        vitals = Vitals([LoadBalanceMonitor()], log_every_n_steps=10).attach(model, optimizer)
+
+    Keys written (on logging steps; "load" = token-to-expert assignments, a token routed to
+    ``k`` experts counts ``k`` times; utilization = load / (layer's load / E)):
+
+    =================================================  ===============================================  =====
+    key                                                meaning                                          unit
+    =================================================  ===============================================  =====
+    ``moe/cv_{mean,median,min,max}``                   CV (std/mean of the loads) across layers         1
+    ``moe/dead_expert_frac_{mean,median,min,max}``     fraction of a layer's experts with no token      1
+    ``moe/expert_diversity_{mean,median,min,max}``     ``exp(entropy of the load distribution) / E``    1
+    ``moe/max_overload_factor_{mean,median,min,max}``  a layer's max load / its mean load               ratio
+    ``moe/aux_loss_{mean,median,min,max}``             the routers' aux loss before its coefficient,    1
+                                                       mean over the step's micro-batches and ranks
+                                                       (only when the routers report one)
+    ``moe/expert_utilization_{min,p25,median,p75,      quantiles of the utilization of all experts of   ratio
+    max}``                                             all layers together
+    ``moe_expert_utilization/layer_<l>_expert_<e>``    utilization of the ``top_k`` highest and         ratio
+                                                       ``top_k`` lowest experts overall
+    ``moe/dead_experts_persistent``                    experts with no token for at least               count
+                                                       ``dead_expert_patience`` logging steps in a row
+                                                       (when the patience is set)
+    ``moe/layer_<l>/cv``                               the layer's CV (detailed)                        1
+    ``moe/layer_<l>/dead_expert_frac``                 (detailed)                                       1
+    ``moe/layer_<l>/expert_diversity``                 (detailed)                                       1
+    ``moe/layer_<l>/max_overload_factor``              (detailed)                                       ratio
+    ``moe/layer_<l>/utilization_{min,p25,median,       quantiles of the layer's utilizations            ratio
+    p75,max}``                                         (detailed)
+    ``moe/layer_<l>/aux_loss``                         the layer's aux loss (detailed, when known)      1
+    ``moe/layer_<l>/tokens_per_expert/<e>``            tokens routed to expert ``e`` in the step,       tokens
+                                                       summed over micro-batches and ranks (detailed)
+    =================================================  ===============================================  =====
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str = "brief",
+        top_k: int = 5,
+        dead_expert_patience: int | None = 10,
+        extractors: Iterable[Any] | None = None,
+        log_every_n_steps: int | None = None,
+        writer: Any = None,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
+        if dead_expert_patience is not None and (
+            isinstance(dead_expert_patience, bool)
+            or not isinstance(dead_expert_patience, int)
+            or dead_expert_patience <= 0
+        ):
+            raise ValueError(
+                f"dead_expert_patience must be a positive int or None, got {dead_expert_patience!r}"
+            )
+        self.mode = mode
+        self.top_k = top_k
+        self.dead_expert_patience = dead_expert_patience
+        self.extractors = list(extractors) if extractors is not None else []
+        self.capture: RouterCapture | None = None
+        # Consecutive logging steps each expert had no token, per layer label (host ints).
+        self._dead_streak: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ hooks
+
+    def run_start(self, ctx: RunContext) -> None:
+        """Find the routers and hook them."""
+        if ctx.model is None:
+            raise ValueError("LoadBalanceMonitor needs the model (ctx.model is None)")
+        if self.capture is not None:
+            self.capture.remove()
+        capture = RouterCapture(ctx.model, extractors=self.extractors)
+        if len(capture) == 0:
+            raise ValueError(
+                f"LoadBalanceMonitor found no router in {type(ctx.model).__name__}. It looks for "
+                "trainvitals.moe.TopKRouter, the Hugging Face routers "
+                f"{', '.join(sorted(HF_ROUTER_CLASSES))} (and transformers classes named "
+                "*TopKRouter with num_experts and top_k), torchtitan MoE modules (a "
+                "tokens_per_expert_E / tokens_per_expert buffer), and extractors registered with "
+                "trainvitals.moe.capture.register_router_extractor or passed as extractors=."
+            )
+        self.capture = capture
+        for label in capture.layer_labels:
+            streak = self._dead_streak.get(label)
+            if streak is None or len(streak) != capture.num_experts:
+                self._dead_streak[label] = [0] * capture.num_experts
+
+    def step_end(self, ctx: RunContext) -> None:
+        """Report the step's loads on logging steps, then zero them (every step)."""
+        if self.capture is None:
+            return
+        try:
+            if self.should_log(ctx):
+                self._report(ctx)
+        finally:
+            self.capture.reset()
+
+    def run_end(self, ctx: RunContext) -> None:
+        self._remove_hooks()
+
+    def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
+        self._remove_hooks()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._remove_hooks()
+        super().teardown(trainer, pl_module, stage)
+
+    def _remove_hooks(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+
+    # ------------------------------------------------------------------ the logging step
+
+    def _report(self, ctx: RunContext) -> None:
+        capture = self.capture
+        assert capture is not None
+        loads = capture.loads(device=ctx.device)
+        aux_sum, aux_count = capture.aux_losses(device=loads.device)
+        # One SUM collective over data x context parallel carries every layer (and the aux).
+        loads, aux_sum, aux_count = all_reduce_coalesced(
+            [loads, aux_sum, aux_count], "sum", ctx.groups.dp_cp
+        )
+        stats = load_balance_stats(loads, top_k=self.top_k)
+        aux = torch.where(aux_count > 0, aux_sum / aux_count.clamp(min=1), float("nan"))
+
+        # Everything the host needs, packed in one vector: one device->host transfer.
+        parts = [
+            stats.aggregates.reshape(-1),
+            aggregate_across_layers(aux).reshape(-1),
+            stats.utilization_quantiles,
+            stats.top_values,
+            stats.top_indices.to(torch.float64),
+            stats.bottom_values,
+            stats.bottom_indices.to(torch.float64),
+            loads.reshape(-1),
+        ]
+        if self.mode == "detailed":
+            parts += [stats.per_layer.reshape(-1), aux]
+        host = torch.cat([p.to(torch.float64) for p in parts]).cpu().tolist()
+        values = self._keys(capture, host, stats.top_values.numel())
+        values.update(self._update_dead_streaks(ctx, capture, values.pop("_loads")))
+        self.write(ctx, {k: v for k, v in values.items() if math.isfinite(v)})
+
+    def _keys(self, capture: RouterCapture, host: list[float], k: int) -> dict[str, Any]:
+        labels = capture.layer_labels
+        num_layers, num_experts = len(labels), capture.num_experts
+        it = iter(host)
+
+        def take(n: int) -> list[float]:
+            return [next(it) for _ in range(n)]
+
+        out: dict[str, Any] = {}
+        aggregates = take(len(LAYER_METRICS) * len(AGGREGATES))
+        for m, metric in enumerate(LAYER_METRICS):
+            if metric in _AGGREGATED:
+                for a, agg in enumerate(AGGREGATES):
+                    out[f"moe/{metric}_{agg}"] = aggregates[m * len(AGGREGATES) + a]
+        aux_aggregates = take(len(AGGREGATES))
+        if capture.has_aux_loss:
+            for a, agg in enumerate(AGGREGATES):
+                out[f"moe/aux_loss_{agg}"] = aux_aggregates[a]
+        for (name, _), value in zip(
+            UTILIZATION_QUANTILES, take(len(UTILIZATION_QUANTILES)), strict=True
+        ):
+            out[f"moe/expert_utilization_{name}"] = value
+        top_v, top_i, bot_v, bot_i = take(k), take(k), take(k), take(k)
+        for value, flat in [*zip(top_v, top_i, strict=True), *zip(bot_v, bot_i, strict=True)]:
+            layer, expert = divmod(int(flat), num_experts)
+            out[f"moe_expert_utilization/layer_{labels[layer]}_expert_{expert}"] = value
+        loads = take(num_layers * num_experts)
+        out["_loads"] = loads
+        if self.mode == "detailed":
+            per_layer = take(len(LAYER_METRICS) * num_layers)
+            aux = take(num_layers)
+            for m, metric in enumerate(LAYER_METRICS):
+                for i, label in enumerate(labels):
+                    out[f"moe/layer_{label}/{metric}"] = per_layer[m * num_layers + i]
+            for i, (label, r) in enumerate(zip(labels, capture.routers, strict=True)):
+                if r.has_aux_loss:
+                    out[f"moe/layer_{label}/aux_loss"] = aux[i]
+                active = any(loads[i * num_experts : (i + 1) * num_experts])
+                if active:
+                    for e in range(num_experts):
+                        out[f"moe/layer_{label}/tokens_per_expert/{e}"] = loads[i * num_experts + e]
+        return out
+
+    def _update_dead_streaks(
+        self, ctx: RunContext, capture: RouterCapture, loads: list[float]
+    ) -> dict[str, float]:
+        if self.dead_expert_patience is None:
+            return {}
+        patience = self.dead_expert_patience
+        num_experts = capture.num_experts
+        newly_dead: list[str] = []
+        persistent = 0
+        for i, label in enumerate(capture.layer_labels):
+            row = loads[i * num_experts : (i + 1) * num_experts]
+            streak = self._dead_streak.setdefault(label, [0] * num_experts)
+            if not any(row):
+                continue  # the layer routed nothing this step: no evidence either way
+            for e, load in enumerate(row):
+                streak[e] = streak[e] + 1 if load == 0 else 0
+                if streak[e] >= patience:
+                    persistent += 1
+                if streak[e] == patience:
+                    newly_dead.append(f"layer {label} expert {e}")
+        if newly_dead and ctx.global_rank == 0:
+            warnings.warn(
+                f"LoadBalanceMonitor: {len(newly_dead)} expert(s) received no token on "
+                f"{patience} consecutive logging steps (up to step {ctx.step}): "
+                f"{', '.join(newly_dead[:20])}{' ...' if len(newly_dead) > 20 else ''}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return {"moe/dead_experts_persistent": float(persistent)}
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dead_streak": {k: list(v) for k, v in self._dead_streak.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        streaks = state_dict.get("dead_streak", {}) if isinstance(state_dict, dict) else {}
+        self._dead_streak = {str(k): [int(x) for x in v] for k, v in streaks.items()}
