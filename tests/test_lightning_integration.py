@@ -1,0 +1,251 @@
+"""The run-health callbacks under Lightning: single device (lightning.pytorch and
+pytorch_lightning), DDP on 2 CPU ranks with unequal batches, resume from ``ckpt_path``, and the
+JSONL fallback when the trainer has no logger. A fake clock moved inside ``training_step`` (and
+``validation_step``) makes every time and rate exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import FakeClock, RecordingWriter
+from trainvitals.callbacks.memory_monitor import MemoryMonitor
+from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
+
+SEQ = 6
+VOCAB = 16
+VAL_SECONDS = 50.0
+
+
+def step_seconds(step: int) -> float:
+    """Seconds the fake clock moves per training micro-batch of optimizer step ``step``."""
+    return 1.0 + step % 3
+
+
+def _module(pl, clock: FakeClock, batch_size: int, batches: int):
+    class TinyLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(VOCAB, 8)
+            self.head = nn.Linear(8, VOCAB)
+
+        def training_step(self, batch, batch_idx):
+            clock.t += step_seconds(self.trainer.global_step)
+            ids = batch["input_ids"]
+            return nn.functional.cross_entropy(
+                self.head(self.emb(ids)).flatten(0, 1), ids.flatten()
+            )
+
+        def validation_step(self, batch, batch_idx):
+            clock.t += VAL_SECONDS
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def _loader(self, n):
+            data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,))} for _ in range(n * batch_size)]
+            return torch.utils.data.DataLoader(data, batch_size=batch_size)
+
+        def train_dataloader(self):
+            return self._loader(batches)
+
+        def val_dataloader(self):
+            return self._loader(2)
+
+    return TinyLM()
+
+
+def _trainer(pl, callbacks, tmp, **kwargs):
+    options = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(tmp),
+        "log_every_n_steps": 1,
+    }
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+def _check_single_device(pl, tmp_path):
+    clock = FakeClock()
+    rw_t, rw_r, rw_m = RecordingWriter(), RecordingWriter(), RecordingWriter()
+    callbacks = [
+        ThroughputMonitor(window_size=4, clock=clock, writer=rw_t),
+        RuntimeMonitor(clock=clock, writer=rw_r),
+        MemoryMonitor(writer=rw_m),
+    ]
+    bs, batches, acc, epochs = 4, 6, 2, 2
+    trainer = _trainer(
+        pl,
+        callbacks,
+        tmp_path,
+        max_epochs=epochs,
+        accumulate_grad_batches=acc,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+    )
+    trainer.fit(_module(pl, clock, bs, batches))
+    horizon = epochs * math.ceil(batches / acc)
+    assert sorted(rw_r.rows) == list(range(horizon))
+    per_step = [acc * step_seconds(s) for s in range(horizon)]
+    for step, row in rw_r.rows.items():
+        train = sum(per_step[: step + 1])
+        val = VAL_SECONDS * 2 * (step >= 3)  # after epoch 0 (steps 0-2); sanity check excluded
+        assert row["time/train_hours"] == pytest.approx(train / 3600, rel=1e-12)
+        assert row["time/validation_hours"] == pytest.approx(val / 3600, rel=1e-12)
+        assert row["time/total_hours"] == pytest.approx((train + val) / 3600, rel=1e-12)
+        assert row["time/samples"] == acc * bs * (step + 1)
+        assert row["time/tokens"] == acc * bs * SEQ * (step + 1)
+        assert row["time/batches"] == acc * (step + 1)
+        if step >= 1:
+            rate = sum(per_step[1 : step + 1]) / step
+            assert row["time/remaining_hours"] == pytest.approx(
+                (horizon - step - 1) * rate / 3600, rel=1e-12
+            )
+    for step, row in rw_t.rows.items():
+        window = range(max(1, step - 3), step + 1)
+        seconds = sum(per_step[s] for s in window)
+        assert row["throughput/samples_per_sec"] == pytest.approx(acc * bs * len(window) / seconds)
+        assert row["throughput/tokens_per_sec"] == pytest.approx(
+            acc * bs * SEQ * len(window) / seconds
+        )
+        assert row["throughput/batches_per_sec"] == pytest.approx(acc * len(window) / seconds)
+    assert sorted(rw_t.rows) == list(range(1, horizon))  # step 0 is warm-up
+    assert sorted(rw_m.rows) == list(range(horizon))
+    assert all(row["memory/rss_gb"] > 0 for row in rw_m.rows.values())
+
+
+def test_single_device_lightning_pytorch(tmp_path):
+    import lightning.pytorch as pl
+
+    _check_single_device(pl, tmp_path)
+
+
+def test_single_device_pytorch_lightning_package(tmp_path):
+    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+    _check_single_device(pytorch_lightning, tmp_path)
+
+
+def test_resume_from_ckpt_path_continues_counters_windows_estimates(tmp_path):
+    import lightning.pytorch as pl
+
+    bs, batches = 3, 40
+
+    def callbacks(clock, writers):
+        return [
+            ThroughputMonitor(window_size=5, warmup_steps=0, clock=clock, writer=writers[0]),
+            RuntimeMonitor(clock=clock, writer=writers[1]),
+        ]
+
+    clock = FakeClock()
+    first = (RecordingWriter(), RecordingWriter())
+    trainer = _trainer(pl, callbacks(clock, first), tmp_path, max_steps=10)
+    trainer.fit(_module(pl, clock, bs, batches))
+    ckpt = tmp_path / "step10.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    clock = FakeClock(t=9e6)
+    second = (RecordingWriter(), RecordingWriter())
+    trainer = _trainer(pl, callbacks(clock, second), tmp_path, max_steps=20)
+    trainer.fit(_module(pl, clock, bs, batches), ckpt_path=ckpt)
+
+    assert sorted(second[1].rows) == list(range(10, 20))
+    for step in range(10, 20):
+        window = range(step - 4, step + 1)  # reaches back into the first run until step 14
+        seconds = sum(step_seconds(s) for s in window)
+        row = second[0].rows[step]
+        assert row["throughput/samples_per_sec"] == pytest.approx(bs * 5 / seconds, rel=1e-12)
+        assert row["throughput/seconds_per_step"] == pytest.approx(seconds / 5, rel=1e-12)
+        row = second[1].rows[step]
+        assert row["time/samples"] == bs * (step + 1)
+        train = sum(step_seconds(s) for s in range(step + 1))
+        assert row["time/train_hours"] == pytest.approx(train / 3600, rel=1e-12)
+        # rate: steps 1..9 of the first run, 11..step of the second (10 is its warm-up)
+        rate_steps = list(range(1, 10)) + list(range(11, step + 1))
+        rate = sum(step_seconds(s) for s in rate_steps) / len(rate_steps)
+        assert row["time/seconds_per_step"] == pytest.approx(rate, rel=1e-12)
+        assert row["time/remaining_hours"] == pytest.approx((20 - step - 1) * rate / 3600)
+
+
+def test_no_logger_falls_back_to_jsonl_in_run_folder(tmp_path):
+    import lightning.pytorch as pl
+
+    from trainvitals.adapters import read_jsonl
+
+    clock = FakeClock()
+    trainer = _trainer(pl, [RuntimeMonitor(clock=clock, max_steps=3)], tmp_path, max_steps=3)
+    trainer.fit(_module(pl, clock, 2, 10))
+    records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert sorted(records) == [0, 1, 2]
+    assert records[2]["time/samples"] == 6
+    assert records[2]["time/remaining_hours"] == 0.0
+
+
+# ---------------------------------------------------------------------------- DDP
+
+
+def _ddp_body(rank: int, world_size: int, tmp: str) -> dict:
+    import lightning.pytorch as pl
+
+    bs = 2 + 3 * rank  # rank 1 processes more than twice rank 0's samples
+    out: dict = {}
+    for phase, max_steps in (("first", 4), ("second", 8)):
+        clock = FakeClock(t=1000.0 if phase == "first" else 5e5)
+        writers = (RecordingWriter(), RecordingWriter())
+        callbacks = [
+            ThroughputMonitor(window_size=3, warmup_steps=0, clock=clock, writer=writers[0]),
+            RuntimeMonitor(clock=clock, writer=writers[1]),
+        ]
+        trainer = _trainer(
+            pl,
+            callbacks,
+            tmp,
+            devices=world_size,
+            strategy="ddp",
+            max_steps=max_steps,
+            accumulate_grad_batches=2,
+            use_distributed_sampler=False,
+        )
+        ckpt = f"{tmp}/ddp.ckpt"
+        trainer.fit(_module(pl, clock, bs, 40), ckpt_path=ckpt if phase == "second" else None)
+        if phase == "first":
+            trainer.save_checkpoint(ckpt)  # every rank: the callbacks' state_dict is collective
+        out[phase] = (writers[0].rows, writers[1].rows)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_ddp_two_ranks_true_sums_and_resume(tmp_path):
+    results = run_distributed(_ddp_body, world_size=2, args=(str(tmp_path),), timeout=270)
+    sizes = [2, 5]
+    acc = 2
+    for rank, result in enumerate(results):
+        for phase, steps in (("first", range(4)), ("second", range(4, 8))):
+            throughput, runtime = result[phase]
+            assert sorted(runtime) == list(steps)
+            for step in steps:
+                window = range(max(0, step - 2), step + 1)
+                seconds = acc * sum(step_seconds(s) for s in window)
+                row = throughput[step]
+                assert row["throughput/samples_per_sec"] == pytest.approx(
+                    acc * sum(sizes) * len(window) / seconds, rel=1e-12
+                )
+                # Device figures are this rank's own, except that entries restored from the
+                # checkpoint (rank 0's copy) are rank 0's: only rank 0 writes.
+                own = [sizes[0] if (phase == "second" and s < 4) else sizes[rank] for s in window]
+                assert row["throughput/device/samples_per_sec"] == pytest.approx(
+                    acc * sum(own) / seconds, rel=1e-12
+                )
+                row = runtime[step]
+                assert row["time/samples"] == acc * sum(sizes) * (step + 1)
+                assert row["time/tokens"] == acc * sum(sizes) * SEQ * (step + 1)
