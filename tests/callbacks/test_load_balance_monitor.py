@@ -360,3 +360,62 @@ def test_two_gloo_ranks_sum_loads_in_one_collective() -> None:
         for r in results:  # every rank computed the same reduced numbers
             check_row(r["rows"][step], loads, labels, aux, top_k=3)
     assert sorted(results[0]["rows"]) == [0, 2]
+
+
+def _lightning_body(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_lm(num_layers=2)
+            self.maps = MapRecorder(self.model)
+            self.local: dict[int, list] = {}
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch[0], labels=batch[0]).loss
+
+        def validation_step(self, batch, batch_idx):
+            self.model(batch[0])  # eval forwards: must not be counted
+
+        def on_before_optimizer_step(self, optimizer):
+            loads, aux = self.maps.take()
+            self.local[self.trainer.global_step] = [loads.tolist(), aux.tolist()]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    x = torch.randint(0, VOCAB, (16, 6), generator=torch.Generator().manual_seed(7))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=2)
+    writer = Recorder()
+    module = Lit()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp",
+        max_steps=4,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        limit_val_batches=2,
+        callbacks=[LoadBalanceMonitor(mode="detailed", top_k=2, writer=writer)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out_dir,
+    )
+    trainer.fit(module, loader, loader)
+    return {"rows": writer.rows, "local": module.local}
+
+
+@pytest.mark.slow
+def test_lightning_ddp_two_devices_accumulation_and_validation(tmp_path: Path) -> None:
+    pytest.importorskip("lightning.pytorch")
+    results = run_distributed(_lightning_body, 2, args=(str(tmp_path),), timeout=240)
+    for step in range(4):
+        loads = sum(np.array(r["local"][step][0]) for r in results)
+        aux = sum(np.array(r["local"][step][1]) for r in results) / 2
+        # 2 micro-batches of 2 x 6 tokens on each of 2 ranks, top-2
+        assert (loads.sum(1) == 2 * 2 * 2 * 12).all()
+        for r in results:
+            check_row(r["rows"][step], loads, ["0", "1"], aux, top_k=2)
