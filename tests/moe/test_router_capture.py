@@ -457,7 +457,9 @@ def test_generic_hf_router_and_out_of_range_indices() -> None:
 
 
 def test_topk_router_in_tiny_moe_lm_twelve_layers_numeric_order() -> None:
-    from trainvitals.moe import TinyMoELM, TopKRouter
+    from trainvitals.moe import TinyMoELM, TopKRouter, destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()  # its routers record into the global tracker
 
     torch.manual_seed(0)
     model = TinyMoELM(
@@ -496,6 +498,7 @@ def test_topk_router_in_tiny_moe_lm_twelve_layers_numeric_order() -> None:
     aux_sum, aux_count = capture.aux_losses()
     np.testing.assert_allclose(aux_sum.numpy(), [sum(aux[i]) for i in range(12)], rtol=1e-6)
     np.testing.assert_array_equal(aux_count.numpy(), [2] * 12)
+    destroy_moe_metrics_tracker()
 
 
 def test_topk_router_padding_slots_not_counted() -> None:
