@@ -40,13 +40,17 @@ from trainvitals.distributed import ProcessGroups
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """Unwrap Accelerate's ``AcceleratedOptimizer`` (and similar wrappers with ``.optimizer``)."""
-    seen = 0
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-        seen += 1
-        if seen > 8:
+    """Unwrap Accelerate's ``AcceleratedOptimizer`` (and similar wrappers with ``.optimizer``).
+
+    ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` without running its
+    ``__init__``, so it has no hook registries of its own: unwrap while ``.optimizer`` holds an
+    optimizer, whatever the outer object's class.
+    """
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
             break
+        optimizer = inner
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return optimizer
