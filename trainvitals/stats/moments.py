@@ -96,6 +96,7 @@ __all__ = [
     "merge_moments",
     "moments_from_dicts",
     "moments_to_dicts",
+    "partial_moments",
     "tensor_moments",
 ]
 
@@ -435,6 +436,20 @@ def fused_moments(tensors: Sequence[torch.Tensor], *, kernel: Kernel = "auto") -
         >>> m = fused_moments([torch.randn(4096, 1024), 1 + 0.01 * torch.randn(4096)])
         >>> derive(m)["kurtosis"]   # about [3.0, 3.0]
     """
+    parts, owner = partial_moments(tensors, kernel=kernel)
+    return combine_moments(parts, owner, len(tensors))
+
+
+def partial_moments(
+    tensors: Sequence[torch.Tensor], *, kernel: Kernel = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The un-merged parts behind :func:`fused_moments`: float64 moments of rows and segments
+    ``[K, NUM_FIELDS]`` and the index of the tensor each part belongs to ``[K]``.
+
+    Parts from many calls can be concatenated (re-indexed) and merged once with
+    :func:`combine_moments`, which is how a caller that sees tensors one at a time (forward
+    hooks) pays for one merge per step instead of one per tensor.
+    """
     if kernel not in ("auto", "compile", "eager"):
         raise ValueError(f"kernel must be 'auto', 'compile' or 'eager', got {kernel!r}")
     tensors = list(tensors)
@@ -444,9 +459,8 @@ def fused_moments(tensors: Sequence[torch.Tensor], *, kernel: Kernel = "auto") -
         if not t.is_floating_point():
             raise TypeError(f"tensors[{i}] must be a floating-point tensor, got {t.dtype}")
     if not tensors:
-        return empty_moments(0)
+        return empty_moments(0), torch.zeros(0, dtype=torch.long)
     device = tensors[0].device
-    num = len(tensors)
     parts: list[torch.Tensor] = []
     owners: list[torch.Tensor] = []
     small: list[torch.Tensor] = []
@@ -506,8 +520,8 @@ def fused_moments(tensors: Sequence[torch.Tensor], *, kernel: Kernel = "auto") -
         parts.append(m)
         owners.append(owner)
     if not parts:
-        return empty_moments(num, device=device)
-    return combine_moments(torch.cat(parts), torch.cat(owners), num)
+        return empty_moments(0, device=device), torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat(parts), torch.cat(owners)
 
 
 def tensor_moments(tensor: torch.Tensor, *, kernel: Kernel = "auto") -> torch.Tensor:

@@ -1,0 +1,403 @@
+"""TensorStatsMonitor in one process: driver and Lightning, values vs. float64 on captured data."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.stats.test_moments import assert_matches, reference
+from trainvitals.adapters.loop import Vitals
+from trainvitals.callbacks import TensorStatsMonitor
+from trainvitals.stats.moments import FIELDS, derive, moments_from_dicts
+
+VOCAB, D, H = 256, 48, 64
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def add_scalars(self, mapping: dict, step: int) -> None:
+        self.rows.setdefault(step, {}).update({k: float(v) for k, v in mapping.items()})
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        self.add_scalars({name: value}, step)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, H)
+        self.act = nn.ReLU(inplace=True)  # in place on a Linear output: hooks must cope
+        self.fc2 = nn.Linear(H, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(D, VOCAB)  # 12288-element weight: the chunked kernel path
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+SITE_MODULES = ["emb", "layers.0.fc1", "layers.0.fc2", "layers.1.fc1", "layers.1.fc2", "head"]
+
+
+def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # 4 x 48 tokens: fc1 output has 12288 elements (chunked path with a tail)
+    return [torch.randint(0, VOCAB, (4, 48), generator=g) for _ in range(n)]
+
+
+class Capture:
+    """The test's own hooks: every site tensor and its gradient, on chosen steps."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.on = False
+        self.data: dict[tuple[str, str], list[torch.Tensor]] = {}
+        for name in SITE_MODULES:
+            model.get_submodule(name).register_forward_hook(self._hook(name))
+
+    def _keep(self, kind: str, site: str, t: torch.Tensor) -> None:
+        self.data.setdefault((kind, site), []).append(t.detach().double().clone().reshape(-1))
+
+    def _hook(self, name: str):
+        def hook(module, args, output):
+            if not self.on:
+                return
+            for suffix, t in (("input0", args[0]), ("output0", output)):
+                if not t.is_floating_point():
+                    continue
+                site = f"{name}/{suffix}"
+                self._keep("activation", site, t)
+                if t.requires_grad:
+                    t.register_hook(lambda g, site=site: self._keep("dgrad", site, g))
+
+        return hook
+
+    def whole(self, kind: str, site: str) -> torch.Tensor:
+        return torch.cat(self.data[(kind, site)])
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_line(line: dict, want: dict[str, torch.Tensor], what: str) -> None:
+    assert line["version"] == 1 and line["fields"] == list(FIELDS)
+    assert set(line["tensors"]) == set(want), (what, sorted(line["tensors"]), sorted(want))
+    names = sorted(want)
+    got = derive(
+        moments_from_dicts([dict(zip(FIELDS, line["tensors"][n], strict=True)) for n in names])
+    )
+    for i, n in enumerate(names):
+        assert_matches(got, i, reference(want[n]), f"{what}/{n}")
+
+
+def run_loop(
+    tmp: Path, steps: int, accumulate: int, monitor: TensorStatsMonitor, capture_step: int
+):
+    torch.manual_seed(0)
+    model = Net()
+    cap = Capture(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    ref_params: dict[str, torch.Tensor] = {}
+    ref_grads: dict[str, torch.Tensor] = {}
+    hook_counts = []
+    base = sum(len(m._forward_hooks) for m in model.modules())
+    with Vitals([monitor], writer=writer, run_dir=tmp, log_every_n_steps=2) as vitals:
+        vitals.attach(model, opt)
+        data = iter(batches(steps * accumulate))
+        for step in range(steps):
+            cap.on = step == capture_step
+            for _ in range(accumulate):
+                ids = next(data)
+                vitals.batch(ids)
+                hook_counts.append(
+                    (step, sum(len(m._forward_hooks) for m in model.modules()) - base)
+                )
+                logits = model(ids)
+                loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1))
+                (loss / accumulate).backward()
+            if step == capture_step:
+                for n, p in model.named_parameters():
+                    ref_params[n] = p.detach().double().clone()
+                    ref_grads[n] = p.grad.detach().double().clone()
+            opt.step()
+            opt.zero_grad()
+            hook_counts.append((step, sum(len(m._forward_hooks) for m in model.modules()) - base))
+    return model, cap, writer, ref_params, ref_grads, hook_counts
+
+
+def test_driver_all_kinds_match_float64_with_accumulation(tmp_path: Path) -> None:
+    monitor = TensorStatsMonitor(activation_every_n_steps=2, kernel="eager")
+    _, cap, writer, params, grads, hooks = run_loop(tmp_path, 4, 2, monitor, capture_step=2)
+    lines = read_lines(tmp_path / "tensor_stats.jsonl")
+    assert [(r["step"], r["kind"]) for r in lines] == [
+        (s, k) for s in (0, 2) for k in ("param", "grad", "activation", "dgrad")
+    ]
+    at2 = {r["kind"]: r for r in lines if r["step"] == 2}
+    check_line(at2["param"], params, "param")
+    check_line(at2["grad"], grads, "grad")
+    sites = {site for (kind, site) in cap.data if kind == "activation"}
+    check_line(at2["activation"], {s: cap.whole("activation", s) for s in sites}, "activation")
+    dsites = {site for (kind, site) in cap.data if kind == "dgrad"}
+    check_line(at2["dgrad"], {s: cap.whole("dgrad", s) for s in dsites}, "dgrad")
+    assert at2["activation"]["micro_batches"] == 2
+    # both micro-batches merged: the count is that of the two batches together
+    assert at2["activation"]["tensors"]["layers.0.fc1/output0"][0] == 2 * 4 * 48 * H
+    # hooks only during logging steps: installed at the first micro-batch, gone after the step
+    installed = {s: c for s, c in hooks if c}
+    assert set(installed) == {0, 2}
+    assert hooks[-1][1] == 0 and all(c == 0 for s, c in hooks if s in (1, 3))
+    # summaries, recomputed from the file
+    for kind in ("param", "grad", "activation", "dgrad"):
+        d = derive(
+            moments_from_dicts(
+                [dict(zip(FIELDS, v, strict=True)) for v in at2[kind]["tensors"].values()]
+            )
+        )
+        kurt = d["kurtosis"][~torch.isnan(d["kurtosis"])]
+        row = writer.rows[2]
+        assert row[f"tensor_stats/{kind}/kurtosis_max"] == pytest.approx(
+            float(kurt.max()), rel=1e-12
+        )
+        assert row[f"tensor_stats/{kind}/rms_mean"] == pytest.approx(
+            float(d["rms"].mean()), rel=1e-12
+        )
+        assert row[f"tensor_stats/{kind}/nonfinite"] == 0
+    assert 1 not in writer.rows and 3 not in writer.rows
+
+
+def test_separate_intervals_and_layer_summaries(tmp_path: Path) -> None:
+    monitor = TensorStatsMonitor(
+        log_every_n_steps=1,
+        activation_every_n_steps=3,
+        layer_pattern=r"layers\.(\d+)\.",
+        kernel="eager",
+    )
+    _, _, writer, _, grads, _ = run_loop(tmp_path, 4, 1, monitor, capture_step=3)
+    lines = read_lines(tmp_path / "tensor_stats.jsonl")
+    kinds_by_step: dict[int, list[str]] = {}
+    for r in lines:
+        kinds_by_step.setdefault(r["step"], []).append(r["kind"])
+    assert kinds_by_step == {
+        0: ["param", "grad", "activation", "dgrad"],
+        1: ["param", "grad"],
+        2: ["param", "grad"],
+        3: ["param", "grad", "activation", "dgrad"],
+    }
+    # layer summary = all of layer 1's gradients merged, vs float64 on their concatenation
+    layer1 = torch.cat([g.reshape(-1) for n, g in grads.items() if n.startswith("layers.1.")])
+    ref = reference(layer1)
+    got = writer.rows[3]["tensor_stats/grad/layer_1/kurtosis"]
+    assert abs(got - ref["kurtosis"]) <= 1e-4 * ref["kurtosis"]
+    assert writer.rows[3]["tensor_stats/grad/layer_1/rms"] == pytest.approx(ref["rms"], rel=1e-4)
+
+
+def test_step_that_raises_leaves_no_hooks(tmp_path: Path) -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TensorStatsMonitor(kernel="eager")
+    base = sum(len(m._forward_hooks) for m in model.modules())
+    seen = []
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        Vitals([monitor], writer=Recorder(), run_dir=tmp_path, log_every_n_steps=1) as vitals,
+    ):
+        vitals.attach(model, opt)
+        ids = batches(1)[0]
+        vitals.batch(ids)
+        seen.append(sum(len(m._forward_hooks) for m in model.modules()) - base)
+        model(ids).sum().backward()
+        raise RuntimeError("boom")
+    assert seen == [len(SITE_MODULES)]
+    assert sum(len(m._forward_hooks) for m in model.modules()) == base
+    assert monitor._handles == []
+
+
+def test_resume_appends_without_duplicate_steps(tmp_path: Path) -> None:
+    def run(steps: range, state: dict | None) -> dict:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = TensorStatsMonitor(kinds=["param", "activation"], kernel="eager")
+        with Vitals([monitor], writer=Recorder(), run_dir=tmp_path, log_every_n_steps=1) as vitals:
+            vitals.attach(model, opt)
+            if state is not None:
+                vitals.load_state_dict(state)
+            for ids in batches(len(steps)):
+                vitals.batch(ids)
+                model(ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            return vitals.state_dict()
+
+    state = run(range(3), None)
+    assert state["callbacks"]["TensorStatsMonitor"]["logged_steps"] == {"param": 2, "activation": 2}
+    path = tmp_path / "tensor_stats.jsonl"
+    # a crash cut a line of step 3; the checkpoint is from step 2: steps 2 and 3 are re-run
+    with open(path, "a") as f:
+        f.write('{"version":1,"step":3,"kind":"param","tensors":{"a"')
+    ckpt = {"step": 2, "callbacks": state["callbacks"]}
+    with pytest.warns(RuntimeWarning, match="dropped 3 line"):
+        run(range(2), ckpt)
+    lines = read_lines(path)
+    steps = [(r["step"], r["kind"]) for r in lines]
+    assert steps == [(s, k) for s in range(4) for k in ("param", "activation")]
+
+
+def test_real_fanout_writer_with_jsonl_sink(tmp_path: Path) -> None:
+    from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")])
+    with Vitals(
+        [TensorStatsMonitor(kernel="eager")], writer=writer, run_dir=tmp_path, log_every_n_steps=1
+    ) as vitals:
+        vitals.attach(model, opt)
+        for ids in batches(2):
+            vitals.batch(ids)
+            model(ids).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    writer.close()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    by_step = {r["step"]: r["metrics"] for r in records}
+    stats = [
+        r
+        for r in read_lines(tmp_path / "tensor_stats.jsonl")
+        if r["kind"] == "param" and r["step"] == 1
+    ]
+    d = derive(
+        moments_from_dicts(
+            [dict(zip(FIELDS, v, strict=True)) for v in stats[0]["tensors"].values()]
+        )
+    )
+    want = float(torch.maximum(d["min"].abs(), d["max"].abs()).max())
+    assert by_step[1]["tensor_stats/param/abs_max"] == pytest.approx(want, rel=1e-12)
+
+
+def test_lightning_values_and_hooks(tmp_path: Path) -> None:
+    lightning = pytest.importorskip("lightning.pytorch")
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = Net()
+            self.cap = None
+            self.params: dict[int, dict[str, torch.Tensor]] = {}
+            self.hooks: list[tuple[int, int]] = []
+
+        def training_step(self, ids: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            self.hooks.append(
+                (self.global_step, sum(len(m._forward_hooks) for m in self.modules()))
+            )
+            if self.cap is not None:
+                self.cap.on = self.global_step == 2
+            logits = self.net(ids)
+            return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1))
+
+        def on_before_optimizer_step(self, optimizer) -> None:
+            self.params[self.global_step] = {
+                f"net.{n}": p.grad.detach().double().clone() for n, p in self.net.named_parameters()
+            }
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Module()
+    module.cap = Capture(module.net)
+    base = sum(len(m._forward_hooks) for m in module.modules())
+    monitor = TensorStatsMonitor(kinds=["grad", "activation"], kernel="eager")
+    trainer = lightning.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=2,
+        log_every_n_steps=2,
+        callbacks=[monitor],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(batches(8), batch_size=None))
+    path = Path(trainer.default_root_dir) / "tensor_stats.jsonl"
+    lines = read_lines(path)
+    assert [(r["step"], r["kind"]) for r in lines] == [
+        (0, "grad"),
+        (0, "activation"),
+        (2, "grad"),
+        (2, "activation"),
+    ]
+    at2 = {r["kind"]: r for r in lines if r["step"] == 2}
+    check_line(at2["grad"], module.params[2], "lightning grad")
+    sites = {s for (k, s) in module.cap.data if k == "activation"}
+    check_line(
+        at2["activation"],
+        {f"net.{s}": module.cap.whole("activation", s) for s in sites},
+        "lightning act",
+    )
+    assert {s for s, c in module.hooks if c > base} == {0, 2}
+    assert sum(len(m._forward_hooks) for m in module.modules()) == base
+
+
+def test_nonfinite_gradient_is_counted(tmp_path: Path) -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    writer = Recorder()
+    with Vitals(
+        [TensorStatsMonitor(kinds=["grad"], kernel="eager")],
+        writer=writer,
+        run_dir=tmp_path,
+        log_every_n_steps=1,
+    ) as vitals:
+        vitals.attach(model, opt)
+        ids = batches(1)[0]
+        vitals.batch(ids)
+        model(ids).sum().backward()
+        model.head.weight.grad[0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+        opt.step()
+    line = read_lines(tmp_path / "tensor_stats.jsonl")[0]
+    assert line["tensors"]["head.weight"][FIELDS.index("nonfinite")] == 3
+    assert line["tensors"]["head.weight"][0] == VOCAB * D - 3
+    assert writer.rows[0]["tensor_stats/grad/nonfinite"] == 3
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="kinds"):
+        TensorStatsMonitor(kinds=["weights"])
+    with pytest.raises(ValueError, match="activation_every_n_steps"):
+        TensorStatsMonitor(activation_every_n_steps=0)
+    with pytest.raises(ValueError, match="layer_pattern"):
+        TensorStatsMonitor(layer_pattern=r"layers\.\d+")
+    with pytest.raises(TypeError, match="exclude"):
+        TensorStatsMonitor(exclude="head/*")
+    with pytest.raises(ValueError, match="kernel"):
+        TensorStatsMonitor(kernel="cuda")

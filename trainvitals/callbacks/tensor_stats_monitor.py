@@ -1,0 +1,689 @@
+"""TensorStatsMonitor: exact per-tensor moments of parameters, gradients, activations and
+activation-gradients, written to a queryable JSONL file."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import re
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainvitals.adapters.context import BatchInfo, RunContext
+from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.distributed import (
+    all_gather_coalesced,
+    all_gather_objects,
+    all_reduce_by_groups,
+    group_rank,
+    group_size,
+    local_tensor,
+    partial_groups,
+    shard_groups,
+    unique_by_identity,
+)
+from trainvitals.stats.moments import (
+    FIELDS,
+    combine_moments,
+    derive,
+    empty_moments,
+    moments_to_dicts,
+    partial_moments,
+)
+from trainvitals.stats.norms import canonical_name, dedupe_named_tensors, unwrap_model
+
+__all__ = ["SCHEMA_VERSION", "TensorStatsMonitor"]
+
+#: Version of the ``tensor_stats.jsonl`` line format (see docs/tensor_stats.md).
+SCHEMA_VERSION = 1
+KINDS = ("param", "grad", "activation", "dgrad")
+_SITE_SUFFIXES = ("input0", "output0")
+
+
+@dataclass
+class _Kind:
+    """One kind's tensors on this step: names, local moments, and how to combine them."""
+
+    names: list[str]
+    moments: torch.Tensor  # [T, NUM_FIELDS] float64, rank-local until combined
+    groups: list[tuple[Any, ...]]  # per tensor: groups its moments are merged over
+    expert: list[bool] = field(default_factory=list)  # per tensor: named by a local expert index
+
+
+class TensorStatsMonitor(VitalsCallback):
+    """Per-tensor count, mean, central moments M2..M4, min, max and non-finite count.
+
+    The monitor records the shape of the numbers flowing through a model, tensor by tensor, so
+    that one can later ask "what was the kurtosis of the MLP gradients of layers 10 to 20
+    between steps 1000 and 2000" (``trainvitals query``, :func:`trainvitals.report.query`).
+    Moments are central and merge exactly (:mod:`trainvitals.stats.moments`), so any group of
+    tensors, micro-batches or ranks combines without the cancellation of raw power sums.
+
+    What happens when:
+
+    * ``micro_batch_start`` of an activation logging step: forward hooks are installed on the
+      sites (the first input and the output of every ``nn.Linear``, ``nn.Embedding`` and MoE
+      router, by default). A forward hook folds the site's tensors into per-row moments on
+      the device and, for ``dgrad``, puts a gradient hook on the same tensors. Integer inputs
+      (token ids) are skipped. Forwards re-run inside backward (activation checkpointing) are
+      not counted twice.
+    * ``before_optimizer_step`` of a param/grad logging step: the moments of every trainable
+      parameter and its gradient (after AMP unscaling, before clipping), in one fused call each.
+    * ``step_end``: hooks are removed; the micro-batches of the step are merged exactly; the
+      moments are combined over ranks (below); rank 0 appends one JSONL line per kind to
+      ``<run_dir>/tensor_stats.jsonl`` and writes scalar summaries.
+    * ``exception_raised``: hooks are removed, so a raising step leaves nothing behind.
+
+    Hooks exist only during an activation logging step; other steps run no code of this class
+    beyond two integer comparisons, and nothing leaves the device on them.
+
+    Distributed: a ``DTensor`` parameter or gradient (FSDP2, tensor parallel) is merged over the
+    groups of its ``Shard`` mesh dims only; ``Replicate`` dims and plain tensors (DDP replicas)
+    are not merged, so no element counts twice (a ``Partial`` gradient is first summed
+    elementwise over its partial groups). Activations and dgrads are merged over
+    ``groups.dp_cp`` (each data/context-parallel rank sees different tokens). Moments need a
+    merge, not a sum: each group gets one ``all_gather`` of all per-rank moments that need it,
+    merged on every rank (one collective per distinct group per logging step; a two-collective
+    shared-shift scheme would need a second round trip for the same result). Min and max ride
+    in the same gather.
+
+    Expert parallelism: names matching ``expert_pattern`` (a regex whose one group captures the
+    local expert index, default ``experts.<i>.``) get the global expert index
+    ``ep_rank * num_local_experts + i`` when ``groups.ep`` has more than one rank, and rank 0
+    gathers every expert's moments over ``groups.ep`` so the file holds all experts. Expert
+    activations are then not merged over ``dp_cp`` (each expert's tokens already come from all
+    data-parallel ranks). Under pipeline parallelism every stage's moments are gathered to
+    rank 0 over ``groups.pp`` (one object gather).
+
+    Non-finite elements are counted in ``nonfinite`` and excluded from all other moments.
+    ``dgrad`` values are the gradients autograd computes, so they include a loss scale (AMP
+    ``GradScaler``) and any ``1/accumulation`` factor the loop applies to the loss: kurtosis
+    and skewness do not depend on it, scale-dependent statistics do. The dgrad of
+    ``<module>/input0`` is the gradient of the loss with respect to the tensor that entered the
+    module, summed over all its consumers (q/k/v projections sharing one input see the same
+    value); it is observed with tensor hooks, which never alter the autograd graph (full
+    backward hooks break in-place ops such as ``ReLU(inplace=True)`` after a ``Linear``).
+
+    Args:
+        kinds: which of ``"param"``, ``"grad"``, ``"activation"``, ``"dgrad"`` to record.
+        log_every_n_steps: interval of ``param``/``grad`` in optimizer steps (default: the run's).
+        activation_every_n_steps: interval of ``activation``/``dgrad`` (default: the same).
+        module_types: module classes whose inputs/outputs are sites (default ``nn.Linear``,
+            ``nn.Embedding`` and MoE routers: :class:`trainvitals.moe.TopKRouter` and any class
+            whose name ends in ``Router``).
+        include: globs (``fnmatch``) over tensor names (``layers.0.mlp.fc1.weight``,
+            ``layers.0.mlp.fc1/input0``); only matching tensors are recorded. Default: all.
+        exclude: globs of tensor names to leave out (e.g. ``["lm_head/*"]`` for the logits).
+        layer_pattern: regex with one capture group (e.g. ``r"layers\\.(\\d+)\\."``); when set,
+            per-layer summaries merge the tensors of each captured value.
+        expert_pattern: regex with one capture group for the local expert index.
+        kernel: ``"auto"``, ``"compile"`` or ``"eager"`` (see
+            :func:`trainvitals.stats.moments.fused_moments`).
+        filename: JSONL file name inside the run folder.
+        summaries: write the scalar summaries below through the writer.
+        writer: where summaries go (default: the run's writer).
+
+    Example:
+        >>> from trainvitals.callbacks import TensorStatsMonitor
+        >>> monitor = TensorStatsMonitor(activation_every_n_steps=100, exclude=["lm_head/*"])
+        >>> trainer = lightning.pytorch.Trainer(callbacks=[monitor], log_every_n_steps=10)
+        >>> # later: trainvitals query RUN_DIR --kind grad --group 'layers.*.mlp.*' --stat kurtosis
+
+    Keys written through the writer (on logging steps of each kind; ``<kind>`` is ``param``,
+    ``grad``, ``activation`` or ``dgrad``):
+
+    ==========================================  ==========================================  =====
+    key                                         meaning                                     unit
+    ==========================================  ==========================================  =====
+    ``tensor_stats/<kind>/rms_mean``            mean over tensors of each tensor's RMS      value
+    ``tensor_stats/<kind>/rms_max``             largest per-tensor RMS                      value
+    ``tensor_stats/<kind>/abs_max``             largest absolute finite element             value
+    ``tensor_stats/<kind>/kurtosis_mean``       mean per-tensor Pearson kurtosis (3 =       1
+                                                normal; tensors with zero variance skipped)
+    ``tensor_stats/<kind>/kurtosis_max``        largest per-tensor Pearson kurtosis         1
+    ``tensor_stats/<kind>/nonfinite``           NaN/Inf elements over all tensors           count
+    ``tensor_stats/<kind>/layer_<i>/rms``       RMS of all tensors of layer ``i`` merged    value
+                                                (``layer_pattern`` only)
+    ``tensor_stats/<kind>/layer_<i>/kurtosis``  kurtosis of layer ``i``'s tensors merged    1
+    ==========================================  ==========================================  =====
+
+    "value" is the unit of the tensor itself (parameter units, gradient units, ...). The full
+    per-tensor moments go to ``tensor_stats.jsonl`` (format in ``docs/tensor_stats.md``).
+    """
+
+    def __init__(
+        self,
+        *,
+        kinds: Sequence[str] = KINDS,
+        log_every_n_steps: int | None = None,
+        activation_every_n_steps: int | None = None,
+        module_types: Sequence[type] | None = None,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        layer_pattern: str | None = None,
+        expert_pattern: str = r"(?:^|\.)experts\.(\d+)(?:\.|/|$)",
+        kernel: str = "auto",
+        filename: str = "tensor_stats.jsonl",
+        summaries: bool = True,
+        writer: Any = None,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
+        if isinstance(kinds, str) or not all(k in KINDS for k in kinds) or not kinds:
+            raise ValueError(f"kinds must be a non-empty list of {KINDS}, got {kinds!r}")
+        self.kinds = tuple(k for k in KINDS if k in kinds)
+        if activation_every_n_steps is not None and (
+            isinstance(activation_every_n_steps, bool)
+            or not isinstance(activation_every_n_steps, int)
+            or activation_every_n_steps <= 0
+        ):
+            raise ValueError(
+                "activation_every_n_steps must be a positive int or None, "
+                f"got {activation_every_n_steps!r}"
+            )
+        self.activation_every_n_steps = activation_every_n_steps
+        if module_types is not None and not all(isinstance(t, type) for t in module_types):
+            raise TypeError("module_types must be a sequence of nn.Module classes")
+        self.module_types = tuple(module_types) if module_types is not None else None
+        for name, globs in (("include", include), ("exclude", exclude)):
+            if globs is not None and (
+                isinstance(globs, str) or not all(isinstance(g, str) for g in globs)
+            ):
+                raise TypeError(f"{name} must be a list of glob strings, got {globs!r}")
+        self.include = list(include) if include is not None else None
+        self.exclude = list(exclude or [])
+        self.layer_pattern = _compile_one_group("layer_pattern", layer_pattern)
+        self.expert_pattern = _compile_one_group("expert_pattern", expert_pattern)
+        if kernel not in ("auto", "compile", "eager"):
+            raise ValueError(f"kernel must be 'auto', 'compile' or 'eager', got {kernel!r}")
+        self.kernel = kernel
+        if not isinstance(filename, str) or not filename or os.sep in filename:
+            raise ValueError(f"filename must be a plain file name, got {filename!r}")
+        self.filename = filename
+        self.summaries = bool(summaries)
+        # run state
+        self._path: Path | None = None
+        self._sites: list[str] = []  # "<module>/input0", "<module>/output0" in model order
+        self._site_expert: list[bool] = []
+        self._site_index: dict[str, int] = {}
+        self._modules: list[tuple[str, nn.Module]] = []
+        self._handles: list[Any] = []
+        self._act_parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._pending: dict[str, _Kind] = {}
+        self._logged_steps: dict[str, int] = {}
+        self._ep_info: tuple[int, dict[str, int]] | None = None
+
+    # ------------------------------------------------------------------ intervals
+
+    def _param_step(self, ctx: RunContext) -> bool:
+        return any(k in self.kinds for k in ("param", "grad")) and self.should_log(ctx)
+
+    def _act_step(self, ctx: RunContext) -> bool:
+        if not any(k in self.kinds for k in ("activation", "dgrad")):
+            return False
+        every = self.activation_every_n_steps or self.interval(ctx)
+        return ctx.step % every == 0
+
+    # ------------------------------------------------------------------ hooks
+
+    def run_start(self, ctx: RunContext) -> None:
+        if ctx.model is None:
+            raise ValueError("TensorStatsMonitor needs the model (ctx.model is None)")
+        model = unwrap_model(ctx.model)
+        types = self.module_types or _default_site_types()
+        self._modules = [
+            (canonical_name(n), m)
+            for n, m in model.named_modules()
+            if n and (isinstance(m, types) or (self.module_types is None and _is_router(m)))
+        ]
+        self._ep_info = self._expert_offsets(ctx, [n for n, _ in model.named_parameters()])
+        self._sites, self._site_expert = [], []
+        for name, _ in self._modules:
+            for suffix in _SITE_SUFFIXES:
+                site = self._global_name(f"{name}/{suffix}")
+                if self._wanted(site):
+                    self._sites.append(site)
+                    self._site_expert.append(site != f"{name}/{suffix}")
+        self._site_index = {s: i for i, s in enumerate(self._sites)}
+        self._path = Path(ctx.run_dir) / self.filename
+        if ctx.global_rank == 0:
+            _prepare_jsonl(self._path, first_step=ctx.step)
+
+    def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
+        if not self._handles and self._act_step(ctx):
+            self._install(ctx)
+
+    def before_optimizer_step(self, ctx: RunContext) -> None:
+        if not self._param_step(ctx):
+            return
+        model = unwrap_model(ctx.model)
+        named = dedupe_named_tensors(
+            (canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)
+        )
+        named = [(n, p) for n, p in named if p.requires_grad]
+        if "param" in self.kinds:
+            self._pending["param"] = self._local_kind([(n, p) for n, p in named])
+        if "grad" in self.kinds:
+            self._pending["grad"] = self._local_kind(
+                [(n, p.grad) for n, p in named if p.grad is not None]
+            )
+
+    def step_end(self, ctx: RunContext) -> None:
+        if self._handles:
+            self._remove_hooks()
+            for kind in ("activation", "dgrad"):
+                if kind in self.kinds:
+                    self._pending[kind] = self._merged_sites(ctx, kind)
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        self._emit(ctx, pending)
+
+    def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
+        self._remove_hooks()
+        self._pending = {}
+
+    def run_end(self, ctx: RunContext) -> None:
+        self._remove_hooks()
+        self._pending = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": SCHEMA_VERSION, "logged_steps": dict(self._logged_steps)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._logged_steps = {str(k): int(v) for k, v in state_dict.get("logged_steps", {}).items()}
+
+    # ------------------------------------------------------------------ param / grad moments
+
+    def _local_kind(self, named: list[tuple[str, torch.Tensor]]) -> _Kind:
+        named = [(self._global_name(n), t) for n, t in named]
+        named = [(n, t) for n, t in named if self._wanted(n) and t.is_floating_point()]
+        locals_ = [local_tensor(t).detach() for _, t in named]
+        _sum_partials([t for _, t in named], locals_)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(locals_):
+            by_device.setdefault(t.device, []).append(i)
+        device = locals_[0].device if locals_ else torch.device("cpu")
+        moments = empty_moments(len(locals_), device=device)
+        for idx in by_device.values():
+            parts, owner = partial_moments([locals_[i] for i in idx], kernel=self.kernel)
+            sub = combine_moments(parts, owner, len(idx)).to(device)
+            moments[torch.tensor(idx, device=device)] = sub
+        return _Kind(
+            names=[n for n, _ in named],
+            moments=moments,
+            groups=[shard_groups(t, include_partial=False) for _, t in named],
+            expert=[self._is_expert(n) for n, _ in named],
+        )
+
+    # ------------------------------------------------------------------ activation / dgrad sites
+
+    def _install(self, ctx: RunContext) -> None:
+        self._act_parts = {"activation": [], "dgrad": []}
+        for name, module in self._modules:
+            idx = [self._site_index.get(self._global_name(f"{name}/{s}")) for s in _SITE_SUFFIXES]
+            if idx == [None, None]:
+                continue
+            self._handles.append(
+                module.register_forward_hook(self._make_forward_hook(idx), with_kwargs=True)
+            )
+
+    def _make_forward_hook(self, idx: list[int | None]) -> Any:
+        want_act = "activation" in self.kinds
+        want_dgrad = "dgrad" in self.kinds
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return  # a forward re-run inside backward (activation checkpointing)
+            first_in = _first_float(args)
+            if first_in is None and not args:
+                first_in = _first_float(tuple(kwargs.values()))
+            tensors = (first_in, _first_float(output))
+            for site, x in zip(idx, tensors, strict=True):
+                if site is None or x is None:
+                    continue
+                if want_act:
+                    self._add_parts("activation", site, x)
+                if want_dgrad and x.requires_grad:
+                    self._handles.append(x.register_hook(self._make_grad_hook(site)))
+
+        return hook
+
+    def _make_grad_hook(self, site: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if grad is not None and grad.is_floating_point():
+                self._add_parts("dgrad", site, grad)
+
+        return hook
+
+    def _add_parts(self, kind: str, site: int, x: torch.Tensor) -> None:
+        parts, _ = partial_moments([local_tensor(x).detach()], kernel=self.kernel)
+        self._act_parts[kind].append(
+            (parts, torch.full((parts.shape[0],), site, dtype=torch.long, device=parts.device))
+        )
+
+    def _remove_hooks(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+    def _merged_sites(self, ctx: RunContext, kind: str) -> _Kind:
+        """All micro-batches' parts of one kind merged into one row per site (exact)."""
+        entries = self._act_parts.get(kind, [])
+        self._act_parts[kind] = []
+        n = len(self._sites)
+        if entries:
+            device = entries[0][0].device
+            parts = torch.cat([p.to(device) for p, _ in entries])
+            owner = torch.cat([o.to(device) for _, o in entries])
+            moments = combine_moments(parts, owner, n)
+        else:
+            moments = empty_moments(n, device=ctx.device)
+        dp_cp = ctx.groups.dp_cp
+        ep_active = group_size(ctx.groups.ep) > 1
+        groups = [
+            () if (expert and ep_active) or group_size(dp_cp) == 1 else (dp_cp,)
+            for expert in self._site_expert
+        ]
+        return _Kind(list(self._sites), moments, groups, list(self._site_expert))
+
+    # ------------------------------------------------------------------ combine and write
+
+    def _emit(self, ctx: RunContext, pending: dict[str, _Kind]) -> None:
+        kinds = [k for k in KINDS if k in pending]
+        _merge_over_groups([pending[k] for k in kinds])
+        names = {k: pending[k].names for k in kinds}
+        stats = [pending[k].moments for k in kinds]
+        # Experts: every EP rank holds different experts; gather them (one collective).
+        ep = ctx.groups.ep
+        if group_size(ep) > 1:
+            names, stats = self._gather_experts(ep, kinds, pending, names, stats)
+        # Pipeline stages hold different tensors: gather them to rank 0 (one object gather).
+        pp = ctx.groups.pp
+        host: list[torch.Tensor] | None = None
+        if group_size(pp) > 1:
+            host = [s.cpu() for s in stats]
+            gathered = all_gather_objects(
+                {k: (names[k], h) for k, h in zip(kinds, host, strict=True)}, pp
+            )
+            for i, k in enumerate(kinds):
+                names[k] = [n for g in gathered for n in g[k][0]]
+                host[i] = torch.cat([g[k][1] for g in gathered])
+        if ctx.global_rank != 0:
+            return
+        if host is None:  # one device-to-host transfer for every kind
+            sizes = [s.shape[0] for s in stats]
+            flat = (
+                torch.cat([s.to(stats[0].device) for s in stats]).cpu()
+                if stats
+                else empty_moments(0)
+            )
+            host = list(flat.split(sizes))
+        lines = []
+        scalars: dict[str, float] = {}
+        micro = max(ctx.micro_batches_in_step, 1)
+        for i, k in enumerate(kinds):
+            if k in ("activation", "dgrad"):
+                # sites never reached (integer inputs, unused modules) are left out; experts
+                # that received no tokens stay (count 0 is information)
+                seen = (host[i][:, 0] > 0) | (host[i][:, 7] > 0)
+                expert = torch.tensor(
+                    [self.expert_pattern.search(n) is not None for n in names[k]], dtype=torch.bool
+                )
+                keep = (seen | expert).nonzero().flatten().tolist()
+                names[k] = [names[k][j] for j in keep]
+                host[i] = host[i][keep]
+        for k, h in zip(kinds, host, strict=True):
+            rows = moments_to_dicts(h)
+            line = {
+                "version": SCHEMA_VERSION,
+                "step": ctx.step,
+                "kind": k,
+                "time": time.time(),
+                "fields": list(FIELDS),
+                "tensors": {n: [r[f] for f in FIELDS] for n, r in zip(names[k], rows, strict=True)},
+            }
+            if k in ("activation", "dgrad"):
+                line["micro_batches"] = micro
+            lines.append(json.dumps(line, separators=(",", ":"), allow_nan=False))
+            self._logged_steps[k] = ctx.step
+            if self.summaries:
+                scalars.update(self._summaries(k, names[k], h))
+        assert self._path is not None
+        with open(self._path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        if scalars:
+            self.write(ctx, scalars)
+
+    def _summaries(self, kind: str, names: list[str], moments: torch.Tensor) -> dict[str, float]:
+        prefix = f"tensor_stats/{kind}"
+        d = derive(moments)
+        has = d["count"] > 0
+        out: dict[str, float] = {f"{prefix}/nonfinite": float(d["nonfinite"].sum())}
+        if bool(has.any()):
+            rms = d["rms"][has]
+            out[f"{prefix}/rms_mean"] = float(rms.mean())
+            out[f"{prefix}/rms_max"] = float(rms.max())
+            out[f"{prefix}/abs_max"] = float(
+                torch.maximum(d["min"][has].abs(), d["max"][has].abs()).max()
+            )
+        kurt = d["kurtosis"][~torch.isnan(d["kurtosis"])]
+        if kurt.numel():
+            out[f"{prefix}/kurtosis_mean"] = float(kurt.mean())
+            out[f"{prefix}/kurtosis_max"] = float(kurt.max())
+        if self.layer_pattern is not None:
+            layers: dict[int, list[int]] = {}
+            for i, n in enumerate(names):
+                m = self.layer_pattern.search(n)
+                if m and m.group(1).isdigit():
+                    layers.setdefault(int(m.group(1)), []).append(i)
+            if layers:
+                order = sorted(layers)
+                idx = torch.tensor([i for L in order for i in layers[L]])
+                owner = torch.tensor([j for j, L in enumerate(order) for _ in layers[L]])
+                merged = derive(combine_moments(moments[idx], owner, len(order)))
+                for j, L in enumerate(order):
+                    for stat in ("rms", "kurtosis"):
+                        v = float(merged[stat][j])
+                        if math.isfinite(v):
+                            out[f"{prefix}/layer_{L}/{stat}"] = v
+        return out
+
+    # ------------------------------------------------------------------ experts
+
+    def _expert_offsets(
+        self, ctx: RunContext, param_names: list[str]
+    ) -> tuple[int, dict[str, int]] | None:
+        """(ep_rank, {prefix: number of local experts}) when expert parallelism is on."""
+        ep = ctx.groups.ep
+        if group_size(ep) == 1:
+            return None
+        counts: dict[str, int] = {}
+        for name in [canonical_name(n) for n in param_names]:
+            m = self.expert_pattern.search(name)
+            if m:
+                prefix = name[: m.start(1)]
+                counts[prefix] = max(counts.get(prefix, 0), int(m.group(1)) + 1)
+        return group_rank(ep), counts
+
+    def _global_name(self, name: str) -> str:
+        if self._ep_info is None:
+            return name
+        rank, counts = self._ep_info
+        m = self.expert_pattern.search(name)
+        if not m or name[: m.start(1)] not in counts:
+            return name
+        local = int(m.group(1))
+        return f"{name[: m.start(1)]}{rank * counts[name[: m.start(1)]] + local}{name[m.end(1) :]}"
+
+    def _is_expert(self, name: str) -> bool:
+        return self._ep_info is not None and self.expert_pattern.search(name) is not None
+
+    def _gather_experts(
+        self,
+        ep: Any,
+        kinds: list[str],
+        pending: dict[str, _Kind],
+        names: dict[str, list[str]],
+        stats: list[torch.Tensor],
+    ) -> tuple[dict[str, list[str]], list[torch.Tensor]]:
+        """Gather expert tensors over the EP group; every EP rank holds the same number of
+        local experts, so rank r's names follow from its offset."""
+        assert self._ep_info is not None
+        my_rank, counts = self._ep_info
+        idx = {k: [i for i, e in enumerate(pending[k].expert) if e] for k in kinds}
+        local = [
+            s[torch.tensor(idx[k], dtype=torch.long, device=s.device)]
+            for k, s in zip(kinds, stats, strict=True)
+        ]
+        gathered = all_gather_coalesced(local, ep)  # [ep, T_k, F] per kind
+        out_names: dict[str, list[str]] = {}
+        out_stats = []
+        for k, s, g in zip(kinds, stats, gathered, strict=True):
+            keep = [i for i, e in enumerate(pending[k].expert) if not e]
+            ns = [names[k][i] for i in keep]
+            rows = [s[torch.tensor(keep, dtype=torch.long, device=s.device)]]
+            for r in range(g.shape[0]):
+                for i in idx[k]:
+                    ns.append(self._rename_expert(names[k][i], my_rank, r, counts))
+                rows.append(g[r].to(s.device))
+            out_names[k] = ns
+            out_stats.append(torch.cat(rows) if rows else s)
+        return out_names, out_stats
+
+    def _rename_expert(self, name: str, mine: int, rank: int, counts: dict[str, int]) -> str:
+        m = self.expert_pattern.search(name)
+        if not m:
+            return name
+        prefix = name[: m.start(1)]
+        per = counts.get(prefix, 0)
+        local = int(m.group(1)) - mine * per
+        return f"{prefix}{rank * per + local}{name[m.end(1) :]}"
+
+    # ------------------------------------------------------------------ names
+
+    def _wanted(self, name: str) -> bool:
+        if self.include is not None and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
+            return False
+        return not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _compile_one_group(arg: str, pattern: str | None) -> re.Pattern[str] | None:
+    if pattern is None:
+        return None
+    if not isinstance(pattern, str):
+        raise TypeError(f"{arg} must be a regex string, got {type(pattern).__name__}")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{arg} is not a valid regex: {exc}") from exc
+    if compiled.groups != 1:
+        raise ValueError(f"{arg} must have exactly one capture group, got {compiled.groups}")
+    return compiled
+
+
+def _default_site_types() -> tuple[type, ...]:
+    types: list[type] = [nn.Linear, nn.Embedding]
+    try:
+        from trainvitals.moe import TopKRouter
+
+        types.append(TopKRouter)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+def _is_router(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Router")
+
+
+def _first_float(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.is_floating_point() else None
+    if isinstance(obj, list | tuple):
+        for v in obj:
+            if isinstance(v, torch.Tensor):
+                return v if v.is_floating_point() else None
+    return None
+
+
+def _sum_partials(tensors: list[torch.Tensor], locals_: list[torch.Tensor]) -> None:
+    """A Partial DTensor's value is the elementwise sum of its locals: sum them first (one
+    collective per distinct partial group, only when some tensor is Partial)."""
+    items, where = [], []
+    for i, t in enumerate(tensors):
+        groups = partial_groups(t)
+        if groups:
+            items.append((locals_[i], groups))
+            where.append(i)
+    if items:
+        reduced = all_reduce_by_groups(items, "sum", dtype=torch.float64)
+        for i, value in zip(where, reduced, strict=True):
+            locals_[i] = value
+
+
+def _merge_over_groups(kinds: list[_Kind]) -> None:
+    """Merge each tensor's moments over its groups: one all_gather per distinct group, the
+    groups in order of first appearance (the same on every rank)."""
+    order = unique_by_identity(g for k in kinds for gs in k.groups for g in gs)
+    for g in order:
+        if group_size(g) == 1:
+            continue
+        sel = [(k, [i for i, gs in enumerate(k.groups) if any(g is x for x in gs)]) for k in kinds]
+        sel = [(k, idx) for k, idx in sel if idx]
+        blocks = [k.moments[torch.tensor(idx, device=k.moments.device)] for k, idx in sel]
+        gathered = all_gather_coalesced(blocks, g)
+        for (k, idx), rows in zip(sel, gathered, strict=True):
+            k.moments[torch.tensor(idx, device=k.moments.device)] = combine_moments(rows, dim=0).to(
+                k.moments.device
+            )
+
+
+def _prepare_jsonl(path: Path, first_step: int) -> None:
+    """Make ``path`` safe to append to from ``first_step`` on: drop a last line cut by a crash
+    and every line of a step >= ``first_step`` (a resumed run re-logs those steps)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    keep: list[bytes] = []
+    dropped = 0
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            step = int(rec["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if step >= first_step:
+            dropped += 1
+            continue
+        keep.append(raw)
+    if dropped:
+        warnings.warn(
+            f"TensorStatsMonitor: {path}: dropped {dropped} line(s) (cut by a crash, or of steps "
+            f">= {first_step} that this resumed run logs again)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in keep))
+        os.replace(tmp, path)
+    elif data and not data.endswith(b"\n"):
+        with open(path, "ab") as f:
+            f.write(b"\n")
