@@ -1,0 +1,207 @@
+"""The coalesced collectives: values, one collective per call (per group), no-ops when trivial.
+
+Each rank's inputs are a known function of its rank, so the expected reductions are computed
+here in float64 from all ranks' inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from trainvitals import distributed as tvd
+from trainvitals.distributed import (
+    all_gather_coalesced,
+    all_gather_objects,
+    all_reduce_by_groups,
+    all_reduce_coalesced,
+    collective_counter,
+    partial_groups,
+    shard_groups,
+)
+
+
+def _inputs(rank: int) -> list[torch.Tensor]:
+    """Three tensors of different shapes and dtypes (an int count among them)."""
+    g = torch.Generator().manual_seed(rank)
+    return [
+        torch.randn(3, generator=g),
+        torch.tensor(rank * 7 + 1, dtype=torch.int64),
+        torch.randn(2, 2, generator=g).double(),
+    ]
+
+
+def _count() -> int:
+    return sum(collective_counter.values())
+
+
+def _reduce_body(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    out: dict = {}
+    inputs = _inputs(rank)
+    copies = [t.clone() for t in inputs]
+    for op in ("sum", "avg", "max", "min"):
+        before = _count()
+        reduced = all_reduce_coalesced(inputs, op, tvd.world_group())
+        out[op] = [r.tolist() for r in reduced]
+        out[f"{op}_dtypes"] = [str(r.dtype) for r in reduced]
+        out[f"{op}_shapes"] = [tuple(r.shape) for r in reduced]
+        out[f"{op}_collectives"] = _count() - before
+    out["inputs_unchanged"] = all(torch.equal(a, b) for a, b in zip(inputs, copies, strict=True))
+    # trivial groups: None and a group of one member issue nothing
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    before = _count()
+    out["none_group"] = [r.tolist() for r in all_reduce_coalesced(inputs, "sum", None)]
+    out["single_group"] = [r.tolist() for r in all_reduce_coalesced(inputs, "sum", singles[rank])]
+    out["empty"] = all_reduce_coalesced([], "sum", tvd.world_group())
+    out["trivial_collectives"] = _count() - before
+    # gathers
+    before = _count()
+    gathered = all_gather_coalesced(inputs, tvd.world_group())
+    out["gathered"] = [g.tolist() for g in gathered]
+    out["gathered_shapes"] = [tuple(g.shape) for g in gathered]
+    out["objects"] = all_gather_objects({"rank": rank, "names": ["a"] * rank}, tvd.world_group())
+    out["gather_collectives"] = _count() - before
+    try:
+        all_reduce_coalesced(inputs, "mean", tvd.world_group())
+    except ValueError as exc:
+        out["bad_op"] = str(exc)
+    return out
+
+
+def _close(got: list | float, want: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-12, atol=0)
+
+
+def test_all_reduce_coalesced_values_and_collective_count():
+    world_size = 3
+    results = run_distributed(_reduce_body, world_size, timeout=120)
+    per_rank = [[t.double() for t in _inputs(r)] for r in range(world_size)]
+    expected = {
+        "sum": [sum(ts) for ts in zip(*per_rank, strict=True)],
+        "max": [torch.stack(ts).amax(0) for ts in zip(*per_rank, strict=True)],
+        "min": [torch.stack(ts).amin(0) for ts in zip(*per_rank, strict=True)],
+    }
+    expected["avg"] = [s / world_size for s in expected["sum"]]
+    for rank, res in enumerate(results):
+        for op, values in expected.items():
+            for got, want in zip(res[op], values, strict=True):
+                _close(got, want)
+            assert res[f"{op}_collectives"] == 1  # three tensors, one collective
+            assert res[f"{op}_dtypes"] == ["torch.float64"] * 3
+            assert res[f"{op}_shapes"] == [(3,), (), (2, 2)]
+        assert res["inputs_unchanged"]
+        own = [t.double().tolist() for t in _inputs(rank)]
+        assert res["none_group"] == own
+        assert res["single_group"] == own
+        assert res["empty"] == []
+        assert res["trivial_collectives"] == 0
+        for r in range(world_size):
+            for got, want in zip(res["gathered"], per_rank[r], strict=True):
+                _close(got[r], want)
+        assert res["gathered_shapes"] == [(3, 3), (3,), (3, 2, 2)]
+        assert res["objects"] == [{"rank": r, "names": ["a"] * r} for r in range(world_size)]
+        assert res["gather_collectives"] == 2
+        assert "mean" in res["bad_op"]
+
+
+def _by_groups_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh.get_group("dp"), mesh.get_group("tp")
+    value = float(rank + 1)
+    items = [
+        (torch.tensor([value]), (dp,)),
+        (torch.tensor([10 * value, 1.0]), (tp,)),
+        (torch.tensor(100 * value), (dp, tp)),
+        (torch.tensor(value), ()),
+        (torch.tensor([-value]), (dp,)),
+    ]
+    before = _count()
+    reduced = all_reduce_by_groups(items, "sum")
+    out: dict = {
+        "sum": [r.tolist() for r in reduced],
+        "collectives": _count() - before,
+    }
+    before = _count()
+    out["max"] = [r.tolist() for r in all_reduce_by_groups(items, "max")]
+    out["max_collectives"] = _count() - before
+    try:
+        all_reduce_by_groups(items, "avg")
+    except ValueError as exc:
+        out["avg_error"] = str(exc)
+
+    def ranks(groups):
+        import torch.distributed as dist
+
+        return [sorted(dist.get_process_group_ranks(g)) for g in groups]
+
+    local = torch.ones(2, 2)
+    layouts = {
+        "shard_replicate": (Shard(0), Replicate()),
+        "replicate_shard": (Replicate(), Shard(1)),
+        "partial_shard": (Partial(), Shard(0)),
+        "replicate_replicate": (Replicate(), Replicate()),
+    }
+    for key, placements in layouts.items():
+        t = DTensor.from_local(local, mesh, placements)
+        out[key] = {
+            "shard": ranks(shard_groups(t)),
+            "shard_no_partial": ranks(shard_groups(t, include_partial=False)),
+            "partial": ranks(partial_groups(t)),
+        }
+    out["plain"] = (shard_groups(local), partial_groups(local))
+    return out
+
+
+def test_all_reduce_by_groups_one_collective_per_distinct_group_and_placements():
+    results = run_distributed(_by_groups_body, 4, timeout=120)
+    dp_of = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    tp_of = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    for rank, res in enumerate(results):
+        vals = {r: float(r + 1) for r in range(4)}
+        dp_sum = sum(vals[r] for r in dp_of[rank])
+        tp_sum = sum(vals[r] for r in tp_of[rank])
+        assert res["sum"][0] == [dp_sum]
+        assert res["sum"][1] == [10 * tp_sum, 2.0]
+        assert res["sum"][2] == pytest.approx(100 * sum(vals.values()))  # over dp, then tp
+        assert res["sum"][3] == vals[rank]  # no group: untouched
+        assert res["sum"][4] == [-dp_sum]
+        assert res["collectives"] == 2  # dp once, tp once, whatever the number of tensors
+        assert res["max"][0] == [max(vals[r] for r in dp_of[rank])]
+        assert res["max"][2] == pytest.approx(400.0)
+        assert res["max_collectives"] == 2
+        assert "avg" in res["avg_error"]
+        assert res["shard_replicate"] == {
+            "shard": [dp_of[rank]],
+            "shard_no_partial": [dp_of[rank]],
+            "partial": [],
+        }
+        assert res["replicate_shard"]["shard"] == [tp_of[rank]]
+        assert res["partial_shard"] == {
+            "shard": [tp_of[rank], dp_of[rank]],
+            "shard_no_partial": [tp_of[rank]],
+            "partial": [dp_of[rank]],
+        }
+        assert res["replicate_replicate"]["shard"] == []
+        assert res["plain"] == ((), ())
+
+
+def test_single_process_helpers_are_noops():
+    before = dict(collective_counter)
+    tensors = [torch.tensor([1.0, 2.0]), torch.tensor(3)]
+    assert [t.tolist() for t in all_reduce_coalesced(tensors, "sum", tvd.world_group())] == [
+        [1.0, 2.0],
+        3.0,
+    ]
+    assert all_reduce_coalesced(tensors, "avg")[1].dtype == torch.float64
+    assert all_gather_coalesced(tensors)[0].shape == (1, 2)
+    assert all_gather_objects("x") == ["x"]
+    assert all_reduce_by_groups([(tensors[0], ())])[0].tolist() == [1.0, 2.0]
+    assert dict(collective_counter) == before
+    with pytest.raises(ValueError, match="op must be one of"):
+        all_reduce_coalesced(tensors, "prod")
