@@ -1,0 +1,99 @@
+"""The JSONL file: schema, exact floats, NaN/Inf spelling, truncated lines, appending."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+
+import pytest
+
+from trainvitals.adapters import FanoutWriter, JsonlSink, metric_history, read_jsonl
+
+
+def _random_doubles(n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:  # arbitrary bit patterns: every exponent, subnormals included
+        v = struct.unpack("<d", rng.getrandbits(64).to_bytes(8, "little"))[0]
+        if math.isfinite(v):
+            out.append(v)
+    return out
+
+
+def test_lines_follow_the_documented_schema(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    with FanoutWriter([JsonlSink(path)], rank=0) as writer:
+        writer.add_scalars({"a": 1.5, "nan": float("nan"), "inf": math.inf, "ninf": -math.inf}, 3)
+        writer.add_scalar("a", 2, 4)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])
+    assert set(first) == {"step", "time", "metrics"}
+    assert first["step"] == 3 and isinstance(first["time"], float)
+    assert first["metrics"] == {"a": 1.5, "nan": "NaN", "inf": "Infinity", "ninf": "-Infinity"}
+    assert "NaN" not in lines[0].replace('"NaN"', "")  # no bare NaN literal anywhere
+    assert json.loads(lines[1])["metrics"] == {"a": 2.0}
+
+
+def test_values_round_trip_bit_exactly(tmp_path) -> None:
+    values = [*_random_doubles(2000, seed=1), 0.0, -0.0, 5e-324, 1.7976931348623157e308]
+    path = tmp_path / "m.jsonl"
+    with FanoutWriter([JsonlSink(path)], rank=0) as writer:
+        writer.add_scalars({f"k{i}": v for i, v in enumerate(values)}, 0)
+        writer.add_scalars({"nan": math.nan, "inf": math.inf, "ninf": -math.inf}, 1)
+    records = read_jsonl(path)
+    got = records[0]["metrics"]
+    assert [struct.pack("<d", got[f"k{i}"]) for i in range(len(values))] == [
+        struct.pack("<d", v) for v in values
+    ]
+    last = records[1]["metrics"]
+    assert math.isnan(last["nan"]) and last["inf"] == math.inf and last["ninf"] == -math.inf
+
+
+def test_truncated_last_line_is_skipped_with_a_warning(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    with FanoutWriter([JsonlSink(path)], rank=0) as writer:
+        for step in range(3):
+            writer.add_scalar("loss", float(step), step)
+    full = path.read_bytes()
+    path.write_bytes(full + b'{"step":3,"time":1.0,"metrics":{"lo')  # killed mid-line
+    with pytest.warns(RuntimeWarning, match="last line is truncated"):
+        records = read_jsonl(path)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    with pytest.warns(RuntimeWarning, match="truncated"):
+        assert read_jsonl(path, strict=True) == records  # a truncated tail is not an error
+
+
+def test_a_complete_last_line_without_newline_is_kept(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step":0,"time":1.0,"metrics":{"a":1.0}}')
+    assert read_jsonl(path) == [{"step": 0, "time": 1.0, "metrics": {"a": 1.0}}]
+
+
+def test_appending_after_a_truncated_line_starts_a_new_line(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step":0,"time":1.0,"metrics":{"a":1.0}}\n{"step":1,"ti')
+    with FanoutWriter([JsonlSink(path)], rank=0) as writer:  # a resumed run appends
+        writer.add_scalar("a", 5.0, 1)
+        writer.add_scalar("a", 6.0, 2)
+    with pytest.warns(RuntimeWarning, match=r"skipped 1 line\(s\) that do not parse: \[2\]"):
+        records = read_jsonl(path)
+    assert [(r["step"], r["metrics"]["a"]) for r in records] == [(0, 1.0), (1, 5.0), (2, 6.0)]
+    with pytest.raises(ValueError, match="do not parse"):
+        read_jsonl(path, strict=True)
+
+
+def test_metric_history_merges_lines_of_one_step(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    with FanoutWriter([JsonlSink(path)], rank=0) as writer:
+        writer.add_scalar("a", 1.0, 0)
+        writer.flush()
+        writer.add_scalar("a", 2.0, 0)  # a second batch of step 0 wins
+        writer.add_scalar("b", 3.0, 1)
+        writer.add_scalar("a", 4.0, 2)
+    records = read_jsonl(path)
+    assert len(records) == 4
+    assert metric_history(records, "a") == [(0, 2.0), (2, 4.0)]
+    assert metric_history(records, "b") == [(1, 3.0)]
