@@ -1,0 +1,233 @@
+"""trainvitals.report.query and the ``trainvitals query`` CLI against float64 on pooled data."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.stats.test_moments import REL, reference
+from trainvitals.cli import main
+from trainvitals.report import parse_steps, query
+from trainvitals.stats.moments import DERIVED, FIELDS, fused_moments, moments_to_dicts
+
+LAYERS = 12
+
+
+def make_tensors(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    out = {}
+    for layer in range(LAYERS):
+        scale = 0.01 * (layer + 1) * (step + 1)
+        out[f"model.layers.{layer}.mlp.fc1.weight"] = scale * torch.randn(64, 32, generator=g) ** 3
+        out[f"model.layers.{layer}.mlp.fc2.weight"] = 1 + scale * torch.randn(32, 64, generator=g)
+        out[f"model.layers.{layer}.attn.qkv.weight"] = scale * torch.randn(96, 32, generator=g)
+    out["model.norm.weight"] = 1 + 0.01 * torch.randn(32, generator=g)
+    return out
+
+
+def write_run(run_dir: Path, steps: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """A tensor_stats.jsonl as the monitor writes it (schema version 1)."""
+    data = {s: make_tensors(s) for s in steps}
+    with open(run_dir / "tensor_stats.jsonl", "w") as f:
+        for step, tensors in data.items():
+            rows = moments_to_dicts(fused_moments(list(tensors.values())))
+            line = {
+                "version": 1,
+                "step": step,
+                "kind": "grad",
+                "time": 0.0,
+                "fields": list(FIELDS),
+                "tensors": {n: [r[k] for k in FIELDS] for n, r in zip(tensors, rows, strict=True)},
+            }
+            f.write(json.dumps(line) + "\n")
+    return data
+
+
+def check_row(row: dict, pooled: torch.Tensor, stats: list[str]) -> None:
+    ref = reference(pooled)
+    for s in stats:
+        floor = (
+            1e-6 * ref["rms"]
+            if s == "mean"
+            else 1e-6
+            if s in ("skewness", "excess_kurtosis")
+            else 0
+        )
+        assert abs(row[s] - ref[s]) <= REL * abs(ref[s]) + floor, (row, s, ref[s])
+
+
+def test_query_by_layer_merges_exactly(tmp_path: Path) -> None:
+    data = write_run(tmp_path, [0, 10, 20, 30])
+    rows = query(
+        tmp_path,
+        kind="grad",
+        group="model.layers.*.mlp.*",
+        stat="all",
+        steps="10:20",
+        by=r"layers\.(\d+)\.",
+    )
+    assert [(r["step"], r["group"]) for r in rows] == [
+        (s, str(i)) for s in (10, 20) for i in range(LAYERS)
+    ]
+    for r in rows:
+        names = [
+            f"model.layers.{r['group']}.mlp.fc1.weight",
+            f"model.layers.{r['group']}.mlp.fc2.weight",
+        ]
+        pooled = torch.cat([data[r["step"]][n].reshape(-1) for n in names])
+        assert r["tensors"] == 2
+        check_row(r, pooled, list(DERIVED))
+
+
+def test_query_regex_group_and_all_tensors(tmp_path: Path) -> None:
+    data = write_run(tmp_path, [0, 5])
+    rows = query(
+        tmp_path / "tensor_stats.jsonl",
+        kind="grad",
+        group=r"re:layers\.(1[0-1]|[2-3])\.attn",
+        stat=["kurtosis", "l2"],
+    )
+    assert [r["step"] for r in rows] == [0, 5]
+    for r in rows:
+        names = [f"model.layers.{i}.attn.qkv.weight" for i in (2, 3, 10, 11)]
+        check_row(r, torch.cat([data[r["step"]][n].reshape(-1) for n in names]), ["kurtosis", "l2"])
+        assert r["tensors"] == 4 and r["group"] == "*"
+    everything = query(tmp_path, kind="grad", stat="kurtosis", steps="5")
+    pooled = torch.cat([t.reshape(-1) for t in data[5].values()])
+    check_row(everything[0], pooled, ["kurtosis"])
+    per = query(tmp_path, kind="grad", group="*norm*", stat="mean", per_tensor=True)
+    assert [r["group"] for r in per] == ["model.norm.weight"] * 2
+    assert query(tmp_path, kind="param") == []
+
+
+def test_truncated_last_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    write_run(tmp_path, [0, 1])
+    before = query(tmp_path, stat="kurtosis")
+    with open(tmp_path / "tensor_stats.jsonl", "a") as f:
+        f.write('{"version": 1, "step": 2, "kind": "grad", "tensors": {"model.lay')
+    with pytest.warns(RuntimeWarning, match="last line"):
+        after = query(tmp_path, stat="kurtosis")
+    assert after == before
+
+
+def test_later_duplicate_step_wins_and_unknown_version_is_skipped(tmp_path: Path) -> None:
+    write_run(tmp_path, [0])
+    lines = (tmp_path / "tensor_stats.jsonl").read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec["tensors"] = {"model.norm.weight": rec["tensors"]["model.norm.weight"]}
+    future = dict(rec, version=99)
+    with open(tmp_path / "tensor_stats.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n" + json.dumps(future) + "\n")
+    with pytest.warns(RuntimeWarning, match="version 99"):
+        rows = query(tmp_path, stat="count")
+    assert rows == [{"step": 0, "kind": "grad", "group": "*", "tensors": 1, "count": 32}]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainvitals", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_cli_subprocess_csv_json_table(tmp_path: Path) -> None:
+    write_run(tmp_path, [0, 100, 150, 200, 250])
+    with open(tmp_path / "tensor_stats.jsonl", "a") as f:
+        f.write('{"version": 1, "step": 300, "kind": "gr')  # cut by a crash
+    api = query(
+        tmp_path,
+        kind="grad",
+        group="model.layers.*.mlp.*",
+        stat=["kurtosis", "rms"],
+        steps="100:200",
+        by=r"layers\.(\d+)\.",
+    )
+    out_csv = tmp_path / "k.csv"
+    base = [
+        "query",
+        str(tmp_path),
+        "--kind",
+        "grad",
+        "--group",
+        "model.layers.*.mlp.*",
+        "--stat",
+        "kurtosis,rms",
+    ]
+    base += ["--steps", "100:200", "--by", r"layers\.(\d+)\."]
+    res = run_cli(*base, "--format", "csv", "--output", str(out_csv))
+    assert res.returncode == 0, res.stderr
+    assert "last line" in res.stderr
+    with open(out_csv) as f:
+        got = list(csv.DictReader(f))
+    assert len(got) == len(api) == 3 * LAYERS
+    for g, a in zip(got, api, strict=True):
+        assert int(g["step"]) == a["step"] and g["group"] == a["group"]
+        assert float(g["kurtosis"]) == a["kurtosis"] and float(g["rms"]) == a["rms"]
+    res = run_cli(*base, "--format", "json")
+    assert res.returncode == 0 and json.loads(res.stdout) == api
+    res = run_cli(*base)
+    lines = res.stdout.splitlines()
+    assert lines[0].split() == ["step", "kind", "group", "tensors", "kurtosis", "rms"]
+    assert len(lines) == 1 + 3 * LAYERS
+    assert lines[1].split()[:3] == ["100", "grad", "0"] and lines[12].split()[2] == "11"
+
+
+def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path, [0])
+    assert main(["query", str(tmp_path), "--stat", "kurt"]) == 2
+    assert "stat must be" in capsys.readouterr().err
+    assert main(["query", str(tmp_path), "--steps", "a:b"]) == 2
+    assert main(["query", str(tmp_path / "nope")]) == 2
+    assert main(["query", str(tmp_path), "--by", r"layers\.\d+"]) == 2
+    assert "capture group" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([])
+
+
+def test_parse_steps() -> None:
+    assert parse_steps("100:200") == (100, 200)
+    assert parse_steps("100:") == (100, None)
+    assert parse_steps(":7") == (None, 7)
+    assert parse_steps("5") == (5, 5)
+    assert parse_steps(None) == (None, None)
+    with pytest.raises(ValueError, match="after"):
+        parse_steps("9:3")
+
+
+def test_query_on_a_monitor_run(tmp_path: Path) -> None:
+    from tests.callbacks.test_tensor_stats_monitor import Net, Recorder, batches
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import TensorStatsMonitor
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = {}
+    with Vitals(
+        [TensorStatsMonitor(kinds=["grad"], kernel="eager")],
+        writer=Recorder(),
+        run_dir=tmp_path,
+        log_every_n_steps=1,
+    ) as vitals:
+        vitals.attach(model, opt)
+        ids = batches(1)[0]
+        vitals.batch(ids)
+        model(ids).sum().backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+    rows = query(tmp_path, kind="grad", group="layers.*", by=r"layers\.(\d+)\.", stat="kurtosis")
+    for r in rows:
+        pooled = torch.cat(
+            [g.reshape(-1) for n, g in grads.items() if n.startswith(f"layers.{r['group']}.")]
+        )
+        check_row(r, pooled, ["kurtosis"])
+    assert [r["group"] for r in rows] == ["0", "1"]

@@ -1,0 +1,161 @@
+"""The ``trainvitals`` command line (also ``python -m trainvitals``).
+
+Subcommands register themselves in :data:`SUBCOMMANDS` as ``name -> (add_arguments, run)``:
+``add_arguments(parser)`` declares the options and ``run(args) -> int`` does the work and
+returns the exit code. Adding one (e.g. ``report``) is one function pair and one entry.
+
+Example::
+
+    trainvitals query runs/exp1 --kind grad --group 'layers.*.mlp.*' --stat kurtosis \\
+        --steps 100:200 --by 'layers\\.(\\d+)\\.' --format csv --output kurt.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+
+
+# ------------------------------------------------------------------------------------ query
+
+
+def _add_query_arguments(p: argparse.ArgumentParser) -> None:
+    from trainvitals.stats.moments import DERIVED
+
+    p.add_argument("run_dir", help="run folder holding tensor_stats.jsonl (or the file itself)")
+    p.add_argument("--kind", default="grad", choices=["param", "grad", "activation", "dgrad"])
+    p.add_argument(
+        "--group",
+        default=None,
+        help="tensors to merge: a glob over names ('layers.*.mlp.*'), or a regex (prefix 're:' "
+        "or any pattern with \\ ^ $ ( ) + | { }); default all",
+    )
+    p.add_argument(
+        "--stat",
+        default="kurtosis",
+        help=f"comma-separated statistics, or 'all': {', '.join(DERIVED)}",
+    )
+    p.add_argument("--steps", default=None, help="'100:200' (inclusive), '100:', ':200' or '150'")
+    p.add_argument(
+        "--by",
+        default=None,
+        help="regex with one capture group; merge each captured value separately "
+        "(e.g. 'layers\\.(\\d+)\\.' for per-layer rows)",
+    )
+    p.add_argument("--per-tensor", action="store_true", help="one row per tensor, no merging")
+    p.add_argument("--format", default="table", choices=["table", "csv", "json"])
+    p.add_argument("--output", "-o", default=None, help="write to this file instead of stdout")
+
+
+def _run_query(args: argparse.Namespace) -> int:
+    from trainvitals.report import query
+
+    stat = (
+        args.stat if args.stat == "all" else [s.strip() for s in args.stat.split(",") if s.strip()]
+    )
+    rows = query(
+        args.run_dir,
+        kind=args.kind,
+        group=args.group,
+        stat=stat,
+        steps=args.steps,
+        by=args.by,
+        per_tensor=args.per_tensor,
+    )
+    text = _format(rows, args.format)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    if not rows:
+        print("trainvitals query: no matching tensors", file=sys.stderr)
+    return 0
+
+
+def _format(rows: list[dict[str, Any]], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(rows, indent=1) + "\n"
+    columns = list(rows[0]) if rows else ["step", "kind", "group", "tensors"]
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow(
+                {
+                    k: "" if v is None else (repr(v) if isinstance(v, float) else v)
+                    for k, v in r.items()
+                }
+            )
+        return buf.getvalue()
+    cells = [[_cell(r[c]) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+# ------------------------------------------------------------------------------------ main
+
+SUBCOMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+] = {
+    "query": (
+        "exact statistics of tensor groups from tensor_stats.jsonl",
+        _add_query_arguments,
+        _run_query,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainvitals", description="Read trainvitals run files back."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    original = warnings.formatwarning
+    warnings.formatwarning = _short_warning  # type: ignore[assignment]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            return int(args._run(args))
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"trainvitals {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        warnings.formatwarning = original
+
+
+def _short_warning(message: Any, category: Any, *args: Any, **kwargs: Any) -> str:
+    return f"warning: {message}\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Queries over a run's ``tensor_stats.jsonl``: exact statistics of any group of tensors.
+
+Each line of the file holds, for one step and kind, every tensor's moments (count, mean,
+central sums M2..M4, min, max, non-finite count; format in ``docs/tensor_stats.md``). Because
+the moments are central and merge exactly (:func:`trainvitals.stats.moments.combine_moments`),
+the statistics of a group of tensors (all MLP gradients of layers 10-20, say) are those of
+their elements pooled together, not an average of per-tensor statistics.
+
+Example::
+
+    from trainvitals.report import query
+    rows = query("runs/exp1", kind="grad", group="layers.*.mlp.*", stat="kurtosis",
+                 steps="100:200", by=r"layers\\.(\\d+)\\.")
+    # [{"step": 100, "group": "0", "tensors": 3, "kurtosis": 3.1}, ...]
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainvitals.stats.moments import DERIVED, FIELDS, combine_moments, derive, empty_moments
+
+__all__ = ["SUPPORTED_VERSIONS", "parse_steps", "query", "read_tensor_stats"]
+
+SUPPORTED_VERSIONS = (1,)
+KINDS = ("param", "grad", "activation", "dgrad")
+_REGEX_CHARS = re.compile(r"[\\^$()+|{}]")
+
+
+def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Yield the records of a ``tensor_stats.jsonl`` file (or of ``<run_dir>/tensor_stats.jsonl``).
+
+    A last line cut by a crash is skipped with a warning, as are other unreadable lines and
+    lines of an unknown schema version. When a (step, kind) appears twice, the later line wins
+    (:func:`query` applies this).
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tensor_stats.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no tensor statistics file at {path}")
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    last = len(lines) - 1
+    while last >= 0 and not lines[last].strip():
+        last -= 1
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            where = "last line, cut by a crash?" if i == last else f"line {i + 1}"
+            warnings.warn(
+                f"{path}: skipped an unreadable line ({where})", RuntimeWarning, stacklevel=2
+            )
+            continue
+        version = rec.get("version") if isinstance(rec, dict) else None
+        if version not in SUPPORTED_VERSIONS:
+            warnings.warn(
+                f"{path}: line {i + 1} has schema version {version!r}; this reader supports "
+                f"{SUPPORTED_VERSIONS}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        yield rec
+
+
+def parse_steps(
+    steps: str | tuple[int | None, int | None] | int | None,
+) -> tuple[int | None, int | None]:
+    """``"100:200"`` (both ends included), ``"100:"``, ``":200"``, ``"150"``, ``(a, b)``, an int or
+    None -> (first, last) with None for open ends."""
+    if steps is None:
+        return None, None
+    if isinstance(steps, bool):
+        raise TypeError("steps must be 'A:B', an int, a (first, last) pair or None")
+    if isinstance(steps, int):
+        return steps, steps
+    if isinstance(steps, tuple | list) and len(steps) == 2:
+        first, last = steps
+    elif isinstance(steps, str):
+        text = steps.strip()
+        try:
+            if ":" in text:
+                a, b = text.split(":", 1)
+                first = int(a) if a.strip() else None
+                last = int(b) if b.strip() else None
+            else:
+                first = last = int(text)
+        except ValueError:
+            raise ValueError(
+                f"steps must look like '100:200', '100:', ':200' or '150', got {steps!r}"
+            ) from None
+    else:
+        raise TypeError(f"steps must be 'A:B', an int, a (first, last) pair or None, got {steps!r}")
+    if first is not None and last is not None and first > last:
+        raise ValueError(f"steps: first step {first} is after last step {last}")
+    return first, last
+
+
+def _matcher(group: str | None) -> Any:
+    """A name predicate: ``re:<regex>`` (searched), ``glob:<glob>``, or a bare pattern that is a
+    regex if it contains one of ``\\ ^ $ ( ) + | { }`` and a glob (fnmatch, whole name) otherwise."""
+    if group is None:
+        return lambda name: True
+    if not isinstance(group, str):
+        raise TypeError(f"group must be a glob or regex string, got {type(group).__name__}")
+    if group.startswith("glob:"):
+        glob = group[5:]
+        return lambda name: fnmatch.fnmatchcase(name, glob)
+    if group.startswith("re:") or _REGEX_CHARS.search(group):
+        text = group[3:] if group.startswith("re:") else group
+        try:
+            rx = re.compile(text)
+        except re.error as exc:
+            raise ValueError(f"group is not a valid regex: {exc}") from exc
+        return lambda name: rx.search(name) is not None
+    return lambda name: fnmatch.fnmatchcase(name, group)
+
+
+def _sort_key(label: str) -> tuple:
+    return (0, int(label), "") if label.lstrip("-").isdigit() else (1, 0, label)
+
+
+def query(
+    run_dir: str | Path,
+    *,
+    kind: str = "grad",
+    group: str | None = None,
+    stat: str | Sequence[str] = "kurtosis",
+    steps: str | tuple[int | None, int | None] | int | None = None,
+    by: str | None = None,
+    per_tensor: bool = False,
+) -> list[dict[str, Any]]:
+    """Statistics of a group of tensors, step by step, merged exactly.
+
+    Args:
+        run_dir: the run folder (or the ``tensor_stats.jsonl`` file itself).
+        kind: ``"param"``, ``"grad"``, ``"activation"`` or ``"dgrad"``.
+        group: which tensors: a glob over full names (``"layers.*.mlp.*"``), a regex (prefix
+            ``re:``, or any pattern with ``\\ ^ $ ( ) + | { }``), or None for all.
+        stat: one name or a list from :data:`trainvitals.stats.moments.DERIVED` (``mean``,
+            ``var``, ``std``, ``l2``, ``rms``, ``skewness``, ``kurtosis``,
+            ``excess_kurtosis``, ``min``, ``max``, ``count``, ``nonfinite``) or ``"all"``.
+        steps: ``"100:200"`` (inclusive), ``"100:"``, ``":200"``, ``"150"`` or None for all.
+        by: regex with one capture group; tensors are grouped by the captured text (e.g.
+            ``r"layers\\.(\\d+)\\."`` for the layer index) and each group merged separately.
+            Numeric labels sort as numbers. Tensors the regex does not match are left out.
+        per_tensor: one row per tensor instead of merging (``by`` is then ignored).
+
+    Returns:
+        Rows ``{"step", "kind", "group", "tensors", <stat>...}`` sorted by step, then group;
+        ``group`` is the captured label (``by``), the tensor name (``per_tensor``) or ``"*"``;
+        ``tensors`` is how many tensors were merged; undefined values (kurtosis of a constant
+        tensor, statistics of no elements) are ``None``.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    stats = list(DERIVED) if stat == "all" else [stat] if isinstance(stat, str) else list(stat)
+    bad = [s for s in stats if s not in DERIVED]
+    if bad or not stats:
+        raise ValueError(f"stat must be 'all' or among {DERIVED}, got {stat!r}")
+    first, last = parse_steps(steps)
+    match = _matcher(group)
+    by_rx = None
+    if by is not None and not per_tensor:
+        try:
+            by_rx = re.compile(by)
+        except re.error as exc:
+            raise ValueError(f"by is not a valid regex: {exc}") from exc
+        if by_rx.groups != 1:
+            raise ValueError(f"by must have exactly one capture group, got {by_rx.groups}")
+
+    latest: dict[int, dict[str, Any]] = {}
+    for rec in read_tensor_stats(run_dir):
+        if rec.get("kind") != kind:
+            continue
+        step = int(rec["step"])
+        if (first is not None and step < first) or (last is not None and step > last):
+            continue
+        latest[step] = rec  # a repeated step: the later line wins
+
+    rows: list[dict[str, Any]] = []
+    for step in sorted(latest):
+        rec = latest[step]
+        fields = rec.get("fields", list(FIELDS))
+        col = [fields.index(f) for f in FIELDS]
+        labels: list[str] = []
+        values: list[list[float]] = []
+        for name, vec in rec["tensors"].items():
+            if not match(name):
+                continue
+            if per_tensor:
+                label = name
+            elif by_rx is not None:
+                m = by_rx.search(name)
+                if m is None:
+                    continue
+                label = m.group(1)
+            else:
+                label = "*"
+            labels.append(label)
+            values.append([_num(vec[c], FIELDS[j]) for j, c in enumerate(col)])
+        if not labels:
+            continue
+        order = sorted(set(labels), key=_sort_key)
+        pos = {g: i for i, g in enumerate(order)}
+        parts = torch.tensor(values, dtype=torch.float64)
+        owner = torch.tensor([pos[g] for g in labels])
+        merged = (
+            combine_moments(parts, owner, len(order))
+            if parts.numel()
+            else empty_moments(len(order))
+        )
+        derived = derive(merged)
+        counts = torch.bincount(owner, minlength=len(order)).tolist()
+        for i, g in enumerate(order):
+            row: dict[str, Any] = {"step": step, "kind": kind, "group": g, "tensors": counts[i]}
+            for s in stats:
+                v = float(derived[s][i])
+                row[s] = (
+                    int(v)
+                    if s in ("count", "nonfinite") and math.isfinite(v)
+                    else (v if math.isfinite(v) else None)
+                )
+            rows.append(row)
+    return rows
+
+
+def _num(v: Any, field: str) -> float:
+    if v is None:
+        return math.inf if field == "min" else -math.inf if field == "max" else math.nan
+    return float(v)
