@@ -261,3 +261,25 @@ def test_default_writer_is_jsonl_in_run_dir(tmp_path):
     window = (1, 2)
     rate = sum(batch_size(s, 0) for s in window) / sum(dt(s, 0) for s in window)
     assert records[2]["throughput/samples_per_sec"] == pytest.approx(rate)
+
+
+def test_attach_unwraps_optimizer_subclass_wrappers():
+    """Accelerate's AcceleratedOptimizer subclasses Optimizer without its __init__ (no hook
+    registries): the driver must hook the optimizer inside it."""
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, Wrapper(opt))
+    vitals.batch(torch.randn(2, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    Wrapper(opt).step()
+    vitals.close()
+    assert vitals.ctx.optimizers == [opt]
+    assert [e for e in rec.events if e[0] == "end"] == [("end", 0, 1)]

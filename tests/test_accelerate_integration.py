@@ -1,0 +1,98 @@
+"""Vitals in an Accelerate script under ``torchrun --nproc_per_node 2`` (gloo, CPU): one step per
+real optimizer step under gradient accumulation, global sums that count the rank with bigger
+batches as such, and ``register_for_checkpointing`` save/load continuing counters and windows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.dist import free_port
+from tests.scripts.accelerate_vitals import ACC, SEQ, batch_size, step_seconds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(out: Path, phase: int) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRAINVITALS_STRICT="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", str(free_port()), str(ROOT / "tests/scripts/accelerate_vitals.py"),
+        str(out), str(phase),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"phase {phase}:\n" + proc.stdout[-3000:] + proc.stderr[-8000:]
+
+
+@pytest.mark.timeout(540)
+def test_accelerate_torchrun_two_ranks_with_checkpoint_resume(tmp_path):
+    _torchrun(tmp_path, 1)
+    _torchrun(tmp_path, 2)
+    total = sum(batch_size(r) for r in (0, 1))
+    for rank in (0, 1):
+        for phase, steps in ((1, range(0, 10)), (2, range(10, 20))):
+            result = json.loads((tmp_path / f"rank{rank}_phase{phase}.json").read_text())
+            assert result["step"] == steps[-1] + 1
+            rows = {int(k): v for k, v in result["rows"].items()}
+            assert sorted(rows) == [s for s in steps if s % 2 == 0]
+            for step, row in rows.items():
+                assert row["time/samples"] == ACC * total * (step + 1)
+                assert row["time/tokens"] == ACC * total * SEQ * (step + 1)
+                assert row["time/batches"] == 2 * ACC * (step + 1)
+                train = ACC * sum(step_seconds(s) for s in range(step + 1))
+                assert row["time/train_hours"] == pytest.approx(train / 3600, rel=1e-12)
+                window = range(max(0, step - 2), step + 1)  # reaches into phase 1 at step 10
+                seconds = ACC * sum(step_seconds(s) for s in window)
+                assert row["throughput/samples_per_sec"] == pytest.approx(
+                    ACC * total * len(window) / seconds, rel=1e-12
+                )
+                assert row["memory/rss_gb"] > 0
+            if phase == 2:
+                # Estimate continues: rate from steps 1..9 and 11..step, horizon 20.
+                row = rows[18]
+                rate_steps = [*range(1, 10), *range(11, 19)]
+                rate = ACC * sum(step_seconds(s) for s in rate_steps) / len(rate_steps)
+                assert row["time/seconds_per_step"] == pytest.approx(rate, rel=1e-12)
+                assert row["time/remaining_hours"] == pytest.approx(rate / 3600, rel=1e-12)
+
+
+def test_single_process_accumulation_and_clip_only_on_sync_steps():
+    """In-process Accelerator: the driver sees one step per real optimizer step, and gradients
+    are shown to the callbacks only on the micro-batch whose step is real, even when the loop
+    clips on every micro-batch."""
+    import torch
+    from accelerate import Accelerator
+
+    from tests.scripts.vitals_testing import RecordingWriter
+    from tests.test_driver_loop import Recorder
+    from trainvitals.adapters.accelerate import Vitals
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rec = Recorder()
+    vitals = Vitals([rec], accelerator=accelerator, writer=RecordingWriter())
+    vitals.attach(model, optimizer)
+    assert vitals.ctx.accumulate_grad_batches == 3
+    for _ in range(9):
+        x = torch.randn(2, 4)
+        vitals.batch(x)
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).pow(2).mean())
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)  # every micro-batch
+            optimizer.step()
+            optimizer.zero_grad()
+    vitals.close()
+    assert vitals.step == 3
+    assert [e for e in rec.events if e[0] == "end"] == [("end", s, 3) for s in range(3)]
+    grads = [i for i, e in enumerate(rec.events) if e[0] == "grads"]
+    mbs = [i for i, e in enumerate(rec.events) if e[0] == "mb"]
+    # each step's gradients are seen after its third micro-batch started, never earlier
+    assert [sum(m < g for m in mbs) for g in grads] == [3, 6, 9]
