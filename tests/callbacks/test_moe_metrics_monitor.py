@@ -1,0 +1,347 @@
+"""MoEMetricsMonitor under the loop driver (gradient accumulation, interval means, nothing on
+non-logging steps, 2 gloo ranks) and under Lightning with accumulate_grad_batches=2 and the real
+FanoutWriter, against float64 router losses recomputed here from the routers' inputs."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from trainvitals.callbacks import MoEMetricsMonitor
+from trainvitals.moe import (
+    MoEMetricsTracker,
+    TinyMoELM,
+    TopKRouter,
+    destroy_moe_metrics_tracker,
+    set_moe_metrics_tracker,
+)
+from trainvitals.moe.tiny_model import RandomTokenDataset, random_token_batches
+
+VOCAB, HIDDEN, LAYERS, EXPERTS, TOPK = 32, 16, 3, 4, 2
+PATTERN = [1, 0, 1]  # blocks 0 and 2 are MoE
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def add_scalars(self, mapping, step):
+        self.rows.setdefault(step, {}).update({k: float(v) for k, v in mapping.items()})
+
+    def add_scalar(self, name, value, step):
+        self.add_scalars({name: value}, step)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(autouse=True)
+def fresh_tracker():
+    tracker = MoEMetricsTracker()
+    set_moe_metrics_tracker(tracker)
+    yield tracker
+    destroy_moe_metrics_tracker()
+
+
+def tiny_model(seed: int = 0) -> TinyMoELM:
+    torch.manual_seed(seed)
+    return TinyMoELM(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_layers=LAYERS,
+        num_experts=EXPERTS,
+        top_k=TOPK,
+        ffn_hidden_size=32,
+        num_heads=2,
+        max_seq_len=16,
+        aux_loss_coeff=0.01,
+        z_loss_coeff=0.001,
+        moe_layer_freq=PATTERN,
+    )
+
+
+def capture_router_inputs(model: torch.nn.Module) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(0-based layer, input, weight) of every training forward of every router, in float64."""
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, TopKRouter):
+            parts = name.split(".")
+            layer = int(parts[parts.index("layers") + 1])
+
+            def hook(mod, args, out, layer=layer):
+                if mod.training and torch.is_grad_enabled():
+                    x = args[0].detach().double().reshape(-1, args[0].shape[-1])
+                    seen.append((layer, x, mod.weight.detach().double().clone()))
+
+            module.register_forward_hook(hook)
+    return seen
+
+
+def ref_losses(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
+    """Switch loss (before its coefficient) and z-loss, float64, from the formulas."""
+    logits = x @ w.T
+    p = torch.softmax(logits, dim=-1)
+    t, e = p.shape
+    tokens = torch.zeros(e, dtype=torch.float64)
+    for row in p:
+        tokens[torch.topk(row, TOPK).indices] += 1
+    switch = e / (TOPK * t * t) * float((p.sum(dim=0) * tokens).sum())
+    z = float(torch.logsumexp(logits, dim=-1).square().mean())
+    return {"load_balancing_loss": switch, "z_loss": z}
+
+
+def expected_rows(captured, micro_per_step: int, windows: dict[int, list[int]]):
+    """Per logging step: mean over the window's micro-batches of the mean over MoE layers, and
+    per layer."""
+    moe_layers = [i for i, m in enumerate(PATTERN) if m]
+    per_micro = len(moe_layers)
+    out = {}
+    for log_step, steps in windows.items():
+        sums: dict[str, float] = {}
+        count = 0
+        for s in steps:
+            for m in range(micro_per_step):
+                start = (s * micro_per_step + m) * per_micro
+                count += 1
+                for layer, x, w in captured[start : start + per_micro]:
+                    for name, v in ref_losses(x, w).items():
+                        sums[f"moe/{name}"] = sums.get(f"moe/{name}", 0.0) + v / len(moe_layers)
+                        key = f"moe/{name}_layer_{layer}"
+                        sums[key] = sums.get(key, 0.0) + v
+        out[log_step] = {k: v / count for k, v in sums.items()}
+    return out
+
+
+def test_driver_with_accumulation_writes_interval_means_and_nothing_between(monkeypatch):
+    from trainvitals.adapters.loop import Vitals
+
+    model = tiny_model()
+    captured = capture_router_inputs(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    writer = Recorder()
+    monitor = MoEMetricsMonitor(per_layer_logging=True, moe_layer_freq=PATTERN)
+    reports = []
+    original = monitor.tracker.report
+    monkeypatch.setattr(
+        monitor.tracker,
+        "report",
+        lambda *a, **k: reports.append(k["iteration"]) or original(*a, **k),
+    )
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=2)
+    vitals.attach(model, opt)
+    batches = random_token_batches(12, batch_size=2, seq_len=8, vocab_size=VOCAB, seed=1)
+    for _ in range(6):  # 6 optimizer steps of 2 micro-batches
+        for _ in range(2):
+            batch = next(batches)
+            vitals.batch(batch)
+            (model(batch["input_ids"], batch["labels"]).loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        model.moe_step_end()
+    vitals.close()
+    # Logging steps 0, 2, 4; the last two steps (5) are reported at run end, at step 5.
+    assert reports == [0, 2, 4, 5]
+    expected = expected_rows(captured, 2, {0: [0], 2: [1, 2], 4: [3, 4], 5: [5]})
+    assert sorted(writer.rows) == [0, 2, 4, 5]
+    for step, row in expected.items():
+        assert set(writer.rows[step]) == set(row)
+        for key, value in row.items():
+            assert writer.rows[step][key] == pytest.approx(value, rel=1e-4), (step, key)
+    assert set(monitor.last_losses) == {"load_balancing_loss", "z_loss"}
+
+
+def test_nothing_leaves_the_device_on_non_logging_steps(monkeypatch):
+    from trainvitals.adapters.loop import Vitals
+
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    vitals = Vitals([MoEMetricsMonitor()], writer=writer, log_every_n_steps=3)
+    vitals.attach(model, opt)
+    transfers = {"tolist": 0, "item": 0, "cpu": 0}
+    for method in transfers:
+        original = getattr(torch.Tensor, method)
+
+        def counting(self, *a, _m=method, _o=original, **k):
+            transfers[_m] += 1
+            return _o(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    per_step = []
+    for batch in random_token_batches(4, batch_size=2, seq_len=8, vocab_size=VOCAB):
+        vitals.batch(batch)
+        model(batch["input_ids"], batch["labels"]).loss.backward()
+        before = dict(transfers)
+        opt.step()  # the driver runs step_end in the optimizer's post-hook
+        opt.zero_grad()
+        per_step.append({k: transfers[k] - before[k] for k in transfers})
+    monkeypatch.undo()
+    vitals.close()
+    assert per_step == [
+        {"tolist": 1, "item": 0, "cpu": 0},
+        {"tolist": 0, "item": 0, "cpu": 0},
+        {"tolist": 0, "item": 0, "cpu": 0},
+        {"tolist": 1, "item": 0, "cpu": 0},
+    ]
+    assert sorted(writer.rows) == [0, 3]
+
+
+def test_validation_records_do_not_mix_into_training_values():
+    from trainvitals.adapters.loop import Vitals
+
+    model = tiny_model()
+    captured = capture_router_inputs(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    vitals = Vitals([MoEMetricsMonitor()], writer=writer, log_every_n_steps=1)
+    vitals.attach(model, opt)
+    batches = list(random_token_batches(2, batch_size=2, seq_len=8, vocab_size=VOCAB))
+    vitals.batch(batches[0])
+    model(batches[0]["input_ids"], batches[0]["labels"]).loss.backward()
+    with vitals.validating():  # a forward in training mode with grad: the routers record
+        model(batches[1]["input_ids"])
+    del captured[2:]
+    opt.step()
+    vitals.close()
+    expected = expected_rows(captured, 1, {0: [0]})[0]
+    assert writer.rows[0]["moe/load_balancing_loss"] == pytest.approx(
+        expected["moe/load_balancing_loss"], rel=1e-4
+    )
+
+
+def test_monitor_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_layers"):
+        MoEMetricsMonitor(num_layers=0)
+    with pytest.raises(ValueError, match="percentiles"):
+        MoEMetricsMonitor(percentiles={"z_loss": [2.0]})
+    with pytest.raises(TypeError, match="moe_layer_freq"):
+        MoEMetricsMonitor(moe_layer_freq="every")
+    with pytest.raises(TypeError, match="tracker"):
+        MoEMetricsMonitor(tracker=object())
+
+
+# ---------------------------------------------------------------------- Lightning
+
+
+def test_lightning_with_gradient_accumulation_and_the_real_writer(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from trainvitals.adapters.jsonl import metric_history, read_jsonl
+    from trainvitals.moe.tiny_model import TinyMoELightningModule
+
+    torch.manual_seed(0)
+    module = TinyMoELightningModule(
+        lr=0.05,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_layers=LAYERS,
+        num_experts=EXPERTS,
+        top_k=TOPK,
+        ffn_hidden_size=32,
+        num_heads=2,
+        max_seq_len=16,
+        aux_loss_coeff=0.01,
+        z_loss_coeff=0.001,
+        moe_layer_freq=PATTERN,
+    )
+    captured = capture_router_inputs(module)
+    loader = torch.utils.data.DataLoader(RandomTokenDataset(12, 8, VOCAB, seed=3), batch_size=2)
+    monitor = MoEMetricsMonitor(percentiles={"load_balancing_loss": [0.5]}, moe_layer_freq=PATTERN)
+    trainer = pl.Trainer(
+        max_steps=3,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, loader)
+    (path,) = glob.glob(str(tmp_path / "**" / "metrics.jsonl"), recursive=True)
+    records = read_jsonl(path)
+    expected = expected_rows(captured, 2, {0: [0], 1: [1], 2: [2]})
+    for key in ("moe/load_balancing_loss", "moe/z_loss"):
+        history = dict(metric_history(records, key))
+        assert sorted(history) == [0, 1, 2]
+        for step in (0, 1, 2):
+            assert history[step] == pytest.approx(expected[step][key], rel=1e-4), (key, step)
+    # the median over the two MoE layers is their mean
+    p50 = dict(metric_history(records, "moe/load_balancing_loss_p50"))
+    for step in (0, 1, 2):
+        assert p50[step] == pytest.approx(expected[step]["moe/load_balancing_loss"], rel=1e-4)
+
+
+# ---------------------------------------------------------------------- 2 gloo ranks
+
+
+def _two_rank_body(rank: int, world_size: int) -> dict:
+    import torch
+
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.distributed import ProcessGroups, collective_counter, world_group
+    from trainvitals.moe import MoEMetricsTracker, set_moe_metrics_tracker
+
+    set_moe_metrics_tracker(MoEMetricsTracker())
+    model = tiny_model(seed=rank)
+    captured = capture_router_inputs(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    vitals = Vitals(
+        [MoEMetricsMonitor(moe_layer_freq=PATTERN)],
+        writer=writer,
+        groups=ProcessGroups(dp=world_group()),
+        log_every_n_steps=3,
+    )
+    vitals.attach(model, opt)
+    counts = []
+    for batch in random_token_batches(4, batch_size=2, seq_len=8, vocab_size=VOCAB, seed=rank):
+        vitals.batch(batch)
+        model(batch["input_ids"], batch["labels"]).loss.backward()
+        before = dict(collective_counter)
+        opt.step()
+        opt.zero_grad()
+        counts.append(
+            {
+                k: v - before.get(k, 0)
+                for k, v in collective_counter.items()
+                if v != before.get(k, 0)
+            }
+        )
+    vitals.close()
+    return {
+        "rows": writer.rows,
+        "counts": counts,
+        "captured": [(layer, x.tolist(), w.tolist()) for layer, x, w in captured],
+    }
+
+
+def test_two_ranks_average_over_dp_and_communicate_only_on_logging_steps():
+    results = run_distributed(_two_rank_body, 2, timeout=150)
+    per_rank = []
+    for res in results:
+        captured = [
+            (layer, torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
+            for layer, x, w in res["captured"]
+        ]
+        per_rank.append(expected_rows(captured, 1, {0: [0], 3: [1, 2, 3]}))
+    for res in results:
+        assert res["counts"] == [
+            {"all_gather_object": 1, "all_reduce": 1},
+            {},
+            {},
+            {"all_gather_object": 1, "all_reduce": 1},
+        ]
+        for step in (0, 3):
+            for key in ("moe/load_balancing_loss", "moe/z_loss"):
+                expected = (per_rank[0][step][key] + per_rank[1][step][key]) / 2
+                assert res["rows"][step][key] == pytest.approx(expected, rel=1e-4)

@@ -1,0 +1,225 @@
+"""``MoEMetricsMonitor``: reports the MoE metrics tracker (router losses, dropped tokens) once per
+logging step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trainvitals.adapters.context import RunContext
+from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.distributed import group_size
+from trainvitals.moe.router import TopKRouter
+from trainvitals.moe.tracker import (
+    MoEMetricsTracker,
+    _check_layer_freq,
+    _check_percentiles,
+    _resolve_names,
+    get_moe_metrics_tracker,
+)
+
+__all__ = ["MoEMetricsMonitor"]
+
+
+class MoEMetricsMonitor(VitalsCallback):
+    """Writes what the MoE layers recorded in the :class:`~trainvitals.moe.MoEMetricsTracker`.
+
+    The routers (:class:`~trainvitals.moe.TopKRouter`, or any code calling
+    ``get_moe_metrics_tracker().record(...)``) add their per-layer values into the tracker in
+    every training forward, on the device. This callback:
+
+    * ``run_start``: clears the tracker (drops anything recorded before training).
+    * ``validation_start`` / ``validation_end``: keeps the training values aside during
+      validation, so a model that records in evaluation does not mix into them.
+    * ``step_end``: counts the step's micro-batches and resets the routers' per-step
+      ``global_aux_loss`` token counts. On a **non-logging step that is all**: the values keep
+      accumulating on the device, nothing leaves it, no collective. On a **logging step** it
+      calls :meth:`~trainvitals.moe.MoEMetricsTracker.report` with ``loss_scale = 1 / (micro-
+      batches since the last report)``, the run's process groups and the writer: one
+      ``all_gather_object`` over the world (the ranks agree on the metric names), one
+      all-reduce per group and reduction kind, one device-to-host transfer; then the tracker
+      is zeroed.
+    * ``run_end``: reports the steps since the last logging step, at the last step.
+
+    So a logged value is the **mean over the micro-batches of every optimizer step since the
+    previous logging step** (step 0 alone at step 0): no step is lost or counted twice. With
+    ``log_every_n_steps=1`` it is each step's mean over its micro-batches, Megatron's
+    ``loss_scale = 1/num_microbatches``. Under gradient accumulation the micro-batch count is
+    the run's (``ctx.micro_batches_in_step``, else ``accumulate_grad_batches``).
+
+    Args:
+        per_layer_logging: also write one key per MoE layer.
+        percentiles: per metric, quantiles over the layers, e.g.
+            ``{"load_balancing_loss": [0.5, 0.95]}``.
+        track_names: the metric name(s) to report (default: all recorded ones).
+        num_layers: transformer layers without MTP (default: the recorded vector length).
+        moe_layer_freq: which layers are MoE (int ``f``: ``i % f == 0``; or a 0/1 list); the
+            mean is over these layers and per-layer keys are written for these only. Default:
+            without pipeline parallelism, the layers that have a
+            :class:`~trainvitals.moe.TopKRouter` in the model (when the routers know their
+            ``layer_number`` and ``num_layers``), else every layer. Under pipeline parallelism
+            each rank holds only its stage's routers: pass it explicitly.
+        mtp_num_layers: Multi-Token-Prediction layers after the transformer layers.
+        tracker: the tracker to report (default: the global one).
+        log_every_n_steps: see :class:`~trainvitals.callbacks.base.VitalsCallback`.
+        writer: see :class:`~trainvitals.callbacks.base.VitalsCallback`.
+
+    Attributes:
+        last_log_string: the console string of the last report (metrics not ending in
+            ``loss``, Megatron's ``" name: value |"`` format).
+        last_losses: ``{name: value}`` of the last report's metrics ending in ``loss``.
+
+    Keys written (``name`` is the recorded metric; :class:`~trainvitals.moe.TopKRouter`
+    records the five listed):
+
+    ========================================  ================================================  ======
+    key                                       meaning                                           unit
+    ========================================  ================================================  ======
+    ``moe/load_balancing_loss``               Switch aux loss / its coefficient, mean over MoE  1
+                                              layers (1.0 = perfect balance)
+    ``moe/seq_load_balancing_loss``           per-sequence variant, same scale                  1
+    ``moe/global_load_balancing_loss``        global-batch variant (summed over data parallel)  1
+    ``moe/z_loss``                            mean logsumexp(logits)^2 (before its coeff)       logit^2
+    ``moe/dropped_token_fraction``            fraction of top-k selections dropped by the       1
+                                              capacity limit, mean over MoE layers
+    ``moe/{name}_p{int(q*100)}``              quantile q over the layers with non-zero value    as name
+    ``moe/{name}_layer_{i}``                  the value of layer ``i`` (0-based module index,   as name
+                                              ``layers.{i}``), with ``per_layer_logging``
+    ========================================  ================================================  ======
+
+    Example:
+        >>> from trainvitals.callbacks import MoEMetricsMonitor
+        >>> monitor = MoEMetricsMonitor(per_layer_logging=True,
+        ...                             percentiles={"load_balancing_loss": [0.5, 0.95]})
+        >>> # lightning.pytorch.Trainer(callbacks=[monitor])  or  Vitals([monitor])
+    """
+
+    def __init__(
+        self,
+        *,
+        per_layer_logging: bool = False,
+        percentiles: Mapping[str, Sequence[float]] | None = None,
+        track_names: str | Sequence[str] | None = None,
+        num_layers: int | None = None,
+        moe_layer_freq: int | Sequence[int] | None = None,
+        mtp_num_layers: int | None = None,
+        tracker: MoEMetricsTracker | None = None,
+        log_every_n_steps: int | None = None,
+        writer: Any = None,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
+        if num_layers is not None and (
+            isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0
+        ):
+            raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
+        if mtp_num_layers is not None and (
+            isinstance(mtp_num_layers, bool)
+            or not isinstance(mtp_num_layers, int)
+            or mtp_num_layers < 0
+        ):
+            raise ValueError(f"mtp_num_layers must be an int >= 0 or None, got {mtp_num_layers!r}")
+        if tracker is not None and not isinstance(tracker, MoEMetricsTracker):
+            raise TypeError(f"tracker must be a MoEMetricsTracker, got {type(tracker).__name__}")
+        self.per_layer_logging = bool(per_layer_logging)
+        self.percentiles = _check_percentiles(percentiles)
+        self.track_names = _resolve_names(track_names)
+        self.num_layers = num_layers
+        self.moe_layer_freq = _check_layer_freq(moe_layer_freq, num_layers)
+        self.mtp_num_layers = mtp_num_layers
+        self._tracker = tracker
+        self._routers: list[TopKRouter] = []
+        self._layer_freq: int | list[int] | None = self.moe_layer_freq
+        self._pending_micro_batches = 0
+        self._pending_steps = 0
+        self._validation_snapshot: Any = None
+        self.last_log_string = ""
+        self.last_losses: dict[str, float] = {}
+
+    @property
+    def tracker(self) -> MoEMetricsTracker:
+        return self._tracker if self._tracker is not None else get_moe_metrics_tracker()
+
+    # ------------------------------------------------------------------ hooks
+
+    def run_start(self, ctx: RunContext) -> None:
+        self.tracker.clear()
+        self._pending_micro_batches = 0
+        self._pending_steps = 0
+        model = ctx.model
+        self._routers = (
+            [m for m in model.modules() if isinstance(m, TopKRouter)] if model is not None else []
+        )
+        self._layer_freq = self.moe_layer_freq
+        if self._layer_freq is None and group_size(ctx.groups.pp) == 1:
+            self._layer_freq = _pattern_from_routers(self._routers)
+
+    def validation_start(self, ctx: RunContext) -> None:
+        self._validation_snapshot = self.tracker._snapshot()
+
+    def validation_end(self, ctx: RunContext) -> None:
+        if self._validation_snapshot is not None:
+            self.tracker._restore(self._validation_snapshot)
+            self._validation_snapshot = None
+
+    def step_end(self, ctx: RunContext) -> None:
+        self._pending_micro_batches += ctx.micro_batches_in_step or ctx.accumulate_grad_batches or 1
+        self._pending_steps += 1
+        for router in self._routers:
+            router.reset_global_tokens()
+        if self.should_log(ctx):
+            self._report(ctx, ctx.step)
+
+    def run_end(self, ctx: RunContext) -> None:
+        if self._pending_steps:
+            self._report(ctx, max(ctx.step - 1, 0))
+
+    # ------------------------------------------------------------------ what it writes
+
+    def _report(self, ctx: RunContext, step: int) -> None:
+        losses: dict[str, Any] = {}
+        self.last_log_string = self.tracker.report(
+            loss_scale=1.0 / self._pending_micro_batches,
+            iteration=step,
+            writer=self.writer(ctx),
+            per_layer_logging=self.per_layer_logging,
+            track_names=self.track_names,
+            num_layers=self.num_layers,
+            moe_layer_freq=self._layer_freq,
+            mtp_num_layers=self.mtp_num_layers,
+            total_loss_dict=losses,
+            percentiles=self.percentiles,
+            groups=ctx.groups,
+        )
+        self.last_losses = losses
+        self._pending_micro_batches = 0
+        self._pending_steps = 0
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        # The values pending since the last logging step live in the tracker on each rank's
+        # device, and checkpoints keep one rank's callback state: they are not carried across
+        # a resume (the first report after it covers the steps since the resume).
+        return {"version": 1}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+
+
+def _pattern_from_routers(routers: list[TopKRouter]) -> list[int] | None:
+    """The 0/1 MoE-layer pattern of the model's routers (``None`` when they do not say)."""
+    sizes = {r.num_layers for r in routers}
+    if (
+        not routers
+        or len(sizes) != 1
+        or None in sizes
+        or any(r.layer_number is None for r in routers)
+    ):
+        return None
+    (num_layers,) = sizes
+    pattern = [0] * num_layers
+    for r in routers:
+        if r.layer_number <= num_layers:
+            pattern[r.layer_number - 1] = 1
+    return pattern
