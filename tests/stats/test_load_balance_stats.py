@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +113,20 @@ def test_bad_input() -> None:
         load_balance_stats(torch.ones(4))
     with pytest.raises(ValueError, match="top_k"):
         load_balance_stats(torch.ones(2, 4), top_k=-1)
+
+
+def test_nanquantile_matches_numpy() -> None:
+    from trainvitals.stats.load_balance import nanquantile
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 9))
+    x[rng.random(size=x.shape) < 0.3] = np.nan
+    x[2] = np.nan  # an all-NaN row
+    x[3, 1:] = np.nan  # a single value
+    qs = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        expected = np.nanquantile(x, qs, axis=-1).T
+    np.testing.assert_allclose(
+        nanquantile(torch.tensor(x), qs).numpy(), expected, rtol=1e-12, atol=1e-15
+    )

@@ -576,7 +576,8 @@ class RouterCapture:
         """``(sum, count)`` of the auxiliary losses recorded per layer since the last reset, two
         ``[L]`` float64 tensors (their ratio is the mean over micro-batches; count 0 = unknown)."""
         dev = self._acc.device if self._acc is not None else device
-        count = torch.tensor(self._aux_count, dtype=torch.float64, device=dev)
+        # built on the host, copied without waiting for the device
+        count = torch.tensor(self._aux_count, dtype=torch.float64).to(dev, non_blocking=True)
         if self._aux_sum is None:
             return torch.zeros(len(self.routers), dtype=torch.float64, device=dev), count
         return self._aux_sum.to(torch.float64, copy=True), count

@@ -39,6 +39,7 @@ balance to speak of: its metrics are NaN and it is left out of the across-layer 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "LoadBalanceStats",
     "aggregate_across_layers",
     "load_balance_stats",
+    "nanquantile",
 ]
 
 # Quantiles of the utilization ratios: (key suffix, q).
@@ -122,33 +124,32 @@ def load_balance_stats(loads: torch.Tensor, top_k: int = 5) -> LoadBalanceStats:
         raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
     x = loads.detach().to(torch.float64)
     num_experts = x.shape[1]
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+    nan = float("nan")
 
     total = x.sum(dim=1)  # [L]
     active = total > 0  # [L]
-    fair = torch.where(active, total / num_experts, torch.ones_like(total))
+    fair = torch.where(active, total / num_experts, 1.0)
     utilization = torch.where(active[:, None], x / fair[:, None], nan)  # [L, E]
 
     # std(loads) / mean(loads) == std(utilization): population std, see the module docstring.
     cv = utilization.std(dim=1, correction=0)
     dead = torch.where(active, (x == 0).sum(dim=1).to(torch.float64) / num_experts, nan)
-    p = x / torch.where(active, total, torch.ones_like(total))[:, None]
+    p = x / torch.where(active, total, 1.0)[:, None]
     entropy = -torch.special.xlogy(p, p).sum(dim=1)
     diversity = torch.where(active, entropy.exp() / num_experts, nan)
-    qs = torch.tensor([q for _, q in UTILIZATION_QUANTILES], dtype=torch.float64, device=x.device)
-    layer_quantiles = torch.nanquantile(utilization, qs, dim=1)  # [5, L]; NaN rows stay NaN
+    qs = [q for _, q in UTILIZATION_QUANTILES]
+    layer_quantiles = nanquantile(utilization, qs).T  # [5, L]; inactive layers stay NaN
     max_overload = layer_quantiles[-1]
 
     per_layer = torch.cat([torch.stack([cv, dead, diversity, max_overload]), layer_quantiles])
     aggregates = aggregate_across_layers(per_layer)
-    utilization_quantiles = torch.nanquantile(utilization.reshape(-1), qs)
+    utilization_quantiles = nanquantile(utilization.reshape(-1), qs)
 
     flat = utilization.reshape(-1)
     k = min(top_k, flat.numel())
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
-    top_values, top_indices = torch.topk(torch.where(flat.isnan(), -inf, flat), k)
+    top_values, top_indices = torch.topk(torch.where(flat.isnan(), -math.inf, flat), k)
     bottom_values, bottom_indices = torch.topk(
-        torch.where(flat.isnan(), inf, flat), k, largest=False
+        torch.where(flat.isnan(), math.inf, flat), k, largest=False
     )
     return LoadBalanceStats(
         utilization=utilization,
@@ -173,11 +174,28 @@ def aggregate_across_layers(values: torch.Tensor) -> torch.Tensor:
     if v.ndim == 1:
         v = v[None]
     isnan = v.isnan()
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=v.device)
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=v.device)
     empty = isnan.all(dim=-1)
     mean = torch.nanmean(v, dim=-1)
-    median = torch.nanquantile(v, 0.5, dim=-1)
-    vmin = torch.where(empty, nan, torch.where(isnan, inf, v).amin(dim=-1))
-    vmax = torch.where(empty, nan, torch.where(isnan, -inf, v).amax(dim=-1))
+    median = nanquantile(v, [0.5])[..., 0]
+    vmin = torch.where(empty, math.nan, torch.where(isnan, math.inf, v).amin(dim=-1))
+    vmax = torch.where(empty, math.nan, torch.where(isnan, -math.inf, v).amax(dim=-1))
     return torch.stack([mean, median, vmin, vmax], dim=-1)
+
+
+def nanquantile(x: torch.Tensor, qs: list[float]) -> torch.Tensor:
+    """Quantiles ``qs`` of the last dim of ``x`` ignoring NaN, linear interpolation (the rule of
+    ``torch.nanquantile`` and numpy's default): shape ``[..., len(qs)]``, NaN for an all-NaN row.
+
+    Written with one sort and two gathers instead of ``torch.nanquantile``, which is several
+    times slower on small CPU tensors and, given a tensor of quantiles on a GPU, checks their
+    range with a device-to-host read.
+    """
+    s = torch.sort(x, dim=-1).values  # NaN sort last
+    n = (~x.isnan()).sum(dim=-1, keepdim=True)  # [..., 1]
+    q = torch.tensor(qs, dtype=torch.float64).to(x.device, non_blocking=True)
+    pos = (n - 1).clamp(min=0).to(torch.float64) * q  # [..., Q]
+    lo = pos.floor()
+    lo_v = s.gather(-1, lo.long())
+    hi_v = s.gather(-1, pos.ceil().long())
+    out = lo_v + (hi_v - lo_v) * (pos - lo)
+    return torch.where(n == 0, math.nan, out)
