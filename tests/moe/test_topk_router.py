@@ -34,7 +34,9 @@ def fresh_tracker():
 
 def make_router(seed: int = 0, **kwargs) -> TopKRouter:
     torch.manual_seed(seed)
-    router = TopKRouter(kwargs.pop("hidden_size", H), kwargs.pop("num_experts", E), kwargs.pop("top_k", K), **kwargs)
+    router = TopKRouter(
+        kwargs.pop("hidden_size", H), kwargs.pop("num_experts", E), kwargs.pop("top_k", K), **kwargs
+    )
     with torch.no_grad():
         router.weight.normal_(0, 0.5)  # spread scores so that routing is not uniform
     return router
@@ -114,7 +116,9 @@ def test_losses_reach_the_router_weights_without_changing_forward_values():
     coeff_aux, coeff_z = 0.3, 0.2
     x = torch.randn(12, H, dtype=torch.float32)
     g = torch.randn(12, E)  # an arbitrary upstream gradient for the combine weights
-    with_loss = make_router(aux_loss_type="aux_loss", aux_loss_coeff=coeff_aux, z_loss_coeff=coeff_z)
+    with_loss = make_router(
+        aux_loss_type="aux_loss", aux_loss_coeff=coeff_aux, z_loss_coeff=coeff_z
+    )
     plain = make_router()
     probs, routing_map = with_loss(x)
     probs_plain, map_plain = plain(x)
@@ -128,7 +132,9 @@ def test_losses_reach_the_router_weights_without_changing_forward_values():
     weights = torch.softmax(logits.gather(1, top), dim=-1)
     probs64 = torch.zeros(12, E, dtype=torch.float64).scatter(1, top, weights)
     p = torch.softmax(logits, dim=-1)
-    tokens = torch.zeros(E, dtype=torch.float64).index_add_(0, top.reshape(-1), torch.ones(12 * K, dtype=torch.float64))
+    tokens = torch.zeros(E, dtype=torch.float64).index_add_(
+        0, top.reshape(-1), torch.ones(12 * K, dtype=torch.float64)
+    )
     aux = E / (K * 12 * 12) * (p.sum(dim=0) * tokens).sum()
     z = torch.logsumexp(logits, dim=-1).square().mean()
     objective = (probs64 * g.double()).sum() + coeff_aux * aux + coeff_z * z
@@ -153,7 +159,9 @@ def test_backward_scale_multiplies_the_injected_gradient():
 
 
 def test_no_loss_in_eval_or_without_grad(fresh_tracker):
-    router = make_router(aux_loss_type="aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.1, layer_number=1)
+    router = make_router(
+        aux_loss_type="aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.1, layer_number=1
+    )
     router.num_layers = 1
     router.eval()
     router(torch.randn(4, H))
@@ -176,7 +184,9 @@ def _global_body(rank: int, world_size: int) -> dict:
     tracker = MoEMetricsTracker()
     set_moe_metrics_tracker(tracker)
     torch.manual_seed(0)  # same weights on both ranks (DDP replicas)
-    router = TopKRouter(H, E, K, aux_loss_type="global_aux_loss", aux_loss_coeff=0.1, layer_number=1)
+    router = TopKRouter(
+        H, E, K, aux_loss_type="global_aux_loss", aux_loss_coeff=0.1, layer_number=1
+    )
     with torch.no_grad():
         router.weight.normal_(0, 0.5)
     router.num_layers = 1
@@ -241,7 +251,9 @@ def test_global_aux_loss_uses_tokens_summed_over_dp_and_micro_batches(two_ranks)
     assert res[0]["losses"][0] + res[1]["losses"][0] == pytest.approx(float(whole), rel=1e-5)
     expected_logged = 0.5 * sum(res[r]["losses"][m] for r in range(2) for m in range(2))
     for r in range(2):
-        assert res[r]["rows"]["moe/global_load_balancing_loss"] == pytest.approx(expected_logged, rel=1e-5)
+        assert res[r]["rows"]["moe/global_load_balancing_loss"] == pytest.approx(
+            expected_logged, rel=1e-5
+        )
         assert res[r]["micro"] == 2
         assert res[r]["after_reset"] == (0, [0.0] * E)
 
@@ -283,7 +295,9 @@ def test_expert_bias_update_from_loads_summed_over_dp_in_one_collective(two_rank
             load += torch.tensor(res[r]["loads"][2 * i]) + torch.tensor(res[r]["loads"][2 * i + 1])
         expected = 0.01 * torch.sign(load.mean() - load)
         for r in range(2):
-            assert torch.allclose(torch.tensor(res[r]["bias"][i], dtype=torch.float64), expected, atol=1e-7)
+            assert torch.allclose(
+                torch.tensor(res[r]["bias"][i], dtype=torch.float64), expected, atol=1e-7
+            )
             assert res[r]["local_after"][i] == [0.0] * E
     assert [r["collectives"] for r in res] == [1, 1]
 
@@ -367,7 +381,9 @@ def test_capacity_and_drop_policies(fresh_tracker, policy):
     dropped = 1 - keep.sum().item() / (t * K)
     assert dropped > 0
     assert float(router.last_dropped_fraction) == pytest.approx(dropped, rel=1e-6)
-    assert float(fresh_tracker.metrics["dropped_token_fraction"].values[0]) == pytest.approx(dropped, rel=1e-6)
+    assert float(fresh_tracker.metrics["dropped_token_fraction"].values[0]) == pytest.approx(
+        dropped, rel=1e-6
+    )
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
@@ -391,14 +407,17 @@ def test_input_jitter_statistics():
     with torch.no_grad():
         router.weight.fill_(1.0)
     x = torch.ones(40000, 1)
+    torch.manual_seed(3)
     probs, _ = router(x)
     u = torch.logit(probs[:, 0].double())  # sigmoid(u * x * w) with x = w = 1
     assert float(u.min()) >= 1 - eps - 1e-5 and float(u.max()) <= 1 + eps + 1e-5
-    assert float(u.mean()) == pytest.approx(1.0, abs=3 * eps / math.sqrt(3 * 40000) * 3)
+    assert float(u.mean()) == pytest.approx(1.0, abs=5 * eps / math.sqrt(3 * 40000))  # 5 sigma
     assert float(u.var()) == pytest.approx(eps**2 / 3, rel=0.05)  # variance of U(1-eps, 1+eps)
     router.eval()
     probs, _ = router(x)
-    assert torch.allclose(torch.logit(probs[:, 0].double()), torch.ones(40000, dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(
+        torch.logit(probs[:, 0].double()), torch.ones(40000, dtype=torch.float64), atol=1e-5
+    )
 
 
 def test_sinkhorn_balances_a_skewed_router():
