@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -224,6 +225,7 @@ class MlflowServer:
 
     def start(self, timeout: float = 150.0) -> None:
         log = open(self.workdir / "server.log", "ab")  # noqa: SIM115 - owned by the process
+        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "mlflow", "server",
@@ -231,30 +233,28 @@ class MlflowServer:
                 "--default-artifact-root", str(self.workdir / "artifacts"),
                 "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
             ],
-            stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+            stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, env=env,
+            start_new_session=True,  # its own process group: stop() ends uvicorn with it
         )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"mlflow server exited: {(self.workdir / 'server.log').read_text()[-2000:]}"
-                )
+                tail = (self.workdir / "server.log").read_text()[-2000:]
+                raise RuntimeError(f"mlflow server exited: {tail}")
             try:
                 urllib.request.urlopen(f"{self.url}/health", timeout=1).read()
                 return
             except OSError:
-                time.sleep(0.25)
+                time.sleep(0.1)
         self.stop()
         raise TimeoutError("mlflow server did not start")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        """Kill the server and its workers at once (a crash, as far as clients can tell)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
         self.proc = None
 
 
