@@ -65,8 +65,10 @@ def _all_body(rank: int, world_size: int) -> dict:
 
 MISMATCHES = {
     "num_layers": "has 4 layer slots on rank 0 but 6 on rank 2",
-    "reduce_group": "rank 1 never recorded it",
+    "reduce_group": "reduce_group of 2 ranks is used by ranks [0] only",
     "track_names": "different track_names",
+    "dp_group": "the dp group of 4 ranks is used by ranks [0, 1] only",
+    "needs_dp_avg": "needs_dp_avg=True on rank 0 but False on rank 2",
 }
 
 
@@ -181,14 +183,16 @@ def _mismatch_body(rank: int, world_size: int, kind: str) -> str:
         dist.new_group([2, 3])
         if rank == 0:  # rank 1 never records it: Megatron would hang in the collective
             tracker.record("z_loss", torch.tensor(1.0), 1, 2, reduce_group=pair)
-    elif kind == "track_names":
+    elif kind in ("track_names", "dp_group"):
         tracker.record("z_loss", torch.tensor(1.0), 1, 2)
+    elif kind == "needs_dp_avg":
+        tracker.record("z_loss", torch.tensor(1.0), 1, 2, needs_dp_avg=rank != 2)
     try:
         tracker.report(
             1.0,
             0,
             track_names=["z_loss"] if kind == "track_names" and rank == 3 else None,
-            groups=ProcessGroups(dp=world_group()),
+            groups=ProcessGroups(dp=world_group() if kind != "dp_group" or rank < 2 else None),
         )
     except ValueError as exc:
         return str(exc)

@@ -42,6 +42,7 @@ balance for the load-balancing losses).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from collections.abc import Mapping, Sequence
@@ -78,6 +79,16 @@ class MetricEntry:
     reduce_group: Any = None
     avg_group: Any = None
     needs_dp_avg: bool = True
+
+
+def _digest(ranks: tuple[int, ...]) -> str:
+    return hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
+
+
+def _group_id(group: Any) -> tuple[int, str] | None:
+    """``(size, digest of the member ranks)``: a compact, rank-independent name of a group."""
+    ranks = _group_ranks(group)
+    return None if ranks is None else (len(ranks), _digest(ranks))
 
 
 def _group_ranks(group: Any) -> tuple[int, ...] | None:
@@ -364,8 +375,8 @@ class MoEMetricsTracker:
             name: (
                 self._metrics[name].values.numel(),
                 self._metrics[name].needs_dp_avg,
-                _group_ranks(self._metrics[name].reduce_group),
-                _group_ranks(self._metrics[name].avg_group),
+                _group_id(self._metrics[name].reduce_group),
+                _group_id(self._metrics[name].avg_group),
             )
             for name in names
         }
@@ -373,8 +384,8 @@ class MoEMetricsTracker:
             return {n: (local[n][0], local[n][1]) for n in sorted(local)}
         mine = {
             "metrics": local,
-            "pp": _group_ranks(groups.pp),
-            "dp": _group_ranks(groups.dp),
+            "pp": _group_id(groups.pp),
+            "dp": _group_id(groups.dp),
             "track_names": names_filter,
         }
         gathered = all_gather_objects(mine, world_group())
@@ -496,23 +507,26 @@ def _check_percentiles(percentiles: Mapping[str, Sequence[float]] | None) -> dic
 
 def _check_agreement(gathered: list[dict[str, Any]]) -> None:
     """Raise the same ValueError on every rank when the ranks' metrics cannot be reduced
-    together. Deterministic: every rank runs it on the same gathered list."""
+    together. Deterministic: every rank runs it on the same gathered list.
+
+    Groups travel as ``(size, digest of the member ranks)`` so that the gathered payload stays
+    small with large data-parallel groups; a group is consistent when the ranks claiming it
+    are exactly its members (their count and digest match). Linear in the world size.
+    """
     problems: list[str] = []
     filters = {repr(info["track_names"]) for info in gathered}
     if len(filters) > 1:
         problems.append(f"ranks passed different track_names: {sorted(filters)}")
     for kind in ("pp", "dp"):
+        claims: dict[tuple[int, str], list[int]] = {}
         for rank, info in enumerate(gathered):
-            members = info[kind]
-            for other in members or ():
-                if gathered[other][kind] != members:
-                    problems.append(
-                        f"{kind} group of rank {rank} is {list(members)} but rank {other} has "
-                        f"{gathered[other][kind]}"
-                    )
+            if info[kind] is not None:
+                claims.setdefault(info[kind], []).append(rank)
+        problems.extend(_claim_problems(claims, f"the {kind} group"))
     first: dict[str, tuple[int, int, bool]] = {}
+    group_claims: dict[tuple[str, str], dict[tuple[int, str], list[int]]] = {}
     for rank, info in enumerate(gathered):
-        for name, (size, needs_dp_avg, reduce_ranks, avg_ranks) in info["metrics"].items():
+        for name, (size, needs_dp_avg, reduce_id, avg_id) in info["metrics"].items():
             seen = first.setdefault(name, (rank, size, needs_dp_avg))
             if seen[1] != size:
                 problems.append(
@@ -524,20 +538,25 @@ def _check_agreement(gathered: list[dict[str, Any]]) -> None:
                     f"metric {name!r} has needs_dp_avg={seen[2]} on rank {seen[0]} but "
                     f"{needs_dp_avg} on rank {rank}"
                 )
-            for label, members, pos in (
-                ("reduce_group", reduce_ranks, 2),
-                ("avg_group", avg_ranks, 3),
-            ):
-                for other in members or ():
-                    theirs = gathered[other]["metrics"].get(name)
-                    if theirs is None or theirs[pos] != members:
-                        problems.append(
-                            f"metric {name!r}: rank {rank} reduces over {label} {list(members)} "
-                            f"but rank {other} "
-                            + ("never recorded it" if theirs is None else f"uses {theirs[pos]}")
-                        )
+            for label, gid in (("reduce_group", reduce_id), ("avg_group", avg_id)):
+                if gid is not None:
+                    group_claims.setdefault((name, label), {}).setdefault(gid, []).append(rank)
+    for (name, label), claims in sorted(group_claims.items()):
+        problems.extend(_claim_problems(claims, f"metric {name!r}: the {label}"))
     if problems:
         raise ValueError("MoEMetricsTracker.report: ranks disagree: " + "; ".join(problems[:8]))
+
+
+def _claim_problems(claims: Mapping[tuple[int, str], list[int]], what: str) -> list[str]:
+    out = []
+    for (size, digest), ranks in sorted(claims.items()):
+        if len(ranks) != size or _digest(tuple(sorted(ranks))) != digest:
+            shown = ranks if len(ranks) <= 16 else [*ranks[:16], "..."]
+            out.append(
+                f"{what} of {size} ranks is used by ranks {shown} only: its other members did "
+                "not record the metric with that group or use another group"
+            )
+    return out
 
 
 def _write(writer: Any, scalars: dict[str, float], step: int) -> None:
