@@ -1,0 +1,188 @@
+"""Overhead of the run-health callbacks at every step on a ~25M-parameter transformer LM.
+
+Each variant trains the same model (shared, so memory stays small) for ``--steps`` timed
+optimizer steps per repetition, after one untimed warm-up step; variants are interleaved and
+their order rotates every repetition; the figure reported is the median over repetitions of
+(variant seconds per step) / (baseline seconds per step of the same repetition).
+
+Variants: ``baseline`` (plain loop, no trainvitals), ``driver`` (the Vitals driver with no
+callback), then each callback alone with ``log_every_n_steps=1`` (it logs at every step, the
+worst case; the default interval of 50 costs less), ``NormMonitor`` when it exists, and
+``all`` of them together.
+
+Run::
+
+    .venv/bin/python -m benchmarks.bench_callbacks --reps 5 --steps 4
+
+Because end-to-end ratios on a loaded machine are noisy, the table also gives the time spent
+inside the callbacks' hooks during the timed steps (each hook timed with ``perf_counter``),
+per step, and as a fraction of the baseline's median step time of the same run. On CPU the
+hooks' work is synchronous, so this is their whole cost; on CUDA a callback's kernels run
+asynchronously and the end-to-end ratio is the figure to read.
+
+Values go to a writer that turns every value into a Python float (the device-to-host transfer
+the real writer does once per step); ``--writer jsonl`` uses the real ``FanoutWriter`` with a
+``JsonlSink`` in a temporary folder instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    LMConfig,
+    build_lm,
+    count_parameters,
+    format_params,
+    interleaved_ratios,
+    lm_batch,
+    timed,
+)
+from trainvitals.adapters.loop import Vitals
+from trainvitals.callbacks.memory_monitor import MemoryMonitor
+from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
+
+
+def _time_hooks(callback: Any, spent: list[float]) -> None:
+    """Add the wall time of every hook ``callback`` runs to ``spent[0]``."""
+    dispatch = callback._dispatch
+
+    def timed_dispatch(hook: str, ctx: Any, *args: Any) -> None:
+        start = time.perf_counter()
+        dispatch(hook, ctx, *args)
+        spent[0] += time.perf_counter() - start
+
+    callback._dispatch = timed_dispatch
+
+
+class FloatWriter:
+    """Takes every value to the host as a float, then drops it."""
+
+    def add_scalars(self, mapping: dict[str, Any], step: int) -> None:
+        for v in mapping.values():
+            float(v)
+
+    def add_scalar(self, name: str, value: Any, step: int) -> None:
+        float(value)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--writer", choices=("float", "jsonl"), default="float")
+    args = parser.parse_args(argv)
+
+    cfg = LMConfig()
+    model = build_lm(cfg, device=args.device)
+    n_params = count_parameters(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = lm_batch(args.batch_size, args.seq_len, cfg.vocab_size, device=args.device)
+    tmp = tempfile.TemporaryDirectory()
+
+    def writer() -> Any:
+        if args.writer == "float":
+            return FloatWriter()
+        from trainvitals.adapters import FanoutWriter, JsonlSink
+
+        return FanoutWriter([JsonlSink(f"{tmp.name}/metrics.jsonl")])
+
+    def one_step(vitals: Vitals | None) -> None:
+        if vitals is not None:
+            vitals.batch(ids)
+        model(ids).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # Seconds spent inside the callbacks' hooks during timed steps, per variant.
+    hook_seconds: dict[str, list[float]] = {}
+
+    def runner(name: str, factory: Callable[[], list] | None) -> Callable[[int], float]:
+        def run(steps: int) -> float:
+            vitals = None
+            spent = [0.0]
+            if factory is not None:
+                callbacks = factory()
+                for cb in callbacks:
+                    _time_hooks(cb, spent)
+                vitals = Vitals(callbacks, writer=writer(), log_every_n_steps=1)
+                vitals.attach(model, optimizer)
+            one_step(vitals)  # warm-up: first step of each callback instance
+            spent[0] = 0.0
+            seconds = timed(lambda: [one_step(vitals) for _ in range(steps)], args.device)
+            hook_seconds.setdefault(name, []).append(spent[0] / steps)
+            if vitals is not None:
+                vitals.close()
+            return seconds
+
+        return run
+
+    flops_per_token = 6.0 * n_params
+    factories: dict[str, Callable[[], list] | None] = {
+        "baseline": None,
+        "driver": list,
+        "MemoryMonitor": lambda: [MemoryMonitor()],
+        "ThroughputMonitor": lambda: [
+            ThroughputMonitor(flops_per_token=flops_per_token, peak_flops=1e12, warmup_steps=0)
+        ],
+        "RuntimeMonitor": lambda: [RuntimeMonitor(max_steps=1000, warmup_steps=0)],
+    }
+    has_norm = importlib.util.find_spec("trainvitals.callbacks.norm_monitor") is not None
+    if has_norm:
+        from trainvitals.callbacks.norm_monitor import NormMonitor
+
+        factories["NormMonitor"] = lambda: [NormMonitor()]
+    factories["all"] = lambda: [
+        MemoryMonitor(),
+        ThroughputMonitor(flops_per_token=flops_per_token, peak_flops=1e12, warmup_steps=0),
+        RuntimeMonitor(max_steps=1000, warmup_steps=0),
+        *([NormMonitor()] if has_norm else []),
+    ]
+    results = interleaved_ratios(
+        {name: runner(name, f) for name, f in factories.items()},
+        baseline="baseline",
+        reps=args.reps,
+        steps=args.steps,
+    )
+    tmp.cleanup()
+    print(
+        f"model {format_params(n_params)} parameters, batch {args.batch_size} x {args.seq_len} "
+        f"tokens, {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"{args.reps} reps x {args.steps} steps, writer {args.writer}, every step logs"
+    )
+    print()
+    base = results["baseline"]["median_step_s"]
+    print(
+        "| variant | median s/step | end-to-end ratio (median) | min-max ratio "
+        "| time in hooks per step | hooks / baseline step |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        hooks = statistics.median(hook_seconds.get(name, [0.0]))
+        print(
+            f"| {name} | {r['median_step_s']:.3f} | {r['median_ratio']:.3f} "
+            f"| {r['min_ratio']:.3f}-{r['max_ratio']:.3f} | {1e3 * hooks:.3f} ms "
+            f"| {100 * hooks / base:.3f}% |"
+        )
+
+
+if __name__ == "__main__":
+    main()
