@@ -271,3 +271,66 @@ def test_lightning_single_device_with_accumulation_and_clipping(tmp_path):
         assert row["l2_norm/grad/global"] == pytest.approx(g_ref, rel=REL)
         assert g_ref > 1e-2
         assert "l2_norm/grad/model.up.weight" in row
+
+
+# ------------------------------------------------------------------------- the real writer
+
+
+def test_real_fanout_writer_and_jsonl_sink(tmp_path):
+    from trainvitals.adapters import FanoutWriter, JsonlSink, metric_history, read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    refs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        writer = FanoutWriter([JsonlSink(path)])
+        with Vitals([NormMonitor(per_param="norm.*")], writer=writer, log_every_n_steps=1) as v:
+            v.attach(model, opt)
+            for step, ids in enumerate(_batches(2)):
+                v.batch(ids)
+                lm_loss(model, ids).backward()
+                if step == 1:
+                    model.up.bias.grad[0] = float("inf")
+                refs[step] = float64_norms(list(model.parameters()))
+                opt.step()
+                opt.zero_grad()
+    records = read_jsonl(path)
+    grad = dict(metric_history(records, "l2_norm/grad/global"))
+    param = dict(metric_history(records, "l2_norm/param/global"))
+    count = dict(metric_history(records, "l2_norm/grad/nonfinite_count"))
+    assert sorted(grad) == [0, 1]
+    assert grad[0] == pytest.approx(refs[0][1], rel=REL)
+    assert param[0] == pytest.approx(refs[0][0], rel=REL)
+    assert param[1] == pytest.approx(refs[1][0], rel=REL)
+    assert count == {0: 0, 1: 1}
+    assert grad[1] == math.inf  # an Inf gradient makes the global norm Inf, stored as such
+    assert {"l2_norm/grad/norm.weight", "l2_norm/grad/norm.bias"} <= set(records[0]["metrics"])
+
+
+def test_lightning_default_writer_is_a_jsonl_file(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from trainvitals.adapters import metric_history, read_jsonl
+
+    data = torch.utils.data.TensorDataset(torch.cat(_batches(3)))
+    module = _lightning_module_cls()()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        log_every_n_steps=2,
+        callbacks=[NormMonitor()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    (path,) = tmp_path.rglob("metrics.jsonl")
+    grad = dict(metric_history(read_jsonl(path), "l2_norm/grad/global"))
+    assert sorted(grad) == [0, 2]
+    for step, value in grad.items():
+        assert value == pytest.approx(module.refs[step][1], rel=REL)
