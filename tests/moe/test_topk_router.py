@@ -479,3 +479,19 @@ def test_update_expert_biases_accepts_a_model():
     for r in model:
         assert r.expert_bias.abs().sum() > 0
         assert r.local_tokens_per_expert.sum() == 0
+
+
+def test_low_precision_model_keeps_bias_fp32_and_counts_exact():
+    router = make_router(expert_bias=True, aux_loss_type="global_aux_loss", aux_loss_coeff=0.1)
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.tensor([1e-3, 2e-3, -3e-3, 4e-3, 5e-3, 1.0 + 1e-3]))
+        router.local_tokens_per_expert.fill_(2**20 + 1)
+    bias = router.expert_bias.clone()
+    router.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, bias)
+    assert router.local_tokens_per_expert.dtype == torch.float64
+    assert router.local_tokens_per_expert[0] == 2**20 + 1
+    assert router.global_tokens_per_expert.dtype == torch.float64
+    probs, _ = router(torch.randn(4, H, dtype=torch.bfloat16))
+    assert probs.dtype == torch.float32

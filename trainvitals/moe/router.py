@@ -59,6 +59,8 @@ from trainvitals.moe.tracker import get_moe_metrics_tracker
 
 __all__ = ["TopKRouter", "reset_global_tokens", "update_expert_biases"]
 
+_EXACT_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert")
+
 _AUX_LOSS_NAMES = {
     "aux_loss": "load_balancing_loss",
     "seq_aux_loss": "seq_load_balancing_loss",
@@ -111,7 +113,8 @@ class TopKRouter(nn.Module):
         dp_group: process group of the ranks that see different tokens, for
             ``global_aux_loss`` and :meth:`update_expert_bias`; ``None`` = this rank only.
         last_aux_loss: detached aux loss of the last training forward divided by its
-            coefficient (``None`` when no aux loss is enabled).
+            coefficient (``None`` when no aux loss is enabled). For ``global_aux_loss`` it is
+            this rank's share: the global loss is its sum over ``dp_group``.
         last_z_loss: the same for the z-loss.
         last_dropped_fraction: detached fraction of the ``T*k`` selections dropped by the
             capacity limit in the last forward (``None`` without a capacity).
@@ -242,6 +245,18 @@ class TopKRouter(nn.Module):
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TopKRouter:
+        # model.to(torch.bfloat16) must not round the expert bias (float32, as Megatron's
+        # _maintain_float32_expert_bias) or the token counts (float64, exact): keep their
+        # dtype and values, follow only the device.
+        kept = {name: getattr(self, name) for name in _EXACT_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = getattr(self, name)
+            if old is not None and new is not None and new.dtype != old.dtype:
+                setattr(self, name, old.to(new.device))
+        return self
 
     def set_layer_number(self, layer_number: int, num_layers: int | None = None) -> None:
         """Set the 1-based layer number (and the model's layer count) used by the tracker."""
