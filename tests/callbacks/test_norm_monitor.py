@@ -334,3 +334,26 @@ def test_lightning_default_writer_is_a_jsonl_file(tmp_path):
     assert sorted(grad) == [0, 2]
     for step, value in grad.items():
         assert value == pytest.approx(module.refs[step][1], rel=REL)
+
+
+def test_fsdp1_layout_writes_nothing_and_warns():
+    class FullyShardedDataParallel(nn.Module):  # stands for torch's FSDP1 wrapper (by name)
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self._fsdp_wrapped_module = module
+
+        def forward(self, ids):
+            return self._fsdp_wrapped_module(ids)
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(TiedLM())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = RecordingWriter()
+    vitals = Vitals([NormMonitor()], writer=writer, log_every_n_steps=1)
+    with pytest.warns(RuntimeWarning, match="FSDP1"), vitals:
+        vitals.attach(model, opt)
+        ids = _batches(1)[0]
+        vitals.batch(ids)
+        lm_loss(model, ids).backward()
+        opt.step()
+    assert writer.steps == {}

@@ -139,6 +139,12 @@ class NormMonitor(VitalsCallback):
             raise ValueError("NormMonitor needs the model: attach it (vitals.attach(model, opt))")
         self._ctx = ctx
         model = unwrap_model(ctx.model)
+        unsupported = _unsupported_layout(model, ctx)
+        if unsupported:
+            # Their parameters are plain tensors holding flat shards: a norm would be wrong.
+            self.warn_once("layout", f"{unsupported} is not supported; no norms are written")
+            self._tracked = []
+            return
         named = [
             (canonical_name(n), p)
             for n, p in model.named_parameters(remove_duplicate=False)
@@ -268,6 +274,16 @@ class NormMonitor(VitalsCallback):
             return True
         g = ctx.groups
         return all(group_rank(x) == 0 for x in (g.dp, g.tp, g.cp, g.ep))
+
+
+def _unsupported_layout(model: torch.nn.Module, ctx: RunContext) -> str | None:
+    """FSDP1 and DeepSpeed shard parameters and gradients as plain (non-DTensor) flat buffers."""
+    strategy = type(getattr(ctx.trainer, "strategy", None)).__name__
+    if "DeepSpeed" in strategy or type(model).__name__ == "DeepSpeedEngine":
+        return "DeepSpeed (ZeRO partitions parameters/gradients outside p.grad)"
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return "FSDP1 (FullyShardedDataParallel; use FSDP2 fully_shard)"
+    return None
 
 
 def _globs(per_param: str | Sequence[str] | None) -> tuple[str, ...]:
