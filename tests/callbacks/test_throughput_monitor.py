@@ -168,7 +168,10 @@ def test_cuda_sync_only_on_logging_steps(monkeypatch):
         clock.t += 1.0
         model(torch.randn(2, 3)).sum().backward()
         opt.step()
-    assert syncs == [0, 3, 6]
+        if step == 4:
+            with vitals.validating():  # validation boundaries sync (outside training steps)
+                syncs.append("val")
+    assert syncs == [0, 3, 5, "val", 5, 6]
 
 
 def test_resume_continues_window_exactly():

@@ -42,8 +42,9 @@ class RuntimeMonitor(VitalsCallback):
     Everything is state: a resumed run continues its clocks, its counters and its rate from the
     checkpoint (Lightning checkpoints, the driver's ``state_dict``); time between the
     checkpoint and the restart (downtime) is not counted. On CUDA a logging step synchronises
-    the device once before reading the clock; non-logging steps read the clock and add a few
-    Python numbers: no sync, no transfer, no collective.
+    the device once before reading the clock, and so do the start and end of validation;
+    non-logging steps read the clock and add a few Python numbers: no sync, no transfer, no
+    collective.
 
     Args:
         max_steps: the training horizon in optimizer steps (default: the run's).
@@ -152,9 +153,13 @@ class RuntimeMonitor(VitalsCallback):
         self._counter.add(batch.batch_size, batch.num_tokens)
 
     def validation_start(self, ctx: RunContext) -> None:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)  # training's queued work is training time
         self._clock.pause()
 
     def validation_end(self, ctx: RunContext) -> None:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)  # validation's queued work is not
         self._clock.resume()
 
     def step_end(self, ctx: RunContext) -> None:

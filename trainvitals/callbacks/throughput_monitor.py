@@ -55,15 +55,17 @@ class ThroughputMonitor(VitalsCallback):
     tokens) into the optimizer step it belongs to; at ``step_end`` the step's wall time is taken
     from a clock that stops during validation, and the step enters a window of the last
     ``window_size`` steps. On a logging step the window's counts are summed over the ranks that
-    see different data in ONE collective (samples and batches over the data-parallel group,
-    tokens over data- and context-parallel ranks, flops over all ranks; one collective in all
-    under DDP/FSDP), so the global figures are measured, not rank 0 times the world size: a
+    see different data, one SUM collective per process group (samples and batches over the
+    data-parallel group, tokens over data- and context-parallel ranks, flops over all ranks;
+    one collective in all under DDP/FSDP), so the global figures are measured, not rank 0 times the world size: a
     rank that processed more tokens counts as such. Per-device figures are this rank's own
     (rank 0's in the written values). Non-logging steps read the clock and add a few Python
     numbers: no sync, no transfer, no collective. On CUDA the logging step synchronises the
     device once before reading the clock, so the window ends when the GPU's work ends. Window
     boundaries that fall on non-logging steps are read without a sync; with ``window_size`` a
     multiple of the logging interval (the defaults 100 and 50) every boundary is synchronised.
+    The start and end of validation synchronise too (outside training steps), so that queued
+    training work is counted as training and validation work is not.
 
     The first ``warmup_steps`` steps of each process (compilation, allocator and data-loader
     warm-up) are not put in the window, so with the default nothing is written at step 0.
@@ -239,9 +241,13 @@ class ThroughputMonitor(VitalsCallback):
         self._finish_flop_measurement()
 
     def validation_start(self, ctx: RunContext) -> None:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)  # training's queued work is training time
         self._clock.pause()
 
     def validation_end(self, ctx: RunContext) -> None:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)  # validation's queued work is not
         self._clock.resume()
 
     def step_end(self, ctx: RunContext) -> None:

@@ -155,7 +155,11 @@ class RollingWindow:
         of the entries whose global sums are not known yet."""
         idx = [i for i, g in enumerate(self._globals) if g is None]
         rows = [to_vector(astuple(self._records[i])[1:]) for i in idx]
-        matrix = torch.stack(rows) if rows else torch.zeros(0, len(COUNT_FIELDS) - 1, dtype=torch.float64)
+        matrix = (
+            torch.stack(rows)
+            if rows
+            else torch.zeros(0, len(COUNT_FIELDS) - 1, dtype=torch.float64)
+        )
         return idx, matrix
 
     def set_globals(self, idx: Sequence[int], matrix: torch.Tensor) -> None:
