@@ -68,17 +68,19 @@ class NormMonitor(VitalsCallback):
 
     Keys written (on logging steps):
 
-    ================================  ===========================================================  =====
+    ================================  ===========================================================  ======
     key                               meaning                                                      unit
-    ================================  ===========================================================  =====
-    ``l2_norm/param/global``          L2 norm of all trainable parameters, each counted once       1
-    ``l2_norm/grad/global``           L2 norm of all gradients, unscaled, before clipping          1
+    ================================  ===========================================================  ======
+    ``l2_norm/param/global``          L2 norm of all trainable parameters, each counted once       value
+    ``l2_norm/grad/global``           L2 norm of all gradients, unscaled, before clipping          value
     ``l2_norm/grad/nonfinite_count``  number of gradient tensors holding a NaN or an Inf           count
-    ``l2_norm/grad/<name>``           L2 norm of one parameter's gradient (``per_param`` only)     1
-    ``l2_norm/param/<name>``          L2 norm of one parameter (``per_param_kinds`` has "param")   1
-    ================================  ===========================================================  =====
+    ``l2_norm/grad/<name>``           L2 norm of one parameter's gradient (``per_param`` only)     value
+    ``l2_norm/param/<name>``          L2 norm of one parameter (``per_param_kinds`` has "param")   value
+    ================================  ===========================================================  ======
 
-    Norms are in the parameters' own units (the L2 norm has the unit of the tensor's values).
+    "value": the unit of the tensor's elements (an L2 norm has the unit of what it measures).
+    FSDP1 and DeepSpeed, whose shards are flat plain tensors, are refused with a warning (no
+    keys) rather than reported wrongly.
     When a gradient holds NaN/Inf, ``l2_norm/grad/global`` is NaN/Inf too, and a
     ``RuntimeWarning`` names the first ``max_nonfinite_names`` bad tensors in parameter order
     (issued once the values reach the host, at the latest by the next logging step).
