@@ -249,3 +249,28 @@ def test_ddp_two_ranks_true_sums_and_resume(tmp_path):
                 row = runtime[step]
                 assert row["time/samples"] == acc * sum(sizes) * (step + 1)
                 assert row["time/tokens"] == acc * sum(sizes) * SEQ * (step + 1)
+
+
+def test_measure_flops_under_lightning(tmp_path):
+    """FlopCounterMode entered in on_train_batch_start and left in on_before_optimizer_step
+    (inside Lightning's optimizer closure). TinyLM's counted work per token is the head
+    Linear(8, VOCAB): forward 2*8*VOCAB, backward grad input and grad weight 2 * 2*8*VOCAB (the
+    embedding's backward and the loss have no flop formula)."""
+    import lightning.pytorch as pl
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    clock = FakeClock()
+    writer = RecordingWriter()
+    monitor = ThroughputMonitor(
+        measure_flops=True, peak_flops=1e4, window_size=2, clock=clock, writer=writer
+    )
+    trainer = _trainer(pl, [monitor], tmp_path, max_steps=4, accumulate_grad_batches=2)
+    trainer.fit(_module(pl, clock, 3, 20))
+    per_token = 6 * 8 * VOCAB
+    assert monitor.state_dict()["measured"] == ["tokens", per_token]
+    assert _get_current_dispatch_mode() is None
+    row = writer.rows[3]
+    seconds = 2 * (step_seconds(2) + step_seconds(3))
+    tokens = 2 * 2 * 3 * SEQ
+    assert row["throughput/flops_per_sec"] == pytest.approx(per_token * tokens / seconds)
+    assert row["throughput/mfu"] == pytest.approx(per_token * tokens / seconds / 1e4)
