@@ -96,3 +96,34 @@ def test_single_process_accumulation_and_clip_only_on_sync_steps():
     mbs = [i for i, e in enumerate(rec.events) if e[0] == "mb"]
     # each step's gradients are seen after its third micro-batch started, never earlier
     assert [sum(m < g for m in mbs) for g in grads] == [3, 6, 9]
+
+
+def test_accelerator_without_trackers_writes_jsonl_in_run_dir(tmp_path):
+    import torch
+    from accelerate import Accelerator
+
+    from trainvitals.adapters import read_jsonl
+    from trainvitals.adapters.accelerate import Vitals
+    from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    vitals = Vitals(
+        [RuntimeMonitor(max_steps=3)],
+        accelerator=accelerator,
+        run_dir=tmp_path,
+        log_every_n_steps=1,
+    )
+    vitals.attach(model, optimizer)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        vitals.batch(x)
+        accelerator.backward(model(x).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    vitals.close()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["metrics"]["time/samples"] for r in records] == [5, 10, 15]
