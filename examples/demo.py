@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         ]
     )
     callbacks = [
-        MoEMetricsMonitor(per_layer_logging=True, percentiles=[0.5, 0.9]),
+        MoEMetricsMonitor(
+            per_layer_logging=True, percentiles={"load_balancing_loss": [0.5, 0.9]}
+        ),
         LoadBalanceMonitor(mode="detailed"),
         TensorStatsMonitor(),
         NormMonitor(),
@@ -123,10 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.micro_batches):
                 batch = next(data)
                 vitals.batch(batch)
-                logits = model(batch["input_ids"])
-                loss = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1)
-                )
+                loss = model(batch["input_ids"], labels=batch["labels"]).loss
                 (loss / args.micro_batches).backward()
                 step_loss += loss.detach() / args.micro_batches
             vitals.clip_grad_norm_(model.parameters(), 1.0)
@@ -134,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            model.moe_step_end()  # expert-bias updates and global-aux-loss counts, when used
             writer.add_scalars({"train/loss": step_loss, "train/lr": lr}, step)
             if step % (args.log_every * 5) == 0 or step == args.steps - 1:
                 print(f"step {step:4d}  loss {step_loss.item():.3f}  lr {lr:.2e}", flush=True)

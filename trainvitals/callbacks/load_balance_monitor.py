@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from trainvitals.adapters.context import RunContext
+from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import all_reduce_coalesced
 from trainvitals.moe.capture import HF_ROUTER_CLASSES, RouterCapture
@@ -41,8 +41,10 @@ class LoadBalanceMonitor(VitalsCallback):
     sums when routers report them, are summed over the data- and context-parallel ranks
     (``ctx.groups.dp_cp``) in ONE collective, the statistics are computed on the device
     (:mod:`trainvitals.stats.load_balance`), brought to the host in one transfer and written
-    together. At the end of every step, logging or not, the counts are zeroed on the device:
-    a non-logging step costs the hooks' scatter-adds and nothing else (no sync, no collective).
+    together. The hooks count only during steps that will be logged (a host-side flag set at
+    each micro-batch and step end), and the counts are zeroed on the device at every step end:
+    a non-logging step costs a Python check per router forward and nothing else (no kernel,
+    no sync, no collective).
 
     CV uses the population standard deviation (NeMo Automodel uses ``n - 1``; multiply ours by
     ``sqrt(E / (E - 1))`` to compare). Quantiles interpolate linearly. Layers that routed no
@@ -157,6 +159,12 @@ class LoadBalanceMonitor(VitalsCallback):
             streak = self._dead_streak.get(label)
             if streak is None or len(streak) != capture.num_experts:
                 self._dead_streak[label] = [0] * capture.num_experts
+        capture.enabled = self.should_log(ctx)
+
+    def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
+        """Count only in steps that will be logged (a host-side flag, nothing on the device)."""
+        if self.capture is not None:
+            self.capture.enabled = self.should_log(ctx)
 
     def step_end(self, ctx: RunContext) -> None:
         """Report the step's loads on logging steps, then zero them (every step)."""
@@ -167,6 +175,7 @@ class LoadBalanceMonitor(VitalsCallback):
                 self._report(ctx)
         finally:
             self.capture.reset()
+            self.capture.enabled = self.should_log(ctx, ctx.step + 1)
 
     def run_end(self, ctx: RunContext) -> None:
         self._remove_hooks()
@@ -187,7 +196,7 @@ class LoadBalanceMonitor(VitalsCallback):
     def _report(self, ctx: RunContext) -> None:
         capture = self.capture
         assert capture is not None
-        loads = capture.loads(device=ctx.device)
+        loads = capture.loads(device=capture.device or ctx.device)
         aux_sum, aux_count = capture.aux_losses(device=loads.device)
         # One SUM collective over data x context parallel carries every layer (and the aux).
         loads, aux_sum, aux_count = all_reduce_coalesced(
