@@ -253,3 +253,23 @@ def test_two_ranks_global_sums_count_the_bigger_rank():
             )
         # One all-reduce per logging step that has a window (2, 4, 6), none on other steps.
         assert result["collectives"] == [0, 0, 1, 1, 2, 2, 3]
+
+
+def test_token_counts_given_as_tensors():
+    """A num_tokens given as a 0-d tensor (e.g. attention_mask.sum() on the device) is summed as
+    a tensor and only read on logging steps."""
+    clock = FakeClock()
+    writer = RecordingWriter()
+    monitor = ThroughputMonitor(window_size=2, warmup_steps=0, clock=clock, log_every_n_steps=2)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    vitals = Vitals([monitor], writer=writer).attach(model, opt)
+    tokens = [torch.tensor(7), torch.tensor(9), torch.tensor(4)]
+    for step, n in enumerate(tokens):
+        vitals.batch(torch.randn(2, 3), num_tokens=n)
+        clock.t += 0.5 * (step + 1)
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    vitals.close()
+    assert writer.rows[2]["throughput/tokens_per_sec"] == pytest.approx((9 + 4) / (1.0 + 1.5))
+    assert monitor.state_dict()["totals"]["tokens"] == 20.0
