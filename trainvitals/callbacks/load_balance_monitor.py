@@ -35,9 +35,9 @@ class LoadBalanceMonitor(VitalsCallback):
     At ``run_start`` the monitor finds the model's routers (see :mod:`trainvitals.moe.capture`:
     ``TopKRouter``, Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3 /
     GPT-OSS routers, torchtitan ``MoE``, and your own extractors) and hooks them, without
-    changing the model. Every training forward adds its tokens-per-expert counts into one
-    ``[layers, experts]`` tensor on the device (evaluation and activation-checkpoint re-runs
-    are not counted). At the end of a logging step the counts of all layers, and the aux-loss
+    changing the model. Every training forward of a logging step, i.e. every micro-batch,
+    adds its tokens-per-expert counts into one ``[layers, experts]`` tensor on the device
+    (evaluation and activation-checkpoint re-runs are not counted). At the end of a logging step the counts of all layers, and the aux-loss
     sums when routers report them, are summed over the data- and context-parallel ranks
     (``ctx.groups.dp_cp``) in ONE collective, the statistics are computed on the device
     (:mod:`trainvitals.stats.load_balance`), brought to the host in one transfer and written
@@ -86,8 +86,9 @@ class LoadBalanceMonitor(VitalsCallback):
     ``moe/aux_loss_{mean,median,min,max}``             the routers' aux loss before its coefficient,    1
                                                        mean over the step's micro-batches and ranks
                                                        (only when the routers report one)
-    ``moe/expert_utilization_{min,p25,median,p75,      quantiles of the utilization of all experts of   ratio
-    max}``                                             all layers together
+    ``moe/expert_utilization_<q>``                     quantiles of the utilization of all experts of   ratio
+                                                       all layers together, ``<q>`` one of ``min``,
+                                                       ``p25``, ``median``, ``p75``, ``max``
     ``moe_expert_utilization/layer_<l>_expert_<e>``    utilization of the ``top_k`` highest and         ratio
                                                        ``top_k`` lowest experts overall
     ``moe/dead_experts_persistent``                    experts with no token for at least               count
@@ -97,8 +98,8 @@ class LoadBalanceMonitor(VitalsCallback):
     ``moe/layer_<l>/dead_expert_frac``                 (detailed)                                       1
     ``moe/layer_<l>/expert_diversity``                 (detailed)                                       1
     ``moe/layer_<l>/max_overload_factor``              (detailed)                                       ratio
-    ``moe/layer_<l>/utilization_{min,p25,median,       quantiles of the layer's utilizations            ratio
-    p75,max}``                                         (detailed)
+    ``moe/layer_<l>/utilization_<q>``                  quantiles of the layer's utilizations            ratio
+                                                       (detailed), ``<q>`` as above
     ``moe/layer_<l>/aux_loss``                         the layer's aux loss (detailed, when known)      1
     ``moe/layer_<l>/tokens_per_expert/<e>``            tokens routed to expert ``e`` in the step,       tokens
                                                        summed over micro-batches and ranks (detailed)

@@ -387,6 +387,9 @@ class RouterCapture:
         self._acc: torch.Tensor | None = None  # [L, E + 1], last column = out-of-range indices
         self._aux_sum: torch.Tensor | None = None  # [L]
         self._aux_count = [0] * len(self.routers)  # host ints: no sync to count forwards
+        self._rows: list[torch.Tensor] = []
+        self._count_rows: list[torch.Tensor] = []
+        self._aux_rows: list[torch.Tensor] = []
         self._ones: dict[torch.device, torch.Tensor] = {}
         self._snapshots: dict[int, torch.Tensor] = {}
         self._broken: set[int] = set()
@@ -402,6 +405,11 @@ class RouterCapture:
     @property
     def has_aux_loss(self) -> bool:
         return any(r.has_aux_loss for r in self.routers)
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the counts live (the routers' device), ``None`` before the first count."""
+        return self._acc.device if self._acc is not None else None
 
     def __len__(self) -> int:
         return len(self.routers)
@@ -480,7 +488,9 @@ class RouterCapture:
             if not isinstance(routing_map, torch.Tensor) or routing_map.shape[-1] != r.num_experts:
                 self._unsupported(i, "expected (probs, routing_map [T, E])")
                 return
-            routing_map = local_tensor(routing_map).reshape(-1, r.num_experts)
+            routing_map = local_tensor(routing_map)
+            if routing_map.ndim != 2:
+                routing_map = routing_map.reshape(-1, r.num_experts)
             if getattr(module, "pad_to_capacity", False) and isinstance(output[0], torch.Tensor):
                 # padding slots are marked in the map with weight 0: count routed tokens only
                 routing_map = routing_map & (local_tensor(output[0]).reshape(-1, r.num_experts) > 0)
@@ -523,41 +533,48 @@ class RouterCapture:
     def _accumulator(self, device: torch.device) -> torch.Tensor:
         if self._acc is None:
             dtype = torch.float32 if device.type == "mps" else torch.float64
-            self._acc = torch.zeros(
-                len(self.routers), self.num_experts + 1, dtype=dtype, device=device
-            )
+            acc = torch.zeros(len(self.routers), self.num_experts + 1, dtype=dtype, device=device)
             self._aux_sum = torch.zeros(len(self.routers), dtype=dtype, device=device)
+            # Views made once, so that each forward's hook is one or two kernels, no indexing.
+            self._rows = list(acc.unbind(0))
+            self._count_rows = list(acc[:, : self.num_experts].unbind(0))
+            self._aux_rows = list(self._aux_sum.unbind(0))
+            self._acc = acc
         return self._acc
 
     def _add_indices(self, i: int, indices: torch.Tensor) -> None:
         acc = self._accumulator(indices.device)
         e = self.num_experts
-        idx = indices.detach().reshape(-1).to(device=acc.device, dtype=torch.long)
+        idx = indices.detach().reshape(-1)
+        if idx.device != acc.device:
+            idx = idx.to(acc.device, non_blocking=True)
         # Out-of-range indices (sentinels) go to the overflow column e.
-        idx = idx.clamp(-1, e).remainder(e + 1)
-        acc[i].index_add_(0, idx, self._ones_for(acc, idx.numel()))
+        idx = idx.clamp(-1, e).remainder_(e + 1)
+        self._rows[i].index_add_(0, idx, self._ones_for(acc, idx.numel()))
 
     def _ones_for(self, acc: torch.Tensor, n: int) -> torch.Tensor:
         ones = self._ones.get(acc.device)
         if ones is None or ones.numel() < n or ones.dtype != acc.dtype:
-            ones = torch.ones(max(n, 1024), dtype=acc.dtype, device=acc.device)
+            ones = torch.ones(max(n, 4096), dtype=acc.dtype, device=acc.device)
             self._ones[acc.device] = ones
         return ones[:n]
 
     def _add_counts(self, i: int, counts: torch.Tensor) -> None:
         acc = self._accumulator(counts.device)
-        acc[i, : self.num_experts].add_(counts.to(device=acc.device, dtype=acc.dtype))
+        if counts.device != acc.device:
+            counts = counts.to(acc.device, non_blocking=True)
+        self._count_rows[i].add_(counts)  # in-place add casts integer counts to float64
 
     def _add_aux(self, i: int, aux: Any) -> None:
         if aux is None:
             return
         if not isinstance(aux, torch.Tensor):
             aux = torch.tensor(float(aux))
+        aux = local_tensor(aux).detach()
         self._accumulator(aux.device)
-        assert self._aux_sum is not None
-        self._aux_sum[i].add_(
-            local_tensor(aux).detach().reshape(()).to(self._aux_sum.device, self._aux_sum.dtype)
-        )
+        if aux.device != self._aux_sum.device:  # type: ignore[union-attr]
+            aux = aux.to(self._aux_sum.device, non_blocking=True)  # type: ignore[union-attr]
+        self._aux_rows[i].add_(aux.reshape(()))
         self._aux_count[i] += 1
 
     # ------------------------------------------------------------------ reading
