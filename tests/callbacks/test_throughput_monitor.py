@@ -273,3 +273,47 @@ def test_token_counts_given_as_tensors():
     vitals.close()
     assert writer.rows[2]["throughput/tokens_per_sec"] == pytest.approx((9 + 4) / (1.0 + 1.5))
     assert monitor.state_dict()["totals"]["tokens"] == 20.0
+
+
+@pytest.mark.parametrize(
+    ("device_name", "chip", "bf16"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100 sxm", 989.4e12),
+        ("NVIDIA H100 PCIe", "h100 pcie", 756.5e12),
+        ("NVIDIA H100 NVL", "h100 nvl", 835.5e12),
+        ("NVIDIA H200", "h200 sxm", 989.4e12),
+        ("NVIDIA H200 NVL", "h200 nvl", 835.5e12),
+        ("NVIDIA GH200 480GB", "h100 sxm", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", "a100", 312e12),
+        ("NVIDIA L4", "l4", 121e12),
+        ("NVIDIA L40S", "l40s", 362.05e12),
+        ("NVIDIA B200", "b200", 2.25e15),
+        ("NVIDIA L40", None, None),
+        ("NVIDIA A10G", None, None),
+    ],
+)
+def test_peak_flops_table_dense_per_gpu(device_name, chip, bf16):
+    from trainvitals.stats.flops import chip_name, peak_flops
+
+    assert chip_name(device_name) == chip
+    assert peak_flops(device_name, "bf16") == bf16
+    # dense figures: half the datasheets' "with sparsity" numbers (H100 SXM: 1979 TFLOPS)
+    if chip == "h100 sxm":
+        assert peak_flops(device_name, "bf16") == pytest.approx(1979e12 / 2, rel=1e-3)
+    with pytest.raises(ValueError, match="precision"):
+        peak_flops(device_name, "int3")
+
+
+def test_mfu_uses_the_table_peak_of_the_cuda_device(monkeypatch):
+    import trainvitals.callbacks.throughput_monitor as tm
+    from trainvitals.adapters.context import RunContext
+
+    monkeypatch.setattr(RunContext, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(tm, "device_name_of", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    clock = FakeClock()
+    writer, _ = _loop(
+        ThroughputMonitor(window_size=2, clock=clock, flops_per_token=1e9), clock, steps=range(3)
+    )
+    exp = _expected(2, window=2, warmup=1)
+    assert writer.rows[2]["throughput/mfu"] == pytest.approx(1e9 * exp["tokens_per_sec"] / 989.4e12)
