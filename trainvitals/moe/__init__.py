@@ -26,3 +26,7 @@ __all__ = [
     "set_moe_metrics_tracker",
     "update_expert_biases",
 ]
+
+from trainvitals.moe.capture import RouterCapture, find_routers, register_router_extractor
+
+__all__ += ["RouterCapture", "find_routers", "register_router_extractor"]
