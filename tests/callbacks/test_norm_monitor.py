@@ -219,8 +219,10 @@ def test_local_sq_norms_are_accurate_for_large_and_low_precision_tensors():
 # ---------------------------------------------------------------------------------- Lightning
 
 
-def _lightning_module_cls():
-    import lightning.pytorch as pl
+def _lightning_module_cls(package: str = "lightning.pytorch"):
+    import importlib
+
+    pl = importlib.import_module(package)
 
     class LitTied(pl.LightningModule):
         def __init__(self) -> None:
@@ -242,11 +244,12 @@ def _lightning_module_cls():
     return LitTied
 
 
-def test_lightning_single_device_with_accumulation_and_clipping(tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_lightning_single_device_with_accumulation_and_clipping(tmp_path, package):
+    pl = pytest.importorskip(package)
     data = torch.utils.data.TensorDataset(torch.cat(_batches(6)))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
-    module = _lightning_module_cls()()
+    module = _lightning_module_cls(package)()
     writer = RecordingWriter()
     trainer = pl.Trainer(
         accelerator="cpu",
