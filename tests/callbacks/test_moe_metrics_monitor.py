@@ -49,21 +49,24 @@ def fresh_tracker():
     destroy_moe_metrics_tracker()
 
 
+MODEL_KW = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_layers=LAYERS,
+    num_experts=EXPERTS,
+    top_k=TOPK,
+    ffn_hidden_size=32,
+    num_heads=2,
+    max_seq_len=16,
+    aux_loss_coeff=0.01,
+    z_loss_coeff=0.001,
+    moe_layer_freq=PATTERN,
+)
+
+
 def tiny_model(seed: int = 0) -> TinyMoELM:
     torch.manual_seed(seed)
-    return TinyMoELM(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_layers=LAYERS,
-        num_experts=EXPERTS,
-        top_k=TOPK,
-        ffn_hidden_size=32,
-        num_heads=2,
-        max_seq_len=16,
-        aux_loss_coeff=0.01,
-        z_loss_coeff=0.001,
-        moe_layer_freq=PATTERN,
-    )
+    return TinyMoELM(**MODEL_KW)
 
 
 def capture_router_inputs(model: torch.nn.Module) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -284,7 +287,49 @@ def test_lightning_with_gradient_accumulation_and_the_real_writer(tmp_path):
 # ---------------------------------------------------------------------- 2 gloo ranks
 
 
-def _two_rank_body(rank: int, world_size: int) -> dict:
+def _lightning_ddp(rank: int, world_size: int, out_dir: str) -> dict:
+    """Lightning DDP on the 2 ranks, accumulate_grad_batches=2, 2 optimizer steps."""
+    import lightning.pytorch as pl
+
+    from trainvitals.moe.tiny_model import TinyMoELightningModule
+
+    set_moe_metrics_tracker(MoEMetricsTracker())
+    torch.manual_seed(0)
+    module = TinyMoELightningModule(lr=0.05, **MODEL_KW)
+    captured = capture_router_inputs(module)
+    # 16 samples, DistributedSampler: 8 per rank = 4 micro-batches of 2 = 2 optimizer steps
+    loader = torch.utils.data.DataLoader(RandomTokenDataset(16, 8, VOCAB, seed=3), batch_size=2)
+    writer = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp",
+        max_steps=2,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        callbacks=[MoEMetricsMonitor(writer=writer)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out_dir,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, loader)
+    return {
+        "rows": writer.rows,
+        "captured": [(layer, x.tolist(), w.tolist()) for layer, x, w in captured],
+    }
+
+
+def _two_rank_body(rank: int, world_size: int, out_dir: str) -> dict:
+    return {
+        "driver": _driver_two_ranks(rank, world_size),
+        "lightning": _lightning_ddp(rank, world_size, out_dir),
+    }
+
+
+def _driver_two_ranks(rank: int, world_size: int) -> dict:
     import torch
 
     from trainvitals.adapters.loop import Vitals
@@ -325,8 +370,36 @@ def _two_rank_body(rank: int, world_size: int) -> dict:
     }
 
 
-def test_two_ranks_average_over_dp_and_communicate_only_on_logging_steps():
-    results = run_distributed(_two_rank_body, 2, timeout=150)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both 2-rank scenarios in one pair of processes (spawning is the slow part)."""
+    pytest.importorskip("lightning.pytorch")
+    out_dir = str(tmp_path_factory.mktemp("moe_ddp"))
+    return run_distributed(_two_rank_body, 2, args=(out_dir,), timeout=240)
+
+
+def _tensors(captured):
+    return [
+        (layer, torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
+        for layer, x, w in captured
+    ]
+
+
+def test_lightning_ddp_two_ranks_with_accumulation_averages_over_ranks(two_ranks):
+    results = [r["lightning"] for r in two_ranks]
+    per_rank = [expected_rows(_tensors(r["captured"]), 2, {0: [0], 1: [1]}) for r in results]
+    for res in results:
+        assert sorted(res["rows"]) == [0, 1]
+        for step in (0, 1):
+            for key in ("moe/load_balancing_loss", "moe/z_loss"):
+                expected = (per_rank[0][step][key] + per_rank[1][step][key]) / 2
+                assert res["rows"][step][key] == pytest.approx(expected, rel=1e-4), (step, key)
+    # the ranks saw different tokens: the average is not just rank 0's value
+    assert per_rank[0][0]["moe/z_loss"] != pytest.approx(per_rank[1][0]["moe/z_loss"], rel=1e-3)
+
+
+def test_two_ranks_average_over_dp_and_communicate_only_on_logging_steps(two_ranks):
+    results = [r["driver"] for r in two_ranks]
     per_rank = []
     for res in results:
         captured = [
