@@ -220,6 +220,9 @@ class TensorStatsMonitor(VitalsCallback):
         self._pending: dict[str, _Kind] = {}
         self._logged_steps: dict[str, int] = {}
         self._ep_info: tuple[int, dict[str, int]] | None = None
+        # (kind, site) -> shard groups of the DTensor seen there (tensor parallel), fixed at
+        # its first observation so every step and rank merges the same way
+        self._site_groups: dict[tuple[str, int], tuple[Any, ...]] = {}
 
     # ------------------------------------------------------------------ intervals
 
@@ -251,7 +254,7 @@ class TensorStatsMonitor(VitalsCallback):
                 site = self._global_name(f"{name}/{suffix}")
                 if self._wanted(site):
                     self._sites.append(site)
-                    self._site_expert.append(site != f"{name}/{suffix}")
+                    self._site_expert.append(self._is_expert(site))
         self._site_index = {s: i for i, s in enumerate(self._sites)}
         self._path = Path(ctx.run_dir) / self.filename
         if ctx.global_rank == 0:
@@ -332,11 +335,17 @@ class TensorStatsMonitor(VitalsCallback):
             idx = [self._site_index.get(self._global_name(f"{name}/{s}")) for s in _SITE_SUFFIXES]
             if idx == [None, None]:
                 continue
-            self._handles.append(
-                module.register_forward_hook(self._make_forward_hook(idx), with_kwargs=True)
-            )
+            # Two hooks: the first (prepended) sees a tensor-parallel module's output while it is
+            # still a sharded DTensor, before the parallel style turns it into a local tensor;
+            # the last sees everything else (plain tensors, and Partial outputs once reduced).
+            taken = [False, False]
+            for early in (True, False):
+                hook = self._make_forward_hook(idx, taken, early)
+                self._handles.append(
+                    module.register_forward_hook(hook, with_kwargs=True, prepend=early)
+                )
 
-    def _make_forward_hook(self, idx: list[int | None]) -> Any:
+    def _make_forward_hook(self, idx: list[int | None], taken: list[bool], early: bool) -> Any:
         want_act = "activation" in self.kinds
         want_dgrad = "dgrad" in self.kinds
 
@@ -346,9 +355,20 @@ class TensorStatsMonitor(VitalsCallback):
             first_in = _first_float(args)
             if first_in is None and not args:
                 first_in = _first_float(tuple(kwargs.values()))
-            tensors = (first_in, _first_float(output))
-            for site, x in zip(idx, tensors, strict=True):
+            for slot, (site, x) in enumerate(
+                zip(idx, (first_in, _first_float(output)), strict=True)
+            ):
                 if site is None or x is None:
+                    continue
+                if early:
+                    if not _is_dtensor(x) or partial_groups(x):
+                        continue
+                    taken[slot] = True
+                elif taken[slot]:
+                    taken[slot] = False
+                    continue
+                elif partial_groups(x):
+                    self.warn_once("partial", "skipped a Partial DTensor activation")
                     continue
                 if want_act:
                     self._add_parts("activation", site, x)
@@ -359,12 +379,27 @@ class TensorStatsMonitor(VitalsCallback):
 
     def _make_grad_hook(self, site: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            if grad is not None and grad.is_floating_point():
-                self._add_parts("dgrad", site, grad)
+            if grad is None or not grad.is_floating_point():
+                return
+            groups = partial_groups(grad)
+            if groups:
+                # e.g. the gradient of a replicated input of a column-parallel Linear: each
+                # tensor-parallel rank holds a partial sum. Its moments do not merge; sum the
+                # elements first (a collective per partial group, on logging steps only; every
+                # rank of the group runs the same backward, so they meet here in order).
+                local = all_reduce_by_groups([(local_tensor(grad).detach(), groups)], "sum")[0]
+                self._site_groups.setdefault(
+                    ("dgrad", site), shard_groups(grad, include_partial=False)
+                )
+                self._add_parts("dgrad", site, local.to(grad.dtype))
+                return
+            self._add_parts("dgrad", site, grad)
 
         return hook
 
     def _add_parts(self, kind: str, site: int, x: torch.Tensor) -> None:
+        if (kind, site) not in self._site_groups:
+            self._site_groups[(kind, site)] = shard_groups(x, include_partial=False)
         parts, _ = partial_moments([local_tensor(x).detach()], kernel=self.kernel)
         self._act_parts[kind].append(
             (parts, torch.full((parts.shape[0],), site, dtype=torch.long, device=parts.device))
@@ -389,9 +424,10 @@ class TensorStatsMonitor(VitalsCallback):
             moments = empty_moments(n, device=ctx.device)
         dp_cp = ctx.groups.dp_cp
         ep_active = group_size(ctx.groups.ep) > 1
+        data_groups = () if group_size(dp_cp) == 1 else (dp_cp,)
         groups = [
-            () if (expert and ep_active) or group_size(dp_cp) == 1 else (dp_cp,)
-            for expert in self._site_expert
+            self._site_groups.get((kind, i), ()) + (() if (expert and ep_active) else data_groups)
+            for i, expert in enumerate(self._site_expert)
         ]
         return _Kind(list(self._sites), moments, groups, list(self._site_expert))
 
@@ -606,6 +642,10 @@ def _default_site_types() -> tuple[type, ...]:
 
 def _is_router(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Router")
+
+
+def _is_dtensor(x: torch.Tensor) -> bool:
+    return callable(getattr(x, "to_local", None)) and hasattr(x, "placements")
 
 
 def _first_float(obj: Any) -> torch.Tensor | None:

@@ -1,0 +1,246 @@
+"""TensorStatsMonitor on real gloo processes.
+
+FSDP2 x TP on 4 ranks: every statistic of every parameter, gradient, activation and dgrad must
+equal the float64 statistic of the full, unsharded tensor computed in one process: parameters
+and gradients gathered whole with ``full_tensor()``, activations and dgrads from the same seeded
+model rebuilt here unsharded in float64 and fed the union of the data-parallel ranks' batches.
+Expert parallelism on 2 ranks with a stand-in MoE layer: global expert indices in the names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.dist import run_distributed
+from tests.stats.test_moments import assert_matches, reference
+from trainvitals.stats.moments import FIELDS, derive, moments_from_dicts
+
+pytestmark = pytest.mark.slow
+
+D, F = 128, 512
+
+
+class TPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, F)  # 65536-element weight: chunked kernel path on each shard
+        self.down = nn.Linear(F, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _batch(dp_rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    return 3 + torch.randn(16, D, generator=g)
+
+
+def _loss(y: torch.Tensor) -> torch.Tensor:
+    return (y**2).sum() + y[:, 0].sum()
+
+
+class _Writer:
+    def add_scalars(self, mapping, step):
+        pass
+
+    def add_scalar(self, name, value, step):
+        pass
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _fsdp_tp_body(rank: int, world_size: int, run_dir: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import TensorStatsMonitor
+    from trainvitals.distributed import ProcessGroups, collective_counter
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TPNet()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TensorStatsMonitor(kernel="eager")
+    dp_rank = mesh.get_local_rank("dp")
+    full: dict[str, dict[str, torch.Tensor]] = {"param": {}, "grad": {}}
+    gathers = []
+    with Vitals(
+        [monitor],
+        writer=_Writer(),
+        run_dir=run_dir,
+        log_every_n_steps=1,
+        groups=ProcessGroups.from_device_mesh(mesh),
+    ) as vitals:
+        vitals.attach(model, opt)
+        x = _batch(dp_rank)
+        vitals.batch(x)
+        _loss(model(x)).backward()
+        for n, p in model.named_parameters():  # the test's own gather of the whole tensors
+            full["param"][n] = p.full_tensor().detach().double()
+            full["grad"][n] = p.grad.full_tensor().detach().double()
+        before = dict(collective_counter)
+        opt.step()
+        gathers = {k: collective_counter[k] - before.get(k, 0) for k in collective_counter}
+    placements = {n: str(p.placements) for n, p in model.named_parameters()}
+    # numpy: torch tensors would cross the process boundary through shared memory that dies
+    # with the worker
+    arrays = {k: {n: t.numpy() for n, t in d.items()} for k, d in full.items()}
+    return {"full": arrays if rank == 0 else None, "collectives": gathers, "placements": placements}
+
+
+def _unsharded_sites() -> dict[str, dict[str, torch.Tensor]]:
+    """float64, one process: the union of the two dp ranks' batches through the unsharded model;
+    the loss is the sum of the ranks' losses, so each rank's activations get their own dgrads."""
+    torch.manual_seed(0)
+    model = TPNet().double()
+    out: dict[str, dict[str, list[torch.Tensor]]] = {"activation": {}, "dgrad": {}}
+
+    def keep(kind: str, site: str, t: torch.Tensor) -> None:
+        out[kind].setdefault(site, []).append(t.detach().reshape(-1).clone())
+
+    def hook(name: str):
+        def fn(module, args, output):
+            for suffix, t in (("input0", args[0]), ("output0", output)):
+                keep("activation", f"{name}/{suffix}", t)
+                t.register_hook(lambda g, s=f"{name}/{suffix}": keep("dgrad", s, g))
+
+        return fn
+
+    model.up.register_forward_hook(hook("up"))
+    model.down.register_forward_hook(hook("down"))
+    total = sum(_loss(model(_batch(r).double().requires_grad_())) for r in range(2))
+    total.backward()
+    return {k: {s: torch.cat(v) for s, v in d.items()} for k, d in out.items()}
+
+
+def _lines(run_dir: Path) -> dict[str, dict]:
+    return {
+        r["kind"]: r
+        for r in map(json.loads, (run_dir / "tensor_stats.jsonl").read_text().splitlines())
+    }
+
+
+def _check(line: dict, want: dict[str, torch.Tensor], what: str) -> None:
+    assert set(line["tensors"]) == set(want), (what, sorted(line["tensors"]), sorted(want))
+    names = sorted(want)
+    got = derive(
+        moments_from_dicts([dict(zip(FIELDS, line["tensors"][n], strict=True)) for n in names])
+    )
+    for i, n in enumerate(names):
+        assert_matches(got, i, reference(want[n]), f"{what}/{n}")
+
+
+def test_fsdp2_tp_every_statistic_equals_the_unsharded_float64(tmp_path: Path) -> None:
+    results = run_distributed(_fsdp_tp_body, world_size=4, args=(str(tmp_path),), timeout=240)
+    placements = results[0]["placements"]
+    assert "Replicate()" in placements["down.bias"] and "Shard" in placements["up.weight"]
+    lines = _lines(tmp_path)
+    assert set(lines) == {"param", "grad", "activation", "dgrad"}
+    full = {
+        k: {n: torch.from_numpy(a) for n, a in d.items()} for k, d in results[0]["full"].items()
+    }
+    _check(lines["param"], full["param"], "param")
+    _check(lines["grad"], full["grad"], "grad")
+    sites = _unsharded_sites()
+    _check(lines["activation"], sites["activation"], "activation")
+    _check(lines["dgrad"], sites["dgrad"], "dgrad")
+    # one all_gather per distinct group (dp and tp) for all kinds together, nothing else
+    for res in results:
+        assert res["collectives"].get("all_gather", 0) == 2, res["collectives"]
+        assert res["collectives"].get("all_reduce", 0) == 0
+
+
+# ------------------------------------------------------------------------------ experts
+
+
+class MoEStandIn(nn.Module):
+    """Two local experts per rank (expert parallel over 2 ranks -> 4 experts in all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.shared = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x) + self.experts[0](x[:4]).sum() + self.experts[1](x[4:]).sum()
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = MoEStandIn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
+def _ep_body(rank: int, world_size: int, run_dir: str) -> dict:
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import TensorStatsMonitor
+    from trainvitals.distributed import ProcessGroups, world_group
+
+    torch.manual_seed(0)
+    model = Model()
+    torch.manual_seed(1 + rank)  # each EP rank holds different experts
+    for e in model.moe.experts:
+        nn.init.normal_(e.weight, mean=rank, std=1 + rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TensorStatsMonitor(kinds=["param", "activation"], kernel="eager")
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(7))  # same data on both ranks
+    # the expert outputs the monitor will see (computed before its hooks exist)
+    with torch.no_grad():
+        outs = {
+            f"moe.experts.{2 * rank + i}/output0": e(x[:4] if i == 0 else x[4:]).double().numpy()
+            for i, e in enumerate(model.moe.experts)
+        }
+    with Vitals(
+        [monitor],
+        writer=_Writer(),
+        run_dir=run_dir,
+        log_every_n_steps=1,
+        groups=ProcessGroups(ep=world_group()),
+    ) as vitals:
+        vitals.attach(model, opt)
+        vitals.batch(x)
+        model(x).sum().backward()
+        # what the monitor sees: the weights and activations before the update
+        experts = {
+            f"moe.experts.{2 * rank + i}.weight": e.weight.detach().double().numpy().copy()
+            for i, e in enumerate(model.moe.experts)
+        }
+        shared = model.moe.shared.weight.detach().double().numpy().copy()
+        opt.step()
+    return {"experts": experts, "outs": outs, "shared": shared}
+
+
+def test_expert_parallel_names_carry_global_expert_index(tmp_path: Path) -> None:
+    results = run_distributed(_ep_body, world_size=2, args=(str(tmp_path),), timeout=120)
+    lines = _lines(tmp_path)
+    params = lines["param"]["tensors"]
+    assert sorted(n for n in params if "experts" in n) == [
+        f"moe.experts.{i}.{p}" for i in range(4) for p in ("bias", "weight")
+    ]
+    want = {n: torch.from_numpy(w) for r in results for n, w in r["experts"].items()}
+    want["moe.shared.weight"] = torch.from_numpy(results[0]["shared"])
+    _check({"tensors": {n: params[n] for n in want}}, want, "expert params")
+    acts = lines["activation"]["tensors"]
+    outs = {n: torch.from_numpy(t) for r in results for n, t in r["outs"].items()}
+    _check({"tensors": {n: acts[n] for n in outs}}, outs, "expert activations")
