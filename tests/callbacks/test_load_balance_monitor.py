@@ -419,3 +419,38 @@ def test_lightning_ddp_two_devices_accumulation_and_validation(tmp_path: Path) -
         assert (loads.sum(1) == 2 * 2 * 2 * 12).all()
         for r in results:
             check_row(r["rows"][step], loads, ["0", "1"], aux, top_k=2)
+
+
+def test_non_logging_steps_read_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a non-logging step neither the capture nor the monitor reads a tensor back."""
+    model = tiny_lm(num_layers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    vitals = Vitals([LoadBalanceMonitor(mode="detailed")], writer=writer, log_every_n_steps=3)
+    vitals.attach(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    reads: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "cpu", "numpy")}
+
+    def forbid(name: str):
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            reads.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return method
+
+    for step in range(4):
+        logging = step % 3 == 0
+        if not logging:
+            for name in originals:
+                monkeypatch.setattr(torch.Tensor, name, forbid(name))
+        for _ in range(2):
+            x = torch.randint(0, VOCAB, (2, 6), generator=gen)
+            vitals.batch(x)
+            model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        monkeypatch.undo()
+        assert reads == [], f"step {step} read tensors back: {reads}"
+    vitals.close()
+    assert sorted(writer.rows) == [0, 3]
