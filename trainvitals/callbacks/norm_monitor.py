@@ -183,7 +183,7 @@ class NormMonitor(VitalsCallback):
             "l2_norm/grad/global": totals[1].sqrt(),
             "l2_norm/grad/nonfinite_count": totals[2],
         }
-        norms = sq.sqrt()
+        norms = sq.sqrt() if self._selected else sq
         for i in self._selected:
             name = tracked[i].name
             if "grad" in self.per_param_kinds and grads[i] is not None:
