@@ -129,7 +129,9 @@ def all_gather_coalesced(
     device = _collective_device(group, tensors[0].device)
     local = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
     gathered = torch.empty(size * local.numel(), dtype=dtype, device=device)
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    # all_gather_single is the new name (torch >= 2.13 deprecates all_gather_into_tensor).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, local, group=group)
     collective_counter["all_gather"] += 1
     rows = gathered.view(size, local.numel())
     out = []
