@@ -35,6 +35,11 @@ def _offline_backends(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path / "comet"))
     monkeypatch.setenv("COMET_DISABLE_AUTO_LOGGING", "1")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'default-mlflow.db'}")
+    # mlflow.set_tracking_uri (called by Lightning's MLFlowLogger) is process-global and beats
+    # the environment: start every test without it, and restore it afterwards
+    tracking = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if tracking is not None:
+        monkeypatch.setattr(tracking, "_tracking_uri", None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,24 +188,38 @@ def _wandb_records(path: str) -> Any:
             parts = b""
 
 
-def read_wandb_offline(wandb_dir: str | os.PathLike[str]) -> list[dict[str, float]]:
-    """The history rows of the (single) offline run under ``wandb_dir``, JSON-decoded."""
+def read_wandb_offline(
+    wandb_dir: str | os.PathLike[str], timeout: float = 60.0
+) -> list[dict[str, float]]:
+    """The history rows of the (single) offline run under ``wandb_dir``, JSON-decoded.
+
+    ``run.finish()`` returns before wandb's service has written the whole ``.wandb`` file: read
+    until its ``exit`` record is there.
+    """
     from wandb.proto import wandb_internal_pb2 as pb
 
-    files = glob.glob(os.path.join(wandb_dir, "**", "offline-run-*", "run-*.wandb"), recursive=True)
-    assert len(files) == 1, files
-    rows = []
-    for raw in _wandb_records(files[0]):
-        rec = pb.Record()
-        rec.ParseFromString(raw)
-        if rec.WhichOneof("record_type") == "history":
-            row = {}
-            for item in rec.history.item:
-                # flat keys are in `key` or (recent wandb) a one-element `nested_key`
-                key = item.key or ".".join(item.nested_key)
-                row[key] = json.loads(item.value_json)
-            rows.append(row)
-    return rows
+    deadline = time.monotonic() + timeout
+    while True:
+        pattern = os.path.join(wandb_dir, "**", "offline-run-*", "run-*.wandb")
+        files = glob.glob(pattern, recursive=True)
+        assert len(files) <= 1, files
+        rows, finished = [], False
+        for raw in _wandb_records(files[0]) if files else ():
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            kind = rec.WhichOneof("record_type")
+            finished = finished or kind == "exit"
+            if kind == "history":
+                row = {}
+                for item in rec.history.item:
+                    # flat keys are in `key` or (recent wandb) a one-element `nested_key`
+                    key = item.key or ".".join(item.nested_key)
+                    row[key] = json.loads(item.value_json)
+                rows.append(row)
+        if finished:
+            return rows
+        assert time.monotonic() < deadline, "the W&B run file has no exit record"
+        time.sleep(0.1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -279,6 +279,7 @@ class _SinkWorker:
         self.opened = False
         self.delivered = 0
         self.missed = 0
+        self.missed_why: dict[str, int] = {}  # reason -> steps
         self.failures = 0  # consecutive
         self.total_failures = 0
         self.last_error: str | None = None
@@ -304,6 +305,10 @@ class _SinkWorker:
         """Nothing more to wait for, for a flush up to ``seq``."""
         return self.disabled or self.failures > 0 or self.hung(now) or self.idle_through(seq)
 
+    def _miss(self, why: str, n: int = 1) -> None:
+        self.missed += n
+        self.missed_why[why] = self.missed_why.get(why, 0) + n
+
     def _report_once(self, what: str, message: str) -> None:
         if what not in self.reported:
             self.reported.add(what)
@@ -313,11 +318,11 @@ class _SinkWorker:
 
     def offer(self, record: _Record) -> None:
         if self.disabled or self.abandoned:
-            self.missed += 1
+            self._miss("disabled" if self.disabled else "abandoned")
             return
         if len(self.pending) >= self.writer.buffer_steps:
             self.pending.popleft()
-            self.missed += 1
+            self._miss("buffer full")
             self._report_once(
                 "overflow",
                 f"trainvitals FanoutWriter: sink {self.name!r} is behind; its buffer of "
@@ -376,7 +381,7 @@ class _SinkWorker:
                     )
                 self.failures = 0
             elif refused:
-                self.missed += 1
+                self._miss("refused by the backend")
                 self._report_once(
                     "refused",
                     f"trainvitals FanoutWriter: sink {self.name!r} refused step "
@@ -401,7 +406,7 @@ class _SinkWorker:
         if self.failures >= w.max_failures:
             lost = 1 + len(self.pending)
             self.pending.clear()
-            self.missed += lost
+            self._miss("disabled", lost)
             self.disabled = True
             _warn(
                 f"trainvitals FanoutWriter: sink {self.name!r} disabled after {self.failures} "
@@ -410,7 +415,7 @@ class _SinkWorker:
             )
             return
         if len(self.pending) >= w.buffer_steps:
-            self.missed += 1  # the buffer filled up meanwhile: the oldest step goes
+            self._miss("buffer full")  # the buffer filled up meanwhile: the oldest step goes
         else:
             self.pending.appendleft(record)
         first, cap = w.retry_backoff
@@ -943,7 +948,7 @@ class FanoutWriter:
                     time.sleep(delay)
             if w.pending:
                 with self._cond:
-                    w.missed += len(w.pending)
+                    w._miss("unfinished at close", len(w.pending))
                     w.pending.clear()
             w.finish()
         with self._cond:
@@ -963,7 +968,7 @@ class FanoutWriter:
                 if not w.finished:
                     w.abandoned = True
                     left = len(w.pending) + (w.inflight is not None)
-                    w.missed += left
+                    w._miss("unfinished at close", left)
                     w.pending.clear()
                     _warn(
                         f"trainvitals FanoutWriter: sink {w.name!r} did not finish within "
@@ -973,11 +978,9 @@ class FanoutWriter:
             total = self._dispatched
             lossy = [w for w in self._workers if w.missed]
         for w in lossy:
-            why = (
-                f"disabled after {w.failures} consecutive failures"
-                if w.disabled
-                else "buffer overflow, refused or unfinished steps"
-            )
+            why = ", ".join(f"{n} {reason}" for reason, n in w.missed_why.items())
+            if w.disabled:
+                why += f"; disabled after {w.failures} consecutive failures"
             last = f"; last error: {w.last_error}" if w.last_error else ""
             _warn(
                 f"trainvitals FanoutWriter closed: sink {w.name!r} missed {w.missed} of "
