@@ -90,7 +90,8 @@ def all_reduce_coalesced(
         dtype = tensors[0].dtype
     size = group_size(group)
     if size == 1:
-        return [t.detach().to(dtype) for t in tensors]
+        # Always new tensors, as promised: callers may modify the result in place.
+        return [t.detach().to(dtype=dtype, copy=True) for t in tensors]
     device = _collective_device(group, tensors[0].device)
     buffer = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
     dist.all_reduce(buffer, op=_torch_op("sum" if op == "avg" else op), group=group)
@@ -125,7 +126,7 @@ def all_gather_coalesced(
         dtype = tensors[0].dtype
     size = group_size(group)
     if size == 1:
-        return [t.detach().to(dtype).unsqueeze(0) for t in tensors]
+        return [t.detach().to(dtype=dtype, copy=True).unsqueeze(0) for t in tensors]
     device = _collective_device(group, tensors[0].device)
     local = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
     gathered = torch.empty(size * local.numel(), dtype=dtype, device=device)
