@@ -280,6 +280,12 @@ class Vitals:
         return self.ctx.step
 
     def state_dict(self) -> dict[str, Any]:
+        """The step counter and every callback's state (plain Python data).
+
+        On a multi-rank run some callbacks reduce their counters over the ranks here (one small
+        collective each): call it on every rank, as ``accelerator.save_state`` does, not on
+        rank 0 only.
+        """
         return {
             "step": self.ctx.step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
