@@ -190,3 +190,23 @@ def test_bad_input_is_rejected() -> None:
         fused_moments([torch.randn(3)], kernel="triton")
     with pytest.raises(ValueError, match="parts"):
         combine_moments(torch.zeros(3, 5))
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    from trainvitals.stats import moments as mod
+
+    def broken_compile(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(mod, "_compiled", mod._Compiled())
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    x = 100 + torch.randn(20 * CHUNK + 3, generator=torch.Generator().manual_seed(4))
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        got = derive(fused_moments([x], kernel="compile"))
+    assert_matches(got, 0, reference(x), "fallback")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once; later calls go straight to eager
+        fused_moments([x], kernel="compile")
+    assert mod._compiled.failed is not None

@@ -304,12 +304,14 @@ def _rows_masked(x2: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor:
-    """Eager per-row shifted sums for an all-finite ``x2`` ``[C, B]``: ``[C, 5]`` (shift, S1..S4)
-    in the compute dtype. Processes blocks of rows with two reusable work buffers so
-    temporaries stay in cache and no memory is allocated per block."""
+    """Eager rows ``[C, 8]`` (n, shift, S1..S4, min, max) of an ``x2`` ``[C, B]`` assumed finite
+    (min and max are the whole tensor's, repeated: they merge to the same). Blocks of rows go
+    through two reusable work buffers, so temporaries stay in cache and nothing is allocated per
+    block."""
     c, b = x2.shape
     dtype = torch.float64 if x2.dtype == torch.float64 else torch.float32
-    out = torch.empty(5, c, dtype=dtype, device=x2.device)
+    out = torch.empty(8, c, dtype=dtype, device=x2.device)
+    out[0] = b
     rows = max(1, min(c, _EAGER_BLOCK_ROWS * CHUNK // b))
     if not work or work[0].numel() < rows * b:
         work[:] = [torch.empty(rows * b, dtype=dtype, device=x2.device) for _ in range(2)]
@@ -322,34 +324,41 @@ def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor
         y = work[0][: r * b].view(r, b)
         y2 = work[1][: r * b].view(r, b)
         shift = xb.mean(1, keepdim=True)
-        out[0, start:end] = shift.squeeze(1)
+        out[1, start:end] = shift.squeeze(1)
         torch.sub(xb, shift, out=y)
-        torch.sum(y, 1, out=out[1, start:end])
+        torch.sum(y, 1, out=out[2, start:end])
         torch.mul(y, y, out=y2)
-        torch.sum(y2, 1, out=out[2, start:end])
+        torch.sum(y2, 1, out=out[3, start:end])
         torch.mul(y2, y, out=y)
-        torch.sum(y, 1, out=out[3, start:end])
-        torch.mul(y2, y2, out=y)
         torch.sum(y, 1, out=out[4, start:end])
+        torch.mul(y2, y2, out=y)
+        torch.sum(y, 1, out=out[5, start:end])
+    mn, mx = torch.aminmax(x2)
+    out[6] = mn
+    out[7] = mx
     return out.t()
 
 
-def _rows_to_moments(n: torch.Tensor, sums: torch.Tensor, b: int) -> torch.Tensor:
-    """Rows of (n, shift, S1..S4) -> float64 central moments ``[C, NUM_FIELDS]`` (min/max and
-    nonfinite filled by the caller)."""
-    sums = sums.to(torch.float64)
-    n = n.to(torch.float64)
-    shift, s1, s2, s3, s4 = sums.unbind(1)
-    safe = n.clamp_min(1.0)
-    a = s1 / safe  # the residue of the shift
-    out = torch.empty(n.shape[0], NUM_FIELDS, dtype=torch.float64, device=n.device)
-    out[:, COUNT] = n
-    out[:, MEAN] = shift + a
-    out[:, M2] = s2 - s1 * a
-    out[:, M3] = s3 - 3.0 * a * s2 + 2.0 * s1 * a * a
-    out[:, M4] = s4 - 4.0 * a * s3 + 6.0 * a * a * s2 - 3.0 * s1 * a * a * a
-    out[:, NONFINITE] = b - n
-    return out
+def _rows_to_moments(rows: torch.Tensor, b: int) -> torch.Tensor:
+    """Rows of (n, shift, S1..S4, min, max) -> float64 central moments ``[C, NUM_FIELDS]``;
+    ``b`` is the row length (for the non-finite count ``b - n``)."""
+    rows = rows.to(torch.float64)
+    n, shift, s1, s2, s3, s4, mn, mx = rows.unbind(1)
+    a = s1 / n.clamp_min(1.0)  # the residue of the shift
+    a2 = a * a
+    return torch.stack(
+        [
+            n,
+            shift + a,
+            s2 - s1 * a,
+            s3 - 3.0 * a * s2 + 2.0 * s1 * a2,
+            s4 - 4.0 * a * s3 + 6.0 * a2 * s2 - 3.0 * s1 * a2 * a,
+            mn,
+            mx,
+            b - n,
+        ],
+        1,
+    )
 
 
 class _Compiled:
@@ -400,7 +409,7 @@ def _small_moments(
     device = pieces[0].device
     lengths = torch.tensor([p.numel() for p in pieces], device=device)
     k = len(pieces)
-    flat = torch.cat([p.reshape(-1).to(torch.float64) for p in pieces])
+    flat = torch.cat([p.reshape(-1) for p in pieces]).to(torch.float64)
     seg = torch.repeat_interleave(torch.arange(k, device=device), lengths)
     fin = torch.isfinite(flat)
     n = torch.zeros(k, dtype=torch.float64, device=device).index_add_(0, seg, fin.double())
@@ -411,12 +420,11 @@ def _small_moments(
     y2 = y * y
     acc = torch.zeros(k, 4, dtype=torch.float64, device=device)
     acc.index_add_(0, seg, torch.stack([y, y2, y2 * y, y2 * y2], 1))
-    sums = torch.cat([mean.unsqueeze(1), acc], 1)
-    out = _rows_to_moments(n, sums, 0)
-    out[:, NONFINITE] = lengths.to(torch.float64) - n
     inf = torch.full((k,), math.inf, dtype=torch.float64, device=device)
-    out[:, MIN] = inf.scatter_reduce(0, seg, torch.where(fin, flat, math.inf), "amin")
-    out[:, MAX] = (-inf).scatter_reduce(0, seg, torch.where(fin, flat, -math.inf), "amax")
+    mn = inf.scatter_reduce(0, seg, torch.where(fin, flat, math.inf), "amin")
+    mx = (-inf).scatter_reduce(0, seg, torch.where(fin, flat, -math.inf), "amax")
+    out = _rows_to_moments(torch.stack([n, mean, *acc.unbind(1), mn, mx], 1), 0)
+    out[:, NONFINITE] = lengths.to(torch.float64) - n
     return out, torch.tensor(owner, device=device)
 
 
@@ -461,60 +469,55 @@ def partial_moments(
     if not tensors:
         return empty_moments(0), torch.zeros(0, dtype=torch.long)
     device = tensors[0].device
-    parts: list[torch.Tensor] = []
-    owners: list[torch.Tensor] = []
+    rows: list[torch.Tensor] = []  # per large tensor: [C, 8] rows (n, shift, S1..S4, min, max)
+    row_owner: list[int] = []
     small: list[torch.Tensor] = []
     small_owner: list[int] = []
-    eager_fix: list[int] = []  # large tensors with a non-finite element (eager path)
+    eager: list[int] = []  # positions in rows computed by the eager (unmasked) kernel
+    extremes: list[torch.Tensor] = []  # their tensors' (min, max)
     compiled = _use_compile(kernel, device)
     for i, t in enumerate(tensors):
         t = t.detach()
         if t.device != device:
             raise ValueError(f"all tensors must be on one device; tensors[{i}] is on {t.device}")
         flat = t.reshape(-1)
-        c = flat.numel() // CHUNK
         if flat.numel() < SMALL_NUMEL:
             if flat.numel():
                 small.append(flat)
                 small_owner.append(i)
             continue
+        c = flat.numel() // CHUNK
         body = flat[: c * CHUNK].view(c, CHUNK)
-        tail = flat[c * CHUNK :]
-        if tail.numel():
-            small.append(tail)
+        if flat.numel() > c * CHUNK:
+            small.append(flat[c * CHUNK :])
             small_owner.append(i)
-        rows = _compiled(body) if compiled else None
-        if rows is not None:
-            m = _rows_to_moments(rows[:, 0], rows[:, 1:6], CHUNK)
-            m[:, MIN] = rows[:, 6]
-            m[:, MAX] = rows[:, 7]
-        else:
+        r = _compiled(body) if compiled else None
+        if r is None:
             cdtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-            work = _eager_work.setdefault((device, cdtype), [])
-            sums = _rows_eager_fast(body, work)
-            n = torch.full((c,), float(CHUNK), dtype=torch.float64, device=device)
-            m = _rows_to_moments(n, sums, CHUNK)
-            mn, mx = torch.aminmax(body)
-            m[:, MIN] = mn.to(torch.float64)  # the tensor's min in every row: same after merge
-            m[:, MAX] = mx.to(torch.float64)
-            eager_fix.append(len(parts))
-        parts.append(m)
-        owners.append(torch.full((c,), i, dtype=torch.long, device=device))
-    if eager_fix:
-        # A NaN or inf shows in min or max: recompute only those tensors with the masked kernel.
-        ext = torch.stack([torch.stack([parts[j][0, MIN], parts[j][0, MAX]]) for j in eager_fix])
-        bad = ~torch.isfinite(ext).all(1)
-        if bool(bad.any()):  # one flag to the host per call
-            for j, is_bad in zip(eager_fix, bad.tolist(), strict=True):
+            r = _rows_eager_fast(body, _eager_work.setdefault((device, cdtype), []))
+            eager.append(len(rows))
+            extremes.append(r[0, 6:8])
+        rows.append(r)
+        row_owner.append(i)
+    if eager:
+        # A NaN or an inf shows in the tensor's min or max: recompute only those tensors with
+        # the masked kernel (one flag to the host per call).
+        bad = ~torch.isfinite(torch.stack(extremes)).all(1)
+        if bool(bad.any()):
+            for j, is_bad in zip(eager, bad.tolist(), strict=True):
                 if is_bad:
-                    i = int(owners[j][0])
-                    flat = tensors[i].detach().reshape(-1)
+                    flat = tensors[row_owner[j]].detach().reshape(-1)
                     c = flat.numel() // CHUNK
-                    rows = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
-                    m = _rows_to_moments(rows[:, 0], rows[:, 1:6], CHUNK)
-                    m[:, MIN] = rows[:, 6]
-                    m[:, MAX] = rows[:, 7]
-                    parts[j] = m
+                    rows[j] = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
+    parts: list[torch.Tensor] = []
+    owners: list[torch.Tensor] = []
+    if rows:
+        # every large tensor's rows converted and merged together: a fixed number of ops
+        all_rows = torch.cat([r.to(torch.float64) for r in rows])
+        counts = torch.tensor([r.shape[0] for r in rows], device=device)
+        owner_ids = torch.tensor(row_owner, device=device)
+        parts.append(_rows_to_moments(all_rows, CHUNK))
+        owners.append(torch.repeat_interleave(owner_ids, counts))
     if small:
         m, owner = _small_moments(small, small_owner)
         parts.append(m)

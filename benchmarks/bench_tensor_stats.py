@@ -1,0 +1,254 @@
+"""TensorStatsMonitor overhead and the moments kernel, in one run.
+
+Run (from the repository root)::
+
+    .venv/bin/python benchmarks/bench_tensor_stats.py            # full: ~110M values, 25M LM
+    .venv/bin/python benchmarks/bench_tensor_stats.py --quick    # smaller, for a smoke test
+
+Two parts, each interleaved against a baseline measured in the same run (ratios, medians):
+
+1. Kernel: the moments of ~110M float32 values in 121 tensors (the issue's setting) with the
+   fused eager kernel and the ``torch.compile``d kernel, against one ``torch.sum`` pass per
+   tensor and against four separate power sums per tensor (the eager fallback of Megatron-LM
+   PR #5492).
+2. Training step of the ~25M-parameter transformer of ``benchmarks/common.py`` on 2 threads:
+   baseline; params+grads every step; all four kinds every step; the same two with the
+   four-power-sums method swapped in; ``wandb.watch(model, log="all", log_freq=1)`` offline.
+
+Prints a Markdown table for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import build_lm, count_parameters, interleaved_ratios, lm_batch
+from trainvitals.adapters.loop import Vitals
+from trainvitals.callbacks import TensorStatsMonitor
+from trainvitals.stats.moments import NUM_FIELDS, fused_moments
+
+# ------------------------------------------------------------------------------ the comparison
+
+
+def power_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Four separate float32 power sums per tensor (the reference's eager fallback)."""
+    out = []
+    for t in tensors:
+        x = t.detach().float()
+        out.append(torch.stack([x.sum(), (x * x).sum(), (x**3).sum(), (x**4).sum()]))
+    return torch.stack(out)
+
+
+def power_sum_partial(tensors, *, kernel="auto"):
+    """Drop-in for ``partial_moments`` inside the monitor, costing what the reference costs (its
+    numbers are the naive raw-sum conversion; only the time matters here)."""
+    tensors = list(tensors)
+    sums = power_sums(tensors).double()
+    n = torch.tensor([float(t.numel()) for t in tensors], dtype=torch.float64)
+    mean = sums[:, 0] / n
+    parts = torch.zeros(len(tensors), NUM_FIELDS, dtype=torch.float64)
+    parts[:, 0] = n
+    parts[:, 1] = mean
+    parts[:, 2] = sums[:, 1] - n * mean * mean
+    return parts, torch.arange(len(tensors))
+
+
+@contextlib.contextmanager
+def patched_kernel(method: str) -> Iterator[None]:
+    import trainvitals.callbacks.tensor_stats_monitor as mod
+
+    original = mod.partial_moments
+    if method == "powersums":
+        mod.partial_moments = power_sum_partial
+    try:
+        yield
+    finally:
+        mod.partial_moments = original
+
+
+# ------------------------------------------------------------------------------ kernel part
+
+
+def kernel_tensors(scale: float) -> list[torch.Tensor]:
+    """121 tensors, ~112M values at scale 1: 12 layers of (qkv, o, up, down weights, 4 norm
+    vectors, 2 biases) and an embedding, the mix of a ~110M-parameter model."""
+    g = torch.Generator().manual_seed(0)
+    d, f = int(1024 * scale**0.5), int(2048 * scale**0.5)
+    shapes: list[tuple[int, ...]] = []
+    for _ in range(12):
+        shapes += [(3 * d, d), (d, d), (f, d), (d, f), (d,), (d,), (d,), (d,), (3 * d,), (f,)]
+    shapes.append((int(16000 * scale**0.5), d))
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+def bench_kernel(
+    tensors: list[torch.Tensor], reps: int, compile_ok: bool
+) -> dict[str, list[float]]:
+    variants: dict[str, Callable[[], object]] = {
+        "one torch.sum pass": lambda: [t.sum() for t in tensors],
+        "four power sums (reference fallback)": lambda: power_sums(tensors),
+        "fused moments, eager": lambda: fused_moments(tensors, kernel="eager"),
+    }
+    if compile_ok:
+        variants["fused moments, torch.compile"] = lambda: fused_moments(tensors, kernel="compile")
+    for fn in variants.values():  # warm-up (and compile)
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            start = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+# ------------------------------------------------------------------------------ training part
+
+
+class _NullWriter:
+    def add_scalars(self, mapping, step):
+        pass
+
+    def add_scalar(self, name, value, step):
+        pass
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def make_variant(kind: str, tmp: Path, batch: torch.Tensor) -> Callable[[int], float]:
+    model = build_lm()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    vitals = None
+    method = "fused"
+    run = None
+    if kind.startswith("params+grads") or kind.startswith("all four"):
+        kinds = ["param", "grad"] if kind.startswith("params+grads") else None
+        monitor = TensorStatsMonitor(kinds=kinds or ["param", "grad", "activation", "dgrad"])
+        vitals = Vitals(
+            [monitor],
+            writer=_NullWriter(),
+            run_dir=tmp / kind.replace(" ", "_"),
+            log_every_n_steps=1,
+        )
+        vitals.attach(model, opt)
+        method = "powersums" if "power" in kind else "fused"
+    elif kind.startswith("wandb"):
+        import wandb
+
+        run = wandb.init(mode="offline", dir=str(tmp), project="bench")
+        wandb.watch(model, log="all", log_freq=1)  # hooks on the global run
+
+    def step() -> None:
+        if vitals is not None:
+            vitals.batch(batch)
+        loss = model(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if run is not None:
+            run.log({"loss": float(loss)})
+
+    def timed_steps(n: int) -> float:
+        with patched_kernel(method):
+            step()  # warm-up: one untimed step per call
+            start = time.perf_counter()
+            for _ in range(n):
+                step()
+            return time.perf_counter() - start
+
+    timed_steps.close = lambda: (vitals.close() if vitals else None, run.finish() if run else None)  # type: ignore[attr-defined]
+    return timed_steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--kernel-scale", type=float, default=None)
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-kernel", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    reps = args.reps or (3 if args.quick else 7)
+    steps = args.steps or (2 if args.quick else 4)
+    scale = args.kernel_scale or (0.1 if args.quick else 1.0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+
+    if not args.skip_kernel:
+        tensors = kernel_tensors(scale)
+        numel = sum(t.numel() for t in tensors)
+        compile_ok = True
+        try:
+            fused_moments(tensors[:2], kernel="compile")
+            from trainvitals.stats.moments import _compiled
+
+            compile_ok = _compiled.failed is None
+        except Exception:
+            compile_ok = False
+        times = bench_kernel(tensors, reps, compile_ok)
+        base = times["one torch.sum pass"]
+        print(
+            f"\n### Kernel: {numel / 1e6:.1f}M float32 values in {len(tensors)} tensors, {reps} reps\n"
+        )
+        print("| method | median ms | median ratio to one torch.sum pass (min-max) |")
+        print("|---|---|---|")
+        for name, ts in times.items():
+            ratios = [t / b for t, b in zip(ts, base, strict=True)]
+            print(
+                f"| {name} | {statistics.median(ts) * 1e3:.1f} | {statistics.median(ratios):.2f}x "
+                f"({min(ratios):.2f}-{max(ratios):.2f}) |"
+            )
+
+    if not args.skip_training:
+        batch = lm_batch(
+            batch_size=4 if not args.quick else 2, seq_len=128 if not args.quick else 32
+        )
+        names = [
+            "baseline",
+            "params+grads every step",
+            "all four every step",
+            "params+grads every step, four power sums",
+            "all four every step, four power sums",
+            "wandb.watch(log='all', log_freq=1)",
+        ]
+        with tempfile.TemporaryDirectory() as tmp:
+            variants = {n: make_variant(n, Path(tmp), batch) for n in names}
+            n_params = count_parameters(build_lm())
+            res = interleaved_ratios(variants, baseline="baseline", reps=reps, steps=steps)
+            for v in variants.values():
+                v.close()  # type: ignore[attr-defined]
+        print(
+            f"\n### Training step: {n_params / 1e6:.1f}M-parameter transformer, batch "
+            f"{tuple(batch.shape)}, {reps} reps x {steps} steps\n"
+        )
+        print("| variant | median s/step | overhead vs baseline, median (min-max) |")
+        print("|---|---|---|")
+        for name, r in res.items():
+            print(
+                f"| {name} | {r['median_step_s']:.3f} | {100 * (r['median_ratio'] - 1):+.1f}% "
+                f"({100 * (r['min_ratio'] - 1):+.1f}% to {100 * (r['max_ratio'] - 1):+.1f}%) |"
+            )
+
+
+if __name__ == "__main__":
+    main()
