@@ -45,7 +45,6 @@ its last warning lists every sink that missed steps.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import numbers
 import os
@@ -568,7 +567,10 @@ class FanoutWriter:
         # delivery state, guarded by _cond
         self._cond = threading.Condition()
         self._dispatched = 0
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        # SimpleQueue: put() takes no Python-level lock, so the training thread never blocks
+        # (and never gives up the GIL) handing a step over; the bound is kept by _enqueue.
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.queue_size = queue_size
         self._dispatcher: threading.Thread | None = None
         self._unreadable: set[str] = set()
         self._workers: list[_SinkWorker] = []
@@ -780,7 +782,7 @@ class FanoutWriter:
             batch.cuda_event = (torch.cuda.current_device(), event)
         if self.background:
             self._start_threads()
-            self._queue.put(batch)
+            self._enqueue(batch)
         else:
             self._dispatch(batch)
         for w in self._workers:
@@ -802,6 +804,18 @@ class FanoutWriter:
                     target=w.run, name=f"trainvitals-sink-{w.name}", daemon=True
                 )
                 w.thread.start()
+
+    def _enqueue(self, batch: _StepBatch) -> None:
+        """Hand a step to the dispatcher; wait (rarely) while ``queue_size`` steps are queued."""
+        if self._queue.qsize() >= self.queue_size:
+            dispatcher = self._dispatcher
+            while (
+                self._queue.qsize() >= self.queue_size
+                and dispatcher is not None
+                and dispatcher.is_alive()
+            ):
+                time.sleep(0.001)
+        self._queue.put(batch)
 
     def _dispatch_loop(self) -> None:
         while True:
@@ -925,8 +939,7 @@ class FanoutWriter:
         deadline = time.monotonic() + timeout
         dispatcher = self._dispatcher
         if dispatcher is not None:
-            with contextlib.suppress(queue.Full):
-                self._queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+            self._queue.put(_STOP)
             dispatcher.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
             for w in self._workers:
