@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
     )
     callbacks = [
-        MoEMetricsMonitor(
-            per_layer_logging=True, percentiles={"load_balancing_loss": [0.5, 0.9]}
-        ),
+        MoEMetricsMonitor(per_layer_logging=True, percentiles={"load_balancing_loss": [0.5, 0.9]}),
         LoadBalanceMonitor(mode="detailed"),
         TensorStatsMonitor(),
         NormMonitor(),

@@ -1,0 +1,93 @@
+"""trainvitals in a Hugging Face Accelerate script: three added lines (marked ``# vitals``).
+
+    python examples/accelerate_moe.py --run-dir runs/accelerate --steps 100
+    accelerate launch --num_processes 2 --cpu examples/accelerate_moe.py   # two CPU ranks
+
+The callbacks write into the Accelerate trackers (here TensorBoard), with tensor values
+converted to numbers (Accelerate's own trackers drop tensors silently); gradients are seen
+after ``accelerator.clip_grad_norm_`` unscales them and before it clips them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from trainvitals import (
+    LoadBalanceMonitor,
+    MoEMetricsMonitor,
+    NormMonitor,
+    RuntimeMonitor,
+    ThroughputMonitor,
+)
+from trainvitals.adapters.accelerate import Vitals
+from trainvitals.moe import TinyMoELM
+from trainvitals.moe.tiny_model import RandomTokenDataset
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", default="runs/accelerate", type=Path)
+    parser.add_argument("--steps", default=100, type=int)
+    parser.add_argument("--accumulate", default=2, type=int)
+    parser.add_argument("--log-every", default=10, type=int)
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    accelerator = Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=args.accumulate,
+        log_with="tensorboard",
+        project_dir=args.run_dir,
+    )
+    accelerator.init_trackers("trainvitals-accelerate")
+    model = TinyMoELM(vocab_size=64, hidden_size=64, num_layers=4, num_experts=8, top_k=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = RandomTokenDataset(num_samples=4096, seq_len=32, vocab_size=64, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    vitals = Vitals(  # vitals
+        [
+            MoEMetricsMonitor(),
+            LoadBalanceMonitor(),
+            NormMonitor(),
+            ThroughputMonitor(),
+            RuntimeMonitor(),
+        ],
+        accelerator=accelerator,
+        log_every_n_steps=args.log_every,
+        run_dir=args.run_dir,
+        max_steps=args.steps,
+    )
+    vitals.attach(model, optimizer)  # vitals
+    accelerator.register_for_checkpointing(vitals)
+
+    steps_done = 0
+    while steps_done < args.steps:
+        for batch in loader:
+            vitals.batch(batch)  # vitals
+            with accelerator.accumulate(model):
+                loss = model(batch["input_ids"], labels=batch["labels"]).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                accelerator.unwrap_model(model).moe_step_end()
+                steps_done += 1
+                if steps_done >= args.steps:
+                    break
+    vitals.close()
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        print(f"logs in {args.run_dir} (tensorboard --logdir {args.run_dir})")
+
+
+if __name__ == "__main__":
+    main()

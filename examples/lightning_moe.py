@@ -1,0 +1,72 @@
+"""Every trainvitals callback in a Lightning ``Trainer``, on the tiny MoE model, on CPU.
+
+    python examples/lightning_moe.py --run-dir runs/lightning --steps 100
+    python examples/lightning_moe.py --devices 2          # DDP on two CPU processes
+
+The callbacks write into the loggers the Trainer already has (here TensorBoard and CSV),
+through their batch APIs; ``tensor_stats.jsonl`` lands in the logger's folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from trainvitals import (
+    LoadBalanceMonitor,
+    MemoryMonitor,
+    MoEMetricsMonitor,
+    NormMonitor,
+    RuntimeMonitor,
+    TensorStatsMonitor,
+    ThroughputMonitor,
+)
+from trainvitals.moe.tiny_model import RandomTokenDataset, TinyMoELightningModule
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", default="runs/lightning", type=Path)
+    parser.add_argument("--steps", default=100, type=int)
+    parser.add_argument("--devices", default=1, type=int)
+    parser.add_argument("--accumulate", default=2, type=int)
+    parser.add_argument("--log-every", default=10, type=int)
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    module = TinyMoELightningModule(
+        lr=3e-3, vocab_size=64, hidden_size=64, num_layers=4, num_experts=8, top_k=2
+    )
+    data = RandomTokenDataset(num_samples=4096, seq_len=32, vocab_size=64, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
+        log_every_n_steps=args.log_every,
+        accelerator="cpu",
+        devices=args.devices,
+        logger=[TensorBoardLogger(args.run_dir, name="tb"), CSVLogger(args.run_dir, name="csv")],
+        callbacks=[
+            MoEMetricsMonitor(per_layer_logging=True),
+            LoadBalanceMonitor(mode="detailed"),
+            TensorStatsMonitor(),
+            NormMonitor(),
+            MemoryMonitor(),
+            ThroughputMonitor(window_size=20),
+            RuntimeMonitor(),
+        ],
+        enable_progress_bar=False,
+        default_root_dir=args.run_dir,
+    )
+    trainer.fit(module, loader)
+    if trainer.is_global_zero:
+        print(f"logs in {args.run_dir} (tensorboard --logdir {args.run_dir / 'tb'})")
+
+
+if __name__ == "__main__":
+    main()
