@@ -130,11 +130,16 @@ class MemoryMonitor(VitalsCallback):
         self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
         self._cuda: torch.device | None = None
         self._recording = False
+        self._process: Any = None  # psutil.Process of this process, made at run start
         self.snapshots: list[Path] = []  # files written by this process
 
     # ------------------------------------------------------------------ hooks
 
     def run_start(self, ctx: RunContext) -> None:
+        if self.host:
+            import psutil
+
+            self._process = psutil.Process()
         device = ctx.device
         self._cuda = device if device.type == "cuda" and torch.cuda.is_available() else None
         if self._cuda is None and (self.record_history or self.snapshot_steps):
@@ -173,7 +178,7 @@ class MemoryMonitor(VitalsCallback):
             if self.peak_since_last_log:
                 torch.cuda.reset_peak_memory_stats(self._cuda)
         if self.host:
-            values.update(memory_stats.host_memory_readings())
+            values.update(memory_stats.host_memory_readings(self._process))
         return values
 
     def _read_and_reduce(self) -> dict[str, Any]:
@@ -192,8 +197,9 @@ class MemoryMonitor(VitalsCallback):
         out: dict[str, Any] = {}
         for kind in self.reduce:
             suffix = "" if kind == "max" else f"/{kind}"
-            for i, name in enumerate(names):
-                out[f"memory/{name}{suffix}"] = reduced[kind][i]
+            # host values: the readings and the collective's result are on the CPU
+            for name, value in zip(names, reduced[kind].tolist(), strict=True):
+                out[f"memory/{name}{suffix}"] = value
         return out
 
     def _dump_snapshot(self, ctx: RunContext, suffix: str | None = None) -> None:

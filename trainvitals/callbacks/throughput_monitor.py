@@ -40,6 +40,8 @@ def reduce_counts(matrix: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
     for i, name in enumerate(names):
         by_role.setdefault(_FIELD_GROUP[name], []).append(i)
     group_of = {"dp": groups.dp, "dp_cp": groups.dp_cp, "world": world_group()}
+    if all(group_size(g) == 1 for g in group_of.values()):
+        return matrix.to(torch.float64)  # one process: nothing to sum
     roles = list(by_role)
     reduced = all_reduce_by_groups([(matrix[:, by_role[r]], (group_of[r],)) for r in roles], "sum")
     out = torch.empty_like(matrix, dtype=torch.float64)
@@ -340,32 +342,36 @@ class ThroughputMonitor(VitalsCallback):
     def _rates(self, ctx: RunContext) -> dict[str, Any]:
         if not len(self._window):
             return {}
-        local = self._window.sums()
+        local = astuple(self._window.sums())
         live, restored = self._window.split_sums()
         live_vec = to_vector(astuple(live)[1:]).unsqueeze(0)
-        glob = reduce_counts(live_vec, self._groups)[0] + torch.tensor(
-            restored, dtype=torch.float64
+        # Host values from here on (the collective's result is on the CPU).
+        summed = reduce_counts(live_vec, self._groups)[0].tolist()
+        g = dict(
+            zip(
+                COUNT_FIELDS[1:],
+                (a + b for a, b in zip(summed, restored, strict=True)),
+                strict=True,
+            )
         )
-        g = dict(zip(COUNT_FIELDS[1:], glob, strict=True))
-        seconds = float(local.seconds)
+        loc = dict(zip(COUNT_FIELDS[1:], to_vector(local[1:]).tolist(), strict=True))
+        seconds = float(local[0])
         if seconds <= 0:
             return {}
         out: dict[str, Any] = {"throughput/seconds_per_step": seconds / len(self._window)}
-        local_vec = to_vector(astuple(local)[1:])
-        loc = dict(zip(COUNT_FIELDS[1:], local_vec, strict=True))
         for unit in ("batches", "samples", "tokens"):
-            if float(g[f"{unit}_missing"]) == 0:
+            if g[f"{unit}_missing"] == 0:
                 out[f"throughput/{unit}_per_sec"] = g[unit] / seconds
-            if float(loc[f"{unit}_missing"]) == 0:
+            if loc[f"{unit}_missing"] == 0:
                 out[f"throughput/device/{unit}_per_sec"] = loc[unit] / seconds
         missing = self._flops_missing_field()
         if missing is not None:
-            if float(g[missing]) == 0:
+            if g[missing] == 0:
                 flops_per_sec = g["flops"] / seconds
                 out["throughput/flops_per_sec"] = flops_per_sec
                 if self._peak:
                     out["throughput/mfu"] = flops_per_sec / (ctx.world_size * self._peak)
-            if float(loc[missing]) == 0:
+            if loc[missing] == 0:
                 device_flops = loc["flops"] / seconds
                 out["throughput/device/flops_per_sec"] = device_flops
                 if self._peak:

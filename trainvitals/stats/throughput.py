@@ -176,8 +176,10 @@ def _sum(values: Iterable[Any]) -> Any:
 
 
 def to_vector(values: Sequence[Any]) -> torch.Tensor:
-    """A float64 CPU vector of numbers and 0-d tensors (tensors stay where they are until the
-    ``cat``; callers use this on logging steps only)."""
+    """A float64 CPU vector of numbers and 0-d tensors (a tensor on a device is copied to the
+    host here: callers use this on logging steps only)."""
+    if not any(isinstance(v, torch.Tensor) for v in values):
+        return torch.tensor([float(v) for v in values], dtype=torch.float64)
     parts = [
         v.detach().reshape(1).to(device="cpu", dtype=torch.float64)
         if isinstance(v, torch.Tensor)
