@@ -223,6 +223,8 @@ class TensorStatsMonitor(VitalsCallback):
         # (kind, site) -> shard groups of the DTensor seen there (tensor parallel), fixed at
         # its first observation so every step and rank merges the same way
         self._site_groups: dict[tuple[str, int], tuple[Any, ...]] = {}
+        self._hook_step: int | None = None
+        self._hook_ctx: RunContext | None = None
 
     # ------------------------------------------------------------------ intervals
 
@@ -261,7 +263,11 @@ class TensorStatsMonitor(VitalsCallback):
             _prepare_jsonl(self._path, first_step=ctx.step)
 
     def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
+        if self._handles and self._hook_step != ctx.step:
+            # a step that never ended (an epoch cut mid-accumulation): drop its partial data
+            self._remove_hooks()
         if not self._handles and self._act_step(ctx):
+            self._hook_step = ctx.step
             self._install(ctx)
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
@@ -331,6 +337,7 @@ class TensorStatsMonitor(VitalsCallback):
 
     def _install(self, ctx: RunContext) -> None:
         self._act_parts = {"activation": [], "dgrad": []}
+        self._hook_ctx = ctx
         for name, module in self._modules:
             idx = [self._site_index.get(self._global_name(f"{name}/{s}")) for s in _SITE_SUFFIXES]
             if idx == [None, None]:
@@ -352,6 +359,8 @@ class TensorStatsMonitor(VitalsCallback):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if torch._C._current_graph_task_id() != -1:
                 return  # a forward re-run inside backward (activation checkpointing)
+            if self._hook_ctx is not None and self._hook_ctx.in_validation:
+                return
             first_in = _first_float(args)
             if first_in is None and not args:
                 first_in = _first_float(tuple(kwargs.values()))
