@@ -5,8 +5,8 @@ optimizer steps per repetition, after one untimed warm-up step; variants are int
 their order rotates every repetition; the figure reported is the median over repetitions of
 (variant seconds per step) / (baseline seconds per step of the same repetition).
 
-Variants: ``baseline`` (plain loop, no trainvitals), ``driver`` (the Vitals driver with no
-callback), then each callback alone with ``log_every_n_steps=1`` (it logs at every step, the
+Variants: ``baseline`` (plain loop, no trainvitals), then each callback alone (under the
+Vitals driver) with ``log_every_n_steps=1`` (it logs at every step, the
 worst case; the default interval of 50 costs less), ``NormMonitor`` when it exists, and
 ``all`` of them together.
 
@@ -15,8 +15,9 @@ Run::
     .venv/bin/python -m benchmarks.bench_callbacks --reps 5 --steps 4
 
 Because end-to-end ratios on a loaded machine are noisy, the table also gives the time spent
-inside the callbacks' hooks during the timed steps (each hook timed with ``perf_counter``),
-per step, and as a fraction of the baseline's median step time of the same run. On CPU the
+inside the callbacks' hooks during the timed steps (each hook timed with ``perf_counter``, and
+its process CPU time with ``process_time``, which the machine's load does not inflate), per
+step, and the wall time as a fraction of the baseline's median step time of the same run. On CPU the
 hooks' work is synchronous, so this is their whole cost; on CUDA a callback's kernels run
 asynchronously and the end-to-end ratio is the figure to read.
 
@@ -53,13 +54,15 @@ from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
 
 
 def _time_hooks(callback: Any, spent: list[float]) -> None:
-    """Add the wall time of every hook ``callback`` runs to ``spent[0]``."""
+    """Add the wall time and the process CPU time of every hook ``callback`` runs to
+    ``spent[0]`` and ``spent[1]``."""
     dispatch = callback._dispatch
 
     def timed_dispatch(hook: str, ctx: Any, *args: Any) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         dispatch(hook, ctx, *args)
         spent[0] += time.perf_counter() - start
+        spent[1] += time.process_time() - cpu
 
     callback._dispatch = timed_dispatch
 
@@ -114,11 +117,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # Seconds spent inside the callbacks' hooks during timed steps, per variant.
     hook_seconds: dict[str, list[float]] = {}
+    hook_cpu: dict[str, list[float]] = {}
 
     def runner(name: str, factory: Callable[[], list] | None) -> Callable[[int], float]:
         def run(steps: int) -> float:
             vitals = None
-            spent = [0.0]
+            spent = [0.0, 0.0]
             if factory is not None:
                 callbacks = factory()
                 for cb in callbacks:
@@ -126,9 +130,10 @@ def main(argv: list[str] | None = None) -> None:
                 vitals = Vitals(callbacks, writer=writer(), log_every_n_steps=1)
                 vitals.attach(model, optimizer)
             one_step(vitals)  # warm-up: first step of each callback instance
-            spent[0] = 0.0
+            spent[0] = spent[1] = 0.0
             seconds = timed(lambda: [one_step(vitals) for _ in range(steps)], args.device)
             hook_seconds.setdefault(name, []).append(spent[0] / steps)
+            hook_cpu.setdefault(name, []).append(spent[1] / steps)
             if vitals is not None:
                 vitals.close()
             return seconds
@@ -138,7 +143,6 @@ def main(argv: list[str] | None = None) -> None:
     flops_per_token = 6.0 * n_params
     factories: dict[str, Callable[[], list] | None] = {
         "baseline": None,
-        "driver": list,
         "MemoryMonitor": lambda: [MemoryMonitor()],
         "ThroughputMonitor": lambda: [
             ThroughputMonitor(flops_per_token=flops_per_token, peak_flops=1e12, warmup_steps=0)
@@ -172,15 +176,16 @@ def main(argv: list[str] | None = None) -> None:
     base = results["baseline"]["median_step_s"]
     print(
         "| variant | median s/step | end-to-end ratio (median) | min-max ratio "
-        "| time in hooks per step | hooks / baseline step |"
+        "| hooks wall per step | hooks CPU per step | hooks wall / baseline step |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         hooks = statistics.median(hook_seconds.get(name, [0.0]))
+        cpu = statistics.median(hook_cpu.get(name, [0.0]))
         print(
             f"| {name} | {r['median_step_s']:.3f} | {r['median_ratio']:.3f} "
             f"| {r['min_ratio']:.3f}-{r['max_ratio']:.3f} | {1e3 * hooks:.3f} ms "
-            f"| {100 * hooks / base:.3f}% |"
+            f"| {1e3 * cpu:.3f} ms | {100 * hooks / base:.3f}% |"
         )
 
 
