@@ -87,7 +87,10 @@ class MemoryMonitor(VitalsCallback):
         trainer = pl.Trainer(callbacks=[MemoryMonitor(reduce=("max", "min"))])
 
         # plain loop, with an allocator snapshot after step 3
-        vitals = Vitals([MemoryMonitor(record_history=True, snapshot_steps=[3])])
+        from trainvitals.adapters.loop import Vitals
+
+        monitor = MemoryMonitor(record_history=True, snapshot_steps=[3])
+        vitals = Vitals([monitor], run_dir="runs/exp1").attach(model, optimizer)
     """
 
     def __init__(

@@ -134,6 +134,8 @@ class ThroughputMonitor(VitalsCallback):
         trainer = pl.Trainer(callbacks=[monitor], log_every_n_steps=50)
 
         # plain / Accelerate loop
+        from trainvitals.adapters.loop import Vitals
+
         vitals = Vitals([monitor]).attach(model, optimizer)
         for batch in loader:
             vitals.batch(batch, num_tokens=int(batch["attention_mask"].sum()))
