@@ -6,7 +6,9 @@ Two measurements, all in the same process and interleaved round by round so that
 shared machine hits every variant alike; medians over rounds:
 
 1. Whole training step (forward, backward, gradient hook, optimizer step), baseline vs
-   ``NormMonitor`` at every step (``log_every_n_steps=1``), default and ``per_param="*"``.
+   ``NormMonitor`` at every step (``log_every_n_steps=1``), default and ``per_param="*"``;
+   the variants alternate step by step, and each round's ratio is taken against the same
+   round's baseline steps (median of the per-round ratios reported, with their range).
 2. The gradient-norm work alone, called where it would run (grads complete, before the
    optimizer step): ``NormMonitor`` (global param + grad norms, plus the writer's single
    device-to-host transfer), ``NormMonitor(per_param="*")``, Composer ``OptimizerMonitor`` /
@@ -16,7 +18,7 @@ shared machine hits every variant alike; medians over rounds:
 Every figure is reported as a ratio to the baseline step measured in the same run.
 
     python benchmarks/bench_norms.py            # a few minutes on 2 CPU cores
-    python benchmarks/bench_norms.py --rounds 3 --steps 2   # quicker, noisier
+    python benchmarks/bench_norms.py --rounds 3 --steps 1   # quicker, noisier
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def make_monitor_call(model: nn.Module, **kwargs: Any):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
@@ -181,9 +183,17 @@ def main() -> None:
             vitals._handles.clear()
 
     run_steps(None, 2, None)  # warm-up
+    # one step of each variant in turn, so that neighbouring steps of different variants see
+    # the same machine load; ratios are taken per round (against that round's baseline steps)
+    round_ratios: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.rounds):
-        for name, vitals in variants.items():
-            run_steps(vitals, args.steps, step_times[name])
+        start = {k: len(v) for k, v in step_times.items()}
+        for _ in range(args.steps):
+            for name, vitals in variants.items():
+                run_steps(vitals, 1, step_times[name])
+        this_round = {k: statistics.median(v[start[k] :]) for k, v in step_times.items()}
+        for name in variants:
+            round_ratios[name].append(this_round[name] / this_round["baseline"])
 
     # --- 2. the norm work alone, on complete gradients
     loss_fn().backward()
