@@ -421,3 +421,14 @@ def test_import_needs_torch_only() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_values_queued_at_exit_without_close_are_delivered(tmp_path) -> None:
+    code = (
+        "import torch; from trainvitals.adapters import FanoutWriter, JsonlSink; "
+        f"w = FanoutWriter([JsonlSink({str(tmp_path / 'm.jsonl')!r})], rank=0); "
+        "[w.add_scalar('a', torch.tensor(float(s)), s) for s in range(3)]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    records = read_jsonl(tmp_path / "m.jsonl")
+    assert [(r["step"], r["metrics"]) for r in records] == [(s, {"a": float(s)}) for s in range(3)]

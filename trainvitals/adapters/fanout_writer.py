@@ -373,7 +373,7 @@ class _SinkWorker:
             if error is None:
                 self.delivered += 1
                 if self.failures:
-                    log.warning(
+                    log.info(
                         "trainvitals FanoutWriter: sink %r recovered after %d failures",
                         self.name,
                         self.failures,
@@ -770,6 +770,9 @@ class FanoutWriter:
     def _close_step(self) -> None:
         """Queue the current step's values (lock held)."""
         if not self._values:
+            return
+        if self._pid != os.getpid():  # a forked child (e.g. a DataLoader worker): not ours
+            self._values = {}
             return
         assert self._step is not None
         self._seq += 1

@@ -34,7 +34,7 @@ class JsonlSink(Sink):
 
     def __init__(self, path: str | os.PathLike[str], *, name: str | None = None) -> None:
         super().__init__(name=name, owned=True)
-        self.path = Path(path)
+        self.path = Path(path).absolute()  # fixed now: a later chdir does not move it
         self._file: IO[str] | None = None
         self._partial = False  # a failed write may have left part of a line
 

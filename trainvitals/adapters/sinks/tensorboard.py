@@ -52,7 +52,7 @@ class TensorBoardSink(Sink):
     ) -> None:
         if isinstance(writer_or_logdir, (str, os.PathLike)):
             super().__init__(name=name, owned=True)
-            self.logdir: str | None = os.fspath(writer_or_logdir)
+            self.logdir: str | None = os.path.abspath(os.fspath(writer_or_logdir))
             self.writer: Any = None
         else:
             if not callable(getattr(writer_or_logdir, "add_scalar", None)):
