@@ -140,7 +140,10 @@ def make_variant(kind: str, tmp: Path, batch: torch.Tensor) -> Callable[[int], f
     run = None
     if kind.startswith("params+grads") or kind.startswith("all four"):
         kinds = ["param", "grad"] if kind.startswith("params+grads") else None
-        monitor = TensorStatsMonitor(kinds=kinds or ["param", "grad", "activation", "dgrad"])
+        kernel = "compile" if "compiled" in kind else "eager"
+        monitor = TensorStatsMonitor(
+            kinds=kinds or ["param", "grad", "activation", "dgrad"], kernel=kernel
+        )
         vitals = Vitals(
             [monitor],
             writer=_NullWriter(),
@@ -227,6 +230,8 @@ def main() -> None:
             "baseline",
             "params+grads every step",
             "all four every step",
+            "params+grads every step, compiled kernel",
+            "all four every step, compiled kernel",
             "params+grads every step, four power sums",
             "all four every step, four power sums",
             "wandb.watch(log='all', log_freq=1)",

@@ -244,3 +244,58 @@ def test_expert_parallel_names_carry_global_expert_index(tmp_path: Path) -> None
     acts = lines["activation"]["tensors"]
     outs = {n: torch.from_numpy(t) for r in results for n, t in r["outs"].items()}
     _check({"tensors": {n: acts[n] for n in outs}}, outs, "expert activations")
+
+
+# ------------------------------------------------------------------------------ pipeline
+
+
+class TwoStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": nn.Linear(8, 8), "1": nn.Linear(8, 8)})
+
+
+def _pp_body(rank: int, world_size: int, run_dir: str) -> dict:
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import TensorStatsMonitor
+    from trainvitals.distributed import ProcessGroups, collective_counter, world_group
+
+    torch.manual_seed(0)
+    model = TwoStage()
+    del model.layers[str(1 - rank)]  # each stage keeps its own layer, with its global name
+    stage = model.layers[str(rank)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    with Vitals(
+        [TensorStatsMonitor(kinds=["param", "activation"], kernel="eager")],
+        writer=_Writer(),
+        run_dir=run_dir,
+        log_every_n_steps=1,
+        groups=ProcessGroups(pp=world_group()),
+    ) as vitals:
+        vitals.attach(model, opt)
+        vitals.batch(x)
+        stage(x).sum().backward()
+        weight = stage.weight.detach().double().numpy().copy()
+        before = collective_counter["all_gather_object"]
+        opt.step()
+        objects = collective_counter["all_gather_object"] - before
+    return {"weight": weight, "x": x.double().numpy(), "objects": objects}
+
+
+def test_pipeline_stages_are_gathered_to_rank0(tmp_path: Path) -> None:
+    results = run_distributed(_pp_body, world_size=2, args=(str(tmp_path),), timeout=120)
+    lines = _lines(tmp_path)
+    want = {f"layers.{r}.weight": torch.from_numpy(res["weight"]) for r, res in enumerate(results)}
+    params = lines["param"]["tensors"]
+    assert sorted(params) == [
+        "layers.0.bias",
+        "layers.0.weight",
+        "layers.1.bias",
+        "layers.1.weight",
+    ]
+    _check({"tensors": {n: params[n] for n in want}}, want, "pipeline params")
+    inputs = {f"layers.{r}/input0": torch.from_numpy(res["x"]) for r, res in enumerate(results)}
+    acts = lines["activation"]["tensors"]
+    _check({"tensors": {n: acts[n] for n in inputs}}, inputs, "pipeline activations")
+    assert [res["objects"] for res in results] == [1, 1]  # one object gather per logging step
