@@ -454,3 +454,131 @@ def test_non_logging_steps_read_nothing_back(monkeypatch: pytest.MonkeyPatch) ->
         assert reads == [], f"step {step} read tensors back: {reads}"
     vitals.close()
     assert sorted(writer.rows) == [0, 3]
+
+
+# ---------------------------------------------------------------------- pipeline stages
+
+
+class Stage(nn.Module):
+    """One pipeline stage of a 4-layer TinyMoELM: layers ``keep`` under their global names
+    (``layers.<i>``), or renumbered from 0 (``local_names``, Megatron's stage-local numbering)."""
+
+    def __init__(self, keep: list[int], moe_layers: list[int], local_names: bool) -> None:
+        super().__init__()
+        full = tiny_lm(num_layers=4) if moe_layers == [0, 1, 2, 3] else _lm_with(moe_layers)
+        self.embed = full.embed
+        names = [str(j) for j in range(len(keep))] if local_names else [str(i) for i in keep]
+        self.layers = nn.ModuleDict({n: full.layers[i] for n, i in zip(names, keep, strict=True)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.layers.values():
+            h = block(h)
+        return h.pow(2).mean()
+
+
+def _lm_with(moe_layers: list[int]) -> nn.Module:
+    from trainvitals.moe import TinyMoELM
+
+    torch.manual_seed(0)
+    pattern = [int(i in moe_layers) for i in range(4)]
+    return TinyMoELM(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_layers=4,
+        num_experts=4,
+        top_k=2,
+        ffn_hidden_size=8,
+        num_heads=2,
+        max_seq_len=16,
+        moe_layer_freq=pattern,
+    )
+
+
+def _pipeline_body(rank: int, world_size: int, case: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from trainvitals.distributed import ProcessGroups, collective_counter
+
+    dp_size = world_size // 2
+    pp_rank, dp_rank = divmod(rank, dp_size)
+    # every rank creates every group, in the same order
+    pp_groups = [dist.new_group([p * dp_size + d for p in range(2)]) for d in range(dp_size)]
+    dp_groups = [dist.new_group([p * dp_size + d for d in range(dp_size)]) for p in range(2)]
+    groups = ProcessGroups(dp=dp_groups[pp_rank] if dp_size > 1 else None, pp=pp_groups[dp_rank])
+    keep = [0, 1] if pp_rank == 0 else [2, 3]
+    moe_layers = [2, 3] if case == "dense_first_stage" else [0, 1, 2, 3]
+    model = Stage(keep, moe_layers, local_names=case == "local_names")
+    maps = MapRecorder(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    vitals = Vitals(
+        [LoadBalanceMonitor(mode="detailed", top_k=2)],
+        writer=writer,
+        groups=groups,
+        log_every_n_steps=2,
+    ).attach(model, opt)
+    gen = torch.Generator().manual_seed(10 + rank)
+    local: dict[int, list] = {}
+    collectives: dict[int, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for _ in range(2):
+                x = torch.randint(0, VOCAB, (2, 6), generator=gen)
+                vitals.batch(x)
+                model(x).backward()
+            local[step] = [a.tolist() for a in maps.take()] if maps.routers else []
+            before = sum(collective_counter.values())
+            opt.step()
+            collectives[step] = sum(collective_counter.values()) - before
+            opt.zero_grad()
+    vitals.close()
+    return {
+        "rows": writer.rows,
+        "local": local,
+        "collectives": collectives,
+        "pp_rank": pp_rank,
+        "warned": [str(w.message) for w in caught if "pipeline stages" in str(w.message)],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "world_size"), [("global_names", 4), ("local_names", 2), ("dense_first_stage", 2)]
+)
+def test_pipeline_stages_report_every_layer(case: str, world_size: int) -> None:
+    from trainvitals.moe import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    results = run_distributed(_pipeline_body, world_size, args=(case,), timeout=180)
+    dp_size = world_size // 2
+    if case == "local_names":
+        labels = ["pp0_0", "pp1_0", "pp0_1", "pp1_1"]  # numeric order, then stage
+        assert all(r["warned"] for r in results)
+    else:
+        labels = ["2", "3"] if case == "dense_first_stage" else ["0", "1", "2", "3"]
+        assert not any(r["warned"] for r in results)
+    group_count = 2 if dp_size > 1 else 1  # one SUM per group: dp (when > 1 rank) and pp
+    for step in (0, 2):
+        # rows of each stage summed over its data-parallel ranks, stages stacked
+        # (aux: mean over the micro-batches of every data-parallel rank of the stage)
+        per_stage = {}
+        for p in (0, 1):
+            mine = [r["local"][step] for r in results if r["pp_rank"] == p and r["local"][step]]
+            if mine:
+                per_stage[p] = (
+                    sum(np.array(m[0]) for m in mine),
+                    sum(np.array(m[1]) for m in mine) / dp_size,
+                )
+        if case == "local_names":  # labels interleave the stages: pp0_0, pp1_0, pp0_1, pp1_1
+            order = [(0, 0), (1, 0), (0, 1), (1, 1)]
+            loads = np.stack([per_stage[p][0][i] for p, i in order])
+            aux = np.array([per_stage[p][1][i] for p, i in order])
+        else:
+            loads = np.concatenate([v[0] for v in per_stage.values()])
+            aux = np.concatenate([v[1] for v in per_stage.values()])
+        for r in results:  # every rank, of every stage, reports every layer
+            check_row(r["rows"][step], loads, labels, aux, top_k=2)
+    for r in results:
+        assert r["collectives"] == {0: group_count, 1: 0, 2: group_count}

@@ -5,13 +5,20 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
-from trainvitals.distributed import all_reduce_coalesced
+from trainvitals.distributed import (
+    all_gather_objects,
+    all_reduce_by_groups,
+    all_reduce_coalesced,
+    group_rank,
+    group_size,
+)
 from trainvitals.moe.capture import HF_ROUTER_CLASSES, RouterCapture
 from trainvitals.stats.load_balance import (
     AGGREGATES,
@@ -39,7 +46,7 @@ class LoadBalanceMonitor(VitalsCallback):
     adds its tokens-per-expert counts into one ``[layers, experts]`` tensor on the device
     (evaluation and activation-checkpoint re-runs are not counted). At the end of a logging step the counts of all layers, and the aux-loss
     sums when routers report them, are summed over the data- and context-parallel ranks
-    (``ctx.groups.dp_cp``) in ONE collective, the statistics are computed on the device
+    (``ctx.groups.dp_cp``) in ONE collective (plus one over ``ctx.groups.pp`` with pipeline stages), the statistics are computed on the device
     (:mod:`trainvitals.stats.load_balance`), brought to the host in one transfer and written
     together. The hooks count only during steps that will be logged (a host-side flag set at
     each micro-batch and step end), and the counts are zeroed on the device at every step end:
@@ -52,7 +59,12 @@ class LoadBalanceMonitor(VitalsCallback):
     statistics would be undefined, not "balanced"). ``<l>`` in keys is the layer number from
     the module name (``model.layers.10.mlp.gate`` -> 10), ordered numerically.
 
-    With pipeline parallelism, only the layers of the writing rank's stage are reported.
+    With pipeline parallelism (``ctx.groups.pp`` of more than one rank) the stages agree on
+    their layers once at run start, and each logging step adds one SUM over the pipeline group,
+    so every rank, the writing one included, reports the layers of all stages. Layer numbers
+    are expected to be global across stages (torchtitan keeps ``layers.<i>`` of the full
+    model); when two stages report the same number (stage-local numbering, as Megatron's
+    ``decoder.layers.0`` on every stage) the labels are prefixed ``pp<stage>_``, with a warning.
 
     Args:
         mode: ``"brief"`` (aggregates and the top/bottom experts) or ``"detailed"`` (also
@@ -134,6 +146,7 @@ class LoadBalanceMonitor(VitalsCallback):
         self.dead_expert_patience = dead_expert_patience
         self.extractors = list(extractors) if extractors is not None else []
         self.capture: RouterCapture | None = None
+        self._layout = _Layout([], [], 0, None)
         # Consecutive logging steps each expert had no token, per layer label (host ints).
         self._dead_streak: dict[str, list[int]] = {}
 
@@ -145,21 +158,24 @@ class LoadBalanceMonitor(VitalsCallback):
             raise ValueError("LoadBalanceMonitor needs the model (ctx.model is None)")
         if self.capture is not None:
             self.capture.remove()
-        capture = RouterCapture(ctx.model, extractors=self.extractors)
-        if len(capture) == 0:
-            raise ValueError(
-                f"LoadBalanceMonitor found no router in {type(ctx.model).__name__}. It looks for "
-                "trainvitals.moe.TopKRouter, the Hugging Face routers "
-                f"{', '.join(sorted(HF_ROUTER_CLASSES))} (and transformers classes named "
-                "*TopKRouter with num_experts and top_k), torchtitan MoE modules (a "
-                "tokens_per_expert_E / tokens_per_expert buffer), and extractors registered with "
-                "trainvitals.moe.capture.register_router_extractor or passed as extractors=."
-            )
+        model_name = type(ctx.model).__name__
+        if group_size(getattr(ctx.groups, "pp", None)) == 1:
+            capture = RouterCapture(ctx.model, extractors=self.extractors)
+            layout = _layout(capture, ctx.groups, model_name)
+        else:
+            # Pipeline stages: a configuration error on one stage must reach every stage
+            # (they all wait in the same gather), so it is raised after the stages agreed.
+            try:
+                capture, error = RouterCapture(ctx.model, extractors=self.extractors), None
+            except (ValueError, TypeError) as exc:
+                capture, error = RouterCapture(torch.nn.Module()), f"{type(exc).__name__}: {exc}"
+            layout = _layout(capture, ctx.groups, model_name, error)
         self.capture = capture
-        for label in capture.layer_labels:
+        self._layout = layout
+        for label in layout.labels:
             streak = self._dead_streak.get(label)
-            if streak is None or len(streak) != capture.num_experts:
-                self._dead_streak[label] = [0] * capture.num_experts
+            if streak is None or len(streak) != layout.num_experts:
+                self._dead_streak[label] = [0] * layout.num_experts
         capture.enabled = self.should_log(ctx)
 
     def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
@@ -197,12 +213,28 @@ class LoadBalanceMonitor(VitalsCallback):
     def _report(self, ctx: RunContext) -> None:
         capture = self.capture
         assert capture is not None
+        layout = self._layout
         loads = capture.loads(device=capture.device or ctx.device)
         aux_sum, aux_count = capture.aux_losses(device=loads.device)
-        # One SUM collective over data x context parallel carries every layer (and the aux).
-        loads, aux_sum, aux_count = all_reduce_coalesced(
-            [loads, aux_sum, aux_count], "sum", ctx.groups.dp_cp
-        )
+        if layout.rows is None:
+            # One SUM collective over data x context parallel carries every layer (and the aux).
+            loads, aux_sum, aux_count = all_reduce_coalesced(
+                [loads, aux_sum, aux_count], "sum", ctx.groups.dp_cp
+            )
+        else:
+            # Pipeline stages: this stage's rows in the table of all stages' layers, summed
+            # over data x context parallel, then over the stages: one collective per group.
+            rows = torch.tensor(layout.rows, dtype=torch.long).to(loads.device, non_blocking=True)
+            n = len(layout.labels)
+            loads = loads.reshape(len(layout.rows), layout.num_experts)  # a stage may have none
+            full = [
+                torch.zeros(n, *t.shape[1:], dtype=torch.float64, device=loads.device).index_copy_(
+                    0, rows, t
+                )
+                for t in (loads, aux_sum, aux_count)
+            ]
+            groups = tuple(g for g in (ctx.groups.dp_cp, ctx.groups.pp) if g is not None)
+            loads, aux_sum, aux_count = all_reduce_by_groups([(t, groups) for t in full], "sum")
         stats = load_balance_stats(loads, top_k=self.top_k)
         aux = torch.where(aux_count > 0, aux_sum / aux_count.clamp(min=1), float("nan"))
 
@@ -220,13 +252,14 @@ class LoadBalanceMonitor(VitalsCallback):
         if self.mode == "detailed":
             parts += [stats.per_layer.reshape(-1), aux]
         host = torch.cat([p.to(torch.float64) for p in parts]).cpu().tolist()
-        values = self._keys(capture, host, stats.top_values.numel())
-        values.update(self._update_dead_streaks(ctx, capture, values.pop("_loads")))
+        values = self._keys(host, stats.top_values.numel())
+        values.update(self._update_dead_streaks(ctx, values.pop("_loads")))
         self.write(ctx, {k: v for k, v in values.items() if math.isfinite(v)})
 
-    def _keys(self, capture: RouterCapture, host: list[float], k: int) -> dict[str, Any]:
-        labels = capture.layer_labels
-        num_layers, num_experts = len(labels), capture.num_experts
+    def _keys(self, host: list[float], k: int) -> dict[str, Any]:
+        layout = self._layout
+        labels = layout.labels
+        num_layers, num_experts = len(labels), layout.num_experts
         it = iter(host)
 
         def take(n: int) -> list[float]:
@@ -239,7 +272,7 @@ class LoadBalanceMonitor(VitalsCallback):
                 for a, agg in enumerate(AGGREGATES):
                     out[f"moe/{metric}_{agg}"] = aggregates[m * len(AGGREGATES) + a]
         aux_aggregates = take(len(AGGREGATES))
-        if capture.has_aux_loss:
+        if any(layout.has_aux):
             for a, agg in enumerate(AGGREGATES):
                 out[f"moe/aux_loss_{agg}"] = aux_aggregates[a]
         for (name, _), value in zip(
@@ -258,8 +291,8 @@ class LoadBalanceMonitor(VitalsCallback):
             for m, metric in enumerate(LAYER_METRICS):
                 for i, label in enumerate(labels):
                     out[f"moe/layer_{label}/{metric}"] = per_layer[m * num_layers + i]
-            for i, (label, r) in enumerate(zip(labels, capture.routers, strict=True)):
-                if r.has_aux_loss:
+            for i, (label, has_aux) in enumerate(zip(labels, layout.has_aux, strict=True)):
+                if has_aux:
                     out[f"moe/layer_{label}/aux_loss"] = aux[i]
                 active = any(loads[i * num_experts : (i + 1) * num_experts])
                 if active:
@@ -267,16 +300,14 @@ class LoadBalanceMonitor(VitalsCallback):
                         out[f"moe/layer_{label}/tokens_per_expert/{e}"] = loads[i * num_experts + e]
         return out
 
-    def _update_dead_streaks(
-        self, ctx: RunContext, capture: RouterCapture, loads: list[float]
-    ) -> dict[str, float]:
+    def _update_dead_streaks(self, ctx: RunContext, loads: list[float]) -> dict[str, float]:
         if self.dead_expert_patience is None:
             return {}
         patience = self.dead_expert_patience
-        num_experts = capture.num_experts
+        num_experts = self._layout.num_experts
         newly_dead: list[str] = []
         persistent = 0
-        for i, label in enumerate(capture.layer_labels):
+        for i, label in enumerate(self._layout.labels):
             row = loads[i * num_experts : (i + 1) * num_experts]
             streak = self._dead_streak.setdefault(label, [0] * num_experts)
             if not any(row):
@@ -305,3 +336,76 @@ class LoadBalanceMonitor(VitalsCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         streaks = state_dict.get("dead_streak", {}) if isinstance(state_dict, dict) else {}
         self._dead_streak = {str(k): [int(x) for x in v] for k, v in streaks.items()}
+
+
+@dataclass
+class _Layout:
+    """The layers a report covers: this rank's, or with pipeline parallelism every stage's."""
+
+    labels: list[str]
+    has_aux: list[bool]
+    num_experts: int
+    rows: list[int] | None  # row of each local router in the table of all stages; None: local
+
+
+def _layout(
+    capture: RouterCapture, groups: Any, model_name: str, error: str | None = None
+) -> _Layout:
+    labels = capture.layer_labels
+    has_aux = [r.has_aux_loss for r in capture.routers]
+    pp = getattr(groups, "pp", None)
+    if group_size(pp) == 1:
+        if not labels:
+            raise ValueError(_no_router_message(model_name))
+        return _Layout(labels, has_aux, capture.num_experts, None)
+    mine = [(r.label, r.sort_key[:2], r.has_aux_loss) for r in capture.routers]
+    stages = all_gather_objects((capture.num_experts, mine, error), pp)  # once, at run start
+    errors = [(stage, err) for stage, (_, _, err) in enumerate(stages) if err]
+    if errors:
+        raise ValueError(f"LoadBalanceMonitor: pipeline stage {errors[0][0]}: {errors[0][1]}")
+    stages = [(e, routers) for e, routers, _ in stages]
+    sizes = {e for e, routers in stages if routers}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"LoadBalanceMonitor: the pipeline stages have routers with different numbers of "
+            f"experts {sorted(sizes)}; they must all be the same"
+        )
+    if not sizes:
+        raise ValueError(_no_router_message(model_name))
+    seen: dict[str, int] = {}
+    for _, routers in stages:
+        for label, _, _ in routers:
+            seen[label] = seen.get(label, 0) + 1
+    clash = any(count > 1 for count in seen.values())
+    if clash:
+        warnings.warn(
+            "LoadBalanceMonitor: pipeline stages report the same layer numbers (stage-local "
+            "module names); keys use pp<stage>_<layer> labels",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    table = []
+    for stage, (_, routers) in enumerate(stages):
+        for pos, (label, key, aux) in enumerate(routers):
+            name = f"pp{stage}_{label}" if clash else label
+            table.append((tuple(key), stage, pos, name, aux))
+    table.sort(key=lambda row: (row[0], row[1], row[2]))
+    me = group_rank(pp)
+    index = {(stage, pos): i for i, (_, stage, pos, _, _) in enumerate(table)}
+    return _Layout(
+        labels=[row[3] for row in table],
+        has_aux=[row[4] for row in table],
+        num_experts=sizes.pop(),
+        rows=[index[(me, pos)] for pos in range(len(capture.routers))],
+    )
+
+
+def _no_router_message(model_name: str) -> str:
+    return (
+        f"LoadBalanceMonitor found no router in {model_name}. It looks for "
+        "trainvitals.moe.TopKRouter, the Hugging Face routers "
+        f"{', '.join(sorted(HF_ROUTER_CLASSES))} (and transformers classes named *TopKRouter "
+        "with num_experts and top_k), torchtitan MoE modules (a tokens_per_expert_E / "
+        "tokens_per_expert buffer), and extractors registered with "
+        "trainvitals.moe.capture.register_router_extractor or passed as extractors=."
+    )
