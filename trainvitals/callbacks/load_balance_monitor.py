@@ -44,14 +44,15 @@ class LoadBalanceMonitor(VitalsCallback):
     GPT-OSS routers, torchtitan ``MoE``, and your own extractors) and hooks them, without
     changing the model. Every training forward of a logging step, i.e. every micro-batch,
     adds its tokens-per-expert counts into one ``[layers, experts]`` tensor on the device
-    (evaluation and activation-checkpoint re-runs are not counted). At the end of a logging step the counts of all layers, and the aux-loss
-    sums when routers report them, are summed over the data- and context-parallel ranks
-    (``ctx.groups.dp_cp``) in ONE collective (plus one over ``ctx.groups.pp`` with pipeline stages), the statistics are computed on the device
-    (:mod:`trainvitals.stats.load_balance`), brought to the host in one transfer and written
-    together. The hooks count only during steps that will be logged (a host-side flag set at
-    each micro-batch and step end), and the counts are zeroed on the device at every step end:
-    a non-logging step costs a Python check per router forward and nothing else (no kernel,
-    no sync, no collective).
+    (evaluation and activation-checkpoint re-runs are not counted). At the end of a logging
+    step the counts of all layers, and the aux-loss sums when routers report them, are summed
+    over the data- and context-parallel ranks (``ctx.groups.dp_cp``) in ONE collective (plus
+    one over ``ctx.groups.pp`` with pipeline stages), the statistics are computed on the
+    device (:mod:`trainvitals.stats.load_balance`), brought to the host in one transfer and
+    written together. The hooks count only during steps that will be logged (a host-side flag
+    set at each micro-batch and step end), and the counts are zeroed on the device at every
+    step end: a non-logging step costs a Python check per router forward and nothing else (no
+    kernel, no sync, no collective).
 
     CV uses the population standard deviation (NeMo Automodel uses ``n - 1``; multiply ours by
     ``sqrt(E / (E - 1))`` to compare). Quantiles interpolate linearly. Layers that routed no
