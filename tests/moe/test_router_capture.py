@@ -146,17 +146,20 @@ class IndexRecorder:
     def __init__(self, model: nn.Module, router_cls: str) -> None:
         self.recording = False
         self.by_layer: dict[int, list[np.ndarray]] = {}
+        self.logits: dict[int, list[np.ndarray]] = {}
         self.handles = []
         for name, module in model.named_modules():
             if type(module).__name__ == router_cls:
                 layer = int(name.split("layers.")[1].split(".")[0])
                 self.by_layer[layer] = []
+                self.logits[layer] = []
                 self.handles.append(module.register_forward_hook(self._hook(layer)))
 
     def _hook(self, layer: int):
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             if self.recording:
                 self.by_layer[layer].append(output[2].detach().numpy().copy())
+                self.logits[layer].append(output[0].detach().double().numpy().copy())
 
         return hook
 
@@ -166,6 +169,20 @@ class IndexRecorder:
             idx = np.concatenate([a.reshape(-1) for a in self.by_layer[layer]])
             rows.append(np.bincount(idx, minlength=num_experts).astype(np.float64))
         return np.stack(rows)
+
+    def switch_aux(self, num_experts: int) -> np.ndarray:
+        """Per layer, the mean over forwards of E / (T k) * sum_i tokens_i * mean_softmax_i."""
+        out = []
+        for layer in sorted(self.by_layer):
+            values = []
+            for idx, logits in zip(self.by_layer[layer], self.logits[layer], strict=True):
+                t, k = idx.shape
+                counts = np.bincount(idx.reshape(-1), minlength=num_experts)
+                p = np.exp(logits - logits.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                values.append(num_experts / (t * k) * (counts * p.mean(0)).sum())
+            out.append(np.mean(values))
+        return np.array(out)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -193,6 +210,14 @@ def test_hf_family_counts_equal_bincount_over_micro_batches(family: str) -> None
 
     expected = recorder.counts(num_experts)
     loads = capture.loads()
+    aux_sum, aux_count = capture.aux_losses()
+    if family == "deepseek_v3":  # sigmoid + bias balancing: no Switch aux loss
+        assert (aux_count == 0).all()
+    else:
+        np.testing.assert_array_equal(aux_count.numpy(), [3] * len(layers))
+        np.testing.assert_allclose(
+            (aux_sum / aux_count).numpy(), recorder.switch_aux(num_experts), rtol=1e-5
+        )
     assert loads.dtype == torch.float64 and loads.shape == (len(layers), num_experts)
     np.testing.assert_array_equal(loads.numpy(), expected)
     # every token is routed to exactly k experts

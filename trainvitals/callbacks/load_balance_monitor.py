@@ -96,9 +96,11 @@ class LoadBalanceMonitor(VitalsCallback):
     ``moe/dead_expert_frac_{mean,median,min,max}``     fraction of a layer's experts with no token      1
     ``moe/expert_diversity_{mean,median,min,max}``     ``exp(entropy of the load distribution) / E``    1
     ``moe/max_overload_factor_{mean,median,min,max}``  a layer's max load / its mean load               ratio
-    ``moe/aux_loss_{mean,median,min,max}``             the routers' aux loss before its coefficient,    1
-                                                       mean over the step's micro-batches and ranks
-                                                       (only when the routers report one)
+    ``moe/aux_loss_{mean,median,min,max}``             the layers' Switch aux loss before its           1
+                                                       coefficient (1.0 = balanced), mean over the
+                                                       step's micro-batches and ranks: TopKRouter's
+                                                       ``last_aux_loss``, an extractor's, or from the
+                                                       router logits of HF softmax routers
     ``moe/expert_utilization_<q>``                     quantiles of the utilization of all experts of   ratio
                                                        all layers together, ``<q>`` one of ``min``,
                                                        ``p25``, ``median``, ``p75``, ``max``

@@ -25,7 +25,10 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             any ``transformers`` module whose class name ends in ``TopKRouter`` /
                             ``TopkRouter`` with ``num_experts`` and ``top_k``): output
                             ``(router_logits [N, E], scores [N, k], indices [N, k])``; the counts
-                            are a scatter-add of the router's own ``indices``
+                            are a scatter-add of the router's own ``indices``. For the softmax
+                            families (all six but DeepSeek-V3) the layer's aux loss is the Switch
+                            loss from ``router_logits`` and those counts, normalised to 1.0 at
+                            perfect balance (Hugging Face's per-layer term / ``top_k``)
 torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (torchtitan 0.3) or
                             ``tokens_per_expert`` (older): torchtitan adds each training forward's
                             counts to it and its optimizer step PRE-hook ``_update_expert_bias``
@@ -102,6 +105,9 @@ HF_ROUTER_CLASSES: frozenset[str] = frozenset(
         "GptOssTopKRouter",
     }
 )
+# Families whose Hugging Face aux loss is the Switch loss over softmax(router_logits)
+# (``load_balancing_loss_func``); DeepSeek-V3 balances with a bias instead.
+_HF_SOFTMAX_AUX: frozenset[str] = frozenset(HF_ROUTER_CLASSES - {"DeepseekV3TopkRouter"})
 _HF_GENERIC = re.compile(r"Top[kK]Router$")
 _TORCHTITAN_BUFFERS = ("tokens_per_expert_E", "tokens_per_expert")
 _INT = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
@@ -328,7 +334,8 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
     if _is_hf_router(module):
         num = _int_attr(module, "num_experts")
         if num is not None:
-            return RouterInfo(name, module, "hf", num)
+            aux = type(module).__name__ in _HF_SOFTMAX_AUX
+            return RouterInfo(name, module, "hf", num, has_aux_loss=aux)
     buffer = _torchtitan_buffer(module)
     if buffer is not None:
         return RouterInfo(name, module, "torchtitan", int(module._buffers[buffer].numel()))
@@ -480,7 +487,10 @@ class RouterCapture:
                     i, "expected (router_logits, scores, indices) with integer indices"
                 )
                 return
-            self._add_indices(i, local_tensor(indices))
+            counts = self._add_indices(i, local_tensor(indices))
+            logits = output[0]
+            if r.has_aux_loss and isinstance(logits, torch.Tensor) and logits.ndim == 2:
+                self._add_aux(i, _switch_aux_loss(local_tensor(logits), counts, indices.shape[-1]))
         elif r.kind == "topk_router":
             routing_map = (
                 output[1] if isinstance(output, tuple | list) and len(output) >= 2 else None
@@ -542,7 +552,8 @@ class RouterCapture:
             self._acc = acc
         return self._acc
 
-    def _add_indices(self, i: int, indices: torch.Tensor) -> None:
+    def _add_indices(self, i: int, indices: torch.Tensor) -> torch.Tensor | None:
+        """Add the forward's counts; return them (``[E]``) when the router has an aux loss."""
         acc = self._accumulator(indices.device)
         e = self.num_experts
         idx = indices.detach().reshape(-1)
@@ -550,7 +561,13 @@ class RouterCapture:
             idx = idx.to(acc.device, non_blocking=True)
         # Out-of-range indices (sentinels) go to the overflow column e.
         idx = idx.clamp(-1, e).remainder_(e + 1)
-        self._rows[i].index_add_(0, idx, self._ones_for(acc, idx.numel()))
+        ones = self._ones_for(acc, idx.numel())
+        if not self.routers[i].has_aux_loss:
+            self._rows[i].index_add_(0, idx, ones)
+            return None
+        counts = torch.zeros_like(self._rows[i]).index_add_(0, idx, ones)
+        self._rows[i].add_(counts)
+        return counts[:e]
 
     def _ones_for(self, acc: torch.Tensor, n: int) -> torch.Tensor:
         ones = self._ones.get(acc.device)
@@ -607,3 +624,17 @@ class RouterCapture:
             self._aux_sum.zero_()
         self._aux_count = [0] * len(self.routers)
         self._snapshots.clear()
+
+
+def _switch_aux_loss(logits: torch.Tensor, counts: torch.Tensor | None, top_k: int) -> Any:
+    """The Switch load-balancing loss of one layer and forward, before its coefficient, with
+    Megatron's normalisation (1.0 at perfect balance): ``E / (k T) * sum_i tokens_i * P_i``,
+    ``P_i`` the mean softmax probability of expert ``i``. Hugging Face's
+    ``load_balancing_loss_func`` term of the layer is ``top_k`` times this (it divides the
+    counts by ``T``, not ``T * k``) and counts padding tokens only without an attention mask;
+    here every token is counted."""
+    if counts is None or logits.shape[0] == 0:
+        return None
+    num_tokens, num_experts = logits.shape
+    probs = logits.detach().float().softmax(dim=-1).mean(dim=0)
+    return (counts.to(probs.dtype) * probs).sum() * (num_experts / (num_tokens * top_k))
