@@ -611,3 +611,54 @@ def test_hugging_face_model_through_the_driver(family: str) -> None:
     row = writer.rows[0]
     check_row(row, recorder.counts(num_experts), [str(x) for x in layers], aux, top_k=3)
     assert ("moe/aux_loss_mean" in row) == (aux is not None)
+
+
+def _fsdp2_hf_body(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.moe.test_router_capture import VOCAB as HF_VOCAB
+    from tests.moe.test_router_capture import IndexRecorder, build
+    from trainvitals.distributed import ProcessGroups
+
+    model, router_cls, layers, num_experts = build("mixtral")
+    recorder = IndexRecorder(model, router_cls)  # hooks on the original router instances
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.gate, mesh=mesh)  # the router's class becomes FSDPMixtralTopKRouter
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    writer = Recorder()
+    vitals = Vitals(
+        [LoadBalanceMonitor(mode="detailed", top_k=2)],
+        writer=writer,
+        groups=ProcessGroups.from_device_mesh(mesh),
+    ).attach(model, opt)
+    gen = torch.Generator().manual_seed(20 + rank)
+    recorder.recording = True
+    for _ in range(2):
+        x = torch.randint(0, HF_VOCAB, (2, 5), generator=gen)
+        vitals.batch(x)
+        model(x).logits.float().pow(2).mean().backward()
+    recorder.recording = False
+    opt.step()
+    vitals.close()
+    return {
+        "row": writer.rows[0],
+        "counts": recorder.counts(num_experts).tolist(),
+        "aux": recorder.switch_aux(num_experts).tolist(),
+        "class": type(model.model.layers[0].mlp.gate).__name__,
+        "labels": [str(x) for x in layers],
+    }
+
+
+@pytest.mark.slow
+def test_fsdp2_hugging_face_two_ranks() -> None:
+    pytest.importorskip("transformers")
+    results = run_distributed(_fsdp2_hf_body, 2, timeout=180)
+    assert results[0]["class"] == "FSDPMixtralTopKRouter"
+    loads = sum(np.array(r["counts"]) for r in results)
+    aux = sum(np.array(r["aux"]) for r in results) / 2
+    for r in results:
+        check_row(r["row"], loads, r["labels"], aux, top_k=2)

@@ -236,24 +236,35 @@ class RouterInfo:
     sort_key: tuple = field(default=(), repr=False)
 
 
+def _router_classes(module: nn.Module) -> list[type]:
+    """The module's class and its bases: FSDP2's ``fully_shard`` swaps a module's class for a
+    generated subclass (``FSDPMixtralTopKRouter``), so the original is looked up in the MRO."""
+    return [c for c in type(module).__mro__ if c not in (nn.Module, object)]
+
+
 def _is_trainvitals_topk_router(module: nn.Module) -> bool:
-    cls = type(module)
-    if cls.__name__ != "TopKRouter" or not cls.__module__.startswith("trainvitals"):
-        return False
-    return hasattr(module, "num_experts")
+    return hasattr(module, "num_experts") and any(
+        c.__name__ == "TopKRouter" and c.__module__.startswith("trainvitals")
+        for c in _router_classes(module)
+    )
 
 
 def _is_hf_router(module: nn.Module) -> bool:
-    cls = type(module)
-    if not cls.__module__.startswith("transformers."):
-        return False
-    if cls.__name__ in HF_ROUTER_CLASSES:
-        return True
-    return (
-        bool(_HF_GENERIC.search(cls.__name__))
-        and hasattr(module, "num_experts")
-        and hasattr(module, "top_k")
-    )
+    for cls in _router_classes(module):
+        if not cls.__module__.startswith("transformers."):
+            continue
+        if cls.__name__ in HF_ROUTER_CLASSES:
+            return True
+        if _HF_GENERIC.search(cls.__name__):
+            return hasattr(module, "num_experts") and hasattr(module, "top_k")
+    return False
+
+
+def _hf_class_name(module: nn.Module) -> str:
+    for cls in _router_classes(module):
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    return type(module).__name__
 
 
 def _torchtitan_buffer(module: nn.Module) -> str | None:
@@ -334,7 +345,7 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
     if _is_hf_router(module):
         num = _int_attr(module, "num_experts")
         if num is not None:
-            aux = type(module).__name__ in _HF_SOFTMAX_AUX
+            aux = _hf_class_name(module) in _HF_SOFTMAX_AUX
             return RouterInfo(name, module, "hf", num, has_aux_loss=aux)
     buffer = _torchtitan_buffer(module)
     if buffer is not None:
