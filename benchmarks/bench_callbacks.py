@@ -21,6 +21,10 @@ step, and the wall time as a fraction of the baseline's median step time of the 
 hooks' work is synchronous, so this is their whole cost; on CUDA a callback's kernels run
 asynchronously and the end-to-end ratio is the figure to read.
 
+``--fixed-costs`` measures instead each callback's CPU time per step (driver included) on a
+tiny model, logging at every step and never logging: the callbacks' cost is a fixed amount per
+step, independent of the model (NormMonitor excepted: its cost grows with the parameters).
+
 Values go to a writer that turns every value into a Python float (the device-to-host transfer
 the real writer does once per step); ``--writer jsonl`` uses the real ``FanoutWriter`` with a
 ``JsonlSink`` in a temporary folder instead.
@@ -84,6 +88,37 @@ class FloatWriter:
         pass
 
 
+def fixed_costs(factories: dict[str, Callable[[], list] | None], steps: int = 300) -> None:
+    """CPU time per step (a Linear(8, 8) forward, backward and SGD step, the driver and the
+    callback) on a tiny model, logging at every step and never logging; best of 5 runs. The
+    callback's own cost is its row minus the ``driver (no callback)`` row."""
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
+    x = torch.randn(2, 8)
+    print("| callback | CPU ms per logging step | CPU ms per non-logging step |")
+    print("|---|---|---|")
+    for name, factory in factories.items():
+        if factory is None:
+            continue
+        costs = []
+        for every in (1, 10**9):
+            vitals = Vitals(factory(), writer=FloatWriter(), log_every_n_steps=every)
+            vitals.attach(model, optimizer)
+            best = float("inf")
+            for _ in range(5):
+                start = time.process_time()
+                for _ in range(steps):
+                    vitals.batch(batch)
+                    model(x).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                best = min(best, (time.process_time() - start) / steps)
+            vitals.close()
+            costs.append(best)
+        print(f"| {name} | {1e3 * costs[0]:.3f} | {1e3 * costs[1]:.4f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -92,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--writer", choices=("float", "jsonl"), default="float")
+    parser.add_argument(
+        "--fixed-costs",
+        action="store_true",
+        help="only measure each callback's CPU cost per step on a tiny model",
+    )
     args = parser.parse_args(argv)
 
     cfg = LMConfig()
@@ -160,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
         RuntimeMonitor(max_steps=1000, warmup_steps=0),
         *([NormMonitor()] if has_norm else []),
     ]
+    if args.fixed_costs:
+        fixed_costs({"driver (no callback)": list, **factories})
+        return
     results = interleaved_ratios(
         {name: runner(name, f) for name, f in factories.items()},
         baseline="baseline",
