@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import build_lm, count_parameters, interleaved_ratios, lm_batch
+from benchmarks.common import LMConfig, build_lm, count_parameters, interleaved_ratios, lm_batch
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import TensorStatsMonitor
 from trainvitals.stats.moments import NUM_FIELDS, fused_moments
@@ -65,17 +65,39 @@ def power_sum_partial(tensors, *, kernel="auto"):
     return parts, torch.arange(len(tensors))
 
 
+class PowerSumAccumulator:
+    """Drop-in for ``MomentAccumulator`` in the monitor's hooks: four power sums per tensor."""
+
+    def __init__(self, num_slots, *, kernel="auto"):
+        self.num_slots = num_slots
+        self.sums = torch.zeros(num_slots, 5, dtype=torch.float64)
+
+    def add(self, slot, tensor, **kwargs):
+        s = power_sums([tensor])[0]
+        self.sums[slot, 0] += tensor.numel()
+        self.sums[slot, 1:] += s.double()
+
+    def result(self):
+        parts = torch.zeros(self.num_slots, NUM_FIELDS, dtype=torch.float64)
+        n = self.sums[:, 0].clamp_min(1)
+        parts[:, 0] = self.sums[:, 0]
+        parts[:, 1] = self.sums[:, 1] / n
+        parts[:, 2] = self.sums[:, 2] - n * parts[:, 1] ** 2
+        return parts
+
+
 @contextlib.contextmanager
 def patched_kernel(method: str) -> Iterator[None]:
     import trainvitals.callbacks.tensor_stats_monitor as mod
 
-    original = mod.partial_moments
+    originals = mod.partial_moments, mod.MomentAccumulator
     if method == "powersums":
         mod.partial_moments = power_sum_partial
+        mod.MomentAccumulator = PowerSumAccumulator
     try:
         yield
     finally:
-        mod.partial_moments = original
+        mod.partial_moments, mod.MomentAccumulator = originals
 
 
 # ------------------------------------------------------------------------------ kernel part
@@ -94,7 +116,7 @@ def kernel_tensors(scale: float) -> list[torch.Tensor]:
 
 
 def bench_kernel(
-    tensors: list[torch.Tensor], reps: int, compile_ok: bool
+    tensors: list[torch.Tensor], reps: int, compile_ok: bool, clock: Callable[[], float]
 ) -> dict[str, list[float]]:
     variants: dict[str, Callable[[], object]] = {
         "one torch.sum pass": lambda: [t.sum() for t in tensors],
@@ -109,9 +131,9 @@ def bench_kernel(
     names = list(variants)
     for rep in range(reps):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            start = time.perf_counter()
+            start = clock()
             variants[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
@@ -132,8 +154,10 @@ class _NullWriter:
         pass
 
 
-def make_variant(kind: str, tmp: Path, batch: torch.Tensor) -> Callable[[int], float]:
-    model = build_lm()
+def make_variant(
+    kind: str, tmp: Path, batch: torch.Tensor, clock: Callable[[], float], cfg: LMConfig
+) -> Callable[[int], float]:
+    model = build_lm(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     vitals = None
     method = "fused"
@@ -171,10 +195,10 @@ def make_variant(kind: str, tmp: Path, batch: torch.Tensor) -> Callable[[int], f
     def timed_steps(n: int) -> float:
         with patched_kernel(method):
             step()  # warm-up: one untimed step per call
-            start = time.perf_counter()
+            start = clock()
             for _ in range(n):
                 step()
-            return time.perf_counter() - start
+            return clock() - start
 
     timed_steps.close = lambda: (vitals.close() if vitals else None, run.finish() if run else None)  # type: ignore[attr-defined]
     return timed_steps
@@ -188,14 +212,25 @@ def main() -> None:
     parser.add_argument("--kernel-scale", type=float, default=None)
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-kernel", action="store_true")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="1 thread, timed by this process's CPU time (robust on a shared machine; W&B's "
+        "separate service process is then not counted)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
+    clock = time.perf_counter
+    if args.cpu_time:
+        torch.set_num_threads(1)
+        clock = time.process_time
     reps = args.reps or (3 if args.quick else 7)
     steps = args.steps or (2 if args.quick else 4)
     scale = args.kernel_scale or (0.1 if args.quick else 1.0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    how = "1 thread, CPU time" if args.cpu_time else f"{torch.get_num_threads()} threads, wall time"
+    print(f"torch {torch.__version__}, {how}, {os.cpu_count()} CPUs")
 
     if not args.skip_kernel:
         tensors = kernel_tensors(scale)
@@ -208,7 +243,7 @@ def main() -> None:
             compile_ok = _compiled.failed is None
         except Exception:
             compile_ok = False
-        times = bench_kernel(tensors, reps, compile_ok)
+        times = bench_kernel(tensors, reps, compile_ok, clock)
         base = times["one torch.sum pass"]
         print(
             f"\n### Kernel: {numel / 1e6:.1f}M float32 values in {len(tensors)} tensors, {reps} reps\n"
@@ -223,8 +258,13 @@ def main() -> None:
             )
 
     if not args.skip_training:
+        cfg = (
+            LMConfig(vocab_size=512, d_model=64, n_layers=2, d_ff=256) if args.quick else LMConfig()
+        )
         batch = lm_batch(
-            batch_size=4 if not args.quick else 2, seq_len=128 if not args.quick else 32
+            batch_size=2 if args.quick else 4,
+            seq_len=32 if args.quick else 128,
+            vocab_size=cfg.vocab_size,
         )
         names = [
             "baseline",
@@ -237,14 +277,14 @@ def main() -> None:
             "wandb.watch(log='all', log_freq=1)",
         ]
         with tempfile.TemporaryDirectory() as tmp:
-            variants = {n: make_variant(n, Path(tmp), batch) for n in names}
-            n_params = count_parameters(build_lm())
+            variants = {n: make_variant(n, Path(tmp), batch, clock, cfg) for n in names}
+            n_params = count_parameters(build_lm(cfg))
             res = interleaved_ratios(variants, baseline="baseline", reps=reps, steps=steps)
             for v in variants.values():
                 v.close()  # type: ignore[attr-defined]
         print(
             f"\n### Training step: {n_params / 1e6:.1f}M-parameter transformer, batch "
-            f"{tuple(batch.shape)}, {reps} reps x {steps} steps\n"
+            f"{tuple(batch.shape)}, {reps} reps x {steps} steps, {how}\n"
         )
         print("| variant | median s/step | overhead vs baseline, median (min-max) |")
         print("|---|---|---|")

@@ -33,6 +33,7 @@ from trainvitals.distributed import (
 )
 from trainvitals.stats.moments import (
     FIELDS,
+    MomentAccumulator,
     combine_moments,
     derive,
     empty_moments,
@@ -216,7 +217,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._site_index: dict[str, int] = {}
         self._modules: list[tuple[str, nn.Module]] = []
         self._handles: list[Any] = []
-        self._act_parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._acc: dict[str, MomentAccumulator] = {}
         self._pending: dict[str, _Kind] = {}
         self._logged_steps: dict[str, int] = {}
         self._ep_info: tuple[int, dict[str, int]] | None = None
@@ -298,11 +299,11 @@ class TensorStatsMonitor(VitalsCallback):
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._remove_hooks()
-        self._pending = {}
+        self._pending, self._acc = {}, {}
 
     def run_end(self, ctx: RunContext) -> None:
         self._remove_hooks()
-        self._pending = {}
+        self._pending, self._acc = {}, {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": SCHEMA_VERSION, "logged_steps": dict(self._logged_steps)}
@@ -336,7 +337,8 @@ class TensorStatsMonitor(VitalsCallback):
     # ------------------------------------------------------------------ activation / dgrad sites
 
     def _install(self, ctx: RunContext) -> None:
-        self._act_parts = {"activation": [], "dgrad": []}
+        n = len(self._sites)
+        self._acc = {k: MomentAccumulator(n, kernel=self.kernel) for k in ("activation", "dgrad")}
         self._hook_ctx = ctx
         for name, module in self._modules:
             idx = [self._site_index.get(self._global_name(f"{name}/{s}")) for s in _SITE_SUFFIXES]
@@ -409,10 +411,7 @@ class TensorStatsMonitor(VitalsCallback):
     def _add_parts(self, kind: str, site: int, x: torch.Tensor) -> None:
         if (kind, site) not in self._site_groups:
             self._site_groups[(kind, site)] = shard_groups(x, include_partial=False)
-        parts, _ = partial_moments([local_tensor(x).detach()], kernel=self.kernel)
-        self._act_parts[kind].append(
-            (parts, torch.full((parts.shape[0],), site, dtype=torch.long, device=parts.device))
-        )
+        self._acc[kind].add(site, local_tensor(x).detach())
 
     def _remove_hooks(self) -> None:
         handles, self._handles = self._handles, []
@@ -421,16 +420,9 @@ class TensorStatsMonitor(VitalsCallback):
 
     def _merged_sites(self, ctx: RunContext, kind: str) -> _Kind:
         """All micro-batches' parts of one kind merged into one row per site (exact)."""
-        entries = self._act_parts.get(kind, [])
-        self._act_parts[kind] = []
+        acc = self._acc.pop(kind, None)
         n = len(self._sites)
-        if entries:
-            device = entries[0][0].device
-            parts = torch.cat([p.to(device) for p, _ in entries])
-            owner = torch.cat([o.to(device) for _, o in entries])
-            moments = combine_moments(parts, owner, n)
-        else:
-            moments = empty_moments(n, device=ctx.device)
+        moments = acc.result() if acc is not None else empty_moments(n, device=ctx.device)
         dp_cp = ctx.groups.dp_cp
         ep_active = group_size(ctx.groups.ep) > 1
         data_groups = () if group_size(dp_cp) == 1 else (dp_cp,)

@@ -89,6 +89,7 @@ __all__ = [
     "FIELDS",
     "NUM_FIELDS",
     "SMALL_NUMEL",
+    "MomentAccumulator",
     "combine_moments",
     "derive",
     "empty_moments",
@@ -123,9 +124,10 @@ DERIVED = (
 CHUNK = 1024
 #: Tensors with fewer elements go to the batched float64 path.
 SMALL_NUMEL = 8 * CHUNK
-# Rows per eager block: the eager kernel works on blocks of about 1M elements so that its
-# temporaries stay in cache and are reused from one block to the next.
-_EAGER_BLOCK_ROWS = 1024
+# Rows per eager block (4M elements): the eager kernel reuses two work buffers of this size, so
+# it allocates nothing per tensor, and a tensor up to this size costs a fixed ~9 kernel launches
+# (each a parallel region: on a busy CPU their count, not the bytes, dominates).
+_EAGER_BLOCK_ROWS = 4096
 
 Kernel = Literal["auto", "compile", "eager"]
 
@@ -327,11 +329,14 @@ def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor
         out[1, start:end] = shift.squeeze(1)
         torch.sub(xb, shift, out=y)
         torch.sum(y, 1, out=out[2, start:end])
+        # sum y^2 and sum y^4 as squared row norms (one read, no temporary); sum y^3 needs one
+        torch.linalg.vector_norm(y, 2, 1, out=out[3, start:end])
         torch.mul(y, y, out=y2)
-        torch.sum(y2, 1, out=out[3, start:end])
-        # sum y^3 and sum y^4 as batched dot products: no third temporary, one read each
-        torch.bmm(y2.unsqueeze(1), y.unsqueeze(2), out=out[4, start:end].view(r, 1, 1))
-        torch.bmm(y2.unsqueeze(1), y2.unsqueeze(2), out=out[5, start:end].view(r, 1, 1))
+        torch.linalg.vector_norm(y2, 2, 1, out=out[5, start:end])
+        torch.mul(y2, y, out=y)
+        torch.sum(y, 1, out=out[4, start:end])
+    out[3].square_()
+    out[5].square_()
     mn, mx = torch.aminmax(x2)
     out[6] = mn
     out[7] = mx
@@ -454,76 +459,118 @@ def partial_moments(
     ``[K, NUM_FIELDS]`` and the index of the tensor each part belongs to ``[K]``.
 
     Parts from many calls can be concatenated (re-indexed) and merged once with
-    :func:`combine_moments`, which is how a caller that sees tensors one at a time (forward
-    hooks) pays for one merge per step instead of one per tensor.
+    :func:`combine_moments`.
     """
-    if kernel not in ("auto", "compile", "eager"):
-        raise ValueError(f"kernel must be 'auto', 'compile' or 'eager', got {kernel!r}")
     tensors = list(tensors)
+    acc = MomentAccumulator(len(tensors), kernel=kernel)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"tensors[{i}] must be a floating-point tensor, got {t.dtype}")
-    if not tensors:
-        return empty_moments(0), torch.zeros(0, dtype=torch.long)
-    device = tensors[0].device
-    rows: list[torch.Tensor] = []  # per large tensor: [C, 8] rows (n, shift, S1..S4, min, max)
-    row_owner: list[int] = []
-    small: list[torch.Tensor] = []
-    small_owner: list[int] = []
-    eager: list[int] = []  # positions in rows computed by the eager (unmasked) kernel
-    extremes: list[torch.Tensor] = []  # their tensors' (min, max)
-    compiled = _use_compile(kernel, device)
-    for i, t in enumerate(tensors):
-        t = t.detach()
-        if t.device != device:
+        if i and t.device != tensors[0].device:
             raise ValueError(f"all tensors must be on one device; tensors[{i}] is on {t.device}")
-        flat = t.reshape(-1)
+    for i, t in enumerate(tensors):
+        acc.add(i, t, check_finite=False)
+    acc.fix_nonfinite(tensors)
+    return acc.parts()
+
+
+class MomentAccumulator:
+    """Moments of many slots (tensors, or sites seen once per micro-batch), merged exactly.
+
+    :meth:`add` runs the row kernel on a large tensor right away (its data need not live on)
+    and keeps the raw rows; a small tensor is kept as a flat copy. :meth:`result` converts every
+    row, reduces every small piece in one batched float64 pass and merges all parts per slot, a
+    fixed number of operations however many tensors were added. This is what forward and
+    gradient hooks use: each hook costs one kernel call.
+
+    Example:
+        >>> acc = MomentAccumulator(2)
+        >>> acc.add(0, torch.randn(4096, 1024)); acc.add(0, torch.randn(10)); acc.add(1, x)
+        >>> acc.result()     # [2, NUM_FIELDS]
+    """
+
+    def __init__(self, num_slots: int, *, kernel: Kernel = "auto") -> None:
+        if kernel not in ("auto", "compile", "eager"):
+            raise ValueError(f"kernel must be 'auto', 'compile' or 'eager', got {kernel!r}")
+        self.num_slots = num_slots
+        self.kernel = kernel
+        self._rows: list[torch.Tensor] = []
+        self._row_slot: list[int] = []
+        self._eager: list[int] = []  # positions in _rows computed by the unmasked eager kernel
+        self._small: list[torch.Tensor] = []
+        self._small_slot: list[int] = []
+
+    def add(self, slot: int, tensor: torch.Tensor, *, check_finite: bool = True) -> None:
+        """Fold ``tensor`` (floating point, any shape) into ``slot``.
+
+        With the eager kernel, ``check_finite`` looks at the tensor's min/max right away (one
+        flag read back to the host) and recomputes it with masking if it holds a NaN or inf;
+        pass ``False`` and call :meth:`fix_nonfinite` once for a batch of tensors instead.
+        """
+        flat = tensor.detach().reshape(-1)
         if flat.numel() < SMALL_NUMEL:
             if flat.numel():
-                small.append(flat)
-                small_owner.append(i)
-            continue
+                self._small.append(flat.clone() if flat.data_ptr() == tensor.data_ptr() else flat)
+                self._small_slot.append(slot)
+            return
         c = flat.numel() // CHUNK
         body = flat[: c * CHUNK].view(c, CHUNK)
         if flat.numel() > c * CHUNK:
-            small.append(flat[c * CHUNK :])
-            small_owner.append(i)
-        r = _compiled(body) if compiled else None
-        if r is None:
-            cdtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-            r = _rows_eager_fast(body, _eager_work.setdefault((device, cdtype), []))
-            eager.append(len(rows))
-            extremes.append(r[0, 6:8])
-        rows.append(r)
-        row_owner.append(i)
-    if eager:
-        # A NaN or an inf shows in the tensor's min or max: recompute only those tensors with
-        # the masked kernel (one flag to the host per call).
-        bad = ~torch.isfinite(torch.stack(extremes)).all(1)
+            self._small.append(flat[c * CHUNK :].clone())
+            self._small_slot.append(slot)
+        rows = _compiled(body) if _use_compile(self.kernel, flat.device) else None
+        if rows is None:
+            cdtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+            rows = _rows_eager_fast(body, _eager_work.setdefault((flat.device, cdtype), []))
+            if check_finite:
+                if not bool(torch.isfinite(rows[0, 6:8]).all()):
+                    rows = _rows_masked(body)
+            else:
+                self._eager.append(len(self._rows))
+        self._rows.append(rows)
+        self._row_slot.append(slot)
+
+    def fix_nonfinite(self, tensors: Sequence[torch.Tensor]) -> None:
+        """After ``add(i, tensors[i], check_finite=False)`` calls: recompute, with masking, the
+        tensors whose min or max is not finite (one flag read back to the host)."""
+        if not self._eager:
+            return
+        extremes = torch.stack([self._rows[j][0, 6:8] for j in self._eager])
+        bad = ~torch.isfinite(extremes).all(1)
         if bool(bad.any()):
-            for j, is_bad in zip(eager, bad.tolist(), strict=True):
+            for j, is_bad in zip(self._eager, bad.tolist(), strict=True):
                 if is_bad:
-                    flat = tensors[row_owner[j]].detach().reshape(-1)
+                    flat = tensors[self._row_slot[j]].detach().reshape(-1)
                     c = flat.numel() // CHUNK
-                    rows[j] = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
-    parts: list[torch.Tensor] = []
-    owners: list[torch.Tensor] = []
-    if rows:
-        # every large tensor's rows converted and merged together: a fixed number of ops
-        all_rows = torch.cat([r.to(torch.float64) for r in rows])
-        counts = torch.tensor([r.shape[0] for r in rows], device=device)
-        owner_ids = torch.tensor(row_owner, device=device)
-        parts.append(_rows_to_moments(all_rows, CHUNK))
-        owners.append(torch.repeat_interleave(owner_ids, counts))
-    if small:
-        m, owner = _small_moments(small, small_owner)
-        parts.append(m)
-        owners.append(owner)
-    if not parts:
-        return empty_moments(0, device=device), torch.zeros(0, dtype=torch.long, device=device)
-    return torch.cat(parts), torch.cat(owners)
+                    self._rows[j] = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
+        self._eager = []
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The un-merged parts ``[K, NUM_FIELDS]`` and their slots ``[K]``."""
+        parts: list[torch.Tensor] = []
+        owners: list[torch.Tensor] = []
+        device = (self._rows or self._small or [torch.empty(0)])[0].device
+        if self._rows:
+            all_rows = torch.cat([r.to(torch.float64) for r in self._rows])
+            counts = torch.tensor([r.shape[0] for r in self._rows], device=device)
+            slots = torch.tensor(self._row_slot, device=device)
+            parts.append(_rows_to_moments(all_rows, CHUNK))
+            owners.append(torch.repeat_interleave(slots, counts))
+        if self._small:
+            m, owner = _small_moments(self._small, self._small_slot)
+            parts.append(m)
+            owners.append(owner)
+        if not parts:
+            return empty_moments(0, device=device), torch.zeros(0, dtype=torch.long, device=device)
+        return torch.cat(parts), torch.cat(owners)
+
+    def result(self) -> torch.Tensor:
+        """Merged moments per slot, ``[num_slots, NUM_FIELDS]`` float64 (empty slots hold the
+        identity: count 0)."""
+        parts, owner = self.parts()
+        return combine_moments(parts, owner, self.num_slots)
 
 
 def tensor_moments(tensor: torch.Tensor, *, kernel: Kernel = "auto") -> torch.Tensor:
