@@ -210,3 +210,26 @@ def test_compile_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch) ->
         warnings.simplefilter("error")  # warned once; later calls go straight to eager
         fused_moments([x], kernel="compile")
     assert mod._compiled.failed is not None
+
+
+def test_accumulator_merges_adds_exactly_and_copies_small_tensors() -> None:
+    from trainvitals.stats.moments import MomentAccumulator
+
+    g = torch.Generator().manual_seed(5)
+    micro = [50 + torch.randn(3, 4000, generator=g) for _ in range(3)]  # large, with tails
+    small = [torch.randn(100, generator=g) for _ in range(3)]
+    bad = torch.randn(20 * CHUNK, generator=g)
+    bad[5] = math.nan
+    acc = MomentAccumulator(3, kernel="eager")
+    for m, s in zip(micro, small, strict=True):
+        acc.add(0, m)
+        acc.add(1, s)
+    acc.add(2, bad)  # check_finite: recomputed with masking right away
+    want_small = torch.cat(small)
+    for s in small:
+        s.mul_(1000)  # an in-place op after the hook (ReLU(inplace=True)) must not leak in
+    got = derive(acc.result())
+    assert_matches(got, 0, reference(torch.cat([m.reshape(-1) for m in micro])), "acc/large")
+    assert_matches(got, 1, reference(want_small), "acc/small")
+    assert_matches(got, 2, reference(bad), "acc/nonfinite")
+    assert float(got["nonfinite"][2]) == 1
