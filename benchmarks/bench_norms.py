@@ -222,12 +222,15 @@ def main() -> None:
     )
     print(f"threads {args.threads}, rounds {args.rounds}, {args.steps} steps per variant per round")
     print()
-    print("| whole step (median) | ms | vs baseline |")
-    print("|---|---:|---:|")
+    print("| whole step | median ms | median of per-round ratios | range of per-round ratios |")
+    print("|---|---:|---:|---:|")
     for name, times in step_times.items():
         m = statistics.median(times)
+        r = round_ratios[name]
+        med = statistics.median(r)
         print(
-            f"| {name} at every step | {m * 1e3:.1f} | {m / base:.3f}x ({(m / base - 1) * 100:+.1f}%) |"
+            f"| {name} at every step | {m * 1e3:.1f} | {med:.3f}x ({(med - 1) * 100:+.1f}%) "
+            f"| {min(r):.3f}x - {max(r):.3f}x |"
         )
     print()
     print("| norm work alone (median) | ms | % of baseline step | vs NormMonitor |")
