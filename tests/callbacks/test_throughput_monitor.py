@@ -317,3 +317,53 @@ def test_mfu_uses_the_table_peak_of_the_cuda_device(monkeypatch):
     )
     exp = _expected(2, window=2, warmup=1)
     assert writer.rows[2]["throughput/mfu"] == pytest.approx(1e9 * exp["tokens_per_sec"] / 989.4e12)
+
+
+def _dp_tp_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+    from trainvitals.distributed import ProcessGroups
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    groups = ProcessGroups.from_device_mesh(mesh)
+    dp_rank = mesh.get_local_rank("dp")  # tensor-parallel peers share the data of their dp rank
+    clock = FakeClock()
+    throughput = ThroughputMonitor(window_size=2, clock=clock, flops_per_token=10.0, peak_flops=1e3)
+    runtime = RuntimeMonitor(clock=clock, max_steps=10)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    writer = RecordingWriter()
+    vitals = Vitals([throughput, runtime], writer=writer, groups=groups, log_every_n_steps=2)
+    vitals.attach(model, opt)
+    before = dict(collective_counter)
+    for step in range(3):
+        for mb in range(2):
+            bs = _bs(step, mb, dp_rank)
+            vitals.batch({"input_ids": torch.zeros(bs, SEQ, dtype=torch.long)})
+            clock.t += _dt(step, mb)
+            model(torch.randn(bs, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    return {
+        "rows": writer.rows,
+        "all_reduce": collective_counter["all_reduce"] - before.get("all_reduce", 0),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_dp_tp_mesh_counts_tensor_parallel_peers_once():
+    results = run_distributed(_dp_tp_body, world_size=4, timeout=200)
+    for result in results:
+        row = result["rows"][2]
+        exp = _expected(2, window=2, warmup=1, ranks=(0, 1))  # the two dp ranks, not four
+        assert row["throughput/samples_per_sec"] == pytest.approx(exp["samples_per_sec"])
+        assert row["throughput/tokens_per_sec"] == pytest.approx(exp["tokens_per_sec"])
+        # model flops 10/token, split over the 2 tensor-parallel devices of each replica
+        assert row["throughput/flops_per_sec"] == pytest.approx(10.0 * exp["tokens_per_sec"])
+        assert row["throughput/mfu"] == pytest.approx(10.0 * exp["tokens_per_sec"] / (4 * 1e3))
+        true = sum(_bs(s, mb, d) for d in (0, 1) for s in range(3) for mb in range(2))
+        assert row["time/samples"] == true
+        # logging steps 0 and 2: runtime 2 x (dp + world), throughput at step 2 only (dp + world)
+        assert result["all_reduce"] == 6
