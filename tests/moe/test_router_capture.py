@@ -457,14 +457,18 @@ def test_routers_with_different_expert_counts_raise() -> None:
 class FakeTopKRouter(nn.Module):
     """A router of an HF family not in the verified list, with sentinel indices (-1, E)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bad_output: bool = False) -> None:
         super().__init__()
         self.num_experts = 4
         self.top_k = 2
+        self.bad_output = bad_output
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = x @ torch.ones(2, 4)
         idx = torch.tensor([[0, 1], [1, 4], [-1, 3], [3, 3]])
-        return x, x, idx
+        if self.bad_output:  # e.g. (logits, indices, tokens_per_expert): not top-k indices last
+            return logits, idx, torch.tensor([1, 2, 0, 3])
+        return logits, logits, idx
 
 
 FakeTopKRouter.__module__ = "transformers.models.fake.modeling_fake"
@@ -473,9 +477,18 @@ FakeTopKRouter.__module__ = "transformers.models.fake.modeling_fake"
 def test_generic_hf_router_and_out_of_range_indices() -> None:
     model = nn.Sequential(nn.Linear(2, 2), FakeTopKRouter())
     capture = RouterCapture(model)
-    assert [(r.kind, r.label) for r in capture.routers] == [("hf", "1")]
+    assert [(r.kind, r.label, r.has_aux_loss) for r in capture.routers] == [("hf", "1", False)]
     model(torch.randn(4, 2).requires_grad_())
     np.testing.assert_array_equal(capture.loads().numpy(), [[1, 2, 0, 3]])
+
+
+def test_generic_hf_router_with_other_output_is_not_counted() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), FakeTopKRouter(bad_output=True))
+    capture = RouterCapture(model)
+    with pytest.warns(RuntimeWarning, match="unexpected output"):
+        model(torch.randn(4, 2).requires_grad_())
+    model(torch.randn(4, 2).requires_grad_())  # warned once, then skipped
+    assert capture.loads().sum() == 0
 
 
 # ---------------------------------------------------------------------- trainvitals TopKRouter

@@ -493,14 +493,23 @@ class RouterCapture:
         r = self.routers[i]
         if r.kind == "hf":
             indices = output[-1] if isinstance(output, tuple | list) and len(output) >= 3 else None
-            if not isinstance(indices, torch.Tensor) or indices.is_floating_point():
+            logits = output[0] if indices is not None else None
+            top_k = getattr(module, "top_k", None)
+            if (
+                not isinstance(indices, torch.Tensor)
+                or indices.is_floating_point()
+                or indices.ndim != 2
+                or (isinstance(top_k, int) and indices.shape[-1] != top_k)
+                or not isinstance(logits, torch.Tensor)
+                or logits.shape[-1] != r.num_experts
+            ):
+                # shape checks only (host metadata): the counts must be top-k indices
                 self._unsupported(
-                    i, "expected (router_logits, scores, indices) with integer indices"
+                    i, "expected (router_logits [N, E], scores [N, k], indices [N, k] integer)"
                 )
                 return
             counts = self._add_indices(i, local_tensor(indices))
-            logits = output[0]
-            if r.has_aux_loss and isinstance(logits, torch.Tensor) and logits.ndim == 2:
+            if r.has_aux_loss and logits.ndim == 2:
                 self._add_aux(i, _switch_aux_loss(local_tensor(logits), counts, indices.shape[-1]))
         elif r.kind == "topk_router":
             routing_map = (
