@@ -671,8 +671,11 @@ class FanoutWriter:
         """
         if type(name) is not str or not name or name.isspace():
             _bad_key(name)
-        if type(value) is not float:
-            value = _as_value(name, value)
+        tv = type(value)
+        if tv is not float and (
+            tv is not _Tensor or value.numel() != 1 or value.is_complex() or value.is_meta
+        ):
+            value = _as_value(name, value)  # converts, or raises naming the key
         if step is None:
             step = global_step
             if step is None:
@@ -730,8 +733,12 @@ class FanoutWriter:
         for k, v in mapping.items():
             if type(k) is not str or not k or k.isspace():
                 _bad_key(k)
-            if type(v) is not float:
-                v = _as_value(k, v)
+            tv = type(v)
+            if tv is not float:
+                # fast path for plain one-element tensors; anything else is checked (and
+                # converted, or refused naming the key) by _as_value
+                if tv is not _Tensor or v.numel() != 1 or v.is_complex() or v.is_meta:
+                    v = _as_value(k, v)
                 if type(v) is not float:
                     has_tensors = True
             checked[k] = v
