@@ -186,3 +186,31 @@ def test_two_ranks_max_only_is_one_all_reduce():
         row = result["rows"][0]
         assert row == {"memory/rss_gb": 2.0, "memory/peak_rss_gb": 10.0}
         assert result["counts"] == [(1, 0), (1, 0), (2, 0), (2, 0)]
+
+
+def test_exception_dumps_a_snapshot_when_recording(fake_cuda, tmp_path):
+    from trainvitals.adapters.loop import Vitals
+
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = MemoryMonitor(record_history=True, snapshot_dir=tmp_path)
+    with (
+        pytest.raises(RuntimeError, match="CUDA out of memory"),
+        Vitals([monitor], writer=_NullWriter()) as vitals,
+    ):
+        vitals.attach(model, opt)
+        vitals.batch(torch.randn(2, 3))
+        raise RuntimeError("CUDA out of memory (simulated)")
+    assert fake_cuda["dump"] == [str(tmp_path / "rank0_exception.pickle")]
+    assert fake_cuda["record"][-1][0] is None  # recording stopped
+
+
+class _NullWriter:
+    def add_scalars(self, mapping, step):
+        pass
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
