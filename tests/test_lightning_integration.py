@@ -274,3 +274,47 @@ def test_measure_flops_under_lightning(tmp_path):
     tokens = 2 * 2 * 3 * SEQ
     assert row["throughput/flops_per_sec"] == pytest.approx(per_token * tokens / seconds)
     assert row["throughput/mfu"] == pytest.approx(per_token * tokens / seconds / 1e4)
+
+
+def _model_parallel_body(rank: int, world_size: int, tmp: str) -> dict:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    dp_rank = rank // 2  # mesh (data_parallel=2, tensor_parallel=2): ranks [[0, 1], [2, 3]]
+    clock = FakeClock()
+    module = _module(pl, clock, 2 + 3 * dp_rank, 20)
+
+    def configure_model() -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = module.device_mesh["data_parallel"]
+        for sub in (module.emb, module.head):
+            fully_shard(sub, mesh=mesh)
+
+    module.configure_model = configure_model
+    writers = (RecordingWriter(), RecordingWriter())
+    callbacks = [
+        ThroughputMonitor(window_size=2, clock=clock, writer=writers[0]),
+        RuntimeMonitor(clock=clock, writer=writers[1]),
+    ]
+    trainer = _trainer(
+        pl, callbacks, tmp, devices=world_size, max_steps=3, use_distributed_sampler=False,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
+    )  # fmt: skip
+    trainer.fit(module)
+    return {"throughput": writers[0].rows, "runtime": writers[1].rows}
+
+
+@pytest.mark.timeout(300)
+def test_model_parallel_strategy_counts_tensor_parallel_peers_once(tmp_path):
+    results = run_distributed(
+        _model_parallel_body, world_size=4, args=(str(tmp_path),), timeout=270
+    )
+    per_batch = (2 + 0) + (2 + 3)  # the two data-parallel replicas, each seen by 2 tp ranks
+    for result in results:
+        for step in range(3):
+            assert result["runtime"][step]["time/samples"] == per_batch * (step + 1)
+            assert result["runtime"][step]["time/tokens"] == per_batch * SEQ * (step + 1)
+        row = result["throughput"][2]
+        seconds = step_seconds(1) + step_seconds(2)
+        assert row["throughput/samples_per_sec"] == pytest.approx(2 * per_batch / seconds)
