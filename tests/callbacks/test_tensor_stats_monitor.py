@@ -40,11 +40,13 @@ class Block(nn.Module):
         super().__init__()
         self.ln = nn.LayerNorm(D)
         self.fc1 = nn.Linear(D, H)
+        self.gate = nn.Linear(D, H)  # shares fc1's input: one reduction, two sites
         self.act = nn.ReLU(inplace=True)  # in place on a Linear output: hooks must cope
         self.fc2 = nn.Linear(H, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.act(self.fc1(self.ln(x))))
+        h = self.ln(x)
+        return x + self.fc2(self.act(self.fc1(h)) * torch.sigmoid(self.gate(h)))
 
 
 class Net(nn.Module):
@@ -61,7 +63,9 @@ class Net(nn.Module):
         return self.head(x)
 
 
-SITE_MODULES = ["emb", "layers.0.fc1", "layers.0.fc2", "layers.1.fc1", "layers.1.fc2", "head"]
+SITE_MODULES = ["emb", "head"] + [
+    f"layers.{i}.{m}" for i in range(2) for m in ("fc1", "gate", "fc2")
+]
 
 
 def batches(n: int, seed: int = 0) -> list[torch.Tensor]:

@@ -233,3 +233,21 @@ def test_accumulator_merges_adds_exactly_and_copies_small_tensors() -> None:
     assert_matches(got, 1, reference(want_small), "acc/small")
     assert_matches(got, 2, reference(bad), "acc/nonfinite")
     assert float(got["nonfinite"][2]) == 1
+
+
+def test_accumulator_reduces_a_shared_tensor_once() -> None:
+    from trainvitals.stats.moments import MomentAccumulator
+
+    x = 3 + torch.randn(40, 1000, generator=torch.Generator().manual_seed(6))
+    acc = MomentAccumulator(3, kernel="eager")
+    acc.add(0, x.detach(), key=x)
+    acc.add(1, x.detach(), key=x)  # the same tensor at a second site: reused
+    assert acc._rows[0] is acc._rows[1]
+    x.add_(1.0)  # modified in place: a new version is reduced again
+    acc.add(2, x.detach(), key=x)
+    assert acc._rows[2] is not acc._rows[0]
+    got = derive(acc.result())
+    ref = reference(x - 1.0)
+    assert_matches(got, 0, ref, "shared0")
+    assert_matches(got, 1, ref, "shared1")
+    assert_matches(got, 2, reference(x), "modified")

@@ -411,7 +411,7 @@ class TensorStatsMonitor(VitalsCallback):
     def _add_parts(self, kind: str, site: int, x: torch.Tensor) -> None:
         if (kind, site) not in self._site_groups:
             self._site_groups[(kind, site)] = shard_groups(x, include_partial=False)
-        self._acc[kind].add(site, local_tensor(x).detach())
+        self._acc[kind].add(site, local_tensor(x).detach(), key=x)
 
     def _remove_hooks(self) -> None:
         handles, self._handles = self._handles, []

@@ -75,11 +75,13 @@ Nothing here does I/O or talks to other ranks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -501,14 +503,47 @@ class MomentAccumulator:
         self._eager: list[int] = []  # positions in _rows computed by the unmasked eager kernel
         self._small: list[torch.Tensor] = []
         self._small_slot: list[int] = []
+        # id(key) -> (weakref to key, its version, [(is_row, index)]): a tensor seen at several
+        # slots (one input feeding the q, k and v projections) is reduced once
+        self._seen: dict[int, tuple[Any, int, list[tuple[bool, int]]]] = {}
 
-    def add(self, slot: int, tensor: torch.Tensor, *, check_finite: bool = True) -> None:
+    def add(
+        self,
+        slot: int,
+        tensor: torch.Tensor,
+        *,
+        check_finite: bool = True,
+        key: torch.Tensor | None = None,
+    ) -> None:
         """Fold ``tensor`` (floating point, any shape) into ``slot``.
 
         With the eager kernel, ``check_finite`` looks at the tensor's min/max right away (one
         flag read back to the host) and recomputes it with masking if it holds a NaN or inf;
         pass ``False`` and call :meth:`fix_nonfinite` once for a batch of tensors instead.
+        ``key``: the tensor object ``tensor`` was taken from (e.g. before ``detach()``); adding
+        the same, unmodified key again reuses the first reduction instead of reading the data.
         """
+        if key is not None:
+            seen = self._seen.get(id(key))
+            if seen is not None and seen[0]() is key and seen[1] == key._version:
+                for is_row, idx in seen[2]:
+                    if is_row:
+                        self._rows.append(self._rows[idx])
+                        self._row_slot.append(slot)
+                    else:
+                        self._small.append(self._small[idx])
+                        self._small_slot.append(slot)
+                return
+            rows_before, small_before = len(self._rows), len(self._small)
+            self._add(slot, tensor, check_finite)
+            entries = [(True, i) for i in range(rows_before, len(self._rows))]
+            entries += [(False, i) for i in range(small_before, len(self._small))]
+            with contextlib.suppress(TypeError):  # not weak-referenceable: no reuse
+                self._seen[id(key)] = (weakref.ref(key), key._version, entries)
+            return
+        self._add(slot, tensor, check_finite)
+
+    def _add(self, slot: int, tensor: torch.Tensor, check_finite: bool) -> None:
         flat = tensor.detach().reshape(-1)
         if flat.numel() < SMALL_NUMEL:
             if flat.numel():
