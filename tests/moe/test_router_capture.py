@@ -439,8 +439,9 @@ def test_layer_numbers_numeric_fallbacks_and_clashes() -> None:
     routers = find_routers(model, extractors=[(CountingGate, _extract, 3)])
     labels = [r.label for r in routers]
     # numeric order; the clash of layers.2 / encoder.2 resolved with full names; routers
-    # without a number after the numbered ones (own layer_number, else discovery position 5)
-    assert labels == ["0", "layers_2_gate", "encoder_2_gate", "10", "11", "5", "40"]
+    # without a number after the numbered ones (own 1-based layer_number 40 -> block 39, else
+    # discovery position 5)
+    assert labels == ["0", "layers_2_gate", "encoder_2_gate", "10", "11", "5", "39"]
     assert len(set(labels)) == len(labels)
 
 

@@ -48,8 +48,8 @@ Layer numbers come from the module name: the first integer component, so
 ``model.layers.10.mlp.gate`` is layer 10 and ``module.decoder.layers.3.mlp.router`` layer 3.
 Routers are ordered numerically by all the integers of their name (``layers.2`` before
 ``layers.10``), never as strings. A router whose name contains no integer uses its own
-``layer_number`` attribute when it has one (``TopKRouter``), else its position in discovery
-order; such routers sort after the numbered ones. Two routers with the same number get labels
+1-based ``layer_number`` attribute minus one when it has one (``TopKRouter``; so labels stay the
+0-based block index of the names), else its position in discovery order; such routers sort after the numbered ones. Two routers with the same number get labels
 made of all the integers of their names (``layers.3.experts.1.router`` -> ``3_1``), and if
 that still clashes (an encoder and a decoder stack) their full module names with ``_`` for
 ``.`` (``encoder_layers_3_router``), so labels are unique.
@@ -361,7 +361,10 @@ def _assign_labels(routers: list[RouterInfo]) -> None:
             r.sort_key = (0, ints, pos)
         else:
             own = getattr(r.module, "layer_number", None)
-            r.layer = own if isinstance(own, int) and not isinstance(own, bool) else pos
+            # TopKRouter.layer_number is 1-based (Megatron's convention); labels from names are
+            # the 0-based block index, so shift it to match.
+            valid = isinstance(own, int) and not isinstance(own, bool) and own >= 1
+            r.layer = own - 1 if valid else pos
             r.sort_key = (1, (r.layer,), pos)
         r.label = str(r.layer)
     routers.sort(key=lambda r: r.sort_key)
