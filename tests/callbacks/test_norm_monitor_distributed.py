@@ -319,3 +319,61 @@ def test_lightning_model_parallel_fsdp2_tp_four_devices(tmp_path):
     _check_lightning(results)
     assert results[0]["dtensor"] == "DTensor"
     assert results[0]["sizes"]["dp"] == 2 and results[0]["sizes"]["tp"] == 2
+
+
+# -------------------------------------------------------------------------- pipeline stages
+
+
+def _stage(rank: int) -> tuple[nn.Module, torch.Tensor]:
+    """Pipeline stage ``rank``: its own layers (different shapes per stage) and input."""
+    torch.manual_seed(rank)
+    return nn.Sequential(nn.Linear(4 + rank, 3), nn.Tanh(), nn.Linear(3, 2)), torch.randn(
+        5, 4 + rank
+    )
+
+
+def _pp_body(rank: int, world_size: int) -> dict:
+    import warnings
+
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+    from trainvitals.distributed import ProcessGroups, world_group
+
+    model, x = _stage(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    # "0.weight" exists on both stages; "9.*" on none: with pipeline stages that is a warning,
+    # not an error (raising on one stage would leave the other waiting in the collective).
+    globs = ["0.weight", "9.*"] if rank == 0 else ["0.weight"]
+    monitor = NormMonitor(per_param=globs, per_param_kinds=("grad", "param"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _train(
+            model,
+            opt,
+            [(x, lambda m, inp: m(inp).pow(2).sum())],
+            monitor,
+            groups=ProcessGroups(pp=world_group()),
+        )
+    out["warnings"] = [str(w.message) for w in caught]
+    return out
+
+
+def test_pipeline_stages_sum_their_totals():
+    results = run_distributed(_pp_body, 2, timeout=120)
+    p2 = g2 = 0.0
+    for rank in range(2):
+        model, x = _stage(rank)
+        model.double()
+        model(x.double()).pow(2).sum().backward()
+        p, g = float64_norms(list(model.parameters()))
+        p2, g2 = p2 + p**2, g2 + g**2
+    for rank, res in enumerate(results):
+        row = res["steps"][0]
+        assert row["l2_norm/param/global"] == pytest.approx(math.sqrt(p2), rel=1e-6)
+        assert row["l2_norm/grad/global"] == pytest.approx(math.sqrt(g2), rel=1e-6)
+        # per-parameter keys are this stage's own
+        model, _ = _stage(rank)
+        assert row["l2_norm/param/0.weight"] == pytest.approx(
+            float(model[0].weight.norm()), rel=1e-6
+        )
+        assert res["all_reduce_per_step"] == [1]  # the totals over the pipeline group
+    assert any("9.*" in w for w in results[0]["warnings"])
