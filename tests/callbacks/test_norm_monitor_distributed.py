@@ -377,3 +377,44 @@ def test_pipeline_stages_sum_their_totals():
         )
         assert res["all_reduce_per_step"] == [1]  # the totals over the pipeline group
     assert any("9.*" in w for w in results[0]["warnings"])
+
+
+def _fsdp2_nan_body(rank: int, world_size: int) -> dict:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+    from trainvitals.distributed import ProcessGroups
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = TiedLM()
+    fully_shard(model.down, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    writer = RecordingWriter()
+    groups = ProcessGroups.from_device_mesh(mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals([NormMonitor()], writer=writer, log_every_n_steps=1, groups=groups) as v:
+            v.attach(model, opt)
+            ids = _lm_batch(rank, 0)
+            v.batch(ids)
+            lm_loss(model, ids).backward()
+            if rank == 1:  # only rank 1's shard of one gradient goes bad
+                model.down.weight.grad.to_local()[0, 0] = float("nan")
+            opt.step()
+    return {"steps": writer.steps, "warnings": [str(w.message) for w in caught]}
+
+
+def test_fsdp2_nonfinite_shard_on_one_rank_is_seen_and_named_by_the_reporting_rank():
+    results = run_distributed(_fsdp2_nan_body, 2, timeout=120)
+    for res in results:
+        assert res["steps"][0]["l2_norm/grad/nonfinite_count"] == 1
+        assert math.isnan(res["steps"][0]["l2_norm/grad/global"])
+    named = [w for w in results[0]["warnings"] if "NaN/Inf" in w]
+    assert len(named) == 1 and "down.weight" in named[0]
+    assert not [w for w in results[1]["warnings"] if "NaN/Inf" in w]  # one rank reports
