@@ -20,6 +20,11 @@ with ``accelerator.clip_grad_norm_`` or :meth:`Vitals.clip_grad_norm_`. A step w
 were observed but that the optimizer skipped (AMP's ``GradScaler`` on inf/nan gradients) ends at
 the next :meth:`Vitals.batch` call, so its micro-batches are not counted into the next step.
 
+``vitals.batch()`` tells the callbacks a micro-batch starts and how big it is. A loop that does
+not call it still works: each training-mode forward of the attached model (with autograd on,
+outside :meth:`Vitals.validating`) counts as one micro-batch of unknown size, so samples and
+tokens are not counted. Call ``batch()`` before the forward, never after it.
+
 The driver's ``state_dict``/``load_state_dict`` hold its step counter and every callback's
 state, so ``accelerator.register_for_checkpointing(vitals)`` (or saving ``vitals.state_dict()``
 next to the model) resumes counters, windows and estimates.
@@ -131,6 +136,7 @@ class Vitals:
         self._handles: list[Any] = []
         self._started = False
         self._grads_seen_for_step = False
+        self._batch_announced = False
         self._closed = False
 
     # ------------------------------------------------------------------ wiring
@@ -147,6 +153,7 @@ class Vitals:
         # iteration (several param groups split over optimizers).
         self._handles.append(inner[0].register_step_pre_hook(self._on_pre_step))
         self._handles.append(inner[0].register_step_post_hook(self._on_post_step))
+        self._handles.append(model.register_forward_pre_hook(self._on_model_forward))
         if self._accelerator is not None:
             self._wrap_accelerator_clip()
         return self
@@ -204,6 +211,21 @@ class Vitals:
         """
         if self.ctx.in_validation:
             return
+        self._batch_announced = True
+        self._micro_batch(batch, batch_size, num_tokens)
+
+    def _on_model_forward(self, module: torch.nn.Module, args: Any) -> None:
+        # A training forward of the attached model that batch() did not announce: count it as
+        # a micro-batch with unknown sizes, so a loop without batch() calls still gets every
+        # step, step 0 included, from its first forward on.
+        if self._batch_announced:
+            self._batch_announced = False
+            return
+        if self.ctx.in_validation or not module.training or not torch.is_grad_enabled():
+            return
+        self._micro_batch(None, None, None)
+
+    def _micro_batch(self, batch: Any, batch_size: int | None, num_tokens: int | None) -> None:
         self._start()
         if self._grads_seen_for_step:
             # The gradients of the previous step were observed but the optimizer did not step

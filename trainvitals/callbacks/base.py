@@ -26,9 +26,12 @@ The same instance is a Lightning callback: :class:`VitalsCallback` defines every
 ``Callback`` hook (duck typing, so it works with both ``lightning.pytorch`` and
 ``pytorch_lightning`` Trainers without importing either) and translates them to the hooks above.
 
-A callback that raises inside a training hook is reported once with a warning and disabled, so a
-telemetry bug never ends a run; set ``TRAINVITALS_STRICT=1`` (the test suite does) to re-raise.
-Configuration errors (``ValueError``/``TypeError``) are raised at construction or at run start.
+A callback that raises inside a training hook never ends the run: it is reported once with a
+warning and, in a single process, disabled. With several ranks it keeps running instead (its
+values for the failing step are missing), because disabling it on the rank that failed would
+leave the other ranks waiting in its next collective. Set ``TRAINVITALS_STRICT=1`` (the test
+suite does) to re-raise. Configuration errors (``ValueError``/``TypeError``) are raised at
+construction or at run start, on every rank, before any collective.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class VitalsCallback:
         self._writer_override = writer
         self._ctx: RunContext | None = None
         self._disabled = False
+        self._failures = 0
         self._warned: set[str] = set()
         # Lightning adapter state
         self._pl_last_global_step: int | None = None
@@ -154,6 +158,27 @@ class VitalsCallback:
         except Exception as exc:
             if _strict():
                 raise
+            if hook == "run_start" and isinstance(exc, ValueError | TypeError):
+                # A configuration error (a glob matching nothing, no router found): the user
+                # must fix it, and at run start it costs nothing and is raised on every rank.
+                raise
+            self._failures += 1
+            if ctx.world_size > 1:
+                # Disabling on this rank alone would leave the other ranks waiting forever in
+                # this callback's next collective. Keep calling it: a failure that happens on
+                # every rank keeps happening on every rank, one that does not leaves the later
+                # steps in lockstep.
+                if self._failures == 1:
+                    warnings.warn(
+                        f"trainvitals: {type(self).__name__}.{hook} raised "
+                        f"{type(exc).__name__}: {exc}; training continues and the callback "
+                        "keeps running (disabling it on one rank could hang the others); "
+                        "its values for this step are missing. Set TRAINVITALS_STRICT=1 to "
+                        "raise instead.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                return
             self._disabled = True
             warnings.warn(
                 f"trainvitals: {type(self).__name__}.{hook} raised {type(exc).__name__}: {exc}; "

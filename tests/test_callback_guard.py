@@ -1,0 +1,162 @@
+"""The guard around callback hooks, and the driver without ``vitals.batch()`` calls."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from trainvitals.adapters.loop import Vitals
+from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.distributed import all_reduce_coalesced, world_group
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def add_scalars(self, mapping, step):
+        self.rows.setdefault(step, {}).update({k: float(v) for k, v in mapping.items()})
+
+    def add_scalar(self, name, value, step):
+        self.add_scalars({name: value}, step)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class SumOverRanks(VitalsCallback):
+    """Sums the step index over the world at every step, then fails where told to (after its
+    collective, as a rank-0-only file write would)."""
+
+    def __init__(self, fail_at: set[tuple[int, int]] = frozenset(), **kwargs) -> None:
+        super().__init__(log_every_n_steps=1, **kwargs)
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def step_end(self, ctx):
+        self.calls += 1
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        (total,) = all_reduce_coalesced([torch.tensor(float(ctx.step))], "sum", world_group())
+        if (rank, ctx.step) in self.fail_at:
+            raise RuntimeError(f"boom on rank {rank} at step {ctx.step}")
+        self.write(ctx, {"sum/step": total})
+
+
+def _train(vitals: Vitals, steps: int, call_batch: bool = True) -> torch.nn.Module:
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    vitals.attach(model, optimizer)
+    for _ in range(steps):
+        for _ in range(2):
+            x = torch.randn(4, 3)
+            if call_batch:
+                vitals.batch(x)
+            model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def test_single_process_failure_disables_the_callback(monkeypatch):
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+    callback = SumOverRanks(fail_at={(0, 1)})
+    writer = Recorder()
+    with (
+        pytest.warns(RuntimeWarning, match="disabled for the rest of the run"),
+        Vitals([callback], writer=writer) as vitals,
+    ):
+        _train(vitals, 4)
+    assert callback.calls == 2  # step 0, and step 1 which raised; never again
+    assert sorted(writer.rows) == [0]
+
+
+def test_strict_mode_reraises(monkeypatch):
+    monkeypatch.setenv("TRAINVITALS_STRICT", "1")
+    vitals = Vitals([SumOverRanks(fail_at={(0, 0)})], writer=Recorder())
+    with pytest.raises(RuntimeError, match="boom"):
+        _train(vitals, 1)
+
+
+class BadConfig(VitalsCallback):
+    def run_start(self, ctx):
+        raise ValueError("per_param glob 'nope*' matches no parameter")
+
+
+def test_configuration_error_at_run_start_is_raised_even_when_not_strict(monkeypatch):
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+    vitals = Vitals([BadConfig()], writer=Recorder())
+    with pytest.raises(ValueError, match="matches no parameter"):
+        _train(vitals, 1)
+
+
+def _rank_local_failure(rank: int, world_size: int) -> dict[int, dict[str, float]]:
+    os.environ["TRAINVITALS_STRICT"] = "0"
+    writer = Recorder()
+    callback = SumOverRanks(fail_at={(1, 1)})  # rank 1 only, after its collective
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals([callback], writer=writer) as vitals:
+            _train(vitals, 4)
+    assert any("keeps running" in str(w.message) for w in caught) == (rank == 1)
+    return writer.rows
+
+
+def test_rank_local_failure_keeps_the_ranks_in_lockstep():
+    """A callback failing on one rank is not disabled there (its next collective would leave
+    the other ranks waiting forever): every later step is reduced and exact on every rank."""
+    rank0, rank1 = run_distributed(_rank_local_failure, world_size=2, timeout=90)
+    expected = {step: {"sum/step": 2.0 * step} for step in range(4)}
+    assert rank0 == expected
+    assert rank1 == {s: v for s, v in expected.items() if s != 1}
+
+
+class Events(VitalsCallback):
+    def __init__(self) -> None:
+        super().__init__(log_every_n_steps=1)
+        self.events: list[tuple] = []
+
+    def run_start(self, ctx):
+        self.events.append(("run_start", ctx.step))
+
+    def micro_batch_start(self, ctx, batch):
+        self.events.append(("micro_batch", ctx.step, ctx.micro_batch, batch.batch_size))
+
+    def step_end(self, ctx):
+        self.events.append(("step_end", ctx.step, ctx.micro_batches_in_step))
+
+
+def test_driver_without_batch_calls_counts_training_forwards():
+    callback = Events()
+    with Vitals([callback], writer=Recorder()) as vitals:
+        model = _train(vitals, 2, call_batch=False)
+        with torch.no_grad():
+            model(torch.randn(2, 3))  # not training: not a micro-batch
+    assert callback.events == [
+        ("run_start", 0),
+        ("micro_batch", 0, 0, None),
+        ("micro_batch", 0, 1, None),
+        ("step_end", 0, 2),
+        ("micro_batch", 1, 0, None),
+        ("micro_batch", 1, 1, None),
+        ("step_end", 1, 2),
+    ]
+
+
+def test_driver_batch_call_is_not_counted_twice_by_the_forward():
+    callback = Events()
+    with Vitals([callback], writer=Recorder()) as vitals:
+        _train(vitals, 1, call_batch=True)
+    assert callback.events == [
+        ("run_start", 0),
+        ("micro_batch", 0, 0, 4),
+        ("micro_batch", 0, 1, 4),
+        ("step_end", 0, 2),
+    ]
