@@ -94,7 +94,11 @@ def canonical_name(name: str) -> str:
 
 
 def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
-    local = local_tensor(tensor)
+    # DTensors are deduplicated by identity only: the aliasing of local shards could differ
+    # between ranks, and every rank must keep the same list (the collectives depend on it).
+    if local_tensor(tensor) is not tensor:
+        return None
+    local = tensor
     if local.numel() == 0 or local.device.type == "meta":
         return None
     try:
@@ -114,7 +118,7 @@ def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
 def dedupe_named_tensors(
     named: Iterable[tuple[str, torch.Tensor]],
 ) -> list[tuple[str, torch.Tensor]]:
-    """Drop repeats: the same tensor object, or a tensor viewing exactly the same memory
+    """Drop repeats: the same tensor object, or a plain tensor viewing exactly the same memory
     (same storage, offset, shape, stride and dtype) as an earlier one. The first name wins."""
     seen_ids: set[int] = set()
     seen_memory: set[tuple[Any, ...]] = set()
