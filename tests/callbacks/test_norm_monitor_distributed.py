@@ -418,3 +418,47 @@ def test_fsdp2_nonfinite_shard_on_one_rank_is_seen_and_named_by_the_reporting_ra
     named = [w for w in results[0]["warnings"] if "NaN/Inf" in w]
     assert len(named) == 1 and "down.weight" in named[0]
     assert not [w for w in results[1]["warnings"] if "NaN/Inf" in w]  # one rank reports
+
+
+# ------------------------------------------------------------- stats.norms on placements
+
+
+def _local_part(rank: int) -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+
+
+def _placements_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from trainvitals.distributed import collective_counter
+    from trainvitals.stats.norms import local_sq_norms, reduce_sq_norms, sharding_groups
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    local = _local_part(rank)
+    tensors = [
+        DTensor.from_local(local, mesh, [Partial()]),  # logical: the sum of the locals
+        DTensor.from_local(local, mesh, [Partial("avg")]),  # logical: their mean
+        DTensor.from_local(local, mesh, [Shard(0)]),  # logical: the locals stacked
+        DTensor.from_local(_local_part(0), mesh, [Replicate()]),  # logical: one copy
+        local,  # plain: a replica (or a whole tensor)
+    ]
+    before = sum(collective_counter.values())
+    sq = reduce_sq_norms(local_sq_norms(tensors), [sharding_groups(t) for t in tensors])
+    return {"sq": sq.tolist(), "collectives": sum(collective_counter.values()) - before}
+
+
+def test_sq_norms_of_partial_shard_and_replicate_placements():
+    results = run_distributed(_placements_body, 2, timeout=120)
+    parts = [_local_part(r).double() for r in range(2)]
+    expected = [
+        float((parts[0] + parts[1]).pow(2).sum()),
+        float(((parts[0] + parts[1]) / 2).pow(2).sum()),
+        float(torch.cat(parts).pow(2).sum()),
+        float(parts[0].pow(2).sum()),
+    ]
+    for rank, res in enumerate(results):
+        assert res["sq"][:4] == pytest.approx(expected, rel=1e-6)
+        assert res["sq"][4] == pytest.approx(float(parts[rank].pow(2).sum()), rel=1e-6)
+        # one collective to sum the Partial tensors elementwise, one for the Shard sums
+        assert res["collectives"] == 2
