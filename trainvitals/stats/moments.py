@@ -307,6 +307,28 @@ def _rows_masked(x2: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _rows_unmasked(x2: torch.Tensor) -> torch.Tensor:
+    """:func:`_rows_masked` for rows without NaN/inf (checked by the caller through min/max)."""
+    xf = x2 if x2.dtype == torch.float64 else x2.float()
+    shift = xf.mean(1, keepdim=True)
+    y = xf - shift
+    y2 = y * y
+    n = torch.full_like(shift.squeeze(1), xf.shape[1])
+    return torch.stack(
+        [
+            n,
+            shift.squeeze(1),
+            y.sum(1),
+            y2.sum(1),
+            (y2 * y).sum(1),
+            (y2 * y2).sum(1),
+            xf.amin(1),
+            xf.amax(1),
+        ],
+        1,
+    )
+
+
 def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor:
     """Eager rows ``[C, 8]`` (n, shift, S1..S4, min, max) of an ``x2`` ``[C, B]`` assumed finite
     (min and max are the whole tensor's, repeated: they merge to the same). Blocks of rows go
@@ -348,8 +370,8 @@ def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor
 def _rows_to_moments(rows: torch.Tensor, b: int) -> torch.Tensor:
     """Rows of (n, shift, S1..S4, min, max) -> float64 central moments ``[C, NUM_FIELDS]``;
     ``b`` is the row length (for the non-finite count ``b - n``)."""
-    rows = rows.to(torch.float64)
-    n, shift, s1, s2, s3, s4, mn, mx = rows.unbind(1)
+    rows = rows.to(torch.float64).t().contiguous()  # columns contiguous: fast elementwise ops
+    n, shift, s1, s2, s3, s4, mn, mx = rows.unbind(0)
     a = s1 / n.clamp_min(1.0)  # the residue of the shift
     a2 = a * a
     return torch.stack(
@@ -368,21 +390,30 @@ def _rows_to_moments(rows: torch.Tensor, b: int) -> torch.Tensor:
 
 
 class _Compiled:
-    """Lazily compiled :func:`_rows_masked`; falls back to eager for good on any failure."""
+    """Lazily compiled row kernels; falls back to eager for good on any failure.
+
+    Two variants: :func:`_rows_masked` (non-finite elements masked element by element: no
+    host sync, used on accelerators, where the kernel is bound by memory and masking is free)
+    and :func:`_rows_unmasked` (used on CPU, where masking doubles the compute; a non-finite
+    element shows in the row's min/max and that tensor is recomputed masked, a check that
+    costs nothing on CPU).
+    """
 
     def __init__(self) -> None:
-        self._fn = None
+        self._fns: dict[bool, object] = {}
         self.failed: str | None = None
         self._lock = threading.Lock()
 
-    def __call__(self, x2: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, x2: torch.Tensor, masked: bool = True) -> torch.Tensor | None:
         if self.failed is not None:
             return None
         try:
             with self._lock:
-                if self._fn is None:
-                    self._fn = torch.compile(_rows_masked, dynamic=True)
-                return self._fn(x2)
+                fn = self._fns.get(masked)
+                if fn is None:
+                    fn = torch.compile(_rows_masked if masked else _rows_unmasked, dynamic=True)
+                    self._fns[masked] = fn
+                return fn(x2)  # type: ignore[operator]
         except Exception as exc:  # compiler missing, unsupported backend, ...
             self.failed = f"{type(exc).__name__}: {exc}"
             warnings.warn(
@@ -473,7 +504,7 @@ def partial_moments(
         if i and t.device != tensors[0].device:
             raise ValueError(f"all tensors must be on one device; tensors[{i}] is on {t.device}")
     for i, t in enumerate(tensors):
-        acc.add(i, t, check_finite=False)
+        acc.add(i, t, check_finite=False, copy_small=False)
     acc.fix_nonfinite(tensors)
     return acc.parts()
 
@@ -500,7 +531,7 @@ class MomentAccumulator:
         self.kernel = kernel
         self._rows: list[torch.Tensor] = []
         self._row_slot: list[int] = []
-        self._eager: list[int] = []  # positions in _rows computed by the unmasked eager kernel
+        self._unchecked: list[int] = []  # positions in _rows from an unmasked kernel
         self._small: list[torch.Tensor] = []
         self._small_slot: list[int] = []
         # id(key) -> (weakref to key, its version, [(is_row, index)]): a tensor seen at several
@@ -514,6 +545,7 @@ class MomentAccumulator:
         *,
         check_finite: bool = True,
         key: torch.Tensor | None = None,
+        copy_small: bool = True,
     ) -> None:
         """Fold ``tensor`` (floating point, any shape) into ``slot``.
 
@@ -522,6 +554,8 @@ class MomentAccumulator:
         pass ``False`` and call :meth:`fix_nonfinite` once for a batch of tensors instead.
         ``key``: the tensor object ``tensor`` was taken from (e.g. before ``detach()``); adding
         the same, unmodified key again reuses the first reduction instead of reading the data.
+        ``copy_small``: keep a copy of a small tensor (its data may change before
+        :meth:`result`, e.g. an in-place activation); ``False`` when it will not.
         """
         if key is not None:
             seen = self._seen.get(id(key))
@@ -535,52 +569,58 @@ class MomentAccumulator:
                         self._small_slot.append(slot)
                 return
             rows_before, small_before = len(self._rows), len(self._small)
-            self._add(slot, tensor, check_finite)
+            self._add(slot, tensor, check_finite, copy_small)
             entries = [(True, i) for i in range(rows_before, len(self._rows))]
             entries += [(False, i) for i in range(small_before, len(self._small))]
             with contextlib.suppress(TypeError):  # not weak-referenceable: no reuse
                 self._seen[id(key)] = (weakref.ref(key), key._version, entries)
             return
-        self._add(slot, tensor, check_finite)
+        self._add(slot, tensor, check_finite, copy_small)
 
-    def _add(self, slot: int, tensor: torch.Tensor, check_finite: bool) -> None:
+    def _add(self, slot: int, tensor: torch.Tensor, check_finite: bool, copy_small: bool) -> None:
         flat = tensor.detach().reshape(-1)
         if flat.numel() < SMALL_NUMEL:
             if flat.numel():
-                self._small.append(flat.clone() if flat.data_ptr() == tensor.data_ptr() else flat)
+                copy = copy_small and flat.data_ptr() == tensor.data_ptr()
+                self._small.append(flat.clone() if copy else flat)
                 self._small_slot.append(slot)
             return
         c = flat.numel() // CHUNK
         body = flat[: c * CHUNK].view(c, CHUNK)
         if flat.numel() > c * CHUNK:
-            self._small.append(flat[c * CHUNK :].clone())
+            tail = flat[c * CHUNK :]
+            self._small.append(tail.clone() if copy_small else tail)
             self._small_slot.append(slot)
-        rows = _compiled(body) if _use_compile(self.kernel, flat.device) else None
+        rows = None
+        masked = flat.device.type != "cpu"
+        if _use_compile(self.kernel, flat.device):
+            rows = _compiled(body, masked)
         if rows is None:
             cdtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
             rows = _rows_eager_fast(body, _eager_work.setdefault((flat.device, cdtype), []))
+            masked = False
+        if not masked:
             if check_finite:
-                if not bool(torch.isfinite(rows[0, 6:8]).all()):
+                if not bool(torch.isfinite(rows[:, 6:8]).all()):
                     rows = _rows_masked(body)
             else:
-                self._eager.append(len(self._rows))
+                self._unchecked.append(len(self._rows))
         self._rows.append(rows)
         self._row_slot.append(slot)
 
     def fix_nonfinite(self, tensors: Sequence[torch.Tensor]) -> None:
         """After ``add(i, tensors[i], check_finite=False)`` calls: recompute, with masking, the
         tensors whose min or max is not finite (one flag read back to the host)."""
-        if not self._eager:
+        if not self._unchecked:
             return
-        extremes = torch.stack([self._rows[j][0, 6:8] for j in self._eager])
-        bad = ~torch.isfinite(extremes).all(1)
-        if bool(bad.any()):
-            for j, is_bad in zip(self._eager, bad.tolist(), strict=True):
-                if is_bad:
+        ok = torch.stack([torch.isfinite(self._rows[j][:, 6:8]).all() for j in self._unchecked])
+        if not bool(ok.all()):
+            for j, good in zip(self._unchecked, ok.tolist(), strict=True):
+                if not good:
                     flat = tensors[self._row_slot[j]].detach().reshape(-1)
                     c = flat.numel() // CHUNK
                     self._rows[j] = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
-        self._eager = []
+        self._unchecked = []
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The un-merged parts ``[K, NUM_FIELDS]`` and their slots ``[K]``."""
@@ -588,7 +628,7 @@ class MomentAccumulator:
         owners: list[torch.Tensor] = []
         device = (self._rows or self._small or [torch.empty(0)])[0].device
         if self._rows:
-            all_rows = torch.cat([r.to(torch.float64) for r in self._rows])
+            all_rows = torch.cat(self._rows)  # float32 rows (float64 if any tensor was float64)
             counts = torch.tensor([r.shape[0] for r in self._rows], device=device)
             slots = torch.tensor(self._row_slot, device=device)
             parts.append(_rows_to_moments(all_rows, CHUNK))
