@@ -65,10 +65,11 @@ the finite elements), ``RMS = L2 / sqrt(n)``, skewness ``sqrt(n) M3 / M2^1.5``, 
 ``n M4 / M2^2`` (3 for a normal distribution) and excess kurtosis (kurtosis - 3). Skewness and
 kurtosis are NaN for a constant tensor (``M2 == 0``).
 
-Non-finite elements: the compiled kernel masks them element by element. The eager path checks
-each tensor's min/max (a NaN or inf shows there) and recomputes only the tensors that have one
-with the masked kernel; that check reads one flag back to the host per call (callers run this
-on logging steps only).
+Non-finite elements: on accelerators the compiled kernel masks them element by element (no
+host sync). On CPU, and in the eager kernel, rows are reduced unmasked (masking doubles the
+compute there); a NaN or inf shows in the min/max, and only such tensors are recomputed with
+masking, a check that reads one flag back to the host (free on CPU; callers run this on logging
+steps only).
 
 Nothing here does I/O or talks to other ranks.
 """
