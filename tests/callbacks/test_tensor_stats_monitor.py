@@ -306,8 +306,9 @@ def test_real_fanout_writer_with_jsonl_sink(tmp_path: Path) -> None:
     assert by_step[1]["tensor_stats/param/abs_max"] == pytest.approx(want, rel=1e-12)
 
 
-def test_lightning_values_and_hooks(tmp_path: Path) -> None:
-    lightning = pytest.importorskip("lightning.pytorch")
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_lightning_values_and_hooks(tmp_path: Path, package: str) -> None:
+    lightning = pytest.importorskip(package)
 
     class Module(lightning.LightningModule):
         def __init__(self) -> None:
