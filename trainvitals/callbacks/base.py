@@ -153,6 +153,7 @@ class VitalsCallback:
     def _dispatch(self, hook: str, ctx: RunContext, *args: Any) -> None:
         if self._disabled:
             return
+        self._ctx = ctx
         try:
             getattr(self, hook)(ctx, *args)
         except Exception as exc:
