@@ -78,7 +78,7 @@ def _fsdp_tp_body(rank: int, world_size: int, run_dir: str) -> dict:
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = TensorStatsMonitor(kernel="eager")
+    monitor = TensorStatsMonitor(kernel="eager", log_every_n_steps=2)
     dp_rank = mesh.get_local_rank("dp")
     full: dict[str, dict[str, torch.Tensor]] = {"param": {}, "grad": {}}
     gathers = []
@@ -92,6 +92,7 @@ def _fsdp_tp_body(rank: int, world_size: int, run_dir: str) -> dict:
         vitals.attach(model, opt)
         x = _batch(dp_rank)
         vitals.batch(x)
+        hooks0 = sum(len(m._forward_hooks) for m in model.modules())
         _loss(model(x)).backward()
         for n, p in model.named_parameters():  # the test's own gather of the whole tensors
             full["param"][n] = p.full_tensor().detach().double()
@@ -99,11 +100,24 @@ def _fsdp_tp_body(rank: int, world_size: int, run_dir: str) -> dict:
         before = dict(collective_counter)
         opt.step()
         gathers = {k: collective_counter[k] - before.get(k, 0) for k in collective_counter}
+        opt.zero_grad()
+        # step 1 is not a logging step: no hook, no collective of ours
+        vitals.batch(x)
+        hooks = sum(len(m._forward_hooks) for m in model.modules())
+        _loss(model(x)).backward()
+        before = sum(collective_counter.values())
+        opt.step()
+        quiet = {"hooks": hooks0 - hooks, "collectives": sum(collective_counter.values()) - before}
     placements = {n: str(p.placements) for n, p in model.named_parameters()}
     # numpy: torch tensors would cross the process boundary through shared memory that dies
     # with the worker
     arrays = {k: {n: t.numpy() for n, t in d.items()} for k, d in full.items()}
-    return {"full": arrays if rank == 0 else None, "collectives": gathers, "placements": placements}
+    return {
+        "full": arrays if rank == 0 else None,
+        "collectives": gathers,
+        "placements": placements,
+        "quiet": quiet,
+    }
 
 
 def _unsharded_sites() -> dict[str, dict[str, torch.Tensor]]:
@@ -166,6 +180,8 @@ def test_fsdp2_tp_every_statistic_equals_the_unsharded_float64(tmp_path: Path) -
     for res in results:
         assert res["collectives"].get("all_gather", 0) == 2, res["collectives"]
         assert res["collectives"].get("all_reduce", 0) == 0
+        assert res["quiet"]["collectives"] == 0
+        assert res["quiet"]["hooks"] == 4  # 2 per site module (up, down), only on step 0
 
 
 # ------------------------------------------------------------------------------ experts
