@@ -91,7 +91,13 @@ class TensorStatsMonitor(VitalsCallback):
     groups of its ``Shard`` mesh dims only; ``Replicate`` dims and plain tensors (DDP replicas)
     are not merged, so no element counts twice (a ``Partial`` gradient is first summed
     elementwise over its partial groups). Activations and dgrads are merged over
-    ``groups.dp_cp`` (each data/context-parallel rank sees different tokens). Moments need a
+    ``groups.dp_cp`` (each data/context-parallel rank sees different tokens); a tensor-parallel
+    site is observed while it is still a ``DTensor`` (a prepended forward hook runs before the
+    parallel style's own) and is also merged over its ``Shard`` dims, a ``Partial`` output is
+    taken after the style reduced it, and a ``Partial`` dgrad (the gradient of the replicated
+    input of a column-parallel layer) is summed elementwise over its group in the gradient hook
+    (an extra collective, logging steps only). Plain activation tensors are taken to be
+    replicated over tensor-parallel ranks. Moments need a
     merge, not a sum: each group gets one ``all_gather`` of all per-rank moments that need it,
     merged on every rank (one collective per distinct group per logging step; a two-collective
     shared-shift scheme would need a second round trip for the same result). Min and max ride
