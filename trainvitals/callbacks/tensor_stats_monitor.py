@@ -74,7 +74,8 @@ class TensorStatsMonitor(VitalsCallback):
     * ``micro_batch_start`` of an activation logging step: forward hooks are installed on the
       sites (the first input and the output of every ``nn.Linear``, ``nn.Embedding`` and MoE
       router, by default). A forward hook folds the site's tensors into per-row moments on
-      the device and, for ``dgrad``, puts a gradient hook on the same tensors. Integer inputs
+      the device (a tensor seen at several sites is reduced once) and, for ``dgrad``, puts a
+      gradient hook on the same tensors. Integer inputs
       (token ids) are skipped. Forwards re-run inside backward (activation checkpointing) are
       not counted twice.
     * ``before_optimizer_step`` of a param/grad logging step: the moments of every trainable
