@@ -9,7 +9,8 @@ Usage::
     results = run_distributed(body, world_size=4, args=(str(tmp_path),), timeout=120)
     assert results[0]["value"] == ...
 
-``body`` must be a module-level function (it is pickled into spawned processes).
+``body`` must be a module-level function (it is pickled into spawned processes). Tensors in
+its result are returned as NumPy arrays (a tensor's shared memory would die with the worker).
 """
 
 from __future__ import annotations
@@ -44,13 +45,25 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
+        result = _to_numpy(fn(rank, world_size, *args))
         queue.put((rank, "ok", result))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_numpy(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: _to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_numpy(v) for v in obj)
+    return obj
 
 
 def run_distributed(
