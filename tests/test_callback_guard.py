@@ -8,26 +8,10 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import all_reduce_coalesced, world_group
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.rows: dict[int, dict[str, float]] = {}
-
-    def add_scalars(self, mapping, step):
-        self.rows.setdefault(step, {}).update({k: float(v) for k, v in mapping.items()})
-
-    def add_scalar(self, name, value, step):
-        self.add_scalars({name: value}, step)
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
 
 
 class SumOverRanks(VitalsCallback):

@@ -10,29 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from tests.stats.test_moments import assert_matches, reference
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import TensorStatsMonitor
 from trainvitals.stats.moments import FIELDS, derive, moments_from_dicts
 
 VOCAB, D, H = 256, 48, 64
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.rows: dict[int, dict[str, float]] = {}
-
-    def add_scalars(self, mapping: dict, step: int) -> None:
-        self.rows.setdefault(step, {}).update({k: float(v) for k, v in mapping.items()})
-
-    def add_scalar(self, name: str, value: float, step: int) -> None:
-        self.add_scalars({name: value}, step)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Block(nn.Module):
