@@ -3,7 +3,8 @@
 1. Overhead. The demo model ``TinyMoELM`` trains on CPU (random tokens, AdamW) in a plain loop
    with no callbacks (the baseline), and with ``MoEMetricsMonitor`` + ``LoadBalanceMonitor``
    (detailed mode) through the ``Vitals`` driver logging at EVERY step (the worst case) and
-   every 50 steps, and with ``LoadBalanceMonitor`` alone. Each configuration has its own model
+   every 50 steps, and with each callback alone (``MoEMetricsMonitor`` at every step,
+   ``LoadBalanceMonitor`` at every step and every 50). Each configuration has its own model
    and optimizer; they are interleaved step by step in rotating order and each median step
    time is divided by the baseline's median from the same run (see ``bench_overhead``). Only
    ratios measured in the same run are meaningful; absolute times depend on the machine.
@@ -126,7 +127,11 @@ def bench_overhead(steps: int, warmup: int, writer: str, which: str) -> list[dic
     destroy_moe_metrics_tracker()
     specs = [("baseline", None, 1), ("baseline again (A/A)", None, 1)]
     if which == "both":
-        specs += [("both, log every step", "both", 1), ("both, log every 50", "both", 50)]
+        specs += [
+            ("both, log every step", "both", 1),
+            ("both, log every 50", "both", 50),
+            ("MoEMetricsMonitor, log every step", "moe_metrics", 1),
+        ]
     specs += [
         ("LoadBalanceMonitor, log every step", "load_balance", 1),
         ("LoadBalanceMonitor, log every 50", "load_balance", 50),

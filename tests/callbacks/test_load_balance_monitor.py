@@ -662,3 +662,31 @@ def test_fsdp2_hugging_face_two_ranks() -> None:
     aux = sum(np.array(r["aux"]) for r in results) / 2
     for r in results:
         check_row(r["row"], loads, r["labels"], aux, top_k=2)
+
+
+def test_key_strings_follow_a_new_layout_and_match_the_set_written() -> None:
+    """The key strings are cached per layout: a second run on a model with more layers writes
+    that model's keys (and exactly the expected set, nothing stale), checked against the
+    independent reference."""
+    from trainvitals.moe import destroy_moe_metrics_tracker
+
+    monitor = LoadBalanceMonitor(mode="detailed", top_k=2)
+    for num_layers in (2, 3):
+        destroy_moe_metrics_tracker()  # the routers' tracker metrics change size too
+        model = tiny_lm(num_layers=num_layers, seed=num_layers)
+        maps = MapRecorder(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        writer = Recorder()
+        vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+        x = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(num_layers))
+        vitals.batch(x)
+        model(x, labels=x).loss.backward()
+        loads, aux = maps.take()
+        opt.step()
+        vitals.close()
+        labels = [str(i) for i in range(num_layers)]
+        row = writer.rows[0]
+        check_row(row, loads, labels, aux, top_k=2)
+        expected = set(expected_keys(loads, labels, aux, top_k=2)) | {"moe/dead_experts_persistent"}
+        per_expert = {k for k in row if k.startswith("moe_expert_utilization/")}
+        assert set(row) - per_expert == expected

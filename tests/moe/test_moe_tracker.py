@@ -350,3 +350,44 @@ def test_report_rejects_bad_arguments_and_keeps_values(kwargs, error, match):
     with pytest.raises(error, match=match):
         tracker.report(**args)
     assert float(tracker.metrics["a"].values[0]) == 1.0
+
+
+def test_host_quantiles_of_positive_equal_device_ones() -> None:
+    """The report's host percentiles use the device formula: bitwise the same floats."""
+    from trainvitals.moe._math import quantiles_of_positive, quantiles_of_positive_host
+
+    rng = np.random.default_rng(5)
+    qs = [0.0, 0.05, 0.25, 0.5, 0.95, 0.99, 1.0]
+    for n in range(1, 40):
+        values = rng.choice([0.0, -1.0, 0.5, 2.0], size=n) * rng.random(n)
+        device = quantiles_of_positive(torch.tensor(values, dtype=torch.float64), qs).tolist()
+        host = quantiles_of_positive_host(values.tolist(), qs)
+        assert len(host) == len(qs)
+        for a, b in zip(device, host, strict=True):
+            assert (math.isnan(a) and math.isnan(b)) or a == b, (values, qs)
+
+
+def test_report_writes_through_tensorboard_style_add_scalars_every_time() -> None:
+    """A writer whose add_scalars is TensorBoard's (main_tag, ...) gets add_scalar calls on
+    every report, also after the signature check was cached."""
+
+    class TBLike:
+        def __init__(self) -> None:
+            self.scalars: list[tuple[str, float, int]] = []
+
+        def add_scalars(self, main_tag: str, values: dict, step: int) -> None:
+            raise AssertionError("must not be called with a dict of keys")
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            self.scalars.append((tag, value, step))
+
+    tracker = MoEMetricsTracker()
+    writer = TBLike()
+    for step in range(3):
+        tracker.record("z_loss", torch.tensor(2.0 + step), 1, num_layers=1)
+        tracker.report(loss_scale=1.0, iteration=step, writer=writer)
+    assert writer.scalars == [
+        ("moe/z_loss", 2.0, 0),
+        ("moe/z_loss", 3.0, 1),
+        ("moe/z_loss", 4.0, 2),
+    ]

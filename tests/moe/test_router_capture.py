@@ -554,3 +554,32 @@ def test_topk_router_padding_slots_not_counted() -> None:
     _, kept_map = plain(x)
     assert padded_map.sum() > kept_map.sum()  # the padding is really there
     np.testing.assert_array_equal(capture.loads()[0].numpy(), kept_map.sum(0).numpy())
+
+
+def test_packed_is_loads_then_aux_sums_with_host_counts() -> None:
+    from trainvitals.moe import TopKRouter
+
+    torch.manual_seed(0)
+    model = nn.ModuleList(
+        [TopKRouter(8, 4, 2, aux_loss_type="aux_loss", aux_loss_coeff=0.01) for _ in range(3)]
+    )
+    capture = RouterCapture(model)
+    empty, counts = capture.packed()
+    assert empty.dtype == torch.float64 and empty.shape == (3 * 4 + 3,)
+    assert not empty.any() and counts == [0, 0, 0]
+    for _ in range(2):  # two micro-batches
+        for router in model:
+            router(torch.randn(10, 8)).__getitem__(0).sum().backward()
+    values, counts = capture.packed()
+    aux_sum, aux_count = capture.aux_losses()
+    expected = torch.cat([capture.loads().reshape(-1), aux_sum])
+    assert values.dtype == torch.float64
+    assert torch.equal(values, expected)
+    assert counts == aux_count.tolist() == [2, 2, 2]
+    values.zero_()  # a new tensor: the counts are untouched
+    assert capture.loads().sum() == 3 * 2 * 10 * 2
+    capture.reset()
+    values, counts = capture.packed()
+    assert not values.any() and counts == [0, 0, 0]
+    capture.reset()  # nothing counted since: still zeros
+    assert not capture.packed()[0].any()

@@ -130,3 +130,106 @@ def test_nanquantile_matches_numpy() -> None:
     np.testing.assert_allclose(
         nanquantile(torch.tensor(x), qs).numpy(), expected, rtol=1e-12, atol=1e-15
     )
+
+
+# ------------------------------------------------------------------ the host (numpy) path
+
+
+def _host_cases() -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    cases = []
+    for shape in [(1, 1), (1, 4), (3, 8), (4, 8), (12, 16), (5, 7), (64, 64)]:
+        loads = rng.integers(0, 50, size=shape).astype(np.float64)
+        loads[0, 0] = 0.0
+        if shape[0] > 2:
+            loads[1] = 0.0  # inactive layer
+            loads[2, :] = [100.0] + [0.0] * (shape[1] - 1)
+        cases.append(loads)
+    cases.append(np.zeros((3, 4)))  # nothing routed
+    cases.append(np.full((4, 8), 5.0))  # perfect balance, all ties
+    return cases
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_host_path_matches_device_path_and_numpy(case: int) -> None:
+    """load_balance_stats_host (Python floats up to 2048 loads, numpy above) agrees with the
+    device path to a few ulps and with the independent numpy reference."""
+    from trainvitals.stats.load_balance import load_balance_stats_host
+
+    loads = _host_cases()[case]
+    top_k = 5
+    host = load_balance_stats_host(loads, top_k=top_k)
+    dev = load_balance_stats(torch.tensor(loads), top_k=top_k)
+    for field in ("utilization", "per_layer", "aggregates", "utilization_quantiles"):
+        got = getattr(host, field)
+        assert isinstance(got, np.ndarray) and got.dtype == np.float64, field
+        np.testing.assert_allclose(
+            got, getattr(dev, field).numpy(), rtol=1e-13, atol=0, equal_nan=True, err_msg=field
+        )
+    ref = _reference(loads)
+    for i, name in enumerate(LAYER_METRICS):
+        np.testing.assert_allclose(
+            host.per_layer[i], ref[name], rtol=1e-12, atol=1e-12, err_msg=name
+        )
+    # Top/bottom k: the same values as torch.topk; ties go to the lowest flat index.
+    k = min(top_k, loads.size)
+    assert host.top_indices.dtype == np.int64 and host.top_indices.shape == (k,)
+    np.testing.assert_array_equal(host.top_values, dev.top_values.numpy())
+    np.testing.assert_array_equal(host.bottom_values, dev.bottom_values.numpy())
+    flat = host.utilization.reshape(-1)
+    high = np.where(np.isnan(flat), -np.inf, flat)
+    low = np.where(np.isnan(flat), np.inf, flat)
+    np.testing.assert_array_equal(high[host.top_indices], host.top_values)
+    np.testing.assert_array_equal(low[host.bottom_indices], host.bottom_values)
+    np.testing.assert_array_equal(host.top_indices, np.argsort(-high, kind="stable")[:k])
+    np.testing.assert_array_equal(host.bottom_indices, np.argsort(low, kind="stable")[:k])
+
+
+def test_host_path_all_ties_lowest_index_first() -> None:
+    from trainvitals.stats.load_balance import load_balance_stats_host
+
+    s = load_balance_stats_host(np.full((2, 4), 3.0), top_k=3)
+    assert s.top_indices.tolist() == [0, 1, 2]
+    assert s.bottom_indices.tolist() == [0, 1, 2]
+    assert s.per_layer[LAYER_METRICS.index("cv")].tolist() == [0.0, 0.0]
+
+
+def test_host_path_bad_input_and_no_warnings() -> None:
+    from trainvitals.stats.load_balance import load_balance_stats_host
+
+    with pytest.raises(TypeError, match="loads"):
+        load_balance_stats_host(torch.ones(2, 4))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="loads"):
+        load_balance_stats_host([[1, 2]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\[layers, experts\]"):
+        load_balance_stats_host(np.ones(4))
+    with pytest.raises(ValueError, match="top_k"):
+        load_balance_stats_host(np.ones((2, 4)), top_k=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inactive layers must not warn (0/0, log 0, all-NaN)
+        for loads in (np.zeros((2, 3)), np.zeros((64, 64)), np.eye(64)):
+            load_balance_stats_host(loads, top_k=2)
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (2, 1500)])
+def test_host_aggregates_and_nanquantile_match_device(shape: tuple[int, int]) -> None:
+    from trainvitals.stats.load_balance import (
+        aggregate_across_layers_host,
+        nanquantile,
+        nanquantile_host,
+    )
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=shape)
+    x[rng.random(size=x.shape) < 0.3] = np.nan
+    x[1] = np.nan  # an all-NaN row
+    qs = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = aggregate_across_layers_host(x)
+        quantiles = nanquantile_host(x, qs)
+    np.testing.assert_allclose(
+        got, aggregate_across_layers(torch.tensor(x)).numpy(), rtol=1e-13, equal_nan=True
+    )
+    np.testing.assert_array_equal(quantiles, nanquantile(torch.tensor(x), qs).numpy())
+    assert aggregate_across_layers_host(x[0]).shape == (1, len(AGGREGATES))

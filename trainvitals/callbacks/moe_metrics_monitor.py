@@ -165,7 +165,10 @@ class MoEMetricsMonitor(VitalsCallback):
         self._pending_micro_batches += ctx.micro_batches_in_step or ctx.accumulate_grad_batches or 1
         self._pending_steps += 1
         for router in self._routers:
-            router.reset_global_tokens()
+            # A no-op unless the router keeps global tokens or counted micro-batches: skip the
+            # call (and nn.Module.__setattr__) then.
+            if router.global_aux_micro_batches or router.global_tokens_per_expert is not None:
+                router.reset_global_tokens()
         if self.should_log(ctx):
             self._report(ctx, ctx.step)
 

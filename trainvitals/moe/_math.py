@@ -30,3 +30,21 @@ def quantiles_of_positive(values: torch.Tensor, qs: Sequence[float]) -> torch.Te
     # lo == hi gives high - low == 0 (or nan for inf - inf, masked below when n == 0).
     out = low + torch.where(hi > lo, high - low, torch.zeros_like(low)) * (pos - lo.to(pos.dtype))
     return torch.where(n > 0, out, torch.full_like(out, math.nan))
+
+
+def quantiles_of_positive_host(values: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """:func:`quantiles_of_positive` of host floats (after the report's one transfer), with the
+    same float64 formula: ``low + (high - low) * (pos - lo)``, ``pos = q * (n - 1)`` over the
+    sorted positive entries; ``nan`` for each ``q`` when no entry is positive."""
+    ordered = sorted(x for x in values if x > 0)
+    n = len(ordered)
+    if n == 0:
+        return [math.nan] * len(qs)
+    out = []
+    for q in qs:
+        pos = float(q) * float(n - 1)
+        lo = math.floor(pos)
+        hi = math.ceil(pos)
+        low = ordered[lo]
+        out.append(low + (ordered[hi] - low) * (pos - lo) if hi > lo else low)
+    return out

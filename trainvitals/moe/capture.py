@@ -406,6 +406,8 @@ class RouterCapture:
         self.enabled = True
         self._handles: list[Any] = []
         self._acc: torch.Tensor | None = None  # [L, E + 1], last column = out-of-range indices
+        self._acc_device: torch.device | None = None
+        self._dirty = False  # something was added since the last reset (a host flag)
         self._aux_sum: torch.Tensor | None = None  # [L]
         self._aux_count = [0] * len(self.routers)  # host ints: no sync to count forwards
         self._rows: list[torch.Tensor] = []
@@ -521,7 +523,8 @@ class RouterCapture:
             if not isinstance(routing_map, torch.Tensor) or routing_map.shape[-1] != r.num_experts:
                 self._unsupported(i, "expected (probs, routing_map [T, E])")
                 return
-            routing_map = local_tensor(routing_map)
+            if type(routing_map) is not torch.Tensor:
+                routing_map = local_tensor(routing_map)  # a DTensor: its local tokens
             if routing_map.ndim != 2:
                 routing_map = routing_map.reshape(-1, r.num_experts)
             if getattr(module, "pad_to_capacity", False) and isinstance(output[0], torch.Tensor):
@@ -573,6 +576,7 @@ class RouterCapture:
             self._count_rows = list(acc[:, : self.num_experts].unbind(0))
             self._aux_rows = list(self._aux_sum.unbind(0))
             self._acc = acc
+            self._acc_device = acc.device
         return self._acc
 
     def _add_indices(self, i: int, indices: torch.Tensor) -> torch.Tensor | None:
@@ -587,9 +591,11 @@ class RouterCapture:
         ones = self._ones_for(acc, idx.numel())
         if not self.routers[i].has_aux_loss:
             self._rows[i].index_add_(0, idx, ones)
+            self._dirty = True
             return None
         counts = torch.zeros_like(self._rows[i]).index_add_(0, idx, ones)
         self._rows[i].add_(counts)
+        self._dirty = True
         return counts[:e]
 
     def _ones_for(self, acc: torch.Tensor, n: int) -> torch.Tensor:
@@ -600,22 +606,31 @@ class RouterCapture:
         return ones[:n]
 
     def _add_counts(self, i: int, counts: torch.Tensor) -> None:
-        acc = self._accumulator(counts.device)
-        if counts.device != acc.device:
-            counts = counts.to(acc.device, non_blocking=True)
+        device = counts.device
+        if self._acc is None:
+            self._accumulator(device)
+        elif device != self._acc_device:
+            counts = counts.to(self._acc_device, non_blocking=True)
         self._count_rows[i].add_(counts)  # in-place add casts integer counts to float64
+        self._dirty = True
 
     def _add_aux(self, i: int, aux: Any) -> None:
         if aux is None:
             return
-        if not isinstance(aux, torch.Tensor):
-            aux = torch.tensor(float(aux))
-        aux = local_tensor(aux).detach()
-        self._accumulator(aux.device)
-        if aux.device != self._aux_sum.device:  # type: ignore[union-attr]
-            aux = aux.to(self._aux_sum.device, non_blocking=True)  # type: ignore[union-attr]
-        self._aux_rows[i].add_(aux.reshape(()))
+        if type(aux) is not torch.Tensor or aux.requires_grad or aux.dim() != 0:
+            # The general case (a number, a DTensor, a tensor attached to the graph); a plain
+            # detached 0-d tensor (TopKRouter's last_aux_loss) skips these calls.
+            if not isinstance(aux, torch.Tensor):
+                aux = torch.tensor(float(aux))
+            aux = local_tensor(aux).detach().reshape(())
+        device = aux.device
+        if self._acc is None:
+            self._accumulator(device)
+        elif device != self._acc_device:
+            aux = aux.to(self._acc_device, non_blocking=True)
+        self._aux_rows[i].add_(aux)
         self._aux_count[i] += 1
+        self._dirty = True
 
     # ------------------------------------------------------------------ reading
 
@@ -639,12 +654,29 @@ class RouterCapture:
             return torch.zeros(len(self.routers), dtype=torch.float64, device=dev), count
         return self._aux_sum.to(torch.float64, copy=True), count
 
+    def packed(self, device: torch.device | None = None) -> tuple[torch.Tensor, list[int]]:
+        """``(values, aux_counts)``: one new float64 tensor of ``L * E + L`` values, the loads
+        of :meth:`loads` (row-major) then the aux-loss sums of :meth:`aux_losses`, made by one
+        kernel on the accumulator's device (or ``device`` when nothing was counted yet), and
+        the aux-loss counts as host ints. For a caller that reads everything in one transfer."""
+        if self._acc is None:
+            n = len(self.routers) * (self.num_experts + 1)
+            return torch.zeros(n, dtype=torch.float64, device=device), list(self._aux_count)
+        parts = [self._acc[:, : self.num_experts].reshape(-1), self._aux_sum]
+        values = torch.cat(parts)  # type: ignore[list-item]
+        if values.dtype != torch.float64:
+            values = values.to(torch.float64)
+        return values, list(self._aux_count)
+
     def reset(self) -> None:
-        """Zero the counts on the device (no synchronisation)."""
-        if self._acc is not None:
-            self._acc.zero_()
-        if self._aux_sum is not None:
-            self._aux_sum.zero_()
+        """Zero the counts on the device (no synchronisation; no kernel either when nothing
+        was counted since the last reset, e.g. on a step that is not logged)."""
+        if self._dirty:
+            if self._acc is not None:
+                self._acc.zero_()
+            if self._aux_sum is not None:
+                self._aux_sum.zero_()
+            self._dirty = False
         self._aux_count = [0] * len(self.routers)
         self._snapshots.clear()
 

@@ -14,9 +14,11 @@
 * **One collective per group and reduction kind**, whatever the number of metrics and layers:
   the pipeline SUM, each distinct ``reduce_group`` SUM, each distinct ``avg_group`` AVG and the
   data-parallel AVG are each one coalesced collective (Megatron issues one per metric per stage).
-* **One host transfer per report**: every scalar of a report is computed on the device, stacked,
-  and read back with one ``.tolist()``; the writer and the console string get Python floats.
-  Percentiles are computed on the device (no boolean indexing, which would synchronise).
+* **One host transfer per report**: after the reductions, the per-layer vectors of every
+  metric are concatenated (float64) and read back with one ``.tolist()``; the scaling, the
+  means over the MoE layers (``math.fsum``, correctly rounded), the percentiles and the
+  per-layer values are then computed on the host in float64 (no kernel per metric, no boolean
+  indexing on the device). Masks and key strings are cached per layout.
 * **``total_loss_dict`` does not grow**: each loss key receives this report's value, replacing
   the previous one (Megatron-Bridge #2989: the dict accumulated without bound). A report is
   already an average over the micro-batches (and, under :class:`MoEMetricsMonitor`, over the
@@ -60,7 +62,7 @@ from trainvitals.distributed import (
     is_distributed,
     world_group,
 )
-from trainvitals.moe._math import quantiles_of_positive
+from trainvitals.moe._math import quantiles_of_positive_host
 
 __all__ = [
     "MetricEntry",
@@ -79,6 +81,17 @@ class MetricEntry:
     reduce_group: Any = None
     avg_group: Any = None
     needs_dp_avg: bool = True
+
+
+@dataclass
+class _Plan:
+    """How one metric of a report is aggregated: its MoE layer slots and per-layer keys."""
+
+    name: str
+    size: int
+    num_moe_layers: int
+    moe_slots: list[int]
+    layer_keys: list[str]
 
 
 def _digest(ranks: tuple[int, ...]) -> str:
@@ -125,6 +138,11 @@ class MoEMetricsTracker:
 
     def __init__(self) -> None:
         self._metrics: dict[str, MetricEntry] = {}
+        # Caches of the report's layout-dependent work (masks, key strings): they only change
+        # when the metrics, the layer layout or the percentiles change.
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._pct_keys: dict[tuple[str, tuple[float, ...]], list[str]] = {}
+        self._keys: dict[str, str] = {}
 
     # ------------------------------------------------------------------ recording
 
@@ -312,43 +330,37 @@ class MoEMetricsTracker:
         schema = self._agree(names, names_filter, groups)
         reduced = self._reduce(schema, groups)
 
-        # 3. Aggregate on the device; one host transfer for everything.
-        mtp = mtp_num_layers or 0
+        # 3. One host transfer for everything (the reduced per-layer vectors, float64), then
+        #    scale, average over the MoE layers, percentiles and per-layer values on the host
+        #    in float64: a handful of Python operations instead of several kernels per metric.
+        plans = [
+            self._plan(name, size, num_layers, mtp_num_layers, pattern_arg, moe_layer_freq)
+            for name, (size, _) in schema.items()
+        ]
+        host = torch.cat([reduced[name] for name in schema]).tolist() if schema else []
+        scale = float(loss_scale)
         keys: list[str] = []
-        pieces: list[torch.Tensor] = []
-        loss_names: list[str] = []
-        for name, (size, _) in schema.items():
-            layers = num_layers if num_layers is not None else size - mtp
-            if layers <= 0 or layers + mtp != size:
-                raise ValueError(
-                    f"metric {name!r} has {size} layer slots but num_layers={num_layers} and "
-                    f"mtp_num_layers={mtp_num_layers} describe {max(layers, 0) + mtp}"
-                )
-            is_moe = _moe_layer_mask(layers, pattern_arg, mtp)
-            num_moe_layers = sum(is_moe)
-            if num_moe_layers <= 0:
-                raise ValueError(
-                    f"no MoE layers for num_layers={layers}, moe_layer_freq={moe_layer_freq}"
-                )
-            v = reduced[name] * float(loss_scale)
-            keys.append(name)
-            pieces.append((v.sum() / num_moe_layers).reshape(1))
-            if name.endswith("loss"):
-                loss_names.append(name)
-            if name in pct:
-                qs = pct[name]
-                keys.extend(f"{name}_p{int(q * 100)}" for q in qs)
-                pieces.append(quantiles_of_positive(v, qs))
+        numbers: list[float] = []
+        offset = 0
+        for plan in plans:
+            v = [x * scale for x in host[offset : offset + plan.size]]
+            offset += plan.size
+            keys.append(plan.name)
+            numbers.append(math.fsum(v) / plan.num_moe_layers)
+            qs = pct.get(plan.name)
+            if qs:
+                keys.extend(self._percentile_keys(plan.name, qs))
+                numbers.extend(quantiles_of_positive_host(v, qs))
             if per_layer_logging:
-                idx = [i for i, m in enumerate(is_moe) if m]
-                keys.extend(f"{name}_layer_{i}" for i in idx)
-                pieces.append(v[idx])
-        host = torch.cat(pieces).tolist() if pieces else []
-        scalars = {k: x for k, x in zip(keys, host, strict=True) if not math.isnan(x)}
+                keys.extend(plan.layer_keys)
+                numbers.extend(v[i] for i in plan.moe_slots)
+        scalars = {k: x for k, x in zip(keys, numbers, strict=True) if not math.isnan(x)}
+        loss_names = [plan.name for plan in plans if plan.name.endswith("loss")]
 
         # 4. Write, hand losses to total_loss_dict, build the console string, clear.
         if writer is not None and scalars:
-            _write(writer, {f"moe/{k}": x for k, x in scalars.items()}, iteration)
+            prefixed = self._prefixed
+            _write(writer, {prefixed(k): x for k, x in scalars.items()}, iteration)
         if total_loss_dict is not None:
             for name in loss_names:
                 if name in scalars:
@@ -359,6 +371,65 @@ class MoEMetricsTracker:
             for k, x in scalars.items()
             if not k.endswith("loss") and "_layer_" not in k
         )
+
+    # ------------------------------------------------------------------ report helpers (cached)
+
+    def _plan(
+        self,
+        name: str,
+        size: int,
+        num_layers: int | None,
+        mtp_num_layers: int | None,
+        pattern: int | list[int] | None,
+        moe_layer_freq: Any,
+    ) -> _Plan:
+        """How metric ``name`` is aggregated (MoE slots, per-layer keys), cached per layout."""
+        mtp = mtp_num_layers or 0
+        cache_key = (
+            name,
+            size,
+            num_layers,
+            mtp,
+            tuple(pattern) if isinstance(pattern, list) else pattern,
+        )
+        plan = self._plans.get(cache_key)
+        if plan is not None:
+            return plan
+        layers = num_layers if num_layers is not None else size - mtp
+        if layers <= 0 or layers + mtp != size:
+            raise ValueError(
+                f"metric {name!r} has {size} layer slots but num_layers={num_layers} and "
+                f"mtp_num_layers={mtp_num_layers} describe {max(layers, 0) + mtp}"
+            )
+        is_moe = _moe_layer_mask(layers, pattern, mtp)
+        num_moe_layers = sum(is_moe)
+        if num_moe_layers <= 0:
+            raise ValueError(
+                f"no MoE layers for num_layers={layers}, moe_layer_freq={moe_layer_freq}"
+            )
+        slots = [i for i, m in enumerate(is_moe) if m]
+        plan = _Plan(name, size, num_moe_layers, slots, [f"{name}_layer_{i}" for i in slots])
+        if len(self._plans) > 1024:  # layouts change rarely; never grow without bound
+            self._plans.clear()
+        self._plans[cache_key] = plan
+        return plan
+
+    def _percentile_keys(self, name: str, qs: list[float]) -> list[str]:
+        cache_key = (name, tuple(qs))
+        out = self._pct_keys.get(cache_key)
+        if out is None:
+            if len(self._pct_keys) > 1024:
+                self._pct_keys.clear()
+            out = self._pct_keys[cache_key] = [f"{name}_p{int(q * 100)}" for q in qs]
+        return out
+
+    def _prefixed(self, key: str) -> str:
+        out = self._keys.get(key)
+        if out is None:
+            if len(self._keys) > 65536:
+                self._keys.clear()
+            out = self._keys[key] = f"moe/{key}"
+        return out
 
     # ------------------------------------------------------------------ agreement & reduction
 
@@ -371,6 +442,12 @@ class MoEMetricsTracker:
         of each rank's description, and checks that raise the same ``ValueError`` on every rank
         when ranks disagree (so no rank waits on a collective the others never issue).
         """
+        if not is_distributed() or group_size(world_group()) <= 1:
+            # Single process: nothing to agree on, no group to describe.
+            return {
+                n: (self._metrics[n].values.numel(), self._metrics[n].needs_dp_avg)
+                for n in sorted(names)
+            }
         local = {
             name: (
                 self._metrics[name].values.numel(),
@@ -380,8 +457,6 @@ class MoEMetricsTracker:
             )
             for name in names
         }
-        if not is_distributed() or group_size(world_group()) <= 1:
-            return {n: (local[n][0], local[n][1]) for n in sorted(local)}
         mine = {
             "metrics": local,
             "pp": _group_id(groups.pp),
@@ -400,9 +475,15 @@ class MoEMetricsTracker:
         self, schema: Mapping[str, tuple[int, bool]], groups: ProcessGroups
     ) -> dict[str, torch.Tensor]:
         """PP SUM -> reduce_group SUM -> avg_group AVG -> DP AVG, one collective per group
-        and stage; returns float64 vectors (new tensors, the entries are not modified)."""
+        and stage; returns float64 vectors (new tensors, the entries are not modified). In a
+        single process it returns the entries' vectors themselves (their own dtype, exactly
+        converted to float64 on the host): do not modify them."""
         device = self._default_device()
         values: dict[str, torch.Tensor] = {}
+        if not is_distributed() or group_size(world_group()) <= 1:
+            # Single process: every group is trivial, nothing to reduce. The entries' own
+            # vectors (the caller concatenates them into a new tensor before it clears them).
+            return {name: self._metrics[name].values.to(device) for name in schema}
         for name, (size, _) in schema.items():
             entry = self._metrics.get(name)
             values[name] = (
@@ -559,16 +640,31 @@ def _claim_problems(claims: Mapping[tuple[int, str], list[int]], what: str) -> l
     return out
 
 
+# add_scalars functions (unbound) -> whether they are TensorBoard's add_scalars(main_tag, ...):
+# inspect.signature costs tens of microseconds, too much to pay at every logging step.
+_MAIN_TAG: dict[Any, bool] = {}
+
+
+def _has_main_tag(add_scalars: Any) -> bool:
+    func = getattr(add_scalars, "__func__", None)  # the class's function of a bound method
+    if func is not None and func in _MAIN_TAG:
+        return _MAIN_TAG[func]
+    try:
+        params = inspect.signature(add_scalars).parameters
+    except (TypeError, ValueError):
+        params = {}
+    result = "main_tag" in params
+    if func is not None and len(_MAIN_TAG) < 256:
+        _MAIN_TAG[func] = result
+    return result
+
+
 def _write(writer: Any, scalars: dict[str, float], step: int) -> None:
     add_scalars = getattr(writer, "add_scalars", None)
-    if add_scalars is not None:
-        try:
-            params = inspect.signature(add_scalars).parameters
-        except (TypeError, ValueError):
-            params = {}
-        if "main_tag" not in params:  # not TensorBoard's add_scalars(main_tag, dict, step)
-            add_scalars(scalars, step)
-            return
+    # not TensorBoard's add_scalars(main_tag, dict, step): one call with every key
+    if add_scalars is not None and not _has_main_tag(add_scalars):
+        add_scalars(scalars, step)
+        return
     for key, value in scalars.items():
         writer.add_scalar(key, value, step)
 
