@@ -251,3 +251,35 @@ def test_accumulator_reduces_a_shared_tensor_once() -> None:
     assert_matches(got, 0, ref, "shared0")
     assert_matches(got, 1, ref, "shared1")
     assert_matches(got, 2, reference(x), "modified")
+
+
+def test_small_pieces_of_equal_length_with_nonfinite_rows() -> None:
+    # Small pieces that share a length are reduced as one dense matrix on CPU; a row with a
+    # NaN/inf there must fall back to the masked path without disturbing its neighbours.
+    g = torch.Generator().manual_seed(7)
+    xs = [1000 + 0.01 * torch.randn(1024, generator=g) for _ in range(4)]
+    xs[1][5] = math.nan
+    xs[2][[0, 1023]] = torch.tensor([math.inf, -math.inf])
+    xs.append(torch.randn(1024, generator=g).half())  # same length, another dtype
+    xs.append(torch.full((1024,), math.nan))  # no finite element at all
+    xs.append(5 + torch.randn(333, generator=g))  # a length that occurs once
+    m = fused_moments(xs)
+    got = derive(m)
+    for i, x in enumerate(xs):
+        if i == 5:
+            assert m[i, 0] == 0 and m[i, 7] == 1024
+            continue
+        assert_matches(got, i, reference(x), f"small{i}")
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compile"])
+def test_large_tensor_whose_blocks_differ(kernel: str) -> None:
+    # Many eager blocks and rows with very different means, a large common offset, a tail:
+    # every block/row shift and min/max must merge to the whole tensor's statistics.
+    g = torch.Generator().manual_seed(8)
+    n = 5 * 256 * 1024 + 3 * CHUNK + 77
+    x = 1e4 + torch.linspace(-30.0, 30.0, n) + torch.randn(n, generator=g)
+    x[123_456] = 1e4 + 400.0  # a single outlier sets max and the kurtosis
+    got = derive(fused_moments([x, x.view(-1)[: 2 * CHUNK * 64]], kernel=kernel))
+    assert_matches(got, 0, reference(x), f"{kernel}/blocks")
+    assert_matches(got, 1, reference(x[: 2 * CHUNK * 64]), f"{kernel}/blocks_prefix")
