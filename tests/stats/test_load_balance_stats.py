@@ -233,3 +233,42 @@ def test_host_aggregates_and_nanquantile_match_device(shape: tuple[int, int]) ->
     )
     np.testing.assert_array_equal(quantiles, nanquantile(torch.tensor(x), qs).numpy())
     assert aggregate_across_layers_host(x[0]).shape == (1, len(AGGREGATES))
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_lists_path_equals_host_path(case: int) -> None:
+    """load_balance_stats_lists (what LoadBalanceMonitor uses) gives the host path's floats."""
+    from trainvitals.stats.load_balance import (
+        aggregate_across_layers_host,
+        aggregate_across_layers_lists,
+        load_balance_stats_host,
+        load_balance_stats_lists,
+    )
+
+    loads = _host_cases()[case]
+    got = load_balance_stats_lists(loads.tolist(), top_k=4)
+    want = load_balance_stats_host(loads, top_k=4)
+    for field in (
+        "utilization",
+        "per_layer",
+        "aggregates",
+        "utilization_quantiles",
+        "top_values",
+        "top_indices",
+        "bottom_values",
+        "bottom_indices",
+    ):
+        value = getattr(got, field)
+        assert isinstance(value, list), field
+        np.testing.assert_array_equal(np.array(value), getattr(want, field), err_msg=field)
+    assert all(isinstance(i, int) for i in got.top_indices + got.bottom_indices)
+    row = got.per_layer[0]
+    np.testing.assert_array_equal(
+        aggregate_across_layers_lists(row), aggregate_across_layers_host(np.array(row))[0]
+    )
+    with pytest.raises(TypeError, match="loads"):
+        load_balance_stats_lists(loads)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="same non-zero length"):
+        load_balance_stats_lists([[1.0, 2.0], [3.0]])
+    with pytest.raises(ValueError, match="top_k"):
+        load_balance_stats_lists([[1.0]], top_k=-2)

@@ -8,7 +8,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from trainvitals.adapters.context import BatchInfo, RunContext
@@ -25,8 +24,8 @@ from trainvitals.stats.load_balance import (
     AGGREGATES,
     LAYER_METRICS,
     UTILIZATION_QUANTILES,
-    aggregate_across_layers_host,
-    load_balance_stats_host,
+    aggregate_across_layers_lists,
+    load_balance_stats_lists,
 )
 
 __all__ = ["LoadBalanceMonitor"]
@@ -49,8 +48,8 @@ class LoadBalanceMonitor(VitalsCallback):
     step the counts of all layers, and the aux-loss sums when routers report them, are summed
     over the data- and context-parallel ranks (``ctx.groups.dp_cp``) in ONE collective (plus
     one over ``ctx.groups.pp`` with pipeline stages), the summed ``[layers, experts]`` counts
-    come to the host in one transfer, and the statistics are computed there in float64 numpy
-    (:func:`trainvitals.stats.load_balance.load_balance_stats_host`: a matrix this small costs
+    come to the host in one transfer, and the statistics are computed there in float64
+    (:func:`trainvitals.stats.load_balance.load_balance_stats_lists`: a matrix this small costs
     tens of microseconds on the host, against ~35 small kernels on the device) and written
     together. Ties among the top/bottom experts go to the lowest layer, then expert. The hooks count only during steps that will be logged (a host-side flag
     set at each micro-batch and step end), and the counts are zeroed on the device at every
@@ -222,24 +221,24 @@ class LoadBalanceMonitor(VitalsCallback):
         assert capture is not None
         layout = self._layout
         num_layers, num_experts = len(layout.labels), layout.num_experts
-        n = num_layers * num_experts
         if layout.rows is None and group_size(ctx.groups.dp_cp) == 1:
             # Nothing to reduce: the loads and aux sums, packed by one kernel, go to the host
             # in one transfer; the aux counts are host ints already.
-            values, counts = capture.packed(device=capture.device or ctx.device)
-            host = values.cpu().numpy()
-            loads_np = host[:n].reshape(num_layers, num_experts)
-            aux_sum_np = host[n:]
-            aux_count_np = np.array(counts, dtype=np.float64)
+            packed, aux_count = capture.packed(device=capture.device or ctx.device)
+            host = packed.cpu().tolist()
         else:
-            loads_np, aux_sum_np, aux_count_np = self._reduce_to_host(ctx)
-        values = self._values(loads_np, aux_sum_np, aux_count_np)
-        values.update(self._update_dead_streaks(ctx, loads_np))
+            host = self._reduce_to_host(ctx)
+            aux_count = host[num_layers * (num_experts + 1) :]
+        n = num_layers * num_experts
+        rows = [host[i : i + num_experts] for i in range(0, n, num_experts)]
+        aux_sum = host[n : n + num_layers]
+        values = self._values(rows, aux_sum, aux_count)
+        values.update(self._update_dead_streaks(ctx, rows))
         self.write(ctx, values)
 
-    def _reduce_to_host(self, ctx: RunContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The step's loads ``[L, E]``, aux sums and aux counts ``[L]`` summed over the ranks,
-        on the host: one collective per group, then one device->host transfer."""
+    def _reduce_to_host(self, ctx: RunContext) -> list[float]:
+        """The step's loads ``[L, E]`` (row-major), aux sums and aux counts ``[L]`` summed over
+        the ranks, as host floats: one collective per group, then one device->host transfer."""
         capture = self.capture
         assert capture is not None
         layout = self._layout
@@ -266,48 +265,40 @@ class LoadBalanceMonitor(VitalsCallback):
             loads, aux_sum, aux_count = all_reduce_by_groups([(t, groups) for t in full], "sum")
         # Everything the host needs in one device->host transfer: the [L, E] loads and the aux
         # sums and counts (a few hundred float64 values). The statistics are then computed on
-        # the host in float64 (stats.load_balance_stats_host): tens of microseconds instead of
+        # the host in float64 (stats.load_balance_stats_lists): tens of microseconds instead of
         # ~35 small device kernels, with the same formulas.
-        num_layers, num_experts = len(layout.labels), layout.num_experts
         host = torch.cat([loads.reshape(-1), aux_sum.reshape(-1), aux_count.reshape(-1)])
-        host = host.to(torch.float64).cpu().numpy()
-        n = num_layers * num_experts
-        loads_np = host[:n].reshape(num_layers, num_experts)
-        return loads_np, host[n : n + num_layers], host[n + num_layers :]
+        return host.to(torch.float64).cpu().tolist()
 
     def _values(
-        self, loads: np.ndarray, aux_sum: np.ndarray, aux_count: np.ndarray
+        self, rows: list[list[float]], aux_sum: list[float], aux_count: list[float]
     ) -> dict[str, float]:
         """The finite values of one report, by key (Python floats), in a fixed key order."""
         keys = self._key_cache()
-        stats = load_balance_stats_host(loads, top_k=self.top_k)
-        aux = np.full(aux_sum.shape, math.nan)
-        np.divide(aux_sum, aux_count, out=aux, where=aux_count > 0)
+        stats = load_balance_stats_lists(rows, top_k=self.top_k)
+        aux = [s / c if c > 0 else math.nan for s, c in zip(aux_sum, aux_count, strict=True)]
         names: list[str] = list(keys.aggregates)
-        numbers: list[float] = stats.aggregates[: len(_AGGREGATED)].reshape(-1).tolist()
+        numbers: list[float] = [v for row in stats.aggregates[: len(_AGGREGATED)] for v in row]
         if keys.aux_aggregates:
             names += keys.aux_aggregates
-            numbers += aggregate_across_layers_host(aux).reshape(-1).tolist()
+            numbers += aggregate_across_layers_lists(aux)
         names += keys.utilization_quantiles
-        numbers += stats.utilization_quantiles.tolist()
+        numbers += stats.utilization_quantiles
         expert_keys = keys.expert
-        names += [expert_keys[i] for i in stats.top_indices.tolist()]
-        numbers += stats.top_values.tolist()
-        names += [expert_keys[i] for i in stats.bottom_indices.tolist()]
-        numbers += stats.bottom_values.tolist()
+        names += [expert_keys[i] for i in stats.top_indices]
+        numbers += stats.top_values
+        names += [expert_keys[i] for i in stats.bottom_indices]
+        numbers += stats.bottom_values
         if self.mode == "detailed":
             names += keys.per_layer
-            numbers += stats.per_layer.reshape(-1).tolist()
-            active = (loads != 0).any(axis=1).tolist()
-            rows = loads.tolist()
-            aux_values = aux.tolist()
-            for i, (aux_key, token_keys) in enumerate(keys.layer):
+            numbers += [v for metric in stats.per_layer for v in metric]
+            for (aux_key, token_keys), row, aux_value in zip(keys.layer, rows, aux, strict=True):
                 if aux_key is not None:
                     names.append(aux_key)
-                    numbers.append(aux_values[i])
-                if active[i]:
+                    numbers.append(aux_value)
+                if any(row):
                     names += token_keys
-                    numbers += rows[i]
+                    numbers += row
         return {k: v for k, v in zip(names, numbers, strict=True) if math.isfinite(v)}
 
     def _key_cache(self) -> _Keys:
@@ -349,14 +340,14 @@ class LoadBalanceMonitor(VitalsCallback):
         self._keys_cached = cached
         return cached
 
-    def _update_dead_streaks(self, ctx: RunContext, loads: np.ndarray) -> dict[str, float]:
+    def _update_dead_streaks(self, ctx: RunContext, loads: list[list[float]]) -> dict[str, float]:
         if self.dead_expert_patience is None:
             return {}
         patience = self.dead_expert_patience
         num_experts = self._layout.num_experts
         newly_dead: list[str] = []
         persistent = 0
-        for label, row in zip(self._layout.labels, loads.tolist(), strict=True):
+        for label, row in zip(self._layout.labels, loads, strict=True):
             streak = self._dead_streak.setdefault(label, [0] * num_experts)
             if not any(row):
                 continue  # the layer routed nothing this step: no evidence either way

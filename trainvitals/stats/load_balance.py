@@ -48,6 +48,7 @@ balance to speak of: its metrics are NaN and it is left out of the across-layer 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,8 +60,10 @@ __all__ = [
     "LoadBalanceStats",
     "aggregate_across_layers",
     "aggregate_across_layers_host",
+    "aggregate_across_layers_lists",
     "load_balance_stats",
     "load_balance_stats_host",
+    "load_balance_stats_lists",
     "nanquantile",
     "nanquantile_host",
 ]
@@ -90,8 +93,9 @@ AGGREGATES: tuple[str, ...] = ("mean", "median", "min", "max")
 @dataclass
 class LoadBalanceStats:
     """The statistics of one ``[L, E]`` load tensor; every field is a float64 device tensor
-    (from :func:`load_balance_stats`) or a float64 ``numpy`` array, int64 for the indices (from
-    :func:`load_balance_stats_host`).
+    (from :func:`load_balance_stats`), a float64 ``numpy`` array, int64 for the indices (from
+    :func:`load_balance_stats_host`), or (nested) lists of Python floats, ints for the
+    indices (from :func:`load_balance_stats_lists`).
 
     Attributes:
         utilization: ``[L, E]`` load / fair share; NaN rows for layers with no tokens.
@@ -244,7 +248,7 @@ def load_balance_stats_host(loads: np.ndarray, top_k: int = 5) -> LoadBalanceSta
     x = np.asarray(loads, dtype=np.float64)
     num_layers, num_experts = x.shape
     if x.size <= _SMALL:
-        return _stats_small(x.tolist(), top_k)
+        return _as_numpy(_stats_small(x.tolist(), top_k))
     nan = math.nan
 
     # Written with few numpy calls (each costs a microsecond or two on arrays this small) and
@@ -313,13 +317,55 @@ def load_balance_stats_host(loads: np.ndarray, top_k: int = 5) -> LoadBalanceSta
     )
 
 
+def load_balance_stats_lists(loads: Sequence[Sequence[float]], top_k: int = 5) -> LoadBalanceStats:
+    """:func:`load_balance_stats_host` for loads given as Python rows (``L`` lists of ``E``
+    floats, e.g. from one ``.tolist()`` of the device tensor), with every field a (nested)
+    list of Python floats (ints for the indices), ready to be zipped with key strings.
+
+    Computed on Python floats up to 2048 loads, with numpy above (then converted): the same
+    float64 results as :func:`load_balance_stats_host`.
+    """
+    if isinstance(loads, torch.Tensor | np.ndarray) or not isinstance(loads, Sequence):
+        raise TypeError(
+            f"loads must be a list of rows (layers) of floats (experts), got {type(loads).__name__}"
+        )
+    widths = {len(row) for row in loads}
+    if not loads or len(widths) != 1 or 0 in widths:
+        raise ValueError(
+            "loads must be [layers, experts] rows of the same non-zero length, with at least one row"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
+    rows = [[float(v) for v in row] for row in loads]
+    if len(rows) * len(rows[0]) <= _SMALL:
+        return _stats_small(rows, top_k)
+    stats = load_balance_stats_host(np.array(rows, dtype=np.float64), top_k=top_k)
+    return LoadBalanceStats(
+        utilization=stats.utilization.tolist(),
+        per_layer=stats.per_layer.tolist(),
+        aggregates=stats.aggregates.tolist(),
+        utilization_quantiles=stats.utilization_quantiles.tolist(),
+        top_values=stats.top_values.tolist(),
+        top_indices=stats.top_indices.tolist(),
+        bottom_values=stats.bottom_values.tolist(),
+        bottom_indices=stats.bottom_indices.tolist(),
+    )
+
+
+def aggregate_across_layers_lists(values: Sequence[float]) -> list[float]:
+    """:func:`aggregate_across_layers` of one row of Python floats: ``[mean, median, min,
+    max]`` of its non-NaN values (NaN when there are none)."""
+    return _aggregate_small([float(v) for v in values])
+
+
 # Up to this many loads, :func:`load_balance_stats_host` works on Python floats: a numpy call
 # costs microseconds (more with the caches cold after a backward pass) and would dominate.
 _SMALL = 2048
 
 
 def _stats_small(rows: list[list[float]], top_k: int) -> LoadBalanceStats:
-    """:func:`load_balance_stats_host` on Python floats (the same formulas, float64)."""
+    """:func:`load_balance_stats_host` on Python floats (the same formulas, float64); the
+    fields are (nested) lists."""
     nan, inf = math.nan, math.inf
     num_experts = len(rows[0])
     qs = [q for _, q in UTILIZATION_QUANTILES]
@@ -361,14 +407,28 @@ def _stats_small(rows: list[list[float]], top_k: int) -> LoadBalanceStats:
     bottom = sorted(range(len(flat)), key=low_first.__getitem__)[:k]
     top = sorted(range(len(flat)), key=lambda i: -high_first[i])[:k]
     return LoadBalanceStats(
-        utilization=np.array(utilization, dtype=np.float64),
-        per_layer=np.array(per_layer, dtype=np.float64),
-        aggregates=np.array(aggregates, dtype=np.float64),
-        utilization_quantiles=np.array(utilization_quantiles, dtype=np.float64),
-        top_values=np.array([high_first[i] for i in top], dtype=np.float64),
-        top_indices=np.array(top, dtype=np.int64),
-        bottom_values=np.array([low_first[i] for i in bottom], dtype=np.float64),
-        bottom_indices=np.array(bottom, dtype=np.int64),
+        utilization=utilization,
+        per_layer=per_layer,
+        aggregates=aggregates,
+        utilization_quantiles=utilization_quantiles,
+        top_values=[high_first[i] for i in top],
+        top_indices=top,
+        bottom_values=[low_first[i] for i in bottom],
+        bottom_indices=bottom,
+    )
+
+
+def _as_numpy(stats: LoadBalanceStats) -> LoadBalanceStats:
+    """The list fields of :func:`_stats_small` as float64 (int64 indices) numpy arrays."""
+    return LoadBalanceStats(
+        utilization=np.array(stats.utilization, dtype=np.float64),
+        per_layer=np.array(stats.per_layer, dtype=np.float64),
+        aggregates=np.array(stats.aggregates, dtype=np.float64),
+        utilization_quantiles=np.array(stats.utilization_quantiles, dtype=np.float64),
+        top_values=np.array(stats.top_values, dtype=np.float64),
+        top_indices=np.array(stats.top_indices, dtype=np.int64),
+        bottom_values=np.array(stats.bottom_values, dtype=np.float64),
+        bottom_indices=np.array(stats.bottom_indices, dtype=np.int64),
     )
 
 
