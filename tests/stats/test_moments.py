@@ -283,3 +283,18 @@ def test_large_tensor_whose_blocks_differ(kernel: str) -> None:
     got = derive(fused_moments([x, x.view(-1)[: 2 * CHUNK * 64]], kernel=kernel))
     assert_matches(got, 0, reference(x), f"{kernel}/blocks")
     assert_matches(got, 1, reference(x[: 2 * CHUNK * 64]), f"{kernel}/blocks_prefix")
+
+
+def test_compiled_kernel_on_float64_and_sizes_that_are_not_multiples() -> None:
+    # The compiled CPU kernel merges a tensor's rows inside its graph; one graph per dtype
+    # serves every size (dynamic shapes), including a single row and a ragged tail.
+    g = torch.Generator().manual_seed(9)
+    xs = [
+        (1e3 + torch.randn(37 * CHUNK + 5, generator=g)).double(),
+        -7 + 0.1 * torch.randn(CHUNK + 1, generator=g),
+        -7 + 0.1 * torch.randn(SMALL_NUMEL, generator=g),
+        torch.randn(3 * CHUNK * 40 + 999, generator=g) ** 3,
+    ]
+    got = derive(fused_moments(xs, kernel="compile"))
+    for i, x in enumerate(xs):
+        assert_matches(got, i, reference(x), f"compile/sizes{i}")
