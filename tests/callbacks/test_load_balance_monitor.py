@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from tests.stats.test_load_balance_stats import _reference
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
@@ -30,27 +31,6 @@ def _fresh_moe_tracker():
     destroy_moe_metrics_tracker()
     yield
     destroy_moe_metrics_tracker()
-
-
-class Recorder:
-    """A writer that keeps floats: rows[step][key]."""
-
-    def __init__(self) -> None:
-        self.rows: dict[int, dict[str, float]] = {}
-
-    def add_scalar(self, name: str, value: Any, step: int) -> None:
-        self.add_scalars({name: value}, step)
-
-    def add_scalars(self, mapping: dict[str, Any], step: int) -> None:
-        row = self.rows.setdefault(int(step), {})
-        for k, v in mapping.items():
-            row[k] = float(v.item() if isinstance(v, torch.Tensor) else v)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def tiny_lm(num_layers: int = 3, seed: int = 0) -> nn.Module:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.callbacks import MoEMetricsMonitor
 from trainvitals.moe import (
     MoEMetricsTracker,
@@ -22,23 +23,6 @@ from trainvitals.moe.tiny_model import RandomTokenDataset, random_token_batches
 
 VOCAB, HIDDEN, LAYERS, EXPERTS, TOPK = 32, 16, 3, 4, 2
 PATTERN = [1, 0, 1]  # blocks 0 and 2 are MoE
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.rows: dict[int, dict[str, float]] = {}
-
-    def add_scalars(self, mapping, step):
-        self.rows.setdefault(step, {}).update({k: float(v) for k, v in mapping.items()})
-
-    def add_scalar(self, name, value, step):
-        self.add_scalars({name: value}, step)
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
 
 
 @pytest.fixture(autouse=True)

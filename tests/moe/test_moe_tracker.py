@@ -9,33 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.moe import (
     MoEMetricsTracker,
     destroy_moe_metrics_tracker,
     get_moe_metrics_tracker,
     set_moe_metrics_tracker,
 )
-
-
-class Recorder:
-    """A minimal writer: add_scalars(mapping, step) storing floats."""
-
-    def __init__(self) -> None:
-        self.rows: dict[int, dict[str, float]] = {}
-
-    def add_scalars(self, mapping, step):
-        row = self.rows.setdefault(step, {})
-        for k, v in mapping.items():
-            row[k] = float(v)
-
-    def add_scalar(self, name, value, step):
-        self.add_scalars({name: value}, step)
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
 
 
 class SummaryWriterLike:
