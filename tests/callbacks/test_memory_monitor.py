@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.scripts.vitals_testing import fake_loop
+from tests.scripts.vitals_testing import NullWriter, fake_loop
 from trainvitals.adapters.context import RunContext
 from trainvitals.callbacks.memory_monitor import MemoryMonitor
 from trainvitals.distributed import collective_counter
@@ -196,21 +196,10 @@ def test_exception_dumps_a_snapshot_when_recording(fake_cuda, tmp_path):
     monitor = MemoryMonitor(record_history=True, snapshot_dir=tmp_path)
     with (
         pytest.raises(RuntimeError, match="CUDA out of memory"),
-        Vitals([monitor], writer=_NullWriter()) as vitals,
+        Vitals([monitor], writer=NullWriter()) as vitals,
     ):
         vitals.attach(model, opt)
         vitals.batch(torch.randn(2, 3))
         raise RuntimeError("CUDA out of memory (simulated)")
     assert fake_cuda["dump"] == [str(tmp_path / "rank0_exception.pickle")]
     assert fake_cuda["record"][-1][0] is None  # recording stopped
-
-
-class _NullWriter:
-    def add_scalars(self, mapping, step):
-        pass
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass

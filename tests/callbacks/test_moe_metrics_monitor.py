@@ -222,20 +222,7 @@ def test_lightning_with_gradient_accumulation_and_the_real_writer(tmp_path):
     from trainvitals.moe.tiny_model import TinyMoELightningModule
 
     torch.manual_seed(0)
-    module = TinyMoELightningModule(
-        lr=0.05,
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_layers=LAYERS,
-        num_experts=EXPERTS,
-        top_k=TOPK,
-        ffn_hidden_size=32,
-        num_heads=2,
-        max_seq_len=16,
-        aux_loss_coeff=0.01,
-        z_loss_coeff=0.001,
-        moe_layer_freq=PATTERN,
-    )
+    module = TinyMoELightningModule(lr=0.05, **MODEL_KW)
     captured = capture_router_inputs(module)
     loader = torch.utils.data.DataLoader(RandomTokenDataset(12, 8, VOCAB, seed=3), batch_size=2)
     monitor = MoEMetricsMonitor(percentiles={"load_balancing_loss": [0.5]}, moe_layer_freq=PATTERN)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import NullWriter
 from tests.stats.test_moments import assert_matches, reference
 from trainvitals.stats.moments import FIELDS, derive, moments_from_dicts
 
@@ -45,20 +46,6 @@ def _loss(y: torch.Tensor) -> torch.Tensor:
     return (y**2).sum() + y[:, 0].sum()
 
 
-class _Writer:
-    def add_scalars(self, mapping, step):
-        pass
-
-    def add_scalar(self, name, value, step):
-        pass
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
-
 def _fsdp_tp_body(rank: int, world_size: int, run_dir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -84,7 +71,7 @@ def _fsdp_tp_body(rank: int, world_size: int, run_dir: str) -> dict:
     gathers = []
     with Vitals(
         [monitor],
-        writer=_Writer(),
+        writer=NullWriter(),
         run_dir=run_dir,
         log_every_n_steps=1,
         groups=ProcessGroups.from_device_mesh(mesh),
@@ -229,7 +216,7 @@ def _ep_body(rank: int, world_size: int, run_dir: str) -> dict:
         }
     with Vitals(
         [monitor],
-        writer=_Writer(),
+        writer=NullWriter(),
         run_dir=run_dir,
         log_every_n_steps=1,
         groups=ProcessGroups(ep=world_group()),
@@ -284,7 +271,7 @@ def _pp_body(rank: int, world_size: int, run_dir: str) -> dict:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     with Vitals(
         [TensorStatsMonitor(kinds=["param", "activation"], kernel="eager")],
-        writer=_Writer(),
+        writer=NullWriter(),
         run_dir=run_dir,
         log_every_n_steps=1,
         groups=ProcessGroups(pp=world_group()),

@@ -34,6 +34,22 @@ class RecordingWriter:
         return {s: row[name] for s, row in sorted(self.rows.items()) if name in row}
 
 
+class NullWriter:
+    """A writer that drops everything (for tests about what a callback does, not writes)."""
+
+    def add_scalar(self, name: str, value: Any, step: int) -> None:
+        pass
+
+    def add_scalars(self, mapping: dict[str, Any], step: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class FakeClock:
     """A clock the test moves by hand: ``clock.t += 1.5``."""
 
