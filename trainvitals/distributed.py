@@ -243,12 +243,7 @@ def all_reduce_by_groups(
     results = [t.detach().to(dtype) for t, _ in items]
     # Order groups by first appearance: the same on every rank because ranks iterate the same
     # parameters in the same order.
-    order: list[Any] = []
-    for _, groups in items:
-        for g in groups:
-            if not any(g is seen for seen in order):
-                order.append(g)
-    for g in order:
+    for g in unique_by_identity(g for _, groups in items for g in groups):
         idx = [i for i, (_, groups) in enumerate(items) if any(g is x for x in groups)]
         reduced = all_reduce_coalesced([results[i] for i in idx], op, g, dtype=dtype)
         for i, r in zip(idx, reduced, strict=True):
