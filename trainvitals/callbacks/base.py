@@ -215,7 +215,6 @@ class VitalsCallback:
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         ctx = self._pl_context(trainer, pl_module)
-        self._ctx = ctx
         self._pl_last_global_step = trainer.global_step
         ctx.step = trainer.global_step
         self._dispatch("run_start", ctx)

@@ -139,7 +139,6 @@ class NormMonitor(VitalsCallback):
         selection; a glob matching nothing raises here, before any collective."""
         if ctx.model is None:
             raise ValueError("NormMonitor needs the model: attach it (vitals.attach(model, opt))")
-        self._ctx = ctx
         model = unwrap_model(ctx.model)
         unsupported = _unsupported_layout(model, ctx)
         if unsupported:
