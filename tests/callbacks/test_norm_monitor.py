@@ -208,6 +208,9 @@ def test_local_sq_norms_are_accurate_for_large_and_low_precision_tensors():
         torch.randn(5000, generator=g).bfloat16(),
         None,
         torch.randn(0, 4),
+        torch.randn(2048, 3, generator=g, dtype=torch.float64) * 1e3,
+        torch.randn(300, generator=g),  # shorter than one row
+        torch.randn(64, 48, generator=g).t(),  # not contiguous
     ]
     got = local_sq_norms(tensors)
     assert got.dtype == torch.float64
