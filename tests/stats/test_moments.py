@@ -298,3 +298,49 @@ def test_compiled_kernel_on_float64_and_sizes_that_are_not_multiples() -> None:
     got = derive(fused_moments(xs, kernel="compile"))
     for i, x in enumerate(xs):
         assert_matches(got, i, reference(x), f"compile/sizes{i}")
+
+
+def test_compiled_kernel_reduces_again_when_its_sampled_shift_is_not_typical(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The compiled CPU kernel shifts a whole tensor by the mean of a few sampled rows. Rows
+    # that are exactly the sampled ones sit 50 standard deviations off: the shift is far from
+    # the mean, the kernel must notice and reduce the tensor again around its real mean.
+    import trainvitals.stats.moments as mod
+
+    g = torch.Generator().manual_seed(10)
+    rows = 64 * mod._SHIFT_SAMPLE_ROWS
+    x = 3.0 + torch.randn(rows, CHUNK, generator=g)
+    x[:: rows // mod._SHIFT_SAMPLE_ROWS] += 50.0
+    calls = []
+    real = mod._compiled.__call__
+
+    def counting(x2, masked=True, shift=None):
+        calls.append(None if shift is None else float(shift))
+        return real(x2, masked, shift)
+
+    monkeypatch.setattr(
+        mod, "_compiled", type("Spy", (), {"__call__": staticmethod(counting), "failed": None})()
+    )
+    got = derive(fused_moments([x], kernel="compile"))
+    assert_matches(got, 0, reference(x), "compile/atypical_sample")
+    assert (
+        len(calls) == 2 and calls[0] > 3.0 + 10 and abs(calls[1] - float(x.double().mean())) < 1e-3
+    )
+
+
+def test_compiled_kernel_does_not_bias_the_mean() -> None:
+    # A shift with arbitrary low bits would round every x - shift the same way, an error that
+    # grows with the number of elements (~1e-8 of the rms on this tensor, measured); shifts are
+    # made coarse (_coarse), so the rounding follows the data's own low bits and cancels.
+    import trainvitals.stats.moments as mod
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3072, CHUNK, generator=g) - 0.00612812303006649
+    want = reference(x)
+    magnitude = float(x.abs().max())
+    for value in (-0.00612812303006649, -0.0061281, 0.0123456789, want["mean"]):
+        shift = mod._coarse(value, magnitude, torch.float32)
+        out = mod._compiled(x, False, shift)
+        assert out is not None, mod._compiled.failed
+        assert abs(float(out[1, 0]) - want["mean"]) <= 1e-9 * want["rms"], value
