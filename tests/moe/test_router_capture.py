@@ -583,3 +583,126 @@ def test_packed_is_loads_then_aux_sums_with_host_counts() -> None:
     assert not values.any() and counts == [0, 0, 0]
     capture.reset()  # nothing counted since: still zeros
     assert not capture.packed()[0].any()
+
+
+def _topk_routers_with_recorder(
+    num: int, seed: int = 0
+) -> tuple[nn.ModuleList, dict[int, list[torch.Tensor]], dict[int, list[float]]]:
+    """``num`` TopKRouters (E = 4, k = 2, Switch aux loss) and what each training forward
+    routed, recorded by a separate hook (copies of the maps and of ``last_aux_loss``)."""
+    from trainvitals.moe import TopKRouter
+
+    torch.manual_seed(seed)
+    model = nn.ModuleList(
+        [TopKRouter(8, 4, 2, aux_loss_type="aux_loss", aux_loss_coeff=0.01) for _ in range(num)]
+    )
+    maps: dict[int, list[torch.Tensor]] = {i: [] for i in range(num)}
+    aux: dict[int, list[float]] = {i: [] for i in range(num)}
+    for i, router in enumerate(model):
+
+        def hook(m: nn.Module, inp: Any, out: Any, i: int = i) -> None:
+            if m.training and torch.is_grad_enabled():
+                maps[i].append(out[1].clone())
+                aux[i].append(float(m.last_aux_loss))
+
+        router.register_forward_hook(hook)
+    return model, maps, aux
+
+
+def _expected(
+    maps: dict[int, list[torch.Tensor]], aux: dict[int, list[float]]
+) -> tuple[list[list[float]], list[float], list[int]]:
+    rows = [
+        np.concatenate([m.numpy() for m in maps[i]]).sum(0).astype(np.float64).tolist()
+        if maps[i]
+        else [0.0] * 4
+        for i in sorted(maps)
+    ]
+    return rows, [sum(aux[i]) for i in sorted(aux)], [len(aux[i]) for i in sorted(aux)]
+
+
+def test_read_host_equals_loads_and_aux_over_micro_batches_and_mixed_shapes() -> None:
+    model, maps, aux = _topk_routers_with_recorder(3)
+    capture = RouterCapture(model)
+    assert capture.read_host() == ([[0.0] * 4] * 3, [0.0] * 3, [0, 0, 0])
+    gen = torch.Generator().manual_seed(1)
+    for tokens in (10, 10, 7):  # three micro-batches, the last with another token count
+        for router in model[:2]:  # router 2 never runs: a zero row
+            router(torch.randn(tokens, 8, generator=gen))[0].sum().backward()
+    rows, aux_sum, aux_count = capture.read_host()
+    exp_rows, exp_aux, exp_count = _expected(maps, aux)
+    assert rows == exp_rows
+    assert aux_count == exp_count == [3, 3, 0]
+    np.testing.assert_allclose(aux_sum, exp_aux, rtol=1e-12)
+    # the device path gives the same numbers
+    assert capture.loads().tolist() == exp_rows
+    assert capture.read_host()[0] == exp_rows
+    capture.reset()
+    assert capture.read_host() == ([[0.0] * 4] * 3, [0.0] * 3, [0, 0, 0])
+
+
+def test_hooks_run_no_kernel_in_the_forward() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model, _, _ = _topk_routers_with_recorder(1)
+    router = model[0]
+    x = torch.randn(10, 8)
+    capture = RouterCapture(model)
+    router(x)  # the first counted forward makes the accumulators (once per run)
+    capture.enabled = False
+    with Ops() as plain:
+        router(x)
+    capture.enabled = True
+    with Ops() as counted:
+        router(x)
+    # the same operations as a forward that is not counted (the recorder hook clones in both)
+    assert counted.count == plain.count
+    assert capture.loads().sum() == 2 * 10 * 2
+
+
+def test_map_changed_in_place_after_the_forward_drops_the_layer_for_the_step() -> None:
+    model, maps, aux = _topk_routers_with_recorder(2)
+    capture = RouterCapture(model)
+    gen = torch.Generator().manual_seed(3)
+    outputs = [router(torch.randn(10, 8, generator=gen)) for router in model]
+    outputs[0][1].zero_()  # the model reuses router 0's map in place
+    with pytest.warns(RuntimeWarning, match="modified in place"):
+        rows, _, counts = capture.read_host()
+    assert rows[0] == [0.0] * 4 and counts[0] == 0  # unknown: no number rather than a wrong one
+    assert rows[1] == _expected(maps, aux)[0][1]
+    capture.reset()
+    for _ in range(2):  # router 0 is now counted in its hook: in-place changes are harmless
+        outputs = [router(torch.randn(10, 8, generator=gen)) for router in model]
+        outputs[0][1].zero_()
+    rows, _, counts = capture.read_host()
+    expected_rows = [
+        np.stack([m.numpy() for m in maps[i][1:]]).sum((0, 1)).astype(np.float64).tolist()
+        for i in range(2)
+    ]
+    assert rows == expected_rows and counts == [2, 2]
+
+
+def test_held_maps_are_counted_early_past_the_memory_bound(monkeypatch) -> None:
+    import trainvitals.moe.capture as capture_module
+
+    monkeypatch.setattr(capture_module, "_MAX_PENDING_NUMEL", 100)  # 10 tokens x 4 experts
+    model, maps, aux = _topk_routers_with_recorder(2)
+    capture = RouterCapture(model)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        for router in model:
+            router(torch.randn(10, 8, generator=gen))
+    assert len(capture._pending_maps) < 6  # some were counted before the step was read
+    rows, aux_sum, counts = capture.read_host()
+    exp_rows, exp_aux, exp_count = _expected(maps, aux)
+    assert rows == exp_rows and counts == exp_count
+    np.testing.assert_allclose(aux_sum, exp_aux, rtol=1e-12)

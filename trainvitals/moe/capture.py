@@ -4,7 +4,12 @@ how many tokens each expert of each layer received over every micro-batch of a s
 :class:`RouterCapture` walks ``model.named_modules()`` once, recognises routers, and registers
 forward hooks on them. Each hook adds the router's token-to-expert assignment counts of one
 forward into row ``i`` of one ``[L, E]`` accumulator that lives on the router's device: no
-``.item()``, no host copy, no collective. So under gradient accumulation every micro-batch of
+``.item()``, no host copy, no collective. For ``TopKRouter`` the hook runs no kernel at all:
+it keeps a reference to the forward's routing map and aux loss (a fresh tensor per forward;
+a later in-place change is detected by its version counter), and the step's maps are counted
+together when the step is read (:meth:`RouterCapture.read_host`, :meth:`RouterCapture.loads`),
+in a few kernels whatever the number of layers and micro-batches, or earlier when the held
+maps exceed 32 Mi elements. So under gradient accumulation every micro-batch of
 the step is counted (NeMo Automodel's gates keep only the last micro-batch's load, a bug), and
 the owner (``LoadBalanceMonitor``) reads the whole step at once and resets it.
 
@@ -111,6 +116,12 @@ _HF_SOFTMAX_AUX: frozenset[str] = frozenset(HF_ROUTER_CLASSES - {"DeepseekV3Topk
 _HF_GENERIC = re.compile(r"Top[kK]Router$")
 _TORCHTITAN_BUFFERS = ("tokens_per_expert_E", "tokens_per_expert")
 _INT = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+# Deferred routing maps held before they are counted early (elements, i.e. bytes of bool):
+# bounds the memory a long gradient accumulation of large maps can hold until the step ends.
+_MAX_PENDING_NUMEL = 1 << 25
+# Up to this many per-forward counts (forwards x experts) read_host adds them on the host;
+# above, one index_add_ on the device is cheaper than a long Python loop.
+_HOST_SUM_MAX = 4096
 
 Extractor = Callable[[nn.Module, Any, Any], Any]
 Predicate = Callable[[nn.Module], bool]
@@ -416,6 +427,16 @@ class RouterCapture:
         self._ones: dict[torch.device, torch.Tensor] = {}
         self._snapshots: dict[int, torch.Tensor] = {}
         self._broken: set[int] = set()
+        # Deferred counting (TopKRouter): a counted forward only keeps a reference to its
+        # routing map and aux-loss tensor, each with its version counter (to detect a later
+        # in-place change); _fold() counts all of them in a few kernels when the step is read,
+        # instead of two or three kernels in every forward.
+        self._pending_maps: list[tuple[int, torch.Tensor, int]] = []
+        self._pending_aux: list[tuple[int, torch.Tensor, int]] = []
+        self._pending_numel = 0
+        self._row_indices: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+        self._eager: set[int] = set()  # routers whose map was changed in place: count at once
+        self._invalid: set[int] = set()  # rows whose counts of this step are unknown
         if attach:
             self.attach()
 
@@ -474,11 +495,25 @@ class RouterCapture:
         return pre_hook
 
     def _make_hook(self, i: int) -> Callable[..., None]:
+        # TopKRouter (the common case) goes straight to its counting, without the dispatch
+        # on the router kind: this runs in every forward of a logging step.
+        topk = self.routers[i].kind == "topk_router"
+
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if i in self._broken or not self._counting(module):
+            # _counting inlined, the cheapest test first (False on steps that are not logged)
+            if (
+                not self.enabled
+                or i in self._broken
+                or not module.training
+                or not torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() != -1  # an activation-checkpoint re-run
+            ):
                 return
             try:
-                self._count(i, module, inputs, output)
+                if topk:
+                    self._count_topk_router(i, module, output)
+                else:
+                    self._count(i, module, inputs, output)
             except Exception as exc:
                 if _strict():
                     raise
@@ -517,21 +552,7 @@ class RouterCapture:
             if r.has_aux_loss and logits.ndim == 2:
                 self._add_aux(i, _switch_aux_loss(local_tensor(logits), counts, indices.shape[-1]))
         elif r.kind == "topk_router":
-            routing_map = (
-                output[1] if isinstance(output, tuple | list) and len(output) >= 2 else None
-            )
-            if not isinstance(routing_map, torch.Tensor) or routing_map.shape[-1] != r.num_experts:
-                self._unsupported(i, "expected (probs, routing_map [T, E])")
-                return
-            if type(routing_map) is not torch.Tensor:
-                routing_map = local_tensor(routing_map)  # a DTensor: its local tokens
-            if routing_map.ndim != 2:
-                routing_map = routing_map.reshape(-1, r.num_experts)
-            if getattr(module, "pad_to_capacity", False) and isinstance(output[0], torch.Tensor):
-                # padding slots are marked in the map with weight 0: count routed tokens only
-                routing_map = routing_map & (local_tensor(output[0]).reshape(-1, r.num_experts) > 0)
-            self._add_counts(i, routing_map.sum(dim=0))
-            self._add_aux(i, getattr(module, "last_aux_loss", None))
+            self._count_topk_router(i, module, output)
         elif r.kind == "torchtitan":
             before = self._snapshots.pop(i, None)
             buffer = _torchtitan_buffer(module)
@@ -554,6 +575,25 @@ class RouterCapture:
                 return
             self._add_counts(i, local_tensor(result).detach().reshape(-1))
             self._add_aux(i, aux)
+
+    def _count_topk_router(self, i: int, module: nn.Module, output: Any) -> None:
+        num_experts = self.num_experts
+        routing_map = output[1] if isinstance(output, tuple | list) and len(output) >= 2 else None
+        if not isinstance(routing_map, torch.Tensor) or routing_map.shape[-1] != num_experts:
+            self._unsupported(i, "expected (probs, routing_map [T, E])")
+            return
+        if type(routing_map) is not torch.Tensor:
+            routing_map = local_tensor(routing_map)  # a DTensor: its local tokens
+        if routing_map.ndim != 2:
+            routing_map = routing_map.reshape(-1, num_experts)
+        if module.pad_to_capacity and isinstance(output[0], torch.Tensor):
+            # padding slots are marked in the map with weight 0: count routed tokens only
+            routing_map = routing_map & (local_tensor(output[0]).reshape(-1, num_experts) > 0)
+        if i in self._eager:
+            self._add_counts(i, routing_map.sum(dim=0))
+            self._add_aux(i, module.last_aux_loss)
+        else:
+            self._defer(i, routing_map, module.last_aux_loss)
 
     def _unsupported(self, i: int, why: str) -> None:
         self._broken.add(i)
@@ -614,15 +654,102 @@ class RouterCapture:
         self._count_rows[i].add_(counts)  # in-place add casts integer counts to float64
         self._dirty = True
 
+    def _defer(self, i: int, routing_map: torch.Tensor, aux: Any) -> None:
+        """Keep the forward's routing map (and aux loss) for :meth:`_fold`: no kernel here."""
+        if self._acc is None:
+            self._accumulator(routing_map.device)
+        self._pending_maps.append((i, routing_map, routing_map._version))
+        if aux is not None:
+            aux = _as_aux_tensor(aux)
+            self._pending_aux.append((i, aux, aux._version))
+            self._aux_count[i] += 1
+        self._pending_numel += routing_map.numel()
+        if self._pending_numel > _MAX_PENDING_NUMEL:
+            # Long accumulation with large maps: count what is held so far to bound memory.
+            self._fold()
+
+    def _fold(self) -> None:
+        """Count the deferred routing maps and aux losses into the accumulators: one stack, one
+        sum and one ``index_add_`` per map shape (usually one shape per step), one for the aux.
+
+        A held tensor whose version changed since its forward was modified in place by the
+        model afterwards, so its values are no longer the routing of that forward: the layer's
+        counts of the step are dropped (the layer reports nothing for the step, which is
+        better than a wrong number) and that router is counted in its hook from then on."""
+        maps, auxs = self._pending_maps, self._pending_aux
+        if not maps and not auxs:
+            self._drop_invalid()
+            return
+        self._pending_maps, self._pending_aux, self._pending_numel = [], [], 0
+        changed = {i for i, t, version in maps if t._version != version}
+        changed.update(i for i, t, version in auxs if t._version != version)
+        if changed:
+            self._invalidate(changed)
+        acc = self._acc
+        assert acc is not None and self._aux_sum is not None  # made by the first _defer
+        self._dirty = True
+        groups: dict[tuple[Any, ...], tuple[list[int], list[torch.Tensor]]] = {}
+        for i, t, _ in maps:
+            if i not in changed:
+                group = groups.setdefault((t.shape, t.device), ([], []))
+                group[0].append(i)
+                group[1].append(t)
+        counts = acc[:, : self.num_experts]
+        for (_, device), (rows, tensors) in groups.items():
+            stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+            sums = stacked.sum(dim=1, dtype=acc.dtype)  # [maps, E], exact integers
+            if device != acc.device:
+                sums = sums.to(acc.device, non_blocking=True)
+            counts.index_add_(0, self._row_index(rows, acc.device), sums)
+        aux_groups: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        for i, t, _ in auxs:
+            if i not in changed:
+                group = aux_groups.setdefault(t.device, ([], []))
+                group[0].append(i)
+                group[1].append(t)
+        for device, (rows, tensors) in aux_groups.items():
+            values = torch.stack(tensors).to(acc.dtype)  # float32 -> float64 is exact
+            if device != acc.device:
+                values = values.to(acc.device, non_blocking=True)
+            self._aux_sum.index_add_(0, self._row_index(rows, acc.device), values)
+        self._drop_invalid()
+
+    def _invalidate(self, rows: set[int]) -> None:
+        for i in sorted(rows - self._eager):
+            warnings.warn(
+                f"trainvitals router capture: the routing output of {self.routers[i].name!r} "
+                "was modified in place after its forward; its counts of this step are "
+                "dropped and it is counted in its forward hook from now on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self._eager.update(rows)
+        self._invalid.update(rows)
+
+    def _drop_invalid(self) -> None:
+        """Zero the rows whose counts of this step are unknown (also what was counted in the
+        hook after the change was found, so a row never holds part of a step)."""
+        for i in self._invalid:
+            self._rows[i].zero_()
+            self._aux_rows[i].zero_()
+            self._aux_count[i] = 0
+
+    def _row_index(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        """The rows as a device index tensor, cached: the order of the layers' forwards is
+        the same at every step, so this is built once."""
+        key = (device, tuple(rows))
+        index = self._row_indices.get(key)
+        if index is None:
+            if len(self._row_indices) > 64:
+                self._row_indices.clear()
+            index = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+            self._row_indices[key] = index
+        return index
+
     def _add_aux(self, i: int, aux: Any) -> None:
         if aux is None:
             return
-        if type(aux) is not torch.Tensor or aux.requires_grad or aux.dim() != 0:
-            # The general case (a number, a DTensor, a tensor attached to the graph); a plain
-            # detached 0-d tensor (TopKRouter's last_aux_loss) skips these calls.
-            if not isinstance(aux, torch.Tensor):
-                aux = torch.tensor(float(aux))
-            aux = local_tensor(aux).detach().reshape(())
+        aux = _as_aux_tensor(aux)
         device = aux.device
         if self._acc is None:
             self._accumulator(device)
@@ -638,6 +765,7 @@ class RouterCapture:
         """Tokens per expert per layer since the last :meth:`reset`: a new ``[L, E]`` float64
         tensor (rows in :attr:`routers` order) on the accumulator's device (or ``device`` when
         nothing was counted yet)."""
+        self._fold()
         if self._acc is None:
             return torch.zeros(
                 len(self.routers), self.num_experts, dtype=torch.float64, device=device
@@ -647,6 +775,7 @@ class RouterCapture:
     def aux_losses(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum, count)`` of the auxiliary losses recorded per layer since the last reset, two
         ``[L]`` float64 tensors (their ratio is the mean over micro-batches; count 0 = unknown)."""
+        self._fold()
         dev = self._acc.device if self._acc is not None else device
         # built on the host, copied without waiting for the device
         count = torch.tensor(self._aux_count, dtype=torch.float64).to(dev, non_blocking=True)
@@ -659,6 +788,7 @@ class RouterCapture:
         of :meth:`loads` (row-major) then the aux-loss sums of :meth:`aux_losses`, made by one
         kernel on the accumulator's device (or ``device`` when nothing was counted yet), and
         the aux-loss counts as host ints. For a caller that reads everything in one transfer."""
+        self._fold()
         if self._acc is None:
             n = len(self.routers) * (self.num_experts + 1)
             return torch.zeros(n, dtype=torch.float64, device=device), list(self._aux_count)
@@ -667,6 +797,64 @@ class RouterCapture:
         if values.dtype != torch.float64:
             values = values.to(torch.float64)
         return values, list(self._aux_count)
+
+    def read_host(self) -> tuple[list[list[float]], list[float], list[int]]:
+        """``(loads, aux_sums, aux_counts)`` since the last :meth:`reset`, on the host: ``L``
+        rows of ``E`` floats (the values of :meth:`loads`), ``L`` floats and ``L`` ints, read
+        with one device-to-host transfer. For a caller with nothing to reduce across ranks.
+
+        The step's held routing maps are summed per forward on the device (a stack and a
+        sum, whatever the number of layers and micro-batches) and read back together with
+        the aux losses; the per-layer totals of these few values are then added on the host,
+        so no accumulator is written (nor zeroed by :meth:`reset`). Large or unusual cases
+        (maps of several shapes or devices, a map changed in place, more than a few thousand
+        values) go through the device accumulator (:meth:`packed`) instead."""
+        e, num_layers = self.num_experts, len(self.routers)
+        maps, auxs = self._pending_maps, self._pending_aux
+        acc = self._acc
+        if (
+            self._invalid
+            or len(maps) * e > _HOST_SUM_MAX
+            or any(t._version != version for _, t, version in maps)
+            or any(t._version != version for _, t, version in auxs)
+            or (acc is not None and any(t.device != acc.device for _, t, _ in maps))
+            or (acc is not None and any(t.device != acc.device for _, t, _ in auxs))
+            or len({t.shape for _, t, _ in maps}) > 1
+        ):
+            packed, aux_count = self.packed()
+            host = packed.cpu().tolist()
+            n = num_layers * e
+            return [host[i : i + e] for i in range(0, n, e)], host[n : n + num_layers], aux_count
+        parts: list[torch.Tensor] = []
+        with_acc = self._dirty and acc is not None and self._aux_sum is not None
+        if with_acc:
+            # counts added in the hooks (routers counted eagerly) or folded early
+            parts += [acc[:, :e].reshape(-1), self._aux_sum]  # type: ignore[list-item]
+        if maps:
+            stacked = torch.stack([t for _, t, _ in maps]) if len(maps) > 1 else maps[0][1][None]
+            parts.append(stacked.sum(dim=1, dtype=torch.float64).reshape(-1))
+        if auxs:
+            parts.append(torch.stack([t for _, t, _ in auxs]))
+        if not parts:
+            return [[0.0] * e for _ in range(num_layers)], [0.0] * num_layers, list(self._aux_count)
+        # One transfer; cat promotes float32 parts to float64 (exactly).
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+        pos = 0
+        if with_acc:
+            rows = [host[j : j + e] for j in range(0, num_layers * e, e)]
+            pos = num_layers * e
+            aux_sum = host[pos : pos + num_layers]
+            pos += num_layers
+        else:
+            rows = [[0.0] * e for _ in range(num_layers)]
+            aux_sum = [0.0] * num_layers
+        for i, _, _ in maps:
+            rows[i] = [a + b for a, b in zip(rows[i], host[pos : pos + e], strict=True)]
+            pos += e
+        for i, _, _ in auxs:  # in forward order, as the device accumulator adds them
+            aux_sum[i] += host[pos]
+            pos += 1
+        return rows, aux_sum, list(self._aux_count)
 
     def reset(self) -> None:
         """Zero the counts on the device (no synchronisation; no kernel either when nothing
@@ -679,6 +867,21 @@ class RouterCapture:
             self._dirty = False
         self._aux_count = [0] * len(self.routers)
         self._snapshots.clear()
+        self._pending_maps.clear()
+        self._pending_aux.clear()
+        self._pending_numel = 0
+        self._invalid.clear()
+
+
+def _as_aux_tensor(aux: Any) -> torch.Tensor:
+    """A forward's aux loss as a detached 0-d tensor on its device."""
+    if type(aux) is not torch.Tensor or aux.requires_grad or aux.dim() != 0:
+        # The general case (a number, a DTensor, a tensor attached to the graph); a plain
+        # detached 0-d tensor (TopKRouter's last_aux_loss) skips these calls.
+        if not isinstance(aux, torch.Tensor):
+            aux = torch.tensor(float(aux))
+        aux = local_tensor(aux).detach().reshape(())
+    return aux
 
 
 def _switch_aux_loss(logits: torch.Tensor, counts: torch.Tensor | None, top_k: int) -> Any:
