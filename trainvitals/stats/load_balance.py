@@ -365,47 +365,60 @@ _SMALL = 2048
 
 def _stats_small(rows: list[list[float]], top_k: int) -> LoadBalanceStats:
     """:func:`load_balance_stats_host` on Python floats (the same formulas, float64); the
-    fields are (nested) lists."""
-    nan, inf = math.nan, math.inf
+    fields are (nested) lists. Written for few bytecodes (list comprehensions, cached
+    quantile positions, one transpose): it runs on every logging step, with cold caches."""
+    nan, log = math.nan, math.log
     num_experts = len(rows[0])
-    qs = [q for _, q in UTILIZATION_QUANTILES]
-    positions = _positions(num_experts, qs)
+    positions = _cached_positions(num_experts, _QS)
+    inactive = [nan] * len(LAYER_METRICS)
     utilization: list[list[float]] = []
-    per_layer: list[list[float]] = [[] for _ in LAYER_METRICS]
+    layer_values: list[list[float]] = []  # per layer, the LAYER_METRICS values
     active_utilization: list[float] = []
     for row in rows:
         total = sum(row)
         if not total > 0:
             utilization.append([nan] * num_experts)
-            for metric in per_layer:
-                metric.append(nan)
+            layer_values.append(inactive)
             continue
         fair = total / num_experts
         u = [v / fair for v in row]
         utilization.append(u)
         active_utilization += u
         mean = sum(u) / num_experts
-        cv = math.sqrt(sum((a - mean) * (a - mean) for a in u) / num_experts)
-        dead = sum(1 for v in row if v == 0) / num_experts
-        entropy = -sum(p * math.log(p) for p in [v / total for v in row] if p > 0)
+        cv = math.sqrt(sum([(a - mean) * (a - mean) for a in u]) / num_experts)
+        dead = row.count(0.0) / num_experts  # == comparison, as v == 0
+        entropy = -sum([p * log(p) for p in [v / total for v in row] if p > 0])
         ordered = sorted(u)
-        quantiles = [_lerp(ordered, pos) for pos in positions]
-        values = [cv, dead, math.exp(entropy) / num_experts, quantiles[-1], *quantiles]
-        for metric, value in zip(per_layer, values, strict=True):
-            metric.append(value)
+        quantiles = [ordered[lo] + (ordered[hi] - ordered[lo]) * f for lo, hi, f in positions]
+        layer_values.append([cv, dead, math.exp(entropy) / num_experts, quantiles[-1], *quantiles])
+    per_layer = [list(metric) for metric in zip(*layer_values, strict=True)]
     aggregates = [_aggregate_small(metric) for metric in per_layer]
     ordered_all = sorted(active_utilization)
     n_all = len(ordered_all)
     utilization_quantiles = (
-        [_lerp(ordered_all, pos) for pos in _positions(n_all, qs)] if n_all else [nan] * len(qs)
+        [
+            ordered_all[lo] + (ordered_all[hi] - ordered_all[lo]) * f
+            for lo, hi, f in _cached_positions(n_all, _QS)
+        ]
+        if n_all
+        else [nan] * len(_QS)
     )
+    if not top_k:
+        return LoadBalanceStats(
+            utilization, per_layer, aggregates, utilization_quantiles, [], [], [], []
+        )
     flat = [v for u in utilization for v in u]
+    if n_all == len(flat):  # every layer active: no NaN to push to the ends
+        low_first = high_first = flat
+    else:
+        inf = math.inf
+        low_first = [inf if v != v else v for v in flat]
+        high_first = [-inf if v != v else v for v in flat]
     k = min(top_k, len(flat))
-    low_first = [inf if v != v else v for v in flat]
-    high_first = [-inf if v != v else v for v in flat]
-    # Stable sorts: ties in order of the flat index, lowest first.
+    # Stable sorts (reverse=True keeps the order of equal keys): ties go to the lowest flat
+    # index.
     bottom = sorted(range(len(flat)), key=low_first.__getitem__)[:k]
-    top = sorted(range(len(flat)), key=lambda i: -high_first[i])[:k]
+    top = sorted(range(len(flat)), key=high_first.__getitem__, reverse=True)[:k]
     return LoadBalanceStats(
         utilization=utilization,
         per_layer=per_layer,
@@ -440,7 +453,7 @@ def _aggregate_small(values: list[float]) -> list[float]:
         return [math.nan] * len(AGGREGATES)
     mean = sum(finite) / n  # in layer order, as torch.nanmean
     finite.sort()
-    return [mean, _lerp(finite, _positions(n, [0.5])[0]), finite[0], finite[-1]]
+    return [mean, _lerp(finite, _cached_positions(n, _MEDIAN)[0]), finite[0], finite[-1]]
 
 
 def _positions(n: int, qs: list[float]) -> list[tuple[int, int, float]]:
@@ -450,6 +463,21 @@ def _positions(n: int, qs: list[float]) -> list[tuple[int, int, float]]:
         pos = float(max(n - 1, 0)) * q
         lo = math.floor(pos)
         out.append((lo, math.ceil(pos), pos - lo))
+    return out
+
+
+_QS = tuple(q for _, q in UTILIZATION_QUANTILES)
+_MEDIAN = (0.5,)
+_POSITIONS: dict[tuple[int, tuple[float, ...]], list[tuple[int, int, float]]] = {}
+
+
+def _cached_positions(n: int, qs: tuple[float, ...]) -> list[tuple[int, int, float]]:
+    """:func:`_positions`, cached: the same few ``n`` (experts, layers) come back every step."""
+    out = _POSITIONS.get((n, qs))
+    if out is None:
+        if len(_POSITIONS) > 4096:
+            _POSITIONS.clear()
+        out = _POSITIONS[(n, qs)] = _positions(n, list(qs))
     return out
 
 
