@@ -43,8 +43,9 @@ class LoadBalanceMonitor(VitalsCallback):
     ``TopKRouter``, Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3 /
     GPT-OSS routers, torchtitan ``MoE``, and your own extractors) and hooks them, without
     changing the model. Every training forward of a logging step, i.e. every micro-batch,
-    adds its tokens-per-expert counts into one ``[layers, experts]`` tensor on the device
-    (evaluation and activation-checkpoint re-runs are not counted). At the end of a logging
+    is counted on the device into one ``[layers, experts]`` table (evaluation and
+    activation-checkpoint re-runs are not counted); for ``TopKRouter`` the hook only keeps the
+    forward's routing map and the step's maps are counted together when it is read. At the end of a logging
     step the counts of all layers, and the aux-loss sums when routers report them, are summed
     over the data- and context-parallel ranks (``ctx.groups.dp_cp``) in ONE collective (plus
     one over ``ctx.groups.pp`` with pipeline stages), the summed ``[layers, experts]`` counts
@@ -222,16 +223,16 @@ class LoadBalanceMonitor(VitalsCallback):
         layout = self._layout
         num_layers, num_experts = len(layout.labels), layout.num_experts
         if layout.rows is None and group_size(ctx.groups.dp_cp) == 1:
-            # Nothing to reduce: the loads and aux sums, packed by one kernel, go to the host
-            # in one transfer; the aux counts are host ints already.
-            packed, aux_count = capture.packed(device=capture.device or ctx.device)
-            host = packed.cpu().tolist()
+            # Nothing to reduce: the step's counts and aux sums come to the host in one
+            # transfer (a few kernels, none per layer or micro-batch); the aux counts are host
+            # ints already.
+            rows, aux_sum, aux_count = capture.read_host()
         else:
             host = self._reduce_to_host(ctx)
             aux_count = host[num_layers * (num_experts + 1) :]
-        n = num_layers * num_experts
-        rows = [host[i : i + num_experts] for i in range(0, n, num_experts)]
-        aux_sum = host[n : n + num_layers]
+            n = num_layers * num_experts
+            rows = [host[i : i + num_experts] for i in range(0, n, num_experts)]
+            aux_sum = host[n : n + num_layers]
         values = self._values(rows, aux_sum, aux_count)
         values.update(self._update_dead_streaks(ctx, rows))
         self.write(ctx, values)
