@@ -128,6 +128,7 @@ class MoEMetricsMonitor(VitalsCallback):
         self.mtp_num_layers = mtp_num_layers
         self._tracker = tracker
         self._routers: list[TopKRouter] = []
+        self._global_routers: list[TopKRouter] = []
         self._layer_freq: int | list[int] | None = self.moe_layer_freq
         self._pending_micro_batches = 0
         self._pending_steps = 0
@@ -149,6 +150,10 @@ class MoEMetricsMonitor(VitalsCallback):
         self._routers = (
             [m for m in model.modules() if isinstance(m, TopKRouter)] if model is not None else []
         )
+        # Only global_aux_loss routers keep per-step token counts (a buffer registered at
+        # construction, None otherwise): find them once, not with a module attribute look-up
+        # per router at every step.
+        self._global_routers = [r for r in self._routers if r.global_tokens_per_expert is not None]
         self._layer_freq = self.moe_layer_freq
         if self._layer_freq is None and group_size(ctx.groups.pp) == 1:
             self._layer_freq = _pattern_from_routers(self._routers)
@@ -164,11 +169,8 @@ class MoEMetricsMonitor(VitalsCallback):
     def step_end(self, ctx: RunContext) -> None:
         self._pending_micro_batches += ctx.micro_batches_in_step or ctx.accumulate_grad_batches or 1
         self._pending_steps += 1
-        for router in self._routers:
-            # A no-op unless the router keeps global tokens or counted micro-batches: skip the
-            # call (and nn.Module.__setattr__) then.
-            if router.global_aux_micro_batches or router.global_tokens_per_expert is not None:
-                router.reset_global_tokens()
+        for router in self._global_routers:
+            router.reset_global_tokens()
         if self.should_log(ctx):
             self._report(ctx, ctx.step)
 
