@@ -3,7 +3,8 @@
 1. Overhead. The demo model ``TinyMoELM`` trains on CPU (random tokens, AdamW) in a plain loop
    with no callbacks (the baseline), and with ``MoEMetricsMonitor`` + ``LoadBalanceMonitor``
    (detailed mode) through the ``Vitals`` driver logging at EVERY step (the worst case) and
-   every 50 steps, and with each callback alone (``MoEMetricsMonitor`` at every step,
+   every 50 steps, both with their default arguments (``MoEMetricsMonitor()``: no per-layer
+   keys; ``LoadBalanceMonitor()``: brief mode) at every step, and with each callback alone (``MoEMetricsMonitor`` at every step,
    ``LoadBalanceMonitor`` at every step and every 50). Each configuration has its own model
    and optimizer; they are interleaved step by step in rotating order and each median step
    time is divided by the baseline's median from the same run (see ``bench_overhead``). Only
@@ -53,10 +54,14 @@ BATCH, SEQ, MICRO_BATCHES = 4, 32, 2
 
 
 def _monitors(which: str) -> list[Any]:
+    """The callbacks of a configuration: the detailed ones (per-layer keys, the worst case),
+    or with ``which == "both_defaults"`` both callbacks with their default arguments."""
+    from trainvitals.callbacks.moe_metrics_monitor import MoEMetricsMonitor
+
+    if which == "both_defaults":
+        return [MoEMetricsMonitor(), LoadBalanceMonitor()]
     out: list[Any] = []
     if which in ("both", "moe_metrics"):
-        from trainvitals.callbacks.moe_metrics_monitor import MoEMetricsMonitor
-
         out.append(MoEMetricsMonitor(per_layer_logging=True))
     if which in ("both", "load_balance"):
         out.append(LoadBalanceMonitor(mode="detailed", top_k=5))
@@ -129,6 +134,7 @@ def bench_overhead(steps: int, warmup: int, writer: str, which: str) -> list[dic
     if which == "both":
         specs += [
             ("both, log every step", "both", 1),
+            ("both with default arguments, log every step", "both_defaults", 1),
             ("both, log every 50", "both", 50),
             ("MoEMetricsMonitor, log every step", "moe_metrics", 1),
         ]
