@@ -40,17 +40,12 @@ from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
 from trainvitals.moe import TinyMoELM, destroy_moe_metrics_tracker
 
-MODEL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    num_layers=4,
-    num_experts=8,
-    top_k=2,
-    ffn_hidden_size=64,
-    num_heads=4,
-    max_seq_len=128,
-)
-BATCH, SEQ, MICRO_BATCHES = 4, 32, 2
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+# The demo model and batch of ``make demo`` (issue 4: "the demo model"), from examples/demo.py.
+from demo import BATCH_SIZE as BATCH
+from demo import MICRO_BATCHES
+from demo import MODEL_CONFIG as MODEL
+from demo import SEQ_LEN as SEQ
 
 
 def _monitors(which: str) -> list[Any]:

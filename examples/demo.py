@@ -32,6 +32,20 @@ from trainvitals.adapters import FanoutWriter, JsonlSink, MLflowSink, TensorBoar
 from trainvitals.adapters.loop import Vitals
 from trainvitals.moe import TinyMoELM
 
+# The demo model and batch (benchmarks/bench_moe.py measures the MoE callbacks on exactly these).
+MODEL_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_layers=4,
+    num_experts=8,
+    top_k=2,
+    ffn_hidden_size=128,
+    aux_loss_type="aux_loss",
+    aux_loss_coeff=1e-2,
+    z_loss_coeff=1e-3,
+)
+BATCH_SIZE, SEQ_LEN, MICRO_BATCHES = 8, 64, 2
+
 
 def load_corpus() -> torch.Tensor:
     """The bytes of trainvitals' own source files: a small, real, shipped text."""
@@ -51,9 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", default="runs/demo", type=Path)
     parser.add_argument("--steps", default=300, type=int, help="optimizer steps")
-    parser.add_argument("--micro-batches", default=2, type=int, help="gradient accumulation")
-    parser.add_argument("--batch-size", default=8, type=int)
-    parser.add_argument("--seq-len", default=64, type=int)
+    parser.add_argument(
+        "--micro-batches", default=MICRO_BATCHES, type=int, help="gradient accumulation"
+    )
+    parser.add_argument("--batch-size", default=BATCH_SIZE, type=int)
+    parser.add_argument("--seq-len", default=SEQ_LEN, type=int)
     parser.add_argument("--log-every", default=10, type=int)
     parser.add_argument("--lr", default=3e-3, type=float)
     parser.add_argument("--seed", default=0, type=int)
@@ -64,17 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir: Path = args.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    model = TinyMoELM(
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=4,
-        num_experts=8,
-        top_k=2,
-        ffn_hidden_size=128,
-        aux_loss_type="aux_loss",
-        aux_loss_coeff=1e-2,
-        z_loss_coeff=1e-3,
-    )
+    model = TinyMoELM(**MODEL_CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = max(1, args.steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

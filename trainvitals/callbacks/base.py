@@ -72,6 +72,11 @@ class VitalsCallback:
             under the driver the driver's writer.
     """
 
+    # Callbacks that count samples/tokens set these; declared here so that the driver's per
+    # micro-batch look-up finds None instead of going through ``__getattr__`` and an exception.
+    batch_size_fn: Any = None
+    num_tokens_fn: Any = None
+
     def __init__(self, *, log_every_n_steps: int | None = None, writer: Any = None) -> None:
         self.log_every_n_steps = _positive_int_or_none("log_every_n_steps", log_every_n_steps)
         self._writer_override = writer
