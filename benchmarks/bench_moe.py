@@ -91,11 +91,18 @@ class Config:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.gen = torch.Generator().manual_seed(0)
         self.vitals = None
+        self.flush = None
         if monitors is not None:
             if writer == "jsonl":
                 from trainvitals.adapters import FanoutWriter, JsonlSink
 
                 w: Any = FanoutWriter([JsonlSink(Path(tmp) / f"{name}.jsonl")], rank=0)
+                # The delivery thread writes a step's values during whatever runs next; in
+                # this interleaved loop that is always the same other configuration (the
+                # rotation keeps the cyclic order). Flushing at the end of each step charges
+                # the delivery to the configuration that logged it: the conservative figure
+                # (in a real run the delivery thread overlaps the next step).
+                self.flush = w.flush
             else:
                 w = NullWriter()
             self.vitals = Vitals(_monitors(monitors), writer=w, log_every_n_steps=every)
@@ -111,6 +118,8 @@ class Config:
             loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.flush is not None:
+            self.flush()
         return time.perf_counter() - t0
 
 
