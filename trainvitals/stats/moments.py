@@ -20,32 +20,28 @@ order of :data:`FIELDS`::
 How the moments of one tensor are computed (one pass over memory)
 -----------------------------------------------------------------
 A large tensor is viewed as rows ("chunks") of :data:`CHUNK` contiguous elements. For each row,
-in the tensor's precision (float32 for float32/bf16/fp16, float64 for float64), the shifted
-power sums ``S_k = sum (x - s)^k`` for k = 1..4 and the row's min and max, around a shift ``s``
-close to the mean, so that nothing cancels:
+in the tensor's precision (float32 for float32/bf16/fp16, float64 for float64):
 
-* the eager kernel and the accelerator kernel use each row's own mean (a first loop over the
-  row; the eager kernel works on blocks of rows that stay in the CPU cache,
-  :func:`_rows_eager_fast`);
-* the compiled CPU kernel uses one coarse shift per tensor, the mean of a few sampled rows,
-  and checks after the pass that it was within half a standard deviation of the tensor's
-  mean; when a sample is not typical of its tensor, that tensor is reduced again around its
-  now known mean (:func:`_body_moments_shifted`). This saves the row-mean loop: one pass
-  over memory with the fewest operations per element.
+1. the row mean ``s`` (a shift that is within rounding of the row's own mean, so the next step
+   never cancels), then
+2. the shifted power sums ``S_k = sum (x - s)^k`` for k = 1..4, plus the row's min and max.
 
-A row is small (1024 elements), so its float32 sums carry a relative error of about 1e-7
-(longer rows were measured: 4096 loses a visible part of the 1e-4 budget of the excess
-kurtosis in the compiled kernel, whose lanes accumulate sequentially). Each row is then turned
-into exact central moments in float64::
+A row is small (1024 elements), so the float32 sums of step 2 carry a relative error of about
+1e-7 (longer rows were measured: 4096 loses a visible part of the 1e-4 budget of the excess
+kurtosis in the compiled kernel, whose lanes accumulate sequentially), and the row is read from
+cache for its second loop. The compiled CPU kernel fuses both loops over a row into one outer
+loop (one pass over memory); the eager kernel works on blocks of rows that stay in the CPU
+cache (:func:`_rows_eager_fast`). Each row is then turned into exact central moments in
+float64::
 
     n, mean = n, s + S1/n
     M2 = S2 - S1^2/n
     M3 = S3 - 3 S1 S2/n + 2 S1^3/n^2
     M4 = S4 - 4 S1 S3/n + 6 S1^2 S2/n^2 - 3 S1^4/n^3
 
-(with a row's own mean, ``S1`` is only the rounding residue of ``s``; the corrections are tiny
-and well-conditioned). The rows' central moments are merged in float64 (below); the compiled
-CPU kernel adds its rows' sums in float64 inside its own graph and returns one part per tensor. Tensors smaller than :data:`SMALL_NUMEL`
+(``S1`` is only the rounding residue of ``s``; the corrections are tiny and well-conditioned).
+The rows' central moments are merged in float64 (below); the compiled CPU kernel does this
+inside its own graph and returns one part per tensor. Tensors smaller than :data:`SMALL_NUMEL`
 and the tail rows of large tensors are not worth a kernel launch each: they are reduced
 together in float64, two-pass (mean, then central sums), which is exact to float64: on CPU the
 pieces of each length as one dense matrix, elsewhere (and for pieces with a NaN/inf) one
@@ -320,81 +316,51 @@ def _rows_masked(x2: torch.Tensor) -> torch.Tensor:
     )
 
 
-# A shift ``c`` is accepted when ``n (mean - c)^2 <= _SHIFT_TOLERANCE * M2``, i.e. it lies within
-# half a standard deviation of the mean: the float32 sums then carry at most ~(1 + 1/4)^2 times
-# the rounding error of sums around the exact mean (see :func:`_body_moments_shifted`).
-_SHIFT_TOLERANCE = 0.25
-# Rows sampled (evenly spaced) for the shift estimate of a tensor.
-_SHIFT_SAMPLE_ROWS = 16
-
-
-def _body_moments_shifted(x2: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _body_moments_fused(x2: torch.Tensor) -> torch.Tensor:
     """The CPU compiled kernel: the moments of a whole body ``x2`` ``[C, CHUNK]`` (assumed
-    finite; a NaN/inf shows in its min/max) around one scalar ``shift`` for the whole tensor,
-    returned as ONE row ``[8, 1]`` (n, mean, ok, M2, M3, M4, min, max); ``ok`` is 1.0 when the
-    shift was close enough to the mean (:data:`_SHIFT_TOLERANCE`), and is cleared by the caller.
+    finite; a NaN/inf shows in its min/max), returned as ONE row ``[8, 1]`` (n, mean, 0, M2, M3,
+    M4, min, max) that :func:`_rows_to_moments` reads back unchanged.
 
-    One loop nest reads each element once: ``y = x - shift`` and the float32 row sums of ``y``,
-    ``y^2``, ``y^3``, ``y^4`` and the row min/max (no row-mean pass before it: that pass was
-    ~15% of the kernel, measured). Rows stay :data:`CHUNK` long so their float32 sums stay
-    accurate; the rows' sums are added in float64 and turned into central sums once. Around one
-    shift ``c`` with ``delta = mean - c`` the conversion is well conditioned when ``n delta^2``
-    is small against ``M2`` (then ``sum (x - c)^4 <= 8 (M4 + n delta^4)`` is of the order of
-    ``M4``), which ``ok`` checks; the caller recomputes with the tensor's mean otherwise.
-
-    The shift must be *coarse* (see :func:`_shift_for`): a shift with arbitrary low bits makes
-    every ``x - c`` round the same way, a bias that adds up over millions of elements (a
-    relative error of 1e-5 on the mean, measured), where the rounding of coarse shifts is
-    data-dependent and cancels."""
+    Two loop nests. The first is :func:`_rows_masked` without the mask, written so that
+    inductor fuses both loops over a row into one outer loop (the row is read from memory once; its second read
+    hits L1): it returns the row *sums*, not the shift, because a pointwise output between the
+    two reductions splits the loop nest; the shift ``sum * (1/CHUNK)`` is exact (``CHUNK`` is a
+    power of two), so the float64 code below rebuilds it bit for bit. The second nest converts
+    the C rows to float64 central moments and merges them (the equal-count case of
+    :func:`combine_moments`, mean refined once), so the per-row float64 work costs a compiled
+    loop over C instead of ~20 eager operations over all rows."""
     xf = x2 if x2.dtype == torch.float64 else x2.float()
-    y = xf - shift
+    rs = xf.sum(1)
+    y = xf - rs.unsqueeze(1) * _INV_CHUNK
     y2 = y * y
     s1, s2, s3, s4 = y.sum(1), y2.sum(1), (y2 * y).sum(1), (y2 * y2).sum(1)
     mn, mx = xf.amin(1), xf.amax(1)
     f64 = torch.float64
-    t1, t2 = s1.to(f64).sum(), s2.to(f64).sum()
-    t3, t4 = s3.to(f64).sum(), s4.to(f64).sum()
-    n = float(CHUNK) * xf.shape[0]
-    a = t1 / n  # mean - shift
+    s1, s2, s3, s4 = s1.to(f64), s2.to(f64), s3.to(f64), s4.to(f64)
+    a = s1 * _INV_CHUNK  # the residue of each row's shift
     a2 = a * a
-    m2 = t2 - t1 * a
-    m3 = t3 - 3.0 * a * t2 + 2.0 * t1 * a2
-    m4 = t4 - 4.0 * a * t3 + 6.0 * a2 * t2 - 3.0 * t1 * a2 * a
-    ok = (t1 * a <= _SHIFT_TOLERANCE * m2).to(f64)
+    mean_r = (rs * _INV_CHUNK).to(f64) + a
+    m2 = s2 - s1 * a
+    m3 = s3 - 3.0 * a * s2 + 2.0 * s1 * a2
+    m4 = s4 - 4.0 * a * s3 + 6.0 * a2 * s2 - 3.0 * s1 * a2 * a
+    mean = mean_r.mean()
+    mean = mean + (mean_r - mean).mean()
+    d = mean_r - mean
+    d2 = d * d
+    b = float(CHUNK)
     out = torch.stack(
         [
-            torch.full_like(a, n),
-            shift.to(f64) + a,
-            ok,
-            m2,
-            m3,
-            m4,
+            torch.full_like(mean, b) * xf.shape[0],
+            mean,
+            torch.zeros_like(mean),
+            (m2 + b * d2).sum(),
+            (m3 + 3.0 * d * m2 + b * d2 * d).sum(),
+            (m4 + 4.0 * d * m3 + 6.0 * d2 * m2 + b * d2 * d2).sum(),
             mn.amin().to(f64),
             mx.amax().to(f64),
         ]
     )
     return out.unsqueeze(1)
-
-
-def _coarse(value: float, magnitude: float, dtype: torch.dtype) -> torch.Tensor:
-    """``value`` rounded to a multiple of the unit in the last place of ``magnitude`` in
-    ``dtype`` (a 0-d tensor of that dtype): ``x - shift`` is then exact for every ``x`` whose
-    own last place is at least that unit, and rounds by ``x``'s own low bits otherwise."""
-    if not (math.isfinite(value) and math.isfinite(magnitude)) or magnitude == 0.0:
-        return torch.zeros((), dtype=dtype)
-    bits = 53 if dtype == torch.float64 else 24
-    unit = math.ldexp(1.0, math.frexp(magnitude)[1] - bits)
-    return torch.tensor(round(value / unit) * unit, dtype=dtype)
-
-
-def _shift_for(x2: torch.Tensor) -> torch.Tensor:
-    """A coarse estimate of the mean of ``x2`` ``[C, B]`` from a few evenly spaced rows (host
-    values: this runs on CPU only, where reading them back costs nothing)."""
-    sample = x2[:: max(1, x2.shape[0] // _SHIFT_SAMPLE_ROWS)]
-    dtype = torch.float64 if x2.dtype == torch.float64 else torch.float32
-    mn, mx = torch.aminmax(sample)
-    magnitude = max(abs(float(mn)), abs(float(mx)))
-    return _coarse(float(sample.mean(dtype=dtype)), magnitude, dtype)
 
 
 def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor:
@@ -439,32 +405,10 @@ def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor
     return out
 
 
-def _compiled_cpu_body(body: torch.Tensor) -> torch.Tensor | None:
-    """:func:`_body_moments_shifted` with a sampled shift, and once more around the tensor's
-    own mean when the sample was not typical of the tensor (checked on the host: CPU only).
-    A body holding NaN/inf is returned as is (its min/max show it; the caller masks it)."""
-    out = _compiled(body, False, _shift_for(body))
-    if out is None:
-        return None
-    ok, mn, mx = out[[2, 6, 7], 0].tolist()
-    if not ok and math.isfinite(mn) and math.isfinite(mx):
-        mean = float(out[1, 0])
-        retry = _compiled(body, False, _coarse(mean, max(abs(mn), abs(mx)), _compute_dtype(body)))
-        if retry is None:
-            return None
-        out = retry
-    out[2] = 0.0  # the S1 slot of a row: a fused row is already central
-    return out
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _rows_to_moments(rows: torch.Tensor, b: int) -> torch.Tensor:
     """Rows ``[8, C]`` of (n, shift, S1..S4, min, max) -> float64 central moments
     ``[C, NUM_FIELDS]``; ``b`` is the row length (for the non-finite count ``b - n``, clamped at
-    0: a row of :func:`_body_moments_shifted` stands for many finite rows, ``n >= b``)."""
+    0: a row of :func:`_body_moments_fused` stands for many finite rows, ``n >= b``)."""
     rows = rows.to(torch.float64)
     n, shift, s1, s2, s3, s4, mn, mx = rows.unbind(0)
     a = s1 / n.clamp_min(1.0)  # the residue of the shift
@@ -489,7 +433,7 @@ class _Compiled:
 
     Two variants: :func:`_rows_masked` (non-finite elements masked element by element: no
     host sync, used on accelerators, where the kernel is bound by memory and masking is free)
-    and :func:`_body_moments_shifted` (used on CPU, where masking doubles the compute; a
+    and :func:`_body_moments_fused` (used on CPU, where masking doubles the compute; a
     non-finite element shows in the min/max and that tensor is recomputed masked, a check that
     costs nothing on CPU). Both are compiled with ``dynamic=True``: once per dtype, never per
     tensor size.
@@ -500,21 +444,17 @@ class _Compiled:
         self.failed: str | None = None
         self._lock = threading.Lock()
 
-    def __call__(
-        self, x2: torch.Tensor, masked: bool = True, shift: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """Masked rows ``[8, C]``, or (``masked=False``, ``shift`` given) the one-row moments of
-        :func:`_body_moments_shifted`; None when compiling failed."""
+    def __call__(self, x2: torch.Tensor, masked: bool = True) -> torch.Tensor | None:
         if self.failed is not None:
             return None
         try:
             with self._lock:
                 fn = self._fns.get(masked)
                 if fn is None:
-                    kernel = _rows_masked if masked else _body_moments_shifted
+                    kernel = _rows_masked if masked else _body_moments_fused
                     fn = torch.compile(kernel, dynamic=True)
                     self._fns[masked] = fn
-                return fn(x2) if masked else fn(x2, shift)  # type: ignore[operator]
+                return fn(x2)  # type: ignore[operator]
         except Exception as exc:  # compiler missing, unsupported backend, ...
             self.failed = f"{type(exc).__name__}: {exc}"
             warnings.warn(
@@ -744,7 +684,7 @@ class MomentAccumulator:
         rows = None
         masked = flat.device.type != "cpu"
         if _use_compile(self.kernel, flat.device):
-            rows = _compiled(body, True) if masked else _compiled_cpu_body(body)
+            rows = _compiled(body, masked)
         if rows is None:
             cdtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
             rows = _rows_eager_fast(body, _eager_work.setdefault((flat.device, cdtype), []))
