@@ -703,8 +703,11 @@ class MomentAccumulator:
         tensors whose min or max is not finite (one flag read back to the host)."""
         if not self._unchecked:
             return
-        ok = torch.stack([torch.isfinite(self._rows[j][6:8]).all() for j in self._unchecked])
-        if not bool(ok.all()):
+        # One check over every row's min/max (a handful of operations however many tensors);
+        # the per-tensor flags are only worked out when something is not finite.
+        extremes = torch.cat([self._rows[j][6:8] for j in self._unchecked], 1)
+        if not bool(torch.isfinite(extremes).all()):
+            ok = torch.stack([torch.isfinite(self._rows[j][6:8]).all() for j in self._unchecked])
             for j, good in zip(self._unchecked, ok.tolist(), strict=True):
                 if not good:
                     flat = tensors[self._row_slot[j]].detach().reshape(-1)
