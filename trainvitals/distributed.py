@@ -197,6 +197,10 @@ def partial_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _placement_groups(tensor: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
+        # Plain tensors (a Parameter wrapping a DTensor keeps the DTensor type) are asked
+        # about once per tensor per logging step: skip the import look-ups.
+        return (), ()
     try:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.placement_types import Partial, Replicate

@@ -204,7 +204,7 @@ def _resolve_partials(
 
 def _cpu_sq_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     # Each tensor is viewed as rows of _CPU_ROW elements (no copy) and normed row by row in
-    # float32 into one preallocated buffer, whose squares are summed per tensor in float64:
+    # float32, and the rows' squares are summed per tensor in float64:
     # a row is short enough for float32 accumulation to stay exact to ~1e-7 (torch's CPU norm
     # accumulates a row sequentially: ~1e-4 relative at 5M elements, measured), and the dim-1
     # reduction runs at the speed of one ``torch.sum`` pass over memory (3.3 ms for 26M floats
@@ -213,39 +213,35 @@ def _cpu_sq_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     # fill up (tails, small tensors) go through one ``_foreach_norm``. Low-precision tensors
     # are converted to float32 first (a temporary copy of one tensor at a time).
     flats: list[torch.Tensor] = []
-    num_rows = 0
     for t in tensors:
         flat = t.reshape(-1)
         if flat.dtype not in (torch.float32, torch.float64):
             flat = flat.float()
         flats.append(flat)
-        if flat.dtype == torch.float32:
-            num_rows += flat.numel() // _CPU_ROW
-    rows = torch.empty(num_rows, dtype=torch.float32)
+    row_norms: list[torch.Tensor] = []
     row_owner: list[int] = []
     row_counts: list[int] = []
     pieces: list[torch.Tensor] = []
     piece_owner: list[int] = []
-    start = 0
     for i, flat in enumerate(flats):
         if flat.dtype == torch.float64:  # already exact enough: one float64 norm
             pieces.append(flat)
             piece_owner.append(i)
             continue
-        c = flat.numel() // _CPU_ROW
+        n = flat.numel()
+        c = n // _CPU_ROW
         if c:
-            body = flat[: c * _CPU_ROW].view(c, _CPU_ROW)
-            torch.linalg.vector_norm(body, 2, 1, out=rows[start : start + c])
-            start += c
+            body = flat.view(c, _CPU_ROW) if n == c * _CPU_ROW else flat[: c * _CPU_ROW].view(c, -1)
+            row_norms.append(torch.linalg.vector_norm(body, 2, 1))
             row_owner.append(i)
             row_counts.append(c)
-        if flat.numel() > c * _CPU_ROW:
+        if n > c * _CPU_ROW:
             pieces.append(flat[c * _CPU_ROW :])
             piece_owner.append(i)
     out = torch.zeros(len(tensors), dtype=torch.float64)
-    if num_rows:
+    if row_norms:
         owner = torch.repeat_interleave(torch.tensor(row_owner), torch.tensor(row_counts))
-        out.index_add_(0, owner, rows.double().square_())
+        out.index_add_(0, owner, torch.cat(row_norms).double().square_())
     if pieces:
         sq = torch.stack([n.double() for n in torch._foreach_norm(pieces, 2)]).square_()
         out.index_add_(0, torch.tensor(piece_owner), sq)
