@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=64)
+    # 8 x 128 tokens, as bench_tensor_stats.py and bench_norms.py (see docs/benchmarks.md)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--writer", choices=("float", "jsonl"), default="float")
     parser.add_argument(
