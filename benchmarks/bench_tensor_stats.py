@@ -226,7 +226,7 @@ def make_variant(
         opt.step()
         opt.zero_grad()
         if run is not None:
-            run.log({"loss": float(loss)})
+            run.log({"loss": float(loss.detach())})
 
     def timed_steps(n: int) -> float:
         with patched_kernel(method):
