@@ -94,7 +94,10 @@ class TensorStatsMonitor(VitalsCallback):
     * ``exception_raised``: hooks are removed, so a raising step leaves nothing behind.
 
     Hooks exist only during an activation logging step; other steps run no code of this class
-    beyond two integer comparisons, and nothing leaves the device on them.
+    beyond two integer comparisons, and nothing leaves the device on them. The hooks keep
+    references and reduce 8 tensors at a time (warm caches); a tensor changed in place before
+    its batch leaves its site out of that one step, with a warning, and that site is reduced
+    inside its hook from then on (see ``docs/tensor_stats.md``).
 
     Distributed: a ``DTensor`` parameter or gradient (FSDP2, tensor parallel) is merged over the
     groups of its ``Shard`` mesh dims only; ``Replicate`` dims and plain tensors (DDP replicas)
