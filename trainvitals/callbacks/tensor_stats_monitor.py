@@ -37,7 +37,7 @@ from trainvitals.stats.moments import (
     combine_moments,
     derive,
     empty_moments,
-    moments_to_dicts,
+    moments_to_rows,
     partial_moments,
 )
 from trainvitals.stats.norms import canonical_name, dedupe_named_tensors, unwrap_model
@@ -244,6 +244,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._site_groups: dict[tuple[str, int], tuple[Any, ...]] = {}
         self._hook_step: int | None = None
         self._hook_ctx: RunContext | None = None
+        self._names: dict[str, tuple[str, bool, bool]] = {}  # see _name_info
         # activations/dgrads waiting for their batched reduction: (kind, site, local, key,
         # local's version when seen); sites whose tensor was changed in place before its
         # reduction are reduced in the hook from then on
@@ -276,6 +277,7 @@ class TensorStatsMonitor(VitalsCallback):
             if n and (isinstance(m, types) or (self.module_types is None and _is_router(m)))
         ]
         self._ep_info = self._expert_offsets(ctx, [n for n, _ in model.named_parameters()])
+        self._names = {}
         self._sites, self._site_expert = [], []
         for name, _ in self._modules:
             for suffix in _SITE_SUFFIXES:
@@ -342,25 +344,40 @@ class TensorStatsMonitor(VitalsCallback):
 
     # ------------------------------------------------------------------ param / grad moments
 
+    def _name_info(self, name: str) -> tuple[str, bool, bool]:
+        """(global name, wanted, expert) of a parameter name; cached: a logging step asks
+        for every parameter twice (values and gradients) and the answers never change."""
+        info = self._names.get(name)
+        if info is None:
+            global_name = self._global_name(name)
+            info = (global_name, self._wanted(global_name), self._is_expert(global_name))
+            self._names[name] = info
+        return info
+
     def _local_kind(self, named: list[tuple[str, torch.Tensor]]) -> _Kind:
-        named = [(self._global_name(n), t) for n, t in named]
-        named = [(n, t) for n, t in named if self._wanted(n) and t.is_floating_point()]
+        infos = [(self._name_info(n), t) for n, t in named]
+        infos = [(info, t) for info, t in infos if info[1] and t.is_floating_point()]
+        named = [(info[0], t) for info, t in infos]
         locals_ = [local_tensor(t).detach() for _, t in named]
         _sum_partials([t for _, t in named], locals_)
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(locals_):
             by_device.setdefault(t.device, []).append(i)
         device = locals_[0].device if locals_ else torch.device("cpu")
-        moments = empty_moments(len(locals_), device=device)
-        for idx in by_device.values():
-            parts, owner = partial_moments([locals_[i] for i in idx], kernel=self.kernel)
-            sub = combine_moments(parts, owner, len(idx)).to(device)
-            moments[torch.tensor(idx, device=device)] = sub
+        if len(by_device) == 1:  # the usual case: no scatter into a preallocated result
+            parts, owner = partial_moments(locals_, kernel=self.kernel)
+            moments = combine_moments(parts, owner, len(locals_))
+        else:
+            moments = empty_moments(len(locals_), device=device)
+            for idx in by_device.values():
+                parts, owner = partial_moments([locals_[i] for i in idx], kernel=self.kernel)
+                sub = combine_moments(parts, owner, len(idx)).to(device)
+                moments[torch.tensor(idx, device=device)] = sub
         return _Kind(
             names=[n for n, _ in named],
             moments=moments,
             groups=[shard_groups(t, include_partial=False) for _, t in named],
-            expert=[self._is_expert(n) for n, _ in named],
+            expert=[info[2] for info, _ in infos],
         )
 
     # ------------------------------------------------------------------ activation / dgrad sites
@@ -543,14 +560,14 @@ class TensorStatsMonitor(VitalsCallback):
                 names[k] = [names[k][j] for j in keep]
                 host[i] = host[i][keep]
         for k, h in zip(kinds, host, strict=True):
-            rows = moments_to_dicts(h)
+            rows = moments_to_rows(h)
             line = {
                 "version": SCHEMA_VERSION,
                 "step": ctx.step,
                 "kind": k,
                 "time": time.time(),
                 "fields": list(FIELDS),
-                "tensors": {n: [r[f] for f in FIELDS] for n, r in zip(names[k], rows, strict=True)},
+                "tensors": dict(zip(names[k], rows, strict=True)),
             }
             if k in ("activation", "dgrad"):
                 line["micro_batches"] = micro

@@ -106,6 +106,7 @@ __all__ = [
     "merge_moments",
     "moments_from_dicts",
     "moments_to_dicts",
+    "moments_to_rows",
     "partial_moments",
     "tensor_moments",
 ]
@@ -259,22 +260,32 @@ def derive(moments: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def moments_to_rows(moments: torch.Tensor) -> list[list[float | int | None]]:
+    """Rows of moments (a host tensor ``[T, NUM_FIELDS]``) as JSON-ready lists in the order of
+    :data:`FIELDS`; non-finite values (min/max of no elements, overflowed sums) become
+    ``None``, counts become ints. This is the ``tensors`` value format of ``tensor_stats.jsonl``."""
+    isfinite = math.isfinite
+    out: list[list[float | int | None]] = []
+    for n, mean, m2, m3, m4, mn, mx, bad in moments.detach().to("cpu", torch.float64).tolist():
+        out.append(
+            [
+                int(n) if isfinite(n) else None,
+                mean if isfinite(mean) else None,
+                m2 if isfinite(m2) else None,
+                m3 if isfinite(m3) else None,
+                m4 if isfinite(m4) else None,
+                mn if isfinite(mn) else None,
+                mx if isfinite(mx) else None,
+                int(bad) if isfinite(bad) else None,
+            ]
+        )
+    return out
+
+
 def moments_to_dicts(moments: torch.Tensor) -> list[dict[str, float | None]]:
     """Rows of moments (a host tensor ``[T, NUM_FIELDS]``) as JSON-ready dicts; non-finite
     values (min/max of no elements, overflowed sums) become ``None``."""
-    rows = moments.detach().to("cpu", torch.float64).tolist()
-    out = []
-    for row in rows:
-        d: dict[str, float | None] = {}
-        for name, v in zip(FIELDS, row, strict=True):
-            if not math.isfinite(v):
-                d[name] = None
-            elif name in ("count", "nonfinite"):
-                d[name] = int(v)
-            else:
-                d[name] = v
-        out.append(d)
-    return out
+    return [dict(zip(FIELDS, row, strict=True)) for row in moments_to_rows(moments)]
 
 
 def moments_from_dicts(rows: Sequence[dict[str, float | None]]) -> torch.Tensor:
