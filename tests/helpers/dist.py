@@ -16,7 +16,9 @@ its result are returned as NumPy arrays (a tensor's shared memory would die with
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, store: str, fn: Callable, args: tuple, queue: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -44,7 +48,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # Rendezvous through a file, not a TCP port: a port found free by the parent can be
+        # taken by another process before rank 0 binds it (a rare, timing-dependent failure).
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size
+        )
         result = _to_numpy(fn(rank, world_size, *args))
         queue.put((rank, "ok", result))
     except BaseException:
@@ -74,9 +82,11 @@ def run_distributed(
     naming the ranks that did not finish within ``timeout`` seconds."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    port = free_port()  # only exported as MASTER_PORT, for code that reads it
+    store_dir = tempfile.mkdtemp(prefix="trainvitals_pg_")
+    store = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, store, fn, args, queue), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -105,6 +115,7 @@ def run_distributed(
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
         rank = min(errors)
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
