@@ -196,10 +196,15 @@ def partial_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
     return _placement_groups(tensor)[1]
 
 
+def _is_plain(tensor: Any) -> bool:
+    """A plain tensor or Parameter, certainly not a DTensor (a Parameter made from a DTensor
+    keeps the DTensor type). The callbacks ask about every parameter and gradient at every
+    logging step: this answers without the DTensor import look-ups."""
+    return type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
+
+
 def _placement_groups(tensor: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
-        # Plain tensors (a Parameter wrapping a DTensor keeps the DTensor type) are asked
-        # about once per tensor per logging step: skip the import look-ups.
+    if _is_plain(tensor):
         return (), ()
     try:
         from torch.distributed.tensor import DTensor
@@ -224,6 +229,8 @@ def _placement_groups(tensor: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any,
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local data of a DTensor (the tensor itself otherwise)."""
+    if _is_plain(tensor):
+        return tensor
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
 

@@ -17,8 +17,9 @@ Per-tensor local sums of squares are computed without a host sync, accumulated b
 input precision: on accelerators with the fused multi-tensor ``torch._foreach_norm`` (float64
 output; not exercised by the CPU test suite); on CPU, where torch's norm kernel accumulates
 each row sequentially in float32 (a relative error of ~1e-4 at 5M elements, measured), as
-float32 norms of 1024-element rows combined in float64 (~1e-8 measured). The per-tensor vector is then reduced with one collective per
-distinct group (:func:`trainvitals.distributed.all_reduce_by_groups`).
+float32 norms of 1024-element rows combined in float64 (~1e-8 measured). The per-tensor
+vector is then reduced with one collective per distinct group
+(:func:`trainvitals.distributed.all_reduce_by_groups`).
 
 A tensor holding NaN or Inf has a non-finite sum of squares (NaN and Inf propagate through the
 squares and the sums), so non-finite detection needs no extra pass over the data. On CPU a
@@ -143,6 +144,7 @@ def sharding_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
     return shard_groups(tensor, include_partial=False)
 
 
+@torch.no_grad()  # no autograd records, and no per-tensor detach() needed
 def local_sq_norms(
     tensors: Sequence[torch.Tensor | None], device: torch.device | None = None
 ) -> torch.Tensor:
@@ -156,31 +158,15 @@ def local_sq_norms(
     sum: such tensors are first summed elementwise over their partial groups (one collective per
     distinct group, only when some tensor is ``Partial``; every rank has the same placements).
     """
-    with torch.no_grad():  # no autograd records and no per-tensor detach() needed
-        return _local_sq_norms(tensors, device)
-
-
-def _local_sq_norms(
-    tensors: Sequence[torch.Tensor | None], device: torch.device | None
-) -> torch.Tensor:
-    # A logging step calls this for every parameter and gradient (176 tensors on the 26M
-    # benchmark model): the per-tensor Python is kept to a few attribute reads (it was ~10 us
-    # per tensor, as much as the norm of a 1M-element tensor).
-    plain = (torch.Tensor, torch.nn.Parameter)
-    locals_: list[torch.Tensor | None] = [
-        t if t is None or type(t) in plain else local_tensor(t) for t in tensors
-    ]
+    locals_: list[torch.Tensor | None] = [None if t is None else local_tensor(t) for t in tensors]
     _resolve_partials(tensors, locals_)
-    present = [i for i, t in enumerate(locals_) if t is not None and t.numel() > 0]
     if device is None:
-        device = locals_[present[0]].device if present else torch.device("cpu")  # type: ignore[union-attr]
-    devices = {locals_[i].device for i in present}  # type: ignore[union-attr]
-    if devices == {torch.device("cpu")} and device.type == "cpu" and len(present) == len(locals_):
-        return _cpu_sq_norms(locals_)  # type: ignore[arg-type]  # the usual CPU case, in order
+        device = next((t.device for t in locals_ if t is not None), torch.device("cpu"))
     out = torch.zeros(len(locals_), dtype=torch.float64, device=device)
     by_device: dict[torch.device, list[int]] = {}
-    for i in present:
-        by_device.setdefault(locals_[i].device, []).append(i)  # type: ignore[union-attr]
+    for i, t in enumerate(locals_):
+        if t is not None and t.numel() > 0:
+            by_device.setdefault(t.device, []).append(i)
     for dev, idx in by_device.items():
         group = [locals_[i] for i in idx]
         if dev.type == "cpu":
