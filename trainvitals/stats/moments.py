@@ -715,12 +715,13 @@ class MomentAccumulator:
         if not self._unchecked:
             return
         # One check over every row's min/max (a handful of operations however many tensors);
-        # the per-tensor flags are only worked out when something is not finite.
-        extremes = torch.cat([self._rows[j][6:8] for j in self._unchecked], 1)
-        if not bool(torch.isfinite(extremes).all()):
-            ok = torch.stack([torch.isfinite(self._rows[j][6:8]).all() for j in self._unchecked])
-            for j, good in zip(self._unchecked, ok.tolist(), strict=True):
-                if not good:
+        # the per-tensor flags are only looked at when something is not finite.
+        extremes = [self._rows[j][6:8] for j in self._unchecked]
+        finite = torch.isfinite(torch.cat(extremes, 1))
+        if not bool(finite.all()):
+            parts = finite.split([e.shape[1] for e in extremes], 1)
+            for j, part in zip(self._unchecked, parts, strict=True):
+                if not bool(part.all()):
                     flat = tensors[self._row_slot[j]].detach().reshape(-1)
                     c = flat.numel() // CHUNK
                     self._rows[j] = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
