@@ -294,7 +294,6 @@ class TensorStatsMonitor(VitalsCallback):
         if self._handles and self._hook_step != ctx.step:
             # a step that never ended (an epoch cut mid-accumulation): drop its partial data
             self._remove_hooks()
-            self._deferred, self._deferred_elements = [], 0
         if not self._handles and self._act_step(ctx):
             self._hook_step = ctx.step
             self._install(ctx)
@@ -316,8 +315,8 @@ class TensorStatsMonitor(VitalsCallback):
 
     def step_end(self, ctx: RunContext) -> None:
         if self._handles:
-            self._remove_hooks()
             self._reduce_deferred()
+            self._remove_hooks()
             for kind in ("activation", "dgrad"):
                 if kind in self.kinds:
                     self._pending[kind] = self._merged_sites(ctx, kind)
@@ -329,12 +328,10 @@ class TensorStatsMonitor(VitalsCallback):
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._remove_hooks()
         self._pending, self._acc = {}, {}
-        self._deferred, self._deferred_elements = [], 0
 
     def run_end(self, ctx: RunContext) -> None:
         self._remove_hooks()
         self._pending, self._acc = {}, {}
-        self._deferred, self._deferred_elements = [], 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": SCHEMA_VERSION, "logged_steps": dict(self._logged_steps)}
@@ -364,15 +361,11 @@ class TensorStatsMonitor(VitalsCallback):
         for i, t in enumerate(locals_):
             by_device.setdefault(t.device, []).append(i)
         device = locals_[0].device if locals_ else torch.device("cpu")
-        if len(by_device) == 1:  # the usual case: no scatter into a preallocated result
-            parts, owner = partial_moments(locals_, kernel=self.kernel)
-            moments = combine_moments(parts, owner, len(locals_))
-        else:
-            moments = empty_moments(len(locals_), device=device)
-            for idx in by_device.values():
-                parts, owner = partial_moments([locals_[i] for i in idx], kernel=self.kernel)
-                sub = combine_moments(parts, owner, len(idx)).to(device)
-                moments[torch.tensor(idx, device=device)] = sub
+        moments = empty_moments(len(locals_), device=device)
+        for idx in by_device.values():
+            parts, owner = partial_moments([locals_[i] for i in idx], kernel=self.kernel)
+            sub = combine_moments(parts, owner, len(idx)).to(device)
+            moments[torch.tensor(idx, device=device)] = sub
         return _Kind(
             names=[n for n, _ in named],
             moments=moments,
@@ -492,9 +485,12 @@ class TensorStatsMonitor(VitalsCallback):
                 acc.add(site, local, key=key)
 
     def _remove_hooks(self) -> None:
+        """Remove the step's hooks and drop what they hold (tensors waiting for their batched
+        reduction live exactly as long as the hooks that saw them)."""
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
+        self._deferred, self._deferred_elements = [], 0
 
     def _merged_sites(self, ctx: RunContext, kind: str) -> _Kind:
         """All micro-batches' parts of one kind merged into one row per site (exact)."""
