@@ -19,7 +19,7 @@ from trainvitals.distributed import (
     group_rank,
     group_size,
 )
-from trainvitals.moe.capture import HF_ROUTER_CLASSES, RouterCapture
+from trainvitals.moe.capture import HF_ROUTER_CLASSES, RouterCapture, unpack_loads
 from trainvitals.stats.load_balance import (
     AGGREGATES,
     LAYER_METRICS,
@@ -230,9 +230,7 @@ class LoadBalanceMonitor(VitalsCallback):
         else:
             host = self._reduce_to_host(ctx)
             aux_count = host[num_layers * (num_experts + 1) :]
-            n = num_layers * num_experts
-            rows = [host[i : i + num_experts] for i in range(0, n, num_experts)]
-            aux_sum = host[n : n + num_layers]
+            rows, aux_sum = unpack_loads(host, num_layers, num_experts)
         values = self._values(rows, aux_sum, aux_count)
         values.update(self._update_dead_streaks(ctx, rows))
         self.write(ctx, values)

@@ -96,6 +96,7 @@ __all__ = [
     "find_routers",
     "layer_number_from_name",
     "register_router_extractor",
+    "unpack_loads",
 ]
 
 # Router classes of transformers 5.x verified against the installed source (modeling_*.py):
@@ -822,9 +823,8 @@ class RouterCapture:
             or len({t.shape for _, t, _ in maps}) > 1
         ):
             packed, aux_count = self.packed()
-            host = packed.cpu().tolist()
-            n = num_layers * e
-            return [host[i : i + e] for i in range(0, n, e)], host[n : n + num_layers], aux_count
+            rows, aux_sum = unpack_loads(packed.cpu().tolist(), num_layers, e)
+            return rows, aux_sum, aux_count
         parts: list[torch.Tensor] = []
         with_acc = self._dirty and acc is not None and self._aux_sum is not None
         if with_acc:
@@ -871,6 +871,17 @@ class RouterCapture:
         self._pending_aux.clear()
         self._pending_numel = 0
         self._invalid.clear()
+
+
+def unpack_loads(
+    host: list[float], num_layers: int, num_experts: int
+) -> tuple[list[list[float]], list[float]]:
+    """The ``[layers][experts]`` loads and the ``[layers]`` aux-loss sums from the host copy of
+    a buffer laid out as :meth:`RouterCapture.packed` makes it (loads row-major, then the aux
+    sums; anything after them, e.g. summed aux counts, is ignored)."""
+    n = num_layers * num_experts
+    rows = [host[i : i + num_experts] for i in range(0, n, num_experts)]
+    return rows, host[n : n + num_layers]
 
 
 def _as_aux_tensor(aux: Any) -> torch.Tensor:
