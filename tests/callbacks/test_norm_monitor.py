@@ -211,6 +211,9 @@ def test_local_sq_norms_are_accurate_for_large_and_low_precision_tensors():
         torch.randn(2048, 3, generator=g, dtype=torch.float64) * 1e3,
         torch.randn(300, generator=g),  # shorter than one row
         torch.randn(64, 48, generator=g).t(),  # not contiguous
+        torch.randn(200, 100, generator=g).t() - 2,  # large and not contiguous
+        torch.randn(8191, generator=g) * 3 + 1,  # the largest tensor normed whole
+        torch.randn(8192, generator=g) * 3 + 1,  # the smallest normed by rows
     ]
     got = local_sq_norms(tensors)
     assert got.dtype == torch.float64
