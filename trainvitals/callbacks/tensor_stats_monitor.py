@@ -306,12 +306,12 @@ class TensorStatsMonitor(VitalsCallback):
             (canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)
         )
         named = [(n, p) for n, p in named if p.requires_grad]
+        wanted: dict[str, list[tuple[str, torch.Tensor]]] = {}
         if "param" in self.kinds:
-            self._pending["param"] = self._local_kind([(n, p) for n, p in named])
+            wanted["param"] = named
         if "grad" in self.kinds:
-            self._pending["grad"] = self._local_kind(
-                [(n, p.grad) for n, p in named if p.grad is not None]
-            )
+            wanted["grad"] = [(n, p.grad) for n, p in named if p.grad is not None]
+        self._pending.update(self._local_kinds(wanted))
 
     def step_end(self, ctx: RunContext) -> None:
         if self._handles:
@@ -351,27 +351,41 @@ class TensorStatsMonitor(VitalsCallback):
             self._names[name] = info
         return info
 
-    def _local_kind(self, named: list[tuple[str, torch.Tensor]]) -> _Kind:
-        infos = [(self._name_info(n), t) for n, t in named]
-        infos = [(info, t) for info, t in infos if info[1] and t.is_floating_point()]
-        named = [(info[0], t) for info, t in infos]
-        locals_ = [local_tensor(t).detach() for _, t in named]
-        _sum_partials([t for _, t in named], locals_)
+    def _local_kinds(self, wanted: dict[str, list[tuple[str, torch.Tensor]]]) -> dict[str, _Kind]:
+        """Local moments of each kind's (name, tensor) pairs. All kinds go through one
+        :func:`partial_moments` call per device (its fixed cost, the batched small tensors and
+        the merge, is paid once for parameters and gradients together)."""
+        kinds: dict[str, tuple[list[str], list[torch.Tensor], list[bool], list[tuple]]] = {}
+        everything: list[torch.Tensor] = []
+        for kind, named in wanted.items():
+            infos = [(self._name_info(n), t) for n, t in named]
+            infos = [(info, t) for info, t in infos if info[1] and t.is_floating_point()]
+            tensors = [t for _, t in infos]
+            locals_ = [local_tensor(t).detach() for t in tensors]
+            _sum_partials(tensors, locals_)
+            kinds[kind] = (
+                [info[0] for info, _ in infos],
+                locals_,
+                [info[2] for info, _ in infos],
+                [shard_groups(t, include_partial=False) for t in tensors],
+            )
+            everything += locals_
         by_device: dict[torch.device, list[int]] = {}
-        for i, t in enumerate(locals_):
+        for i, t in enumerate(everything):
             by_device.setdefault(t.device, []).append(i)
-        device = locals_[0].device if locals_ else torch.device("cpu")
-        moments = empty_moments(len(locals_), device=device)
+        device = everything[0].device if everything else torch.device("cpu")
+        moments = empty_moments(len(everything), device=device)
         for idx in by_device.values():
-            parts, owner = partial_moments([locals_[i] for i in idx], kernel=self.kernel)
+            parts, owner = partial_moments([everything[i] for i in idx], kernel=self.kernel)
             sub = combine_moments(parts, owner, len(idx)).to(device)
             moments[torch.tensor(idx, device=device)] = sub
-        return _Kind(
-            names=[n for n, _ in named],
-            moments=moments,
-            groups=[shard_groups(t, include_partial=False) for _, t in named],
-            expert=[info[2] for info, _ in infos],
-        )
+        out: dict[str, _Kind] = {}
+        start = 0
+        for kind, (names, locals_, expert, groups) in kinds.items():
+            end = start + len(locals_)
+            out[kind] = _Kind(names=names, moments=moments[start:end], groups=groups, expert=expert)
+            start = end
+        return out
 
     # ------------------------------------------------------------------ activation / dgrad sites
 
