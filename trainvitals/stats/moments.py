@@ -130,11 +130,11 @@ DERIVED = (
     "nonfinite",
 )
 
-#: Row length of the chunked kernel (elements).
+#: Row length of the chunked kernel (elements). A power of two (the shift ``sum / CHUNK`` is
+#: exact); :func:`_body_moments_fused` spells it and its inverse as literals.
 CHUNK = 1024
 #: Tensors with fewer elements go to the batched float64 path.
 SMALL_NUMEL = 8 * CHUNK
-_INV_CHUNK = 1.0 / CHUNK  # exact: CHUNK is a power of two
 # Elements per eager block (1 MiB of float32): the eager kernel reuses two work buffers of this
 # size, so it allocates nothing per tensor, and a block and its temporaries stay in the CPU cache
 # while the ~10 operations on it run (measured: 4 MiB blocks fall out of cache and cost 1.4x).
@@ -329,28 +329,32 @@ def _rows_masked(x2: torch.Tensor) -> torch.Tensor:
 
 def _body_moments_fused(x2: torch.Tensor) -> torch.Tensor:
     """The CPU compiled kernel: the moments of a whole body ``x2`` ``[C, CHUNK]`` (assumed
-    finite; a NaN/inf shows in its min/max), returned as ONE row ``[8, 1]`` (n, mean, 0, M2, M3,
-    M4, min, max) that :func:`_rows_to_moments` reads back unchanged.
+    finite; a NaN/inf shows in its min/max), returned as ONE float64 vector ``[6]``: mean, M2,
+    M3, M4, min, max (the count is ``C * CHUNK``, known to the caller).
 
     Two loop nests. The first is :func:`_rows_masked` without the mask, written so that
     inductor fuses both loops over a row into one outer loop (the row is read from memory once; its second read
     hits L1): it returns the row *sums*, not the shift, because a pointwise output between the
-    two reductions splits the loop nest; the shift ``sum * (1/CHUNK)`` is exact (``CHUNK`` is a
+    two reductions splits the loop nest; the shift ``sum / CHUNK`` is exact (``CHUNK`` is a
     power of two), so the float64 code below rebuilds it bit for bit. The second nest converts
     the C rows to float64 central moments and merges them (the equal-count case of
     :func:`combine_moments`, mean refined once), so the per-row float64 work costs a compiled
-    loop over C instead of ~20 eager operations over all rows."""
+    loop over C instead of ~20 eager operations over all rows.
+
+    ``1/CHUNK`` is written as a literal: a module-level float would become a graph input
+    (dynamo does not specialise floats), converted to a tensor at every call; that and the
+    constant outputs left out cost ~8 us of the ~45 us fixed cost of a call (measured)."""
     xf = x2 if x2.dtype == torch.float64 else x2.float()
     rs = xf.sum(1)
-    y = xf - rs.unsqueeze(1) * _INV_CHUNK
+    y = xf - rs.unsqueeze(1) * 0.0009765625  # 1 / CHUNK
     y2 = y * y
     s1, s2, s3, s4 = y.sum(1), y2.sum(1), (y2 * y).sum(1), (y2 * y2).sum(1)
     mn, mx = xf.amin(1), xf.amax(1)
     f64 = torch.float64
     s1, s2, s3, s4 = s1.to(f64), s2.to(f64), s3.to(f64), s4.to(f64)
-    a = s1 * _INV_CHUNK  # the residue of each row's shift
+    a = s1 * 0.0009765625  # the residue of each row's shift
     a2 = a * a
-    mean_r = (rs * _INV_CHUNK).to(f64) + a
+    mean_r = (rs * 0.0009765625).to(f64) + a
     m2 = s2 - s1 * a
     m3 = s3 - 3.0 * a * s2 + 2.0 * s1 * a2
     m4 = s4 - 4.0 * a * s3 + 6.0 * a2 * s2 - 3.0 * s1 * a2 * a
@@ -358,12 +362,10 @@ def _body_moments_fused(x2: torch.Tensor) -> torch.Tensor:
     mean = mean + (mean_r - mean).mean()
     d = mean_r - mean
     d2 = d * d
-    b = float(CHUNK)
-    out = torch.stack(
+    b = 1024.0  # CHUNK
+    return torch.stack(
         [
-            torch.full_like(mean, b) * xf.shape[0],
             mean,
-            torch.zeros_like(mean),
             (m2 + b * d2).sum(),
             (m3 + 3.0 * d * m2 + b * d2 * d).sum(),
             (m4 + 4.0 * d * m3 + 6.0 * d2 * m2 + b * d2 * d2).sum(),
@@ -371,7 +373,6 @@ def _body_moments_fused(x2: torch.Tensor) -> torch.Tensor:
             mx.amax().to(f64),
         ]
     )
-    return out.unsqueeze(1)
 
 
 def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor:
@@ -630,14 +631,20 @@ class MomentAccumulator:
             raise ValueError(f"kernel must be 'auto', 'compile' or 'eager', got {kernel!r}")
         self.num_slots = num_slots
         self.kernel = kernel
+        # three kinds of parts: raw rows [8, C] (eager and masked kernels), whole-body moments
+        # [6] of the CPU compiled kernel with their element count, and small flat tensors
         self._rows: list[torch.Tensor] = []
         self._row_slot: list[int] = []
-        self._unchecked: list[int] = []  # positions in _rows from an unmasked kernel
+        self._bodies: list[torch.Tensor] = []
+        self._body_slot: list[int] = []
+        self._body_count: list[int] = []
+        # (is_body, position) of parts from an unmasked kernel, not yet checked for NaN/inf
+        self._unchecked: list[tuple[bool, int]] = []
         self._small: list[torch.Tensor] = []
         self._small_slot: list[int] = []
-        # id(key) -> (weakref to key, its version, [(is_row, index)]): a tensor seen at several
-        # slots (one input feeding the q, k and v projections) is reduced once
-        self._seen: dict[int, tuple[Any, int, list[tuple[bool, int]]]] = {}
+        # id(key) -> (weakref to key, its version, [(part list, index)]): a tensor seen at
+        # several slots (one input feeding the q, k and v projections) is reduced once
+        self._seen: dict[int, tuple[Any, int, list[tuple[str, int]]]] = {}
 
     def add(
         self,
@@ -661,18 +668,23 @@ class MomentAccumulator:
         if key is not None:
             seen = self._seen.get(id(key))
             if seen is not None and seen[0]() is key and seen[1] == key._version:
-                for is_row, idx in seen[2]:
-                    if is_row:
+                for where, idx in seen[2]:
+                    if where == "rows":
                         self._rows.append(self._rows[idx])
                         self._row_slot.append(slot)
+                    elif where == "bodies":
+                        self._bodies.append(self._bodies[idx])
+                        self._body_slot.append(slot)
+                        self._body_count.append(self._body_count[idx])
                     else:
                         self._small.append(self._small[idx])
                         self._small_slot.append(slot)
                 return
-            rows_before, small_before = len(self._rows), len(self._small)
+            before = {w: len(getattr(self, f"_{w}")) for w in ("rows", "bodies", "small")}
             self._add(slot, tensor, check_finite, copy_small)
-            entries = [(True, i) for i in range(rows_before, len(self._rows))]
-            entries += [(False, i) for i in range(small_before, len(self._small))]
+            entries = [
+                (w, i) for w, n in before.items() for i in range(n, len(getattr(self, f"_{w}")))
+            ]
             with contextlib.suppress(TypeError):  # not weak-referenceable: no reuse
                 self._seen[id(key)] = (weakref.ref(key), key._version, entries)
             return
@@ -696,6 +708,17 @@ class MomentAccumulator:
         masked = flat.device.type != "cpu"
         if _use_compile(self.kernel, flat.device):
             rows = _compiled(body, masked)
+            if rows is not None and not masked:  # the CPU kernel: the moments of the body
+                if not check_finite:
+                    self._unchecked.append((True, len(self._bodies)))
+                elif not bool(torch.isfinite(rows[4:6]).all()):
+                    self._rows.append(_rows_masked(body))
+                    self._row_slot.append(slot)
+                    return
+                self._bodies.append(rows)
+                self._body_slot.append(slot)
+                self._body_count.append(c * CHUNK)
+                return
         if rows is None:
             cdtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
             rows = _rows_eager_fast(body, _eager_work.setdefault((flat.device, cdtype), []))
@@ -705,7 +728,7 @@ class MomentAccumulator:
                 if not bool(torch.isfinite(rows[6:8]).all()):
                     rows = _rows_masked(body)
             else:
-                self._unchecked.append(len(self._rows))
+                self._unchecked.append((False, len(self._rows)))
         self._rows.append(rows)
         self._row_slot.append(slot)
 
@@ -714,24 +737,46 @@ class MomentAccumulator:
         tensors whose min or max is not finite (one flag read back to the host)."""
         if not self._unchecked:
             return
-        # One check over every row's min/max (a handful of operations however many tensors);
+        # One check over every part's min/max (a handful of operations however many tensors);
         # the per-tensor flags are only looked at when something is not finite.
-        extremes = [self._rows[j][6:8] for j in self._unchecked]
-        finite = torch.isfinite(torch.cat(extremes, 1))
+        extremes = [
+            self._bodies[j][4:6] if is_body else self._rows[j][6:8].reshape(-1)
+            for is_body, j in self._unchecked
+        ]
+        finite = torch.isfinite(torch.cat(extremes))
         if not bool(finite.all()):
-            parts = finite.split([e.shape[1] for e in extremes], 1)
-            for j, part in zip(self._unchecked, parts, strict=True):
-                if not bool(part.all()):
-                    flat = tensors[self._row_slot[j]].detach().reshape(-1)
-                    c = flat.numel() // CHUNK
-                    self._rows[j] = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
+            parts = finite.split([e.numel() for e in extremes])
+            moved: list[int] = []
+            for (is_body, j), part in zip(self._unchecked, parts, strict=True):
+                if bool(part.all()):
+                    continue
+                slot = self._body_slot[j] if is_body else self._row_slot[j]
+                flat = tensors[slot].detach().reshape(-1)
+                c = flat.numel() // CHUNK
+                rows = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
+                if is_body:
+                    self._rows.append(rows)
+                    self._row_slot.append(slot)
+                    moved.append(j)
+                else:
+                    self._rows[j] = rows
+            for j in sorted(moved, reverse=True):
+                del self._bodies[j], self._body_slot[j], self._body_count[j]
         self._unchecked = []
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The un-merged parts ``[K, NUM_FIELDS]`` and their slots ``[K]``."""
         parts: list[torch.Tensor] = []
         owners: list[torch.Tensor] = []
-        device = (self._rows or self._small or [torch.empty(0)])[0].device
+        device = (self._rows or self._bodies or self._small or [torch.empty(0)])[0].device
+        if self._bodies:
+            # whole-body moments: mean, M2, M3, M4, min, max, with their counts, no non-finite
+            m = torch.stack(self._bodies).to(torch.float64)
+            count = torch.tensor(self._body_count, dtype=torch.float64, device=device)
+            parts.append(
+                torch.cat([count.unsqueeze(1), m, torch.zeros_like(count).unsqueeze(1)], 1)
+            )
+            owners.append(torch.tensor(self._body_slot, device=device))
         if self._rows:
             all_rows = torch.cat(self._rows, 1)  # float32 rows (float64 if any tensor was float64)
             counts = torch.tensor([r.shape[1] for r in self._rows], device=device)
