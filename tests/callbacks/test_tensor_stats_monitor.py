@@ -387,6 +387,39 @@ def test_nonfinite_gradient_is_counted(tmp_path: Path) -> None:
     assert writer.rows[0]["tensor_stats/grad/nonfinite"] == 3
 
 
+def test_frozen_and_replaced_parameters_are_seen_at_the_next_logging_step(tmp_path: Path) -> None:
+    # the parameter list is cached between steps; freezing a layer or swapping a parameter
+    # object must still change what is measured
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = batches(1)[0]
+    with Vitals(
+        [TensorStatsMonitor(kinds=["param"], kernel="eager")],
+        writer=Recorder(),
+        run_dir=tmp_path,
+        log_every_n_steps=1,
+    ) as vitals:
+        vitals.attach(model, opt)
+        for step in range(3):
+            if step == 1:
+                model.layers[0].fc1.requires_grad_(False)
+            if step == 2:
+                model.head.bias = nn.Parameter(torch.full((VOCAB,), 7.0))
+            vitals.batch(ids)
+            model(ids).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    lines = read_lines(tmp_path / "tensor_stats.jsonl")
+    names = [set(line["tensors"]) for line in lines]
+    assert "layers.0.fc1.weight" in names[0]
+    assert "layers.0.fc1.weight" not in names[1] and "layers.0.fc1.bias" not in names[1]
+    assert names[2] == names[1]
+    mean = FIELDS.index("mean")
+    assert lines[2]["tensors"]["head.bias"][mean] == 7.0
+    assert lines[1]["tensors"]["head.bias"][mean] != 7.0
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="kinds"):
         TensorStatsMonitor(kinds=["weights"])

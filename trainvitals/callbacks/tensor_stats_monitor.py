@@ -245,6 +245,9 @@ class TensorStatsMonitor(VitalsCallback):
         self._hook_step: int | None = None
         self._hook_ctx: RunContext | None = None
         self._names: dict[str, tuple[str, bool, bool]] = {}  # see _name_info
+        # the trainable parameters (deduplicated, canonical names), kept while the model's
+        # parameter objects stay the same: (their ids and requires_grad, the list)
+        self._params: tuple[tuple[tuple[int, bool], ...], list[tuple[str, Any]]] | None = None
         # activations/dgrads waiting for their batched reduction: (kind, site, local, key,
         # local's version when seen); sites whose tensor was changed in place before its
         # reduction are reduced in the hook from then on
@@ -278,6 +281,7 @@ class TensorStatsMonitor(VitalsCallback):
         ]
         self._ep_info = self._expert_offsets(ctx, [n for n, _ in model.named_parameters()])
         self._names = {}
+        self._params = None
         self._sites, self._site_expert = [], []
         for name, _ in self._modules:
             for suffix in _SITE_SUFFIXES:
@@ -301,11 +305,7 @@ class TensorStatsMonitor(VitalsCallback):
     def before_optimizer_step(self, ctx: RunContext) -> None:
         if not self._param_step(ctx):
             return
-        model = unwrap_model(ctx.model)
-        named = dedupe_named_tensors(
-            (canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)
-        )
-        named = [(n, p) for n, p in named if p.requires_grad]
+        named = self._trainable_parameters(ctx)
         wanted: dict[str, list[tuple[str, torch.Tensor]]] = {}
         if "param" in self.kinds:
             wanted["param"] = named
@@ -350,6 +350,17 @@ class TensorStatsMonitor(VitalsCallback):
             info = (global_name, self._wanted(global_name), self._is_expert(global_name))
             self._names[name] = info
         return info
+
+    def _trainable_parameters(self, ctx: RunContext) -> list[tuple[str, Any]]:
+        """(canonical name, parameter) of the trainable parameters, each tensor once; rebuilt
+        only when the model's parameter objects or their ``requires_grad`` change (a quarter
+        of the cost: the names and the memory-aliasing check are not redone every step)."""
+        raw = list(unwrap_model(ctx.model).named_parameters(remove_duplicate=False))
+        key = tuple((id(p), p.requires_grad) for _, p in raw)
+        if self._params is None or self._params[0] != key:
+            named = dedupe_named_tensors((canonical_name(n), p) for n, p in raw)
+            self._params = (key, [(n, p) for n, p in named if p.requires_grad])
+        return self._params[1]
 
     def _local_kinds(self, wanted: dict[str, list[tuple[str, torch.Tensor]]]) -> dict[str, _Kind]:
         """Local moments of each kind's (name, tensor) pairs. All kinds go through one
