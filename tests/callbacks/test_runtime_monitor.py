@@ -146,3 +146,34 @@ def test_two_ranks_consumed_counts_are_true_sums():
         assert result["state"]["consumed"]["samples"] == sum(
             batch_size(s, mb, r) for r in (0, 1) for s in range(5) for mb in range(ACC)
         )
+
+
+def test_train_clock_waits_for_queued_device_work_at_the_validation_boundaries():
+    # The callbacks give the clock torch.cuda.synchronize on CUDA: work queued before a pause
+    # is training time, work queued before a resume is validation time. A fake sync stands in
+    # for the device: it "finishes" 3 s of queued work by advancing the time.
+    from trainvitals.stats.runtime import TrainClock
+
+    now = [0.0]
+    calls = []
+
+    def sync():
+        calls.append(now[0])
+        now[0] += 3.0
+
+    clock = TrainClock(lambda: now[0], sync)
+    clock.pause()  # not started: nothing to wait for
+    assert calls == []
+    clock.start()
+    now[0] = 10.0
+    clock.pause()  # t=10, +3 s of queued training work
+    now[0] = 20.0
+    clock.resume()  # t=20, +3 s of queued validation work
+    now[0] = 30.0
+    clock.sync()
+    assert calls == [10.0, 20.0, 30.0]
+    assert clock.read() == {"train": 13.0 + (33.0 - 23.0), "validation": 10.0, "total": 33.0}
+    fresh = clock.fresh()
+    assert fresh.sync_fn is sync and not fresh.started
+    with pytest.raises(TypeError, match="sync"):
+        TrainClock(sync=3)

@@ -153,18 +153,24 @@ def test_measured_flops_match_analytic_count():
     assert _get_current_dispatch_mode() is None  # the counting mode was left
 
 
-def test_cuda_sync_only_on_logging_steps(monkeypatch):
+@pytest.mark.parametrize("kind", ["throughput", "runtime"])
+def test_cuda_sync_only_on_logging_steps(monkeypatch, kind):
+    from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+
     syncs: list[int] = []
     clock = FakeClock()
-    monitor = ThroughputMonitor(window_size=4, clock=clock, log_every_n_steps=3)
+    if kind == "throughput":
+        monitor = ThroughputMonitor(window_size=4, clock=clock, log_every_n_steps=3)
+    else:
+        monitor = RuntimeMonitor(clock=clock, log_every_n_steps=3, max_steps=10)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     vitals = Vitals([monitor], writer=RecordingWriter()).attach(model, opt)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(vitals.step))
     for step in range(7):
         vitals.batch(torch.randn(2, 3))
-        if step == 0:
-            monitor._cuda = torch.device("cuda", 0)  # pretend the model is on a GPU
+        if step == 0:  # pretend the model is on a GPU: what run_start sets on CUDA
+            monitor._clock.sync_fn = lambda: torch.cuda.synchronize(torch.device("cuda", 0))
         clock.t += 1.0
         model(torch.randn(2, 3)).sum().backward()
         opt.step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -117,7 +118,6 @@ class RuntimeMonitor(VitalsCallback):
         self._counter = StepCounter()
         self._groups = ProcessGroups()
         self._horizon: int | None = None
-        self._cuda: torch.device | None = None
         self._steps_this_process = 0
         self._rate_anchor: float | None = None  # train-clock reading where the rate starts
         # Carried over from earlier processes of the run (checkpoint state).
@@ -132,7 +132,9 @@ class RuntimeMonitor(VitalsCallback):
     def run_start(self, ctx: RunContext) -> None:
         self._groups = ctx.groups
         device = ctx.device
-        self._cuda = device if device.type == "cuda" else None
+        self._clock.sync_fn = (
+            partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
+        )
         self._horizon = self.max_steps or training_horizon(
             max_steps=ctx.max_steps,
             max_epochs=ctx.max_epochs,
@@ -153,19 +155,15 @@ class RuntimeMonitor(VitalsCallback):
         self._counter.add(batch.batch_size, batch.num_tokens)
 
     def validation_start(self, ctx: RunContext) -> None:
-        if self._cuda is not None:
-            torch.cuda.synchronize(self._cuda)  # training's queued work is training time
-        self._clock.pause()
+        self._clock.pause()  # waits for the device's queued work first (sync_fn)
 
     def validation_end(self, ctx: RunContext) -> None:
-        if self._cuda is not None:
-            torch.cuda.synchronize(self._cuda)  # validation's queued work is not
         self._clock.resume()
 
     def step_end(self, ctx: RunContext) -> None:
         log = self.should_log(ctx)
-        if log and self._cuda is not None:
-            torch.cuda.synchronize(self._cuda)
+        if log:
+            self._clock.sync()
         self._clock.start()  # no-op unless no micro-batch was reported
         train_now = self._clock.train_seconds()
         self._steps_this_process += 1
@@ -244,6 +242,6 @@ class RuntimeMonitor(VitalsCallback):
         self._consumed = {k: float(consumed.get(k, 0.0)) for k in self._consumed}
         self._pending = dict.fromkeys(self._pending, 0.0)
         # This process starts its own clock and its own warm-up.
-        self._clock = TrainClock(self._clock._clock)
+        self._clock = self._clock.fresh()
         self._steps_this_process = 0
         self._rate_anchor = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import astuple
+from functools import partial
 from typing import Any
 
 import torch
@@ -216,6 +217,9 @@ class ThroughputMonitor(VitalsCallback):
         self._groups = ctx.groups
         device = ctx.device
         self._cuda = device if device.type == "cuda" else None
+        self._clock.sync_fn = (
+            None if self._cuda is None else partial(torch.cuda.synchronize, device)
+        )
         self._peak = self.peak_flops
         if self._peak is None and self._cuda is not None:
             self._peak = peak_flops(device_name_of(device) or "", self.precision)
@@ -245,19 +249,15 @@ class ThroughputMonitor(VitalsCallback):
         self._finish_flop_measurement()
 
     def validation_start(self, ctx: RunContext) -> None:
-        if self._cuda is not None:
-            torch.cuda.synchronize(self._cuda)  # training's queued work is training time
-        self._clock.pause()
+        self._clock.pause()  # waits for the device's queued work first (sync_fn)
 
     def validation_end(self, ctx: RunContext) -> None:
-        if self._cuda is not None:
-            torch.cuda.synchronize(self._cuda)  # validation's queued work is not
         self._clock.resume()
 
     def step_end(self, ctx: RunContext) -> None:
         log = self.should_log(ctx)
-        if log and self._cuda is not None:
-            torch.cuda.synchronize(self._cuda)  # the window ends when the GPU's work ends
+        if log:
+            self._clock.sync()  # the window ends when the GPU's work ends
         self._finish_flop_measurement()
         self._clock.start()  # no-op unless no micro-batch was reported
         now = self._clock.train_seconds()

@@ -32,6 +32,11 @@ class TrainClock:
     in progress), ``validation_seconds()`` the paused time, ``total_seconds()`` both together.
     Before ``start()`` all three are 0.
 
+    ``sync``: called by ``pause()`` and ``resume()`` before they read the clock, and by
+    ``sync()``, so that work an accelerator still has queued is charged to the side that queued
+    it (the callbacks set ``torch.cuda.synchronize`` of their device; ``None``: nothing to wait
+    for, as on CPU). Settable after construction: the device is known only at run start.
+
     Example::
 
         clock = TrainClock(clock=iter([0.0, 5.0, 7.0, 10.0]).__next__)
@@ -41,10 +46,17 @@ class TrainClock:
         clock.train_seconds()  # t=10 -> 8.0
     """
 
-    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] | None = None,
+        sync: Callable[[], object] | None = None,
+    ) -> None:
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        if sync is not None and not callable(sync):
+            raise TypeError(f"sync must be a callable or None, got {sync!r}")
         self._clock: Callable[[], float] = clock or time.perf_counter
+        self.sync_fn = sync
         self._start: float | None = None
         self._paused_at: float | None = None
         self._paused_seconds = 0.0
@@ -64,14 +76,25 @@ class TrainClock:
         if self._start is None:
             self._start = self.now()
 
+    def sync(self) -> None:
+        """Wait for queued accelerator work (``sync_fn``), if any."""
+        if self.sync_fn is not None:
+            self.sync_fn()
+
     def pause(self) -> None:
         if self._start is not None and self._paused_at is None:
+            self.sync()  # training's queued work is training time
             self._paused_at = self.now()
 
     def resume(self) -> None:
         if self._paused_at is not None:
+            self.sync()  # validation's queued work is not
             self._paused_seconds += self.now() - self._paused_at
             self._paused_at = None
+
+    def fresh(self) -> TrainClock:
+        """A new, unstarted clock with the same time source and sync (a resumed process)."""
+        return TrainClock(self._clock, self.sync_fn)
 
     def _read(self) -> tuple[float, float]:
         """(total, validation) seconds from one clock reading."""
