@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    HookTimer,
     LMConfig,
     build_lm,
     count_parameters,
@@ -55,20 +56,6 @@ from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.memory_monitor import MemoryMonitor
 from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
 from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
-
-
-def _time_hooks(callback: Any, spent: list[float]) -> None:
-    """Add the wall time and the process CPU time of every hook ``callback`` runs to
-    ``spent[0]`` and ``spent[1]``."""
-    dispatch = callback._dispatch
-
-    def timed_dispatch(hook: str, ctx: Any, *args: Any) -> None:
-        start, cpu = time.perf_counter(), time.process_time()
-        dispatch(hook, ctx, *args)
-        spent[0] += time.perf_counter() - start
-        spent[1] += time.process_time() - cpu
-
-    callback._dispatch = timed_dispatch
 
 
 class FloatWriter:
@@ -163,18 +150,18 @@ def main(argv: list[str] | None = None) -> None:
     def runner(name: str, factory: Callable[[], list] | None) -> Callable[[int], float]:
         def run(steps: int) -> float:
             vitals = None
-            spent = [0.0, 0.0]
+            timer = HookTimer()
             if factory is not None:
                 callbacks = factory()
-                for cb in callbacks:
-                    _time_hooks(cb, spent)
+                for cb in callbacks:  # every hook a callback runs goes through its _dispatch
+                    cb._dispatch = timer.wrap(cb._dispatch)
                 vitals = Vitals(callbacks, writer=writer(), log_every_n_steps=1)
                 vitals.attach(model, optimizer)
             one_step(vitals)  # warm-up: first step of each callback instance
-            spent[0] = spent[1] = 0.0
+            timer.reset()
             seconds = timed(lambda: [one_step(vitals) for _ in range(steps)], args.device)
-            hook_seconds.setdefault(name, []).append(spent[0] / steps)
-            hook_cpu.setdefault(name, []).append(spent[1] / steps)
+            hook_seconds.setdefault(name, []).append(timer.wall / steps)
+            hook_cpu.setdefault(name, []).append(timer.cpu / steps)
             if vitals is not None:
                 vitals.close()
             return seconds

@@ -29,13 +29,19 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import LMConfig, build_lm, count_parameters, interleaved_ratios, lm_batch
+from benchmarks.common import (
+    HookTimer,
+    LMConfig,
+    build_lm,
+    count_parameters,
+    interleaved_ratios,
+    lm_batch,
+)
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import TensorStatsMonitor
 from trainvitals.stats.moments import NUM_FIELDS, fused_moments
@@ -155,37 +161,13 @@ class _NullWriter:
         pass
 
 
-class HookTimer:
-    """Time spent inside one monitor's code during the timed steps: its callback hooks and the
-    forward/gradient hooks it installs (outermost calls only). This is all the work the monitor
-    adds to a step, measured inside the same runs as the step times, so it resolves effects
-    far below the run-to-run noise of whole steps on a shared 2-core machine."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.total = 0.0
-        self.depth = 0
-
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed_call(*args: Any, **kwargs: Any) -> Any:
-            if self.depth:
-                return fn(*args, **kwargs)
-            self.depth += 1
-            start = self.clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total += self.clock() - start
-                self.depth -= 1
-
-        return timed_call
-
-    def instrument(self, monitor: TensorStatsMonitor) -> None:
-        for name in ("micro_batch_start", "before_optimizer_step", "step_end"):
-            setattr(monitor, name, self.wrap(getattr(monitor, name)))
-        for name in ("_make_forward_hook", "_make_grad_hook"):
-            factory = getattr(monitor, name)
-            setattr(monitor, name, lambda *a, _f=factory, **k: self.wrap(_f(*a, **k)))
+def instrument(timer: HookTimer, monitor: TensorStatsMonitor) -> None:
+    """Time the monitor's callback hooks and the forward/gradient hooks it installs."""
+    for name in ("micro_batch_start", "before_optimizer_step", "step_end"):
+        setattr(monitor, name, timer.wrap(getattr(monitor, name)))
+    for name in ("_make_forward_hook", "_make_grad_hook"):
+        factory = getattr(monitor, name)
+        setattr(monitor, name, lambda *a, _f=factory, **k: timer.wrap(_f(*a, **k)))
 
 
 def make_variant(
@@ -203,7 +185,7 @@ def make_variant(
         monitor = TensorStatsMonitor(
             kinds=kinds or ["param", "grad", "activation", "dgrad"], kernel=kernel
         )
-        timer.instrument(monitor)
+        instrument(timer, monitor)
         vitals = Vitals(
             [monitor],
             writer=_NullWriter(),
@@ -231,12 +213,12 @@ def make_variant(
     def timed_steps(n: int) -> float:
         with patched_kernel(method):
             step()  # warm-up: one untimed step per call
-            timer.total = 0.0
+            timer.reset()
             start = clock()
             for _ in range(n):
                 step()
             elapsed = clock() - start
-            hook_seconds.append(timer.total / n)
+            hook_seconds.append(timer.wall / n)
             return elapsed
 
     hook_seconds: list[float] = []

@@ -20,11 +20,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
+    "HookTimer",
     "LMConfig",
     "TinyTransformerLM",
     "build_lm",
@@ -160,6 +162,39 @@ def timed(fn: Callable[[], None], device: str | torch.device = "cpu") -> float:
     fn()
     sync(device)
     return time.perf_counter() - start
+
+
+class HookTimer:
+    """Time spent inside wrapped functions (a callback's hooks, the forward/gradient hooks it
+    installs), outermost calls only: a wrapped function called from another one is not
+    counted twice. ``wall`` accumulates ``clock`` seconds, ``cpu`` this process's CPU seconds
+    (``time.process_time``, which the machine's load does not inflate; it counts every
+    intra-op thread). Timing a monitor's own work inside the same runs as the step times
+    resolves effects far below the run-to-run noise of whole steps on a shared machine."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.wall = 0.0
+        self.cpu = 0.0
+        self._depth = 0
+
+    def reset(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            start, cpu = self.clock(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.wall += self.clock() - start
+                self.cpu += time.process_time() - cpu
+                self._depth -= 1
+
+        return timed_call
 
 
 def format_params(n: int) -> str:
