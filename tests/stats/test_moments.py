@@ -302,3 +302,25 @@ def test_compiled_kernel_on_float64_and_sizes_that_are_not_multiples() -> None:
     got = derive(fused_moments(xs, kernel="compile"))
     for i, x in enumerate(xs):
         assert_matches(got, i, reference(x), f"compile/sizes{i}")
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compile"])
+def test_deferred_finiteness_check_covers_a_reused_tensor(kernel: str) -> None:
+    # add(check_finite=False) + fix_nonfinite: a tensor with a NaN reused at a second slot
+    # (same key) must be recomputed with masking at both slots, and the parts added after it
+    # must keep their slots.
+    from trainvitals.stats.moments import MomentAccumulator
+
+    g = torch.Generator().manual_seed(8)
+    bad = 5 + torch.randn(30 * CHUNK, generator=g)
+    bad[100] = math.nan
+    clean = torch.randn(20 * CHUNK, generator=g)
+    tensors = [bad, bad, clean]
+    acc = MomentAccumulator(3, kernel=kernel)
+    for i, t in enumerate(tensors):
+        acc.add(i, t, check_finite=False, key=t)
+    acc.fix_nonfinite(tensors)
+    got = derive(acc.result())
+    for i, t in enumerate(tensors):
+        assert_matches(got, i, reference(t), f"{kernel}/reused{i}")
+    assert got["nonfinite"].tolist() == [1.0, 1.0, 0.0]

@@ -635,7 +635,7 @@ class MomentAccumulator:
         # [6] of the CPU compiled kernel with their element count, and small flat tensors
         self._rows: list[torch.Tensor] = []
         self._row_slot: list[int] = []
-        self._bodies: list[torch.Tensor] = []
+        self._bodies: list[torch.Tensor | None] = []  # None: replaced by masked rows
         self._body_slot: list[int] = []
         self._body_count: list[int] = []
         # (is_body, position) of parts from an unmasked kernel, not yet checked for NaN/inf
@@ -670,9 +670,13 @@ class MomentAccumulator:
             if seen is not None and seen[0]() is key and seen[1] == key._version:
                 for where, idx in seen[2]:
                     if where == "rows":
+                        if (False, idx) in self._unchecked:
+                            self._unchecked.append((False, len(self._rows)))
                         self._rows.append(self._rows[idx])
                         self._row_slot.append(slot)
                     elif where == "bodies":
+                        if (True, idx) in self._unchecked:
+                            self._unchecked.append((True, len(self._bodies)))
                         self._bodies.append(self._bodies[idx])
                         self._body_slot.append(slot)
                         self._body_count.append(self._body_count[idx])
@@ -746,7 +750,6 @@ class MomentAccumulator:
         finite = torch.isfinite(torch.cat(extremes))
         if not bool(finite.all()):
             parts = finite.split([e.numel() for e in extremes])
-            moved: list[int] = []
             for (is_body, j), part in zip(self._unchecked, parts, strict=True):
                 if bool(part.all()):
                     continue
@@ -754,14 +757,12 @@ class MomentAccumulator:
                 flat = tensors[slot].detach().reshape(-1)
                 c = flat.numel() // CHUNK
                 rows = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
-                if is_body:
+                if is_body:  # masked rows replace it; None keeps the other positions valid
+                    self._bodies[j] = None  # type: ignore[call-overload]
                     self._rows.append(rows)
                     self._row_slot.append(slot)
-                    moved.append(j)
                 else:
                     self._rows[j] = rows
-            for j in sorted(moved, reverse=True):
-                del self._bodies[j], self._body_slot[j], self._body_count[j]
         self._unchecked = []
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -769,14 +770,16 @@ class MomentAccumulator:
         parts: list[torch.Tensor] = []
         owners: list[torch.Tensor] = []
         device = (self._rows or self._bodies or self._small or [torch.empty(0)])[0].device
-        if self._bodies:
+        keep = [i for i, b in enumerate(self._bodies) if b is not None]
+        if keep:
             # whole-body moments: mean, M2, M3, M4, min, max, with their counts, no non-finite
-            m = torch.stack(self._bodies).to(torch.float64)
-            count = torch.tensor(self._body_count, dtype=torch.float64, device=device)
+            m = torch.stack([self._bodies[i] for i in keep]).to(torch.float64)
+            counts = [self._body_count[i] for i in keep]
+            count = torch.tensor(counts, dtype=torch.float64, device=device)
             parts.append(
                 torch.cat([count.unsqueeze(1), m, torch.zeros_like(count).unsqueeze(1)], 1)
             )
-            owners.append(torch.tensor(self._body_slot, device=device))
+            owners.append(torch.tensor([self._body_slot[i] for i in keep], device=device))
         if self._rows:
             all_rows = torch.cat(self._rows, 1)  # float32 rows (float64 if any tensor was float64)
             counts = torch.tensor([r.shape[1] for r in self._rows], device=device)
