@@ -302,3 +302,59 @@ def test_pipeline_stages_are_gathered_to_rank0(tmp_path: Path) -> None:
     acts = lines["activation"]["tensors"]
     _check({"tensors": {n: acts[n] for n in inputs}}, inputs, "pipeline activations")
     assert [res["objects"] for res in results] == [1, 1]  # one object gather per logging step
+
+
+# ------------------------------------------------------------------------------ a failing rank
+
+
+def _failing_rank_body(rank: int, world_size: int, run_dir: str) -> dict:
+    import os
+
+    import trainvitals.callbacks.tensor_stats_monitor as mod
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import TensorStatsMonitor
+    from trainvitals.distributed import ProcessGroups, world_group
+
+    os.environ["TRAINVITALS_STRICT"] = "0"
+    state = {"step": -1}
+    original = mod.MomentAccumulator.add
+
+    def add(self, *args, **kwargs):
+        if rank == 1 and state["step"] == 1:
+            raise RuntimeError("out of memory on rank 1 only")
+        return original(self, *args, **kwargs)
+
+    mod.MomentAccumulator.add = add
+    torch.manual_seed(0)
+    model = TPNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TensorStatsMonitor(kinds=["param", "activation", "dgrad"], kernel="eager")
+    with Vitals(
+        [monitor],
+        writer=NullWriter(),
+        run_dir=run_dir,
+        log_every_n_steps=1,
+        groups=ProcessGroups(dp=world_group()),
+    ) as vitals:
+        vitals.attach(model, opt)
+        for step in range(3):
+            state["step"] = step
+            x = _batch(rank)
+            vitals.batch(x)
+            _loss(model(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    return {}
+
+
+def test_a_rank_whose_hook_work_fails_leaves_the_sites_out_everywhere(tmp_path: Path) -> None:
+    # Rank 1's kernel fails inside its forward hooks at step 1 (rank-local, e.g. out of
+    # memory): no hang, no partial merge (rank 0's tokens alone would be a wrong number), the
+    # other kinds and steps complete.
+    run_distributed(_failing_rank_body, world_size=2, args=(str(tmp_path),), timeout=120)
+    lines = [json.loads(x) for x in (tmp_path / "tensor_stats.jsonl").read_text().splitlines()]
+    by = {(line["step"], line["kind"]): line["tensors"] for line in lines}
+    for kind in ("activation", "dgrad"):
+        assert by[(1, kind)] == {}, kind
+        assert len(by[(0, kind)]) == len(by[(2, kind)]) > 0, kind
+    assert set(by[(1, "param")]) == set(by[(0, "param")]) != set()

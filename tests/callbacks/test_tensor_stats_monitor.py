@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -86,6 +87,9 @@ class Capture:
 
     def whole(self, kind: str, site: str) -> torch.Tensor:
         return torch.cat(self.data[(kind, site)])
+
+
+_nothing = contextlib.nullcontext
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -431,3 +435,63 @@ def test_bad_arguments() -> None:
         TensorStatsMonitor(exclude="head/*")
     with pytest.raises(ValueError, match="kernel"):
         TensorStatsMonitor(kernel="cuda")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "step_end"])
+def test_failure_inside_its_hooks_never_breaks_the_step(tmp_path: Path, monkeypatch, where) -> None:
+    # Work done inside forward/gradient hooks runs outside the callback guard: a failure there
+    # (e.g. out of memory in the kernel) must leave the step running, the activation/dgrad
+    # sites of that one step out (not partially merged), and the next logging step complete.
+    import trainvitals.callbacks.tensor_stats_monitor as mod
+
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TensorStatsMonitor(kernel="eager")
+    state = {"step": -1, "phase": None}
+    original = mod.MomentAccumulator.add
+
+    def failing_add(self, *args, **kwargs):
+        if state["step"] == 1 and state["phase"] == where:
+            raise RuntimeError("simulated out of memory")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(mod.MomentAccumulator, "add", failing_add)
+    reduce = monitor._reduce_deferred
+
+    def reduce_at(*args):  # the batched reduction: in a hook, or at the step's end
+        if state["phase"] is None:
+            state["phase"] = "step_end"
+        return reduce(*args)
+
+    monitor._reduce_deferred = reduce_at
+    base = sum(len(m._forward_hooks) for m in model.modules())
+    with Vitals([monitor], writer=Recorder(), run_dir=tmp_path, log_every_n_steps=1) as vitals:
+        vitals.attach(model, opt)
+        for step, ids in enumerate(batches(3)):
+            state["step"] = step
+            with (
+                pytest.warns(RuntimeWarning, match="raised RuntimeError: simulated")
+                if (step == 1)
+                else _nothing()
+            ):
+                vitals.batch(ids)
+                state["phase"] = "forward"
+                loss = model(ids).logsumexp(-1).mean()
+                state["phase"] = "backward"
+                loss.backward()
+                state["phase"] = None
+                opt.step()
+            opt.zero_grad()
+            assert sum(len(m._forward_hooks) for m in model.modules()) == base
+    lines = read_lines(tmp_path / "tensor_stats.jsonl")
+    act = {line["step"]: line["tensors"] for line in lines if line["kind"] == "activation"}
+    dgrad = {line["step"]: line["tensors"] for line in lines if line["kind"] == "dgrad"}
+    params = {line["step"]: line["tensors"] for line in lines if line["kind"] == "param"}
+    # step 0 leaves out the two fc1 outputs that ReLU(inplace) changes (see the in-place rule)
+    assert len(act[0]) == 2 * len(SITE_MODULES) - 3
+    assert len(act[2]) == 2 * len(SITE_MODULES) - 1  # emb has no float input
+    assert len(dgrad[0]) > 0 and len(dgrad[2]) > 0
+    assert act[1] == {} and dgrad[1] == {}  # that step's sites are left out, not partial
+    assert set(params[1]) == set(params[0])  # the rest of the step is measured

@@ -97,7 +97,9 @@ class TensorStatsMonitor(VitalsCallback):
     beyond two integer comparisons, and nothing leaves the device on them. The hooks keep
     references and reduce 8 tensors at a time (warm caches); a tensor changed in place before
     its batch leaves its site out of that one step, with a warning, and that site is reduced
-    inside its hook from then on (see ``docs/tensor_stats.md``).
+    inside its hook from then on (see ``docs/tensor_stats.md``). A failure inside the hooks
+    (e.g. out of memory) never reaches the model's forward or backward: that step's
+    activations and dgrads are left out, on every rank, with a warning.
 
     Distributed: a ``DTensor`` parameter or gradient (FSDP2, tensor parallel) is merged over the
     groups of its ``Shard`` mesh dims only; ``Replicate`` dims and plain tensors (DDP replicas)
@@ -255,6 +257,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._deferred_elements = 0
         self._immediate: set[tuple[str, int]] = set()
         self._dropped: set[tuple[str, int]] = set()  # left out of the current step
+        self._hooks_failed = False  # hook work raised this step: no more moments this step
 
     # ------------------------------------------------------------------ intervals
 
@@ -315,8 +318,12 @@ class TensorStatsMonitor(VitalsCallback):
 
     def step_end(self, ctx: RunContext) -> None:
         if self._handles:
-            self._reduce_deferred()
-            self._remove_hooks()
+            try:
+                self._reduce_deferred()
+            except Exception as exc:
+                self._hook_failure(exc)
+            finally:
+                self._remove_hooks()
             for kind in ("activation", "dgrad"):
                 if kind in self.kinds:
                     self._pending[kind] = self._merged_sites(ctx, kind)
@@ -404,6 +411,7 @@ class TensorStatsMonitor(VitalsCallback):
         n = len(self._sites)
         self._acc = {k: MomentAccumulator(n, kernel=self.kernel) for k in ("activation", "dgrad")}
         self._dropped = set()
+        self._hooks_failed = False
         self._hook_ctx = ctx
         for name, module in self._modules:
             idx = [self._site_index.get(self._global_name(f"{name}/{s}")) for s in _SITE_SUFFIXES]
@@ -428,6 +436,12 @@ class TensorStatsMonitor(VitalsCallback):
                 return  # a forward re-run inside backward (activation checkpointing)
             if self._hook_ctx is not None and self._hook_ctx.in_validation:
                 return
+            try:
+                observe(args, kwargs, output)
+            except Exception as exc:  # never let telemetry break the user's forward
+                self._hook_failure(exc)
+
+        def observe(args: tuple, kwargs: dict, output: Any) -> None:
             first_in = _first_float(args)
             if first_in is None and not args:
                 first_in = _first_float(tuple(kwargs.values()))
@@ -446,10 +460,12 @@ class TensorStatsMonitor(VitalsCallback):
                 elif partial_groups(x):
                     self.warn_once("partial", "skipped a Partial DTensor activation")
                     continue
-                if want_act:
-                    self._add_parts("activation", site, x)
+                # The gradient hook first, and even after a failure: it may hold a collective
+                # (Partial gradients) that every rank must reach.
                 if want_dgrad and x.requires_grad:
                     self._handles.append(x.register_hook(self._make_grad_hook(site)))
+                if want_act and not self._hooks_failed:
+                    self._add_parts("activation", site, x)
 
         return hook
 
@@ -457,19 +473,28 @@ class TensorStatsMonitor(VitalsCallback):
         def hook(grad: torch.Tensor) -> None:
             if grad is None or not grad.is_floating_point():
                 return
+            try:
+                observe(grad)
+            except Exception as exc:  # never let telemetry break the user's backward
+                self._hook_failure(exc)
+
+        def observe(grad: torch.Tensor) -> None:
             groups = partial_groups(grad)
             if groups:
                 # e.g. the gradient of a replicated input of a column-parallel Linear: each
                 # tensor-parallel rank holds a partial sum. Its moments do not merge; sum the
                 # elements first (a collective per partial group, on logging steps only; every
-                # rank of the group runs the same backward, so they meet here in order).
+                # rank of the group runs the same backward, so they meet here in order, also
+                # after this rank's hook work failed).
                 local = all_reduce_by_groups([(local_tensor(grad).detach(), groups)], "sum")[0]
                 self._site_groups.setdefault(
                     ("dgrad", site), shard_groups(grad, include_partial=False)
                 )
-                self._add_parts("dgrad", site, local.to(grad.dtype))
+                if not self._hooks_failed:
+                    self._add_parts("dgrad", site, local.to(grad.dtype))
                 return
-            self._add_parts("dgrad", site, grad)
+            if not self._hooks_failed:
+                self._add_parts("dgrad", site, grad)
 
         return hook
 
@@ -509,6 +534,26 @@ class TensorStatsMonitor(VitalsCallback):
             if acc is not None:
                 acc.add(site, local, key=key)
 
+    def _hook_failure(self, exc: Exception) -> None:
+        """Work inside a forward/gradient hook (or the step's last batched reduction) raised:
+        activations and dgrads are left out of this step on this rank (their sites are
+        poisoned, so that the merge over ranks leaves them out everywhere instead of writing
+        a partial number), the step itself goes on, and so do this rank's collectives."""
+        from trainvitals.callbacks.base import _strict
+
+        if _strict():
+            raise exc
+        self._hooks_failed = True
+        self._deferred, self._deferred_elements = [], 0
+        self._dropped.update(
+            (k, s) for k in ("activation", "dgrad") for s in range(len(self._sites))
+        )
+        self.warn_once(
+            "hook-failure",
+            f"collecting activations/dgrads raised {type(exc).__name__}: "
+            f"{exc}; they are missing from this logging step (training continues; warned once)",
+        )
+
     def _remove_hooks(self) -> None:
         """Remove the step's hooks and drop what they hold (tensors waiting for their batched
         reduction live exactly as long as the hooks that saw them)."""
@@ -521,10 +566,17 @@ class TensorStatsMonitor(VitalsCallback):
         """All micro-batches' parts of one kind merged into one row per site (exact)."""
         acc = self._acc.pop(kind, None)
         n = len(self._sites)
-        moments = acc.result() if acc is not None else empty_moments(n, device=ctx.device)
+        moments = empty_moments(n, device=ctx.device)
+        if acc is not None:
+            try:
+                moments = acc.result()
+            except Exception as exc:
+                self._hook_failure(exc)
         dropped = [site for k, site in self._dropped if k == kind]
         if dropped:
-            moments[dropped] = empty_moments(len(dropped), device=moments.device)
+            # NaN, not "no elements": merged over ranks, a site one rank could not measure
+            # must come out missing (left out of the output), not as the other ranks' part
+            moments[dropped] = math.nan
         dp_cp = ctx.groups.dp_cp
         ep_active = group_size(ctx.groups.ep) > 1
         data_groups = () if group_size(dp_cp) == 1 else (dp_cp,)
@@ -577,7 +629,8 @@ class TensorStatsMonitor(VitalsCallback):
                 expert = torch.tensor(
                     [self.expert_pattern.search(n) is not None for n in names[k]], dtype=torch.bool
                 )
-                keep = (seen | expert).nonzero().flatten().tolist()
+                measured = ~torch.isnan(host[i][:, 0])  # NaN: a site left out of this step
+                keep = (seen | (expert & measured)).nonzero().flatten().tolist()
                 names[k] = [names[k][j] for j in keep]
                 host[i] = host[i][keep]
         for k, h in zip(kinds, host, strict=True):
