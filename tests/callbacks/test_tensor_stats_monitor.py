@@ -495,3 +495,45 @@ def test_failure_inside_its_hooks_never_breaks_the_step(tmp_path: Path, monkeypa
     assert len(dgrad[0]) > 0 and len(dgrad[2]) > 0
     assert act[1] == {} and dgrad[1] == {}  # that step's sites are left out, not partial
     assert set(params[1]) == set(params[0])  # the rest of the step is measured
+
+
+def test_failure_of_the_parameter_kernel_leaves_that_step_out(tmp_path: Path, monkeypatch) -> None:
+    # A rank-local failure in the parameter/gradient kernels must not skip the step's
+    # collectives (it would hang the other ranks): the rows go on as NaN and are left out.
+    import trainvitals.stats.moments as moments_mod
+
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step_now = [0]
+    original = moments_mod.partial_moments
+
+    def failing(*args, **kwargs):
+        if step_now[0] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return original(*args, **kwargs)
+
+    import trainvitals.callbacks.tensor_stats_monitor as mod
+
+    monkeypatch.setattr(mod, "partial_moments", failing)
+    writer = Recorder()
+    monitor = TensorStatsMonitor(kinds=["param", "grad"], kernel="eager")
+    with Vitals([monitor], writer=writer, run_dir=tmp_path, log_every_n_steps=1) as vitals:
+        vitals.attach(model, opt)
+        for step, ids in enumerate(batches(3)):
+            step_now[0] = step
+            with (
+                pytest.warns(RuntimeWarning, match="simulated kernel failure")
+                if (step == 1)
+                else _nothing()
+            ):
+                vitals.batch(ids)
+                model(ids).logsumexp(-1).mean().backward()
+                opt.step()
+            opt.zero_grad()
+    by = {(x["step"], x["kind"]): x["tensors"] for x in read_lines(tmp_path / "tensor_stats.jsonl")}
+    for kind in ("param", "grad"):
+        assert by[(1, kind)] == {}
+        assert set(by[(0, kind)]) == set(by[(2, kind)]) == {n for n, _ in model.named_parameters()}
+    assert not monitor._disabled  # the callback itself goes on

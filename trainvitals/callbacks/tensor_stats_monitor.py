@@ -393,10 +393,25 @@ class TensorStatsMonitor(VitalsCallback):
             by_device.setdefault(t.device, []).append(i)
         device = everything[0].device if everything else torch.device("cpu")
         moments = empty_moments(len(everything), device=device)
-        for idx in by_device.values():
-            parts, owner = partial_moments([everything[i] for i in idx], kernel=self.kernel)
-            sub = combine_moments(parts, owner, len(idx)).to(device)
-            moments[torch.tensor(idx, device=device)] = sub
+        try:
+            for idx in by_device.values():
+                parts, owner = partial_moments([everything[i] for i in idx], kernel=self.kernel)
+                sub = combine_moments(parts, owner, len(idx)).to(device)
+                moments[torch.tensor(idx, device=device)] = sub
+        except Exception as exc:
+            # Rank-local (say, out of memory in the kernel): send NaN rows through the step's
+            # collectives like any other, so every rank stays in step and the merge leaves
+            # these tensors out everywhere (raising here would skip this rank's collectives).
+            from trainvitals.callbacks.base import _strict
+
+            if _strict():
+                raise
+            moments.fill_(math.nan)
+            self.warn_once(
+                "kernel-failure",
+                f"the moments of {'/'.join(wanted)} raised {type(exc).__name__}: {exc}; they "
+                "are missing from this logging step (training continues; warned once)",
+            )
         out: dict[str, _Kind] = {}
         start = 0
         for kind, (names, locals_, expert, groups) in kinds.items():
@@ -622,7 +637,12 @@ class TensorStatsMonitor(VitalsCallback):
         scalars: dict[str, float] = {}
         micro = max(ctx.micro_batches_in_step, 1)
         for i, k in enumerate(kinds):
-            if k in ("activation", "dgrad"):
+            if k in ("param", "grad"):  # NaN count: not measured this step (a failure)
+                keep = (~torch.isnan(host[i][:, 0])).nonzero().flatten().tolist()
+                if len(keep) < len(names[k]):
+                    names[k] = [names[k][j] for j in keep]
+                    host[i] = host[i][keep]
+            else:
                 # sites never reached (integer inputs, unused modules) are left out; experts
                 # that received no tokens stay (count 0 is information)
                 seen = (host[i][:, 0] > 0) | (host[i][:, 7] > 0)
