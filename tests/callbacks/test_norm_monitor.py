@@ -133,6 +133,34 @@ def test_nonfinite_gradients_are_counted_and_named():
     assert restored.state_dict() == monitor.state_dict()
 
 
+def test_a_failed_norm_computation_is_nan_not_a_nonfinite_gradient(monkeypatch):
+    # A rank-local failure (say, out of memory) must not skip the step's collectives; the step
+    # is written as NaN ("not measured"), never as non-finite gradients, and the monitor goes on.
+    import trainvitals.callbacks.norm_monitor as mod
+
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+    calls = [0]
+    original = mod.local_sq_norms
+
+    def failing(tensors, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("simulated out of memory")
+        return original(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(mod, "local_sq_norms", failing)
+    monitor = NormMonitor(per_param="*")
+    with pytest.warns(RuntimeWarning, match="simulated out of memory"):
+        _, writer, refs, _ = _run_driver(monitor, steps=3, interval=1)
+    bad = writer.steps[1]
+    assert math.isnan(bad["l2_norm/grad/global"]) and math.isnan(bad["l2_norm/param/global"])
+    assert math.isnan(bad["l2_norm/grad/up.weight"])
+    assert bad["l2_norm/grad/nonfinite_count"] == 0
+    assert monitor.first_nonfinite_step is None and not monitor._disabled
+    for step in (0, 2):
+        assert writer.steps[step]["l2_norm/grad/global"] == pytest.approx(refs[step][1], rel=REL)
+
+
 def test_non_logging_steps_compute_nothing(monkeypatch):
     calls = []
     real = norms_module.local_sq_norms

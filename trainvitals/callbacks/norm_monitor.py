@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from trainvitals.adapters.context import RunContext
-from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.callbacks.base import VitalsCallback, _strict
 from trainvitals.distributed import all_reduce_coalesced, group_rank, group_size
 from trainvitals.stats.norms import (
     canonical_name,
@@ -166,14 +167,30 @@ class NormMonitor(VitalsCallback):
         grads = [t.param.grad for t in tracked]
         if all(g is None for g in grads):
             self.warn_once("no-grads", "no parameter has a gradient at a logging step")
-        sq = local_sq_norms([t.param for t in tracked] + grads)
+        tensors = [t.param for t in tracked] + grads
+        try:
+            sq = local_sq_norms(tensors)
+        except Exception as exc:
+            # Rank-local (say, out of memory): raising would skip this rank's collectives
+            # below and leave the other ranks waiting. -inf marks "not measured" (a sum of
+            # squares is never negative): it goes through the sums, its norm is NaN and it
+            # is not counted as a non-finite gradient.
+            if _strict():
+                raise
+            self.warn_once(
+                "norm-failure",
+                f"computing the norms raised {type(exc).__name__}: {exc}; this logging step's "
+                "norms are NaN (training continues; warned once)",
+            )
+            device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+            sq = torch.full((len(tensors),), -math.inf, dtype=torch.float64, device=device)
         groups = [t.groups for t in tracked] + [
             t.groups if g is None else sharding_groups(g)
             for t, g in zip(tracked, grads, strict=True)
         ]
         sq = reduce_sq_norms(sq, groups)
         param_sq, grad_sq = sq[:n], sq[n:]
-        bad = ~torch.isfinite(grad_sq)
+        bad = torch.isnan(grad_sq) | (grad_sq == math.inf)
         totals = torch.stack([param_sq.sum(), grad_sq.sum(), bad.sum().to(sq.dtype)])
         if group_size(ctx.groups.pp) > 1:
             totals = all_reduce_coalesced([totals], "sum", ctx.groups.pp)[0]
