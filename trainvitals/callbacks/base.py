@@ -29,8 +29,12 @@ The same instance is a Lightning callback: :class:`VitalsCallback` defines every
 A callback that raises inside a training hook never ends the run: it is reported once with a
 warning and, in a single process, disabled. With several ranks it keeps running instead (its
 values for the failing step are missing), because disabling it on the rank that failed would
-leave the other ranks waiting in its next collective. Set ``TRAINVITALS_STRICT=1`` (the test
-suite does) to re-raise. Configuration errors (``ValueError``/``TypeError``) are raised at
+leave the other ranks waiting in its next collective. Where a rank-local failure is likeliest,
+before a collective (the norm and moment kernels: out of memory), the callbacks catch it
+themselves and send "not measured" values (NaN, or -inf for a sum of squares) through the
+step's collectives, so every rank stays in step; modules' forward/gradient hooks installed by a
+callback run outside this guard and catch their own failures. Set ``TRAINVITALS_STRICT=1`` (the
+test suite does) to re-raise. Configuration errors (``ValueError``/``TypeError``) are raised at
 construction or at run start, on every rank, before any collective.
 """
 

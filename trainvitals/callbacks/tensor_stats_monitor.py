@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from trainvitals.adapters.context import BatchInfo, RunContext
-from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.callbacks.base import VitalsCallback, _strict
 from trainvitals.distributed import (
     all_gather_coalesced,
     all_gather_objects,
@@ -402,8 +402,6 @@ class TensorStatsMonitor(VitalsCallback):
             # Rank-local (say, out of memory in the kernel): send NaN rows through the step's
             # collectives like any other, so every rank stays in step and the merge leaves
             # these tensors out everywhere (raising here would skip this rank's collectives).
-            from trainvitals.callbacks.base import _strict
-
             if _strict():
                 raise
             moments.fill_(math.nan)
@@ -554,8 +552,6 @@ class TensorStatsMonitor(VitalsCallback):
         activations and dgrads are left out of this step on this rank (their sites are
         poisoned, so that the merge over ranks leaves them out everywhere instead of writing
         a partial number), the step itself goes on, and so do this rank's collectives."""
-        from trainvitals.callbacks.base import _strict
-
         if _strict():
             raise exc
         self._hooks_failed = True
