@@ -152,6 +152,18 @@ class VitalsCallback:
             self._warned.add(key)
             warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
 
+    def tolerate_failure(self, key: str, what: str, exc: Exception, consequence: str) -> None:
+        """A rank-local failure the callback recovers from itself (it goes on with "not
+        measured" values so that this rank still reaches its collectives): re-raised under
+        ``TRAINVITALS_STRICT``, otherwise warned once per ``key``."""
+        if _strict():
+            raise exc
+        self.warn_once(
+            key,
+            f"{what} raised {type(exc).__name__}: {exc}; {consequence} "
+            "(training continues; warned once)",
+        )
+
     @property
     def state_key(self) -> str:
         """Key of this callback's state in checkpoints (Lightning and the driver)."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from trainvitals.adapters.context import RunContext
-from trainvitals.callbacks.base import VitalsCallback, _strict
+from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import all_reduce_coalesced, group_rank, group_size
 from trainvitals.stats.norms import (
     canonical_name,
@@ -175,12 +175,8 @@ class NormMonitor(VitalsCallback):
             # below and leave the other ranks waiting. -inf marks "not measured" (a sum of
             # squares is never negative): it goes through the sums, its norm is NaN and it
             # is not counted as a non-finite gradient.
-            if _strict():
-                raise
-            self.warn_once(
-                "norm-failure",
-                f"computing the norms raised {type(exc).__name__}: {exc}; this logging step's "
-                "norms are NaN (training continues; warned once)",
+            self.tolerate_failure(
+                "norm-failure", "computing the norms", exc, "this logging step's norms are NaN"
             )
             device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
             sq = torch.full((len(tensors),), -math.inf, dtype=torch.float64, device=device)

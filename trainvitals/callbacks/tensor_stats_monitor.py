@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from trainvitals.adapters.context import BatchInfo, RunContext
-from trainvitals.callbacks.base import VitalsCallback, _strict
+from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import (
     all_gather_coalesced,
     all_gather_objects,
@@ -402,14 +402,13 @@ class TensorStatsMonitor(VitalsCallback):
             # Rank-local (say, out of memory in the kernel): send NaN rows through the step's
             # collectives like any other, so every rank stays in step and the merge leaves
             # these tensors out everywhere (raising here would skip this rank's collectives).
-            if _strict():
-                raise
-            moments.fill_(math.nan)
-            self.warn_once(
+            self.tolerate_failure(
                 "kernel-failure",
-                f"the moments of {'/'.join(wanted)} raised {type(exc).__name__}: {exc}; they "
-                "are missing from this logging step (training continues; warned once)",
+                f"the moments of {'/'.join(wanted)}",
+                exc,
+                "they are missing from this logging step",
             )
+            moments.fill_(math.nan)
         out: dict[str, _Kind] = {}
         start = 0
         for kind, (names, locals_, expert, groups) in kinds.items():
@@ -552,17 +551,16 @@ class TensorStatsMonitor(VitalsCallback):
         activations and dgrads are left out of this step on this rank (their sites are
         poisoned, so that the merge over ranks leaves them out everywhere instead of writing
         a partial number), the step itself goes on, and so do this rank's collectives."""
-        if _strict():
-            raise exc
+        self.tolerate_failure(
+            "hook-failure",
+            "collecting activations/dgrads",
+            exc,
+            "they are missing from this logging step",
+        )
         self._hooks_failed = True
         self._deferred, self._deferred_elements = [], 0
         self._dropped.update(
             (k, s) for k in ("activation", "dgrad") for s in range(len(self._sites))
-        )
-        self.warn_once(
-            "hook-failure",
-            f"collecting activations/dgrads raised {type(exc).__name__}: "
-            f"{exc}; they are missing from this logging step (training continues; warned once)",
         )
 
     def _remove_hooks(self) -> None:
@@ -633,22 +631,19 @@ class TensorStatsMonitor(VitalsCallback):
         scalars: dict[str, float] = {}
         micro = max(ctx.micro_batches_in_step, 1)
         for i, k in enumerate(kinds):
-            if k in ("param", "grad"):  # NaN count: not measured this step (a failure)
-                keep = (~torch.isnan(host[i][:, 0])).nonzero().flatten().tolist()
-                if len(keep) < len(names[k]):
-                    names[k] = [names[k][j] for j in keep]
-                    host[i] = host[i][keep]
-            else:
+            keep = ~torch.isnan(host[i][:, 0])  # NaN count: not measured this step (a failure)
+            if k in ("activation", "dgrad"):
                 # sites never reached (integer inputs, unused modules) are left out; experts
                 # that received no tokens stay (count 0 is information)
                 seen = (host[i][:, 0] > 0) | (host[i][:, 7] > 0)
                 expert = torch.tensor(
                     [self.expert_pattern.search(n) is not None for n in names[k]], dtype=torch.bool
                 )
-                measured = ~torch.isnan(host[i][:, 0])  # NaN: a site left out of this step
-                keep = (seen | (expert & measured)).nonzero().flatten().tolist()
-                names[k] = [names[k][j] for j in keep]
-                host[i] = host[i][keep]
+                keep &= seen | expert
+            if not bool(keep.all()):
+                rows = keep.nonzero().flatten().tolist()
+                names[k] = [names[k][j] for j in rows]
+                host[i] = host[i][rows]
         for k, h in zip(kinds, host, strict=True):
             rows = moments_to_rows(h)
             line = {

@@ -232,20 +232,18 @@ def _cpu_sq_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
             continue
         c = n // _CPU_ROW
         if dtype == torch.float32 and n == c * _CPU_ROW and t.is_contiguous():
-            # the common case: whole rows, one view and one norm
-            row_norms.append(norm(t.view(c, _CPU_ROW), 2, 1))
-            row_owner.append(i)
-            row_counts.append(c)
-            continue
-        flat = t.reshape(-1)
-        if dtype != torch.float32:
-            flat = flat.float()
-        row_norms.append(norm(flat[: c * _CPU_ROW].view(c, _CPU_ROW), 2, 1))
+            body = t.view(c, _CPU_ROW)  # the common case: whole rows, one view, no slicing
+        else:
+            flat = t.reshape(-1)
+            if dtype != torch.float32:
+                flat = flat.float()
+            body = flat[: c * _CPU_ROW].view(c, _CPU_ROW)
+            if n > c * _CPU_ROW:
+                pieces.append(flat[c * _CPU_ROW :])
+                piece_owner.append(i)
+        row_norms.append(norm(body, 2, 1))
         row_owner.append(i)
         row_counts.append(c)
-        if n > c * _CPU_ROW:
-            pieces.append(flat[c * _CPU_ROW :])
-            piece_owner.append(i)
     out = torch.zeros(len(tensors), dtype=torch.float64)
     if row_norms:
         sq = torch.cat(row_norms).double().square_()
