@@ -682,38 +682,39 @@ class RouterCapture:
             self._drop_invalid()
             return
         self._pending_maps, self._pending_aux, self._pending_numel = [], [], 0
-        changed = {i for i, t, version in maps if t._version != version}
-        changed.update(i for i, t, version in auxs if t._version != version)
+        changed = {i for i, t, version in maps + auxs if t._version != version}
         if changed:
             self._invalidate(changed)
         acc = self._acc
         assert acc is not None and self._aux_sum is not None  # made by the first _defer
         self._dirty = True
+        counts = acc[:, : self.num_experts]
+        for rows, stacked in self._stack_by_shape(maps, changed):
+            sums = stacked.sum(dim=1, dtype=acc.dtype)  # [maps, E], exact integers
+            counts.index_add_(
+                0, self._row_index(rows, acc.device), sums.to(acc.device, non_blocking=True)
+            )
+        for rows, stacked in self._stack_by_shape(auxs, changed):
+            values = stacked.to(acc.device, acc.dtype, non_blocking=True)  # float32->float64: exact
+            self._aux_sum.index_add_(0, self._row_index(rows, acc.device), values)
+        self._drop_invalid()
+
+    @staticmethod
+    def _stack_by_shape(
+        held: list[tuple[int, torch.Tensor, int]], skip: set[int]
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """The held tensors of the rows not in ``skip``, stacked per (shape, device): a list of
+        (their rows, in forward order; the stacked tensors)."""
         groups: dict[tuple[Any, ...], tuple[list[int], list[torch.Tensor]]] = {}
-        for i, t, _ in maps:
-            if i not in changed:
+        for i, t, _ in held:
+            if i not in skip:
                 group = groups.setdefault((t.shape, t.device), ([], []))
                 group[0].append(i)
                 group[1].append(t)
-        counts = acc[:, : self.num_experts]
-        for (_, device), (rows, tensors) in groups.items():
-            stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
-            sums = stacked.sum(dim=1, dtype=acc.dtype)  # [maps, E], exact integers
-            if device != acc.device:
-                sums = sums.to(acc.device, non_blocking=True)
-            counts.index_add_(0, self._row_index(rows, acc.device), sums)
-        aux_groups: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
-        for i, t, _ in auxs:
-            if i not in changed:
-                group = aux_groups.setdefault(t.device, ([], []))
-                group[0].append(i)
-                group[1].append(t)
-        for device, (rows, tensors) in aux_groups.items():
-            values = torch.stack(tensors).to(acc.dtype)  # float32 -> float64 is exact
-            if device != acc.device:
-                values = values.to(acc.device, non_blocking=True)
-            self._aux_sum.index_add_(0, self._row_index(rows, acc.device), values)
-        self._drop_invalid()
+        return [
+            (rows, torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0))
+            for rows, tensors in groups.values()
+        ]
 
     def _invalidate(self, rows: set[int]) -> None:
         for i in sorted(rows - self._eager):
@@ -813,13 +814,12 @@ class RouterCapture:
         e, num_layers = self.num_experts, len(self.routers)
         maps, auxs = self._pending_maps, self._pending_aux
         acc = self._acc
+        held = maps + auxs
         if (
             self._invalid
             or len(maps) * e > _HOST_SUM_MAX
-            or any(t._version != version for _, t, version in maps)
-            or any(t._version != version for _, t, version in auxs)
-            or (acc is not None and any(t.device != acc.device for _, t, _ in maps))
-            or (acc is not None and any(t.device != acc.device for _, t, _ in auxs))
+            or any(t._version != version for _, t, version in held)
+            or (acc is not None and any(t.device != acc.device for _, t, _ in held))
             or len({t.shape for _, t, _ in maps}) > 1
         ):
             packed, aux_count = self.packed()
@@ -831,7 +831,7 @@ class RouterCapture:
             # counts added in the hooks (routers counted eagerly) or folded early
             parts += [acc[:, :e].reshape(-1), self._aux_sum]  # type: ignore[list-item]
         if maps:
-            stacked = torch.stack([t for _, t, _ in maps]) if len(maps) > 1 else maps[0][1][None]
+            ((_, stacked),) = self._stack_by_shape(maps, set())  # one shape, one device
             parts.append(stacked.sum(dim=1, dtype=torch.float64).reshape(-1))
         if auxs:
             parts.append(torch.stack([t for _, t, _ in auxs]))
