@@ -419,6 +419,13 @@ def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor
     return out
 
 
+def _body(flat: torch.Tensor) -> torch.Tensor:
+    """The whole rows of a flat tensor, ``[numel // CHUNK, CHUNK]`` (a view; the tail is left
+    out)."""
+    c = flat.numel() // CHUNK
+    return flat[: c * CHUNK].view(c, CHUNK)
+
+
 def _rows_to_moments(rows: torch.Tensor, b: int) -> torch.Tensor:
     """Rows ``[8, C]`` of (n, shift, S1..S4, min, max) -> float64 central moments
     ``[C, NUM_FIELDS]``; ``b`` is the row length (for the non-finite count ``b - n``, clamped at
@@ -704,8 +711,8 @@ class MomentAccumulator:
                 self._small.append(flat.clone() if copy else flat)
                 self._small_slot.append(slot)
             return
-        c = flat.numel() // CHUNK
-        body = flat[: c * CHUNK].view(c, CHUNK)
+        body = _body(flat)
+        c = body.shape[0]
         if flat.numel() > c * CHUNK:
             tail = flat[c * CHUNK :]
             self._small.append(tail.clone() if copy_small else tail)
@@ -756,9 +763,7 @@ class MomentAccumulator:
                 if bool(part.all()):
                     continue
                 slot = self._body_slot[j] if is_body else self._row_slot[j]
-                flat = tensors[slot].detach().reshape(-1)
-                c = flat.numel() // CHUNK
-                rows = _rows_masked(flat[: c * CHUNK].view(c, CHUNK))
+                rows = _rows_masked(_body(tensors[slot].detach().reshape(-1)))
                 if is_body:  # masked rows replace it; None keeps the other positions valid
                     self._bodies[j] = None  # type: ignore[call-overload]
                     self._rows.append(rows)
