@@ -326,3 +326,77 @@ def test_deferred_finiteness_check_covers_a_reused_tensor(kernel: str) -> None:
     for i, t in enumerate(tensors):
         assert_matches(got, i, reference(t), f"{kernel}/reused{i}")
     assert got["nonfinite"].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_eager_raw_block_sums_are_exact_when_the_mean_is_within_a_std() -> None:
+    # The eager CPU kernel keeps raw power sums (no shift) for blocks whose |mean| <= std and
+    # recomputes the other blocks with per-row shifts. Tensors on both sides of that bound,
+    # heavy tails, and one whose blocks differ (first blocks centred, later ones offset by
+    # 100 std: only those fall back).
+    from trainvitals.stats.moments import _EAGER_BLOCK, _blocks_eager, _rows_to_moments
+
+    g = torch.Generator().manual_seed(10)
+    n = 2 * _EAGER_BLOCK + 5 * CHUNK
+    mixed = torch.randn(n, generator=g)
+    mixed[_EAGER_BLOCK:] += 100.0
+    xs = {
+        "centred": torch.randn(n, generator=g),
+        "mean_0.99_std": 0.99 + torch.randn(n, generator=g),
+        "mean_1.5_std": 1.5 + torch.randn(n, generator=g),
+        "relu": torch.relu(torch.randn(n, generator=g)),
+        "heavy_tail": torch.randn(n, generator=g) ** 5,
+        "mixed_blocks": mixed,
+        "bf16": torch.randn(n, generator=g).bfloat16(),
+    }
+    got = derive(fused_moments(list(xs.values()), kernel="eager"))
+    for i, (name, x) in enumerate(xs.items()):
+        assert_matches(got, i, reference(x), f"raw/{name}")
+    # which path each took: three blocks of raw sums, or a block's rows after a fallback
+    blocks = 3
+    rows = {k: _blocks_eager(v.view(-1, CHUNK), []).shape[1] for k, v in xs.items()}
+    assert rows["centred"] == rows["mean_0.99_std"] == rows["relu"] == blocks
+    assert rows["mean_1.5_std"] == n // CHUNK  # every block failed the bound: per-row shifts
+    assert rows["mixed_blocks"] == 1 + (n - _EAGER_BLOCK) // CHUNK
+    # the offset blocks alone (the kept block comes first, then the rows that replaced the
+    # others): raw sums there would lose the kurtosis to cancellation
+    parts = _rows_to_moments(_blocks_eager(mixed.view(-1, CHUNK), []), CHUNK)
+    offset = derive(combine_moments(parts[1:]).unsqueeze(0))
+    assert_matches(offset, 0, reference(mixed[_EAGER_BLOCK:]), "raw/offset blocks")
+
+
+def test_eager_tensor_with_an_offset_first_row_skips_the_raw_sums() -> None:
+    from trainvitals.stats.moments import _blocks_eager
+
+    g = torch.Generator().manual_seed(11)
+    x = 1e3 + torch.randn(64, CHUNK, generator=g)
+    assert _blocks_eager(x, []).shape[1] == 64  # rows of the shifted kernel, no raw pass
+    assert_matches(derive(fused_moments([x], kernel="eager")), 0, reference(x), "offset")
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compile"])
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_tiny_and_huge_magnitudes_are_recomputed_in_float64(kernel: str, check_finite) -> None:
+    # float32 fourth powers underflow below a spread of ~1e-10 (kurtosis 0.02 instead of 3 at
+    # 1e-12) and overflow above ~1e9; such tensors are recomputed in float64, through
+    # fix_nonfinite (fused_moments) or right away (add with check_finite=True).
+    from trainvitals.stats.moments import MomentAccumulator
+
+    g = torch.Generator().manual_seed(12)
+    base = torch.randn(20 * CHUNK + 7, generator=g)
+    xs = [
+        1e-12 * base,
+        1e-30 * torch.randn(9 * CHUNK, generator=g) ** 3,
+        1e-4 + 1e-11 * base,  # tiny spread around an offset
+        1e12 * base,
+        1e30 * base,  # x^2 overflows float32
+        torch.randn(9 * CHUNK, generator=g),  # an ordinary tensor beside them
+    ]
+    if check_finite:
+        acc = MomentAccumulator(len(xs), kernel=kernel)
+        for i, x in enumerate(xs):
+            acc.add(i, x)
+        got = derive(acc.result())
+    else:
+        got = derive(fused_moments(xs, kernel=kernel))
+    for i, x in enumerate(xs):
+        assert_matches(got, i, reference(x), f"{kernel}/range{i}")

@@ -47,6 +47,25 @@ together in float64, two-pass (mean, then central sums), which is exact to float
 pieces of each length as one dense matrix, elsewhere (and for pieces with a NaN/inf) one
 concatenated buffer with a segment index and ``index_add_``.
 
+The eager CPU kernel skips the shift where it is not needed (:func:`_blocks_eager`): the
+formulas above hold for any shift, and with ``s = 0`` (raw power sums) they lose to
+cancellation only a factor that grows with ``|mean| / std``. A block (2 MiB) whose
+``|mean| <= std`` keeps its raw sums, with ATen's cascaded float32 sums over the whole block
+(about 1e-8 relative, measured at 512K elements): the error of M2 is then at most twice, and
+that of M4 at most ``(1 + |mean|/std)^4 <= 16`` times the sums' own (Cauchy-Schwarz on the
+expansion of ``(x - mean + mean)^4``), far inside the 1e-4 budget. The check is made in float64
+on every block after the pass; a block that fails it is recomputed with per-row shifts, and a
+tensor whose first row already has ``|mean| > 2 std`` (a LayerNorm weight, an offset
+activation) goes to the shifted kernel directly. That drops the shift's two passes (mean and
+subtraction) of the nine the shifted kernel makes over each block.
+
+Range: the float32 powers ``(x - s)^4`` underflow into subnormals when the spread is below
+about 1e-10 (a kurtosis of 0.02 instead of 3 at std 1e-12, measured) and overflow above about
+1e9. A tensor whose float32 sums are not finite, or whose rows have a variance below 2^-56,
+is recomputed in float64 (:func:`_rows_exact`; float32 values to the fourth power fit float64's
+range), as is a tensor holding a NaN or inf (then masked). On accelerators, where the masked
+compiled kernel runs without a host sync, this range check is not made.
+
 How moments combine (tensors, rows, micro-batches, ranks)
 ---------------------------------------------------------
 Many parts with ``(n_k, mean_k, M2_k, M3_k, M4_k)`` combine in one vectorised step (the
@@ -135,12 +154,15 @@ DERIVED = (
 CHUNK = 1024
 #: Tensors with fewer elements go to the batched float64 path.
 SMALL_NUMEL = 8 * CHUNK
-# Elements per eager block (2 MiB of float32): the eager kernel reuses two work buffers of this
-# size, so it allocates nothing per tensor, and a block and its temporaries stay in the CPU cache
-# while the ~9 operations on it run. Measured on a 2-core VM (32 MiB L3): against 256K-element
+# Elements per eager block (2 MiB of float32): the eager kernels reuse two work buffers of this
+# size, so they allocate nothing per tensor, and a block and its temporaries stay in the CPU cache
+# while the operations on it run. Measured on a 2-core VM (32 MiB L3): against 256K-element
 # blocks, 512K are 11% faster on 2 threads and 6% on 1 (fewer fixed costs per operation); 1M
 # are 16% faster on 2 threads but 3% on 1, and 2M slower (out of cache).
 _EAGER_BLOCK = 512 * 1024
+# Rows (float32 sums) with a variance below this are recomputed in float64: their fourth powers
+# would fall into float32's subnormal range (below 2^-126) and lose their precision.
+_TINY_VAR = 2.0**-56
 
 Kernel = Literal["auto", "compile", "eager"]
 
@@ -417,6 +439,96 @@ def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor
         out[7, start:end] = mx
     out[5].square_()
     return out
+
+
+def _blocks_eager(body: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor:
+    """Eager rows ``[8, K]`` of a CPU body ``[C, B]`` assumed finite: one column of raw power
+    sums (shift 0) per block of about :data:`_EAGER_BLOCK` elements, for the blocks whose
+    ``|mean| <= std``; every other block as per-row shifted rows of :func:`_rows_eager_fast`
+    (see the module docstring for why that bound keeps the 1e-4 budget).
+
+    Per block, from the CPU cache after the first read: its min/max, ``S1 = sum x``,
+    ``x^2`` written once and summed (``S2``) and normed per row (``S4`` from the rows' squared
+    norms, summed in float64), ``x^3`` written and summed (``S3``): seven operations, against
+    nine with a shift. The first one reads memory, so the costliest (min/max) goes first and
+    overlaps the load. The check costs one flag read back per tensor (free on CPU)."""
+    c, b = body.shape
+    rpb = max(1, min(c, _EAGER_BLOCK // b))
+    f64 = torch.float64
+    head = body[0].to(f64)
+    head_mean = head.mean()
+    if bool(head_mean * head_mean > 4.0 * (head - head_mean).square().mean()):
+        return _rows_eager_fast(body, work)  # an offset tensor: raw sums would be thrown away
+    dtype = f64 if body.dtype == f64 else torch.float32
+    starts = range(0, c, rpb)
+    out = torch.empty(8, len(starts), dtype=dtype, device=body.device)
+    out[0] = rpb * b
+    out[0, -1] = (c - starts[-1]) * b
+    out[1] = 0.0
+    norms = torch.empty(c, dtype=dtype, device=body.device)
+    if len(work) < 2 or work[0].numel() < rpb * b or work[0].dtype != dtype:
+        work[:] = [torch.empty(rpb * b, dtype=dtype, device=body.device) for _ in range(2)]
+    # per-block results written through views made once (indexing per block costs ~5% here)
+    col_sums = out[2:5].t().unbind(0)
+    col_min, col_max = out[6].unbind(0), out[7].unbind(0)
+    for i, start in enumerate(starts):
+        xb = body[start : start + rpb]
+        r = xb.shape[0]
+        x = xb.to(dtype).reshape(-1)
+        x2 = work[0][: r * b]
+        x3 = work[1][: r * b]
+        s1, s2, s3 = col_sums[i].unbind(0)
+        torch.aminmax(x, out=(col_min[i], col_max[i]))
+        torch.sum(x, 0, out=s1)
+        torch.mul(x, x, out=x2)
+        torch.sum(x2, 0, out=s2)
+        torch.linalg.vector_norm(x2.view(r, b), 2, 1, out=norms[start : start + r])
+        torch.pow(x, 3, out=x3)
+        torch.sum(x3, 0, out=s3)
+    sq = norms.to(f64).square_()
+    pad = len(starts) * rpb - c
+    if pad:
+        sq = torch.cat([sq, sq.new_zeros(pad)])
+    out[5] = sq.view(len(starts), rpb).sum(1)
+    sums = out.to(f64)
+    n, s1, s2 = sums[0], sums[2], sums[3]
+    # |mean| <= std  <=>  mean^2 <= M2/n = S2/n - mean^2  <=>  2 S1^2 <= n S2. Blocks with a
+    # NaN/inf are left to the caller's masked recompute.
+    keep = (2.0 * s1 * s1 <= n * s2) | ~torch.isfinite(sums[2:]).all(0)
+    if bool(keep.all()):
+        return out
+    parts = [out[:, keep]]
+    for i in (~keep).nonzero().flatten().tolist():
+        parts.append(_rows_eager_fast(body[starts[i] : starts[i] + rpb], work))
+    return torch.cat(parts, 1)
+
+
+def _rows_exact(body: torch.Tensor) -> torch.Tensor:
+    """Masked rows ``[8, C]`` of ``body`` computed in float64, block by block: the slow path
+    for a tensor holding a NaN/inf, or whose float32 powers under- or overflow."""
+    step = max(1, _EAGER_BLOCK // body.shape[1])
+    return torch.cat(
+        [_rows_masked(body[s : s + step].to(torch.float64)) for s in range(0, body.shape[0], step)],
+        1,
+    )
+
+
+def _needs_exact(rows: torch.Tensor) -> torch.Tensor:
+    """Per column of rows ``[8, K]`` (n, shift, S1..S4, min, max): True where a NaN/inf was met,
+    the sums overflowed, or float32 fourth powers would underflow (mean square below
+    :data:`_TINY_VAR` in a part that is not constant; a constant row inside a varying block of
+    the shifted kernel is flagged too, which costs time, never precision)."""
+    bad = ~torch.isfinite(rows[2:]).all(0)
+    if rows.dtype != torch.float64:  # (a sum of squares that underflowed to 0 counts too)
+        bad |= (rows[3] < rows[0] * _TINY_VAR) & (rows[7] > rows[6])
+    return bad
+
+
+def _body_needs_exact(bodies: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`_needs_exact` for whole-body moments ``[K, 6]`` (mean, M2, M3, M4, min, max) of
+    the compiled CPU kernel and their element counts ``[K]``."""
+    tiny = (bodies[:, 1] < counts * _TINY_VAR) & (bodies[:, 5] > bodies[:, 4])
+    return ~torch.isfinite(bodies).all(1) | tiny
 
 
 def _body(flat: torch.Tensor) -> torch.Tensor:
@@ -724,8 +836,8 @@ class MomentAccumulator:
             if rows is not None and not masked:  # the CPU kernel: the moments of the body
                 if not check_finite:
                     self._unchecked.append((True, len(self._bodies)))
-                elif not bool(torch.isfinite(rows[4:6]).all()):
-                    self._rows.append(_rows_masked(body))
+                elif bool(_body_needs_exact(rows.unsqueeze(0), torch.tensor([c * CHUNK]))):
+                    self._rows.append(_rows_exact(body))
                     self._row_slot.append(slot)
                     return
                 self._bodies.append(rows)
@@ -734,42 +846,55 @@ class MomentAccumulator:
                 return
         if rows is None:
             cdtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
-            rows = _rows_eager_fast(body, _eager_work.setdefault((flat.device, cdtype), []))
+            work = _eager_work.setdefault((flat.device, cdtype), [])
+            # raw block sums need a host read per tensor: CPU only (free there)
+            eager = _blocks_eager if flat.device.type == "cpu" else _rows_eager_fast
+            rows = eager(body, work)
             masked = False
         if not masked:
             if check_finite:
-                if not bool(torch.isfinite(rows[6:8]).all()):
-                    rows = _rows_masked(body)
+                if bool(_needs_exact(rows).any()):
+                    rows = _rows_exact(body)
             else:
                 self._unchecked.append((False, len(self._rows)))
         self._rows.append(rows)
         self._row_slot.append(slot)
 
     def fix_nonfinite(self, tensors: Sequence[torch.Tensor]) -> None:
-        """After ``add(i, tensors[i], check_finite=False)`` calls: recompute, with masking, the
-        tensors whose min or max is not finite (one flag read back to the host)."""
+        """After ``add(i, tensors[i], check_finite=False)`` calls: recompute, in float64 and with
+        masking, the tensors with a NaN or inf or whose float32 sums under- or overflowed (one
+        check over all rows and one over all compiled bodies, each one flag read back to the
+        host; the per-tensor flags are only looked at when something needs it)."""
         if not self._unchecked:
             return
-        # One check over every part's min/max (a handful of operations however many tensors);
-        # the per-tensor flags are only looked at when something is not finite.
-        extremes = [
-            self._bodies[j][4:6] if is_body else self._rows[j][6:8].reshape(-1)
-            for is_body, j in self._unchecked
-        ]
-        finite = torch.isfinite(torch.cat(extremes))
-        if not bool(finite.all()):
-            parts = finite.split([e.numel() for e in extremes])
-            for (is_body, j), part in zip(self._unchecked, parts, strict=True):
-                if bool(part.all()):
-                    continue
-                slot = self._body_slot[j] if is_body else self._row_slot[j]
-                rows = _rows_masked(_body(tensors[slot].detach().reshape(-1)))
-                if is_body:  # masked rows replace it; None keeps the other positions valid
-                    self._bodies[j] = None  # type: ignore[call-overload]
-                    self._rows.append(rows)
-                    self._row_slot.append(slot)
-                else:
-                    self._rows[j] = rows
+        flagged: list[bool] = [False] * len(self._unchecked)
+        row_at = [k for k, (is_body, _) in enumerate(self._unchecked) if not is_body]
+        body_at = [k for k, (is_body, _) in enumerate(self._unchecked) if is_body]
+        if row_at:
+            parts = [self._rows[self._unchecked[k][1]] for k in row_at]
+            bad = _needs_exact(torch.cat(parts, 1))
+            if bool(bad.any()):
+                for k, part in zip(row_at, bad.split([p.shape[1] for p in parts]), strict=True):
+                    flagged[k] = bool(part.any())
+        if body_at:
+            js = [self._unchecked[k][1] for k in body_at]
+            bodies = torch.stack([self._bodies[j] for j in js])  # type: ignore[misc]
+            counts = torch.tensor([self._body_count[j] for j in js], dtype=torch.float64)
+            bad = _body_needs_exact(bodies, counts.to(bodies.device))
+            if bool(bad.any()):
+                for k, flag in zip(body_at, bad.tolist(), strict=True):
+                    flagged[k] = flag
+        for (is_body, j), flag in zip(self._unchecked, flagged, strict=True):
+            if not flag:
+                continue
+            slot = self._body_slot[j] if is_body else self._row_slot[j]
+            rows = _rows_exact(_body(tensors[slot].detach().reshape(-1)))
+            if is_body:  # exact rows replace it; None keeps the other positions valid
+                self._bodies[j] = None  # type: ignore[call-overload]
+                self._rows.append(rows)
+                self._row_slot.append(slot)
+            else:
+                self._rows[j] = rows
         self._unchecked = []
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
