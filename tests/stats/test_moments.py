@@ -353,13 +353,13 @@ def test_eager_raw_block_sums_are_exact_when_the_mean_is_within_a_std() -> None:
         assert_matches(got, i, reference(x), f"raw/{name}")
     # which path each took: three blocks of raw sums, or a block's rows after a fallback
     blocks = 3
-    rows = {k: _blocks_eager(v.view(-1, CHUNK), []).shape[1] for k, v in xs.items()}
+    rows = {k: _blocks_eager(v.view(-1, CHUNK), [])[0].shape[1] for k, v in xs.items()}
     assert rows["centred"] == rows["mean_0.99_std"] == rows["relu"] == blocks
     assert rows["mean_1.5_std"] == n // CHUNK  # every block failed the bound: per-row shifts
     assert rows["mixed_blocks"] == 1 + (n - _EAGER_BLOCK) // CHUNK
     # the offset blocks alone (the kept block comes first, then the rows that replaced the
     # others): raw sums there would lose the kurtosis to cancellation
-    parts = _rows_to_moments(_blocks_eager(mixed.view(-1, CHUNK), []), CHUNK)
+    parts = _rows_to_moments(_blocks_eager(mixed.view(-1, CHUNK), [])[0], CHUNK)
     offset = derive(combine_moments(parts[1:]).unsqueeze(0))
     assert_matches(offset, 0, reference(mixed[_EAGER_BLOCK:]), "raw/offset blocks")
 
@@ -369,7 +369,7 @@ def test_eager_tensor_with_an_offset_first_row_skips_the_raw_sums() -> None:
 
     g = torch.Generator().manual_seed(11)
     x = 1e3 + torch.randn(64, CHUNK, generator=g)
-    assert _blocks_eager(x, []).shape[1] == 64  # rows of the shifted kernel, no raw pass
+    assert _blocks_eager(x, [])[0].shape[1] == 64  # rows of the shifted kernel, no raw pass
     assert_matches(derive(fused_moments([x], kernel="eager")), 0, reference(x), "offset")
 
 

@@ -441,66 +441,74 @@ def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor
     return out
 
 
-def _blocks_eager(body: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor:
+def _blocks_eager(body: torch.Tensor, work: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     """Eager rows ``[8, K]`` of a CPU body ``[C, B]`` assumed finite: one column of raw power
     sums (shift 0) per block of about :data:`_EAGER_BLOCK` elements, for the blocks whose
     ``|mean| <= std``; every other block as per-row shifted rows of :func:`_rows_eager_fast`
-    (see the module docstring for why that bound keeps the 1e-4 budget).
+    (see the module docstring for why that bound keeps the 1e-4 budget). Also returns whether
+    some part needs :func:`_rows_exact` (:func:`_needs_exact`), found in the same look at the
+    sums.
 
     Per block, from the CPU cache after the first read: its min/max, ``S1 = sum x``,
-    ``x^2`` written once and summed (``S2``) and normed per row (``S4`` from the rows' squared
-    norms, summed in float64), ``x^3`` written and summed (``S3``): seven operations, against
-    nine with a shift. The first one reads memory, so the costliest (min/max) goes first and
-    overlaps the load. The check costs one flag read back per tensor (free on CPU)."""
+    ``x^2`` written once and summed (``S2``) and normed per row (``S4``: the norm of those
+    row norms, squared), ``x^3`` written and summed (``S3``): eight operations, against nine
+    with a shift, and fewer passes over memory-sized data (no subtraction written). The first
+    one reads memory, so the costliest (min/max) goes first and overlaps the load. The checks
+    read the block sums back to the host once per tensor (free on CPU) and run in Python: a
+    tensor of one block (an activation) pays a few microseconds for them, not a dozen tensor
+    operations."""
     c, b = body.shape
     rpb = max(1, min(c, _EAGER_BLOCK // b))
-    f64 = torch.float64
-    head = body[0].to(f64)
-    head_mean = head.mean()
-    if bool(head_mean * head_mean > 4.0 * (head - head_mean).square().mean()):
-        return _rows_eager_fast(body, work)  # an offset tensor: raw sums would be thrown away
-    dtype = f64 if body.dtype == f64 else torch.float32
+    head_var, head_mean = torch.var_mean(body[0].float(), correction=0)
+    if float(head_mean) ** 2 > 4.0 * float(head_var):  # an offset tensor: go shifted directly
+        rows = _rows_eager_fast(body, work)
+        return rows, bool(_needs_exact(rows).any())
+    dtype = torch.float64 if body.dtype == torch.float64 else torch.float32
     starts = range(0, c, rpb)
     out = torch.empty(8, len(starts), dtype=dtype, device=body.device)
-    out[0] = rpb * b
-    out[0, -1] = (c - starts[-1]) * b
-    out[1] = 0.0
+    out[:2] = 0.0
     norms = torch.empty(c, dtype=dtype, device=body.device)
     if len(work) < 2 or work[0].numel() < rpb * b or work[0].dtype != dtype:
         work[:] = [torch.empty(rpb * b, dtype=dtype, device=body.device) for _ in range(2)]
     # per-block results written through views made once (indexing per block costs ~5% here)
-    col_sums = out[2:5].t().unbind(0)
-    col_min, col_max = out[6].unbind(0), out[7].unbind(0)
+    cols = out[2:8].t().unbind(0)
     for i, start in enumerate(starts):
         xb = body[start : start + rpb]
         r = xb.shape[0]
         x = xb.to(dtype).reshape(-1)
         x2 = work[0][: r * b]
         x3 = work[1][: r * b]
-        s1, s2, s3 = col_sums[i].unbind(0)
-        torch.aminmax(x, out=(col_min[i], col_max[i]))
+        s1, s2, s3, s4, mn, mx = cols[i].unbind(0)
+        torch.aminmax(x, out=(mn, mx))
         torch.sum(x, 0, out=s1)
         torch.mul(x, x, out=x2)
         torch.sum(x2, 0, out=s2)
-        torch.linalg.vector_norm(x2.view(r, b), 2, 1, out=norms[start : start + r])
+        row_norms = norms[start : start + r]
+        torch.linalg.vector_norm(x2.view(r, b), 2, 1, out=row_norms)
+        torch.linalg.vector_norm(row_norms, 2, 0, out=s4)
         torch.pow(x, 3, out=x3)
         torch.sum(x3, 0, out=s3)
-    sq = norms.to(f64).square_()
-    pad = len(starts) * rpb - c
-    if pad:
-        sq = torch.cat([sq, sq.new_zeros(pad)])
-    out[5] = sq.view(len(starts), rpb).sum(1)
-    sums = out.to(f64)
-    n, s1, s2 = sums[0], sums[2], sums[3]
-    # |mean| <= std  <=>  mean^2 <= M2/n = S2/n - mean^2  <=>  2 S1^2 <= n S2. Blocks with a
-    # NaN/inf are left to the caller's masked recompute.
-    keep = (2.0 * s1 * s1 <= n * s2) | ~torch.isfinite(sums[2:]).all(0)
-    if bool(keep.all()):
-        return out
-    parts = [out[:, keep]]
-    for i in (~keep).nonzero().flatten().tolist():
-        parts.append(_rows_eager_fast(body[starts[i] : starts[i] + rpb], work))
-    return torch.cat(parts, 1)
+    out[5].square_()
+    keep: list[bool] = []
+    flagged = False
+    for i, (s1, s2, s3, s4, mn, mx) in enumerate(out[2:8].t().tolist()):
+        n = min(rpb, c - starts[i]) * b
+        finite = all(math.isfinite(v) for v in (s1, s2, s3, s4, mn, mx))
+        # |mean| <= std  <=>  mean^2 <= M2/n = S2/n - mean^2  <=>  2 S1^2 <= n S2. A block with
+        # a NaN/inf or overflowed sums is left to the exact path (flagged).
+        keep.append(2.0 * s1 * s1 <= n * s2 or not finite)
+        flagged = flagged or not finite or (s2 < n * _TINY_VAR and mx > mn)
+    out[0] = rpb * b
+    out[0, -1] = (c - starts[-1]) * b
+    if all(keep):
+        return out, flagged
+    parts = [out[:, torch.tensor(keep)]]
+    for i, kept in enumerate(keep):
+        if not kept:
+            rows = _rows_eager_fast(body[starts[i] : starts[i] + rpb], work)
+            flagged = flagged or bool(_needs_exact(rows).any())
+            parts.append(rows)
+    return torch.cat(parts, 1), flagged
 
 
 def _rows_exact(body: torch.Tensor) -> torch.Tensor:
@@ -522,6 +530,13 @@ def _needs_exact(rows: torch.Tensor) -> torch.Tensor:
     if rows.dtype != torch.float64:  # (a sum of squares that underflowed to 0 counts too)
         bad |= (rows[3] < rows[0] * _TINY_VAR) & (rows[7] > rows[6])
     return bad
+
+
+def _body_values_need_exact(values: list[float], count: int) -> bool:
+    """:func:`_body_needs_exact` of one body's moments read back as Python floats (the check
+    made per call: a dozen tensor operations would cost ~40 us there, this ~1 us)."""
+    _, m2, _, _, mn, mx = values
+    return not all(math.isfinite(v) for v in values) or (m2 < count * _TINY_VAR and mx > mn)
 
 
 def _body_needs_exact(bodies: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -836,7 +851,7 @@ class MomentAccumulator:
             if rows is not None and not masked:  # the CPU kernel: the moments of the body
                 if not check_finite:
                     self._unchecked.append((True, len(self._bodies)))
-                elif bool(_body_needs_exact(rows.unsqueeze(0), torch.tensor([c * CHUNK]))):
+                elif _body_values_need_exact(rows.tolist(), c * CHUNK):
                     self._rows.append(_rows_exact(body))
                     self._row_slot.append(slot)
                     return
@@ -847,13 +862,15 @@ class MomentAccumulator:
         if rows is None:
             cdtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
             work = _eager_work.setdefault((flat.device, cdtype), [])
-            # raw block sums need a host read per tensor: CPU only (free there)
-            eager = _blocks_eager if flat.device.type == "cpu" else _rows_eager_fast
-            rows = eager(body, work)
+            flagged = None
+            if flat.device.type == "cpu":  # raw block sums need a host read: CPU only (free)
+                rows, flagged = _blocks_eager(body, work)
+            else:
+                rows = _rows_eager_fast(body, work)
             masked = False
         if not masked:
             if check_finite:
-                if bool(_needs_exact(rows).any()):
+                if flagged if flagged is not None else bool(_needs_exact(rows).any()):
                     rows = _rows_exact(body)
             else:
                 self._unchecked.append((False, len(self._rows)))
