@@ -400,3 +400,28 @@ def test_tiny_and_huge_magnitudes_are_recomputed_in_float64(kernel: str, check_f
         got = derive(fused_moments(xs, kernel=kernel))
     for i, x in enumerate(xs):
         assert_matches(got, i, reference(x), f"{kernel}/range{i}")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_masked_kernel_scales_rows_instead_of_a_host_check(compiled: bool) -> None:
+    # The masked kernel is the accelerators' compiled path, which must not sync with the host:
+    # it scales each row by a power of two so tiny and huge tensors (here with a NaN and an
+    # inf, masked) keep exact moments without the CPU's float64 recompute. Run here on CPU,
+    # eagerly and compiled.
+    from trainvitals.stats.moments import _compiled, _rows_masked, _rows_to_moments
+
+    g = torch.Generator().manual_seed(13)
+    xs = [s * torch.randn(12 * CHUNK, generator=g) for s in (1e-12, 1e-30, 1e12, 1e30, 1.0)]
+    xs.append(torch.zeros(4 * CHUNK))
+    for x in xs[:3]:
+        x[[7, 4000]] = torch.tensor([math.nan, math.inf])
+    parts, owner = [], []
+    for i, x in enumerate(xs):
+        body = x.view(-1, CHUNK)
+        rows = _compiled(body, masked=True) if compiled else _rows_masked(body)
+        assert rows is not None
+        parts.append(_rows_to_moments(rows, CHUNK))
+        owner += [i] * body.shape[0]
+    got = derive(combine_moments(torch.cat(parts), torch.tensor(owner), len(xs)))
+    for i, x in enumerate(xs):
+        assert_matches(got, i, reference(x), f"masked/{'compiled' if compiled else 'eager'}{i}")

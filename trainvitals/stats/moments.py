@@ -63,8 +63,10 @@ Range: the float32 powers ``(x - s)^4`` underflow into subnormals when the sprea
 about 1e-10 (a kurtosis of 0.02 instead of 3 at std 1e-12, measured) and overflow above about
 1e9. A tensor whose float32 sums are not finite, or whose rows have a variance below 2^-56,
 is recomputed in float64 (:func:`_rows_exact`; float32 values to the fourth power fit float64's
-range), as is a tensor holding a NaN or inf (then masked). On accelerators, where the masked
-compiled kernel runs without a host sync, this range check is not made.
+range), as is a tensor holding a NaN or inf (then masked). On accelerators the masked
+compiled kernel runs without a host sync, so it cannot send a tensor elsewhere: it scales each
+row's deviations by a power of two instead (:func:`_rows_masked`), which makes its powers
+range-safe at the cost of one more reduction per row (in registers on a GPU).
 
 How moments combine (tensors, rows, micro-batches, ranks)
 ---------------------------------------------------------
@@ -333,9 +335,13 @@ def moments_from_dicts(rows: Sequence[dict[str, float | None]]) -> torch.Tensor:
 def _rows_masked(x2: torch.Tensor) -> torch.Tensor:
     """Per-row shifted sums of ``x2`` ``[C, B]`` with non-finite elements masked.
 
-    Returns ``[8, C]`` in the compute dtype: n_finite, shift, S1, S2, S3, S4, min, max (one
-    contiguous vector per field). This is the function ``torch.compile`` fuses into one kernel
-    (both loops over a row in one pass).
+    Returns ``[8, C]`` float64: n_finite, shift, S1, S2, S3, S4, min, max (one contiguous
+    vector per field). This is the function ``torch.compile`` fuses into one kernel (the loops
+    over a row in one pass); on accelerators it runs without a host sync, so it cannot send
+    a tensor elsewhere when its float32 powers would under- or overflow. Instead each row's
+    deviations are scaled by a power of two that brings the largest of them near 1 (exact: it
+    changes no digit) and the sums are unscaled in float64, whose range holds the fourth power
+    of any float32.
     """
     xf = x2 if x2.dtype == torch.float64 else x2.float()
     fin = torch.isfinite(xf)
@@ -343,11 +349,28 @@ def _rows_masked(x2: torch.Tensor) -> torch.Tensor:
     n = fin.sum(1).to(xf.dtype)
     shift = torch.where(fin, xf, zero).sum(1, keepdim=True) / n.clamp_min(1.0).unsqueeze(1)
     y = torch.where(fin, xf - shift, zero)
+    f64 = torch.float64
+    unscale = torch.ones((), dtype=f64, device=xf.device)
+    if xf.dtype != f64:
+        # log2(0) = -inf for a constant row: clamped, and 0 * 2^126 is still 0
+        e = torch.floor(torch.log2(y.abs().amax(1))).clamp(-126.0, 127.0)
+        y = y * torch.exp2(-e).unsqueeze(1)
+        unscale = torch.exp2(e.to(f64))
     y2 = y * y
     mn = torch.where(fin, xf, math.inf).amin(1)
     mx = torch.where(fin, xf, -math.inf).amax(1)
     return torch.stack(
-        [n, shift.squeeze(1), y.sum(1), y2.sum(1), (y2 * y).sum(1), (y2 * y2).sum(1), mn, mx], 0
+        [
+            n.to(f64),
+            shift.squeeze(1).to(f64),
+            y.sum(1).to(f64) * unscale,
+            y2.sum(1).to(f64) * unscale**2,
+            (y2 * y).sum(1).to(f64) * unscale**3,
+            (y2 * y2).sum(1).to(f64) * unscale**4,
+            mn.to(f64),
+            mx.to(f64),
+        ],
+        0,
     )
 
 
