@@ -522,13 +522,14 @@ def _blocks_eager(body: torch.Tensor, work: list[torch.Tensor]) -> tuple[torch.T
     starts = range(0, c, rpb)
     keep: list[bool] = []
     flagged = False
+    tiny = _TINY_VAR if dtype != torch.float64 else 0.0  # float64 powers do not underflow
     for i, (s1, s2, s3, s4, mn, mx) in enumerate(per_block.tolist()):
         n = min(rpb, c - starts[i]) * b
         finite = all(math.isfinite(v) for v in (s1, s2, s3, s4, mn, mx))
         # |mean| <= std  <=>  mean^2 <= M2/n = S2/n - mean^2  <=>  2 S1^2 <= n S2. A block with
         # a NaN/inf or overflowed sums is left to the exact path (flagged).
         keep.append(2.0 * s1 * s1 <= n * s2 or not finite)
-        flagged = flagged or not finite or (s2 < n * _TINY_VAR and mx > mn)
+        flagged = flagged or not finite or (s2 < n * tiny and mx > mn)
     out = torch.empty(8, len(starts), dtype=dtype, device=body.device)
     out[0] = block
     out[0, -1] = (c - starts[-1]) * b
