@@ -108,7 +108,12 @@ def check_line(line: dict, want: dict[str, torch.Tensor], what: str) -> None:
 
 
 def run_loop(
-    tmp: Path, steps: int, accumulate: int, monitor: TensorStatsMonitor, capture_step: int
+    tmp: Path,
+    steps: int,
+    accumulate: int,
+    monitor: TensorStatsMonitor,
+    capture_step: int,
+    loss_scale: float = 1.0,
 ):
     torch.manual_seed(0)
     model = Net()
@@ -132,7 +137,7 @@ def run_loop(
                 )
                 logits = model(ids)
                 loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1))
-                (loss / accumulate).backward()
+                (loss * loss_scale / accumulate).backward()
             if step == capture_step:
                 for n, p in model.named_parameters():
                     ref_params[n] = p.detach().double().clone()
@@ -189,6 +194,20 @@ def test_driver_all_kinds_match_float64_with_accumulation(tmp_path: Path) -> Non
         )
         assert row[f"tensor_stats/{kind}/nonfinite"] == 0
     assert 1 not in writer.rows and 3 not in writer.rows
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compile"])
+def test_tiny_gradients_keep_exact_moments(tmp_path: Path, kernel: str) -> None:
+    # A loss scaled by 1e-12 gives gradients and dgrads around 1e-14: their float32 fourth
+    # powers underflow (the kurtosis came out near 0 before the range fix), and the monitor
+    # must still write float64-exact moments for them.
+    monitor = TensorStatsMonitor(kinds=["grad", "dgrad"], kernel=kernel)
+    _, cap, _, _, grads, _ = run_loop(tmp_path, 1, 1, monitor, capture_step=0, loss_scale=1e-12)
+    lines = {r["kind"]: r for r in read_lines(tmp_path / "tensor_stats.jsonl")}
+    assert float(grads["head.weight"].std()) < 1e-12
+    check_line(lines["grad"], grads, f"{kernel}/tiny grad")
+    dsites = {site for (kind, site) in cap.data if kind == "dgrad"}
+    check_line(lines["dgrad"], {s: cap.whole("dgrad", s) for s in dsites}, f"{kernel}/dgrad")
 
 
 def test_separate_intervals_and_layer_summaries(tmp_path: Path) -> None:
