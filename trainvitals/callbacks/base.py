@@ -40,20 +40,16 @@ construction or at run start, on every rank, before any collective.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainvitals._strict import strict as _strict
 from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
 from trainvitals.distributed import ProcessGroups
 
 _WRITER_ATTR = "_trainvitals_writer"
-
-
-def _strict() -> bool:
-    return os.environ.get("TRAINVITALS_STRICT", "0") not in ("", "0", "false", "False")
 
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:

@@ -76,7 +76,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -86,6 +85,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainvitals._strict import strict as _strict
 from trainvitals.distributed import local_tensor
 
 __all__ = [
@@ -137,10 +137,6 @@ class _ExtractorEntry:
 
 
 _REGISTRY: list[_ExtractorEntry] = []
-
-
-def _strict() -> bool:
-    return os.environ.get("TRAINVITALS_STRICT", "0") not in ("", "0", "false", "False")
 
 
 def _as_predicate(predicate_or_type: Any, argname: str) -> tuple[Predicate, str]:
