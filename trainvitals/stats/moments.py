@@ -496,12 +496,13 @@ def _blocks_eager(body: torch.Tensor, work: list[torch.Tensor]) -> tuple[torch.T
     x2_rows_full = x2_full.view(rpb, b)
     row_norms = torch.empty(c, dtype=dtype, device=body.device)
     flat = body.reshape(-1)
+    starts = range(0, c, rpb)
+    counts = [min(rpb, c - start) * b for start in starts]  # elements per block
     # Plain results, stacked once, and work-buffer views made once per call: fewer dispatcher
     # calls per block than out= into per-block views (2% of the kernel, same-process A/B).
     sums: list[torch.Tensor] = []
-    for start in range(0, flat.numel(), block):
-        x = flat[start : start + block].to(dtype)
-        k = x.numel()
+    for start, k in zip(starts, counts, strict=True):
+        x = flat[start * b : start * b + k].to(dtype)
         if k == block:
             x2, x3, x2_rows = x2_full, x3_full, x2_rows_full
         else:
@@ -511,7 +512,7 @@ def _blocks_eager(body: torch.Tensor, work: list[torch.Tensor]) -> tuple[torch.T
         s1 = x.sum()
         torch.mul(x, x, out=x2)
         s2 = x2.sum()
-        norms = row_norms[start // b : (start + k) // b]
+        norms = row_norms[start : start + k // b]
         torch.linalg.vector_norm(x2_rows, 2, 1, out=norms)
         s4 = torch.linalg.vector_norm(norms)
         torch.pow(x, 3, out=x3)
@@ -519,20 +520,18 @@ def _blocks_eager(body: torch.Tensor, work: list[torch.Tensor]) -> tuple[torch.T
         sums += (s1, s2, s3, s4, mn, mx)
     per_block = torch.stack(sums).view(-1, 6)  # S1, S2, S3, |S4|^(1/2), min, max
     per_block[:, 3].square_()
-    starts = range(0, c, rpb)
     keep: list[bool] = []
     flagged = False
     tiny = _TINY_VAR if dtype != torch.float64 else 0.0  # float64 powers do not underflow
-    for i, (s1, s2, s3, s4, mn, mx) in enumerate(per_block.tolist()):
-        n = min(rpb, c - starts[i]) * b
-        finite = all(math.isfinite(v) for v in (s1, s2, s3, s4, mn, mx))
-        # |mean| <= std  <=>  mean^2 <= M2/n = S2/n - mean^2  <=>  2 S1^2 <= n S2. A block with
-        # a NaN/inf or overflowed sums is left to the exact path (flagged).
-        keep.append(2.0 * s1 * s1 <= n * s2 or not finite)
-        flagged = flagged or not finite or (s2 < n * tiny and mx > mn)
+    for values, n in zip(per_block.tolist(), counts, strict=True):
+        s1, s2, _, _, mn, mx = values
+        exact = _part_needs_exact(values, n, s2, mn, mx, tiny)
+        # |mean| <= std  <=>  mean^2 <= M2/n = S2/n - mean^2  <=>  2 S1^2 <= n S2. A block that
+        # needs the exact path (NaN/inf, overflow, underflow) is not recomputed shifted first.
+        keep.append(exact or 2.0 * s1 * s1 <= n * s2)
+        flagged = flagged or exact
     out = torch.empty(8, len(starts), dtype=dtype, device=body.device)
-    out[0] = block
-    out[0, -1] = (c - starts[-1]) * b
+    out[0] = torch.tensor(counts, dtype=dtype)
     out[1] = 0.0
     out[2:] = per_block.t()
     if all(keep):
@@ -567,11 +566,19 @@ def _needs_exact(rows: torch.Tensor) -> torch.Tensor:
     return bad
 
 
-def _body_values_need_exact(values: list[float], count: int) -> bool:
-    """:func:`_body_needs_exact` of one body's moments read back as Python floats (the check
-    made per call: a dozen tensor operations would cost ~40 us there, this ~1 us)."""
-    _, m2, _, _, mn, mx = values
-    return not all(math.isfinite(v) for v in values) or (m2 < count * _TINY_VAR and mx > mn)
+def _part_needs_exact(
+    values: Sequence[float],
+    count: int,
+    spread: float,
+    mn: float,
+    mx: float,
+    tiny: float = _TINY_VAR,
+) -> bool:
+    """The rule of :func:`_needs_exact` for one part read back as Python floats (the check made
+    per call, where a dozen tensor operations would cost ~40 us and this ~1 us): ``values``
+    not all finite, or ``spread`` (a sum of squares, S2 or M2) below ``count * tiny`` in a part
+    that is not constant."""
+    return not all(math.isfinite(v) for v in values) or (spread < count * tiny and mx > mn)
 
 
 def _body_needs_exact(bodies: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -830,7 +837,8 @@ class MomentAccumulator:
 
         With the eager kernel, ``check_finite`` looks at the tensor's min/max right away (one
         flag read back to the host) and recomputes it with masking if it holds a NaN or inf;
-        pass ``False`` and call :meth:`fix_nonfinite` once for a batch of tensors instead.
+        pass ``False`` and call :meth:`fix_nonfinite` once for a batch of tensors instead (the
+        CPU eager kernel has read its sums back anyway, so it acts at once either way).
         ``key``: the tensor object ``tensor`` was taken from (e.g. before ``detach()``); adding
         the same, unmodified key again reuses the first reduction instead of reading the data.
         ``copy_small``: keep a copy of a small tensor (its data may change before
@@ -886,29 +894,30 @@ class MomentAccumulator:
             if rows is not None and not masked:  # the CPU kernel: the moments of the body
                 if not check_finite:
                     self._unchecked.append((True, len(self._bodies)))
-                elif _body_values_need_exact(rows.tolist(), c * CHUNK):
-                    self._rows.append(_rows_exact(body))
-                    self._row_slot.append(slot)
-                    return
+                else:
+                    _, m2, _, _, mn, mx = values = rows.tolist()
+                    if _part_needs_exact(values, c * CHUNK, m2, mn, mx):
+                        self._rows.append(_rows_exact(body))
+                        self._row_slot.append(slot)
+                        return
                 self._bodies.append(rows)
                 self._body_slot.append(slot)
                 self._body_count.append(c * CHUNK)
                 return
+        flagged: bool | None = None  # known without another look: the CPU eager kernel's
         if rows is None:
             cdtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
             work = _eager_work.setdefault((flat.device, cdtype), [])
-            flagged = None
             if flat.device.type == "cpu":  # raw block sums need a host read: CPU only (free)
                 rows, flagged = _blocks_eager(body, work)
             else:
                 rows = _rows_eager_fast(body, work)
             masked = False
         if not masked:
-            if check_finite:
-                if flagged if flagged is not None else bool(_needs_exact(rows).any()):
-                    rows = _rows_exact(body)
-            else:
+            if flagged is None and not check_finite:  # deferred to one batched check
                 self._unchecked.append((False, len(self._rows)))
+            elif flagged if flagged is not None else bool(_needs_exact(rows).any()):
+                rows = _rows_exact(body)
         self._rows.append(rows)
         self._row_slot.append(slot)
 
