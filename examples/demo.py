@@ -5,7 +5,8 @@ Run it with ``make demo`` (which sets up the virtual environment) or directly::
 
     python examples/demo.py --run-dir runs/demo --steps 300
 
-The corpus is the package's own source code, read byte by byte (vocabulary 256), so the loss
+At the end it writes ``<run-dir>/report.html`` (``trainvitals report``). The corpus is the
+package's own source code, read byte by byte (vocabulary 256), so the loss
 falls visibly within a few hundred steps and nothing is downloaded.
 """
 
@@ -31,6 +32,7 @@ from trainvitals import (
 from trainvitals.adapters import FanoutWriter, JsonlSink, MLflowSink, TensorBoardSink
 from trainvitals.adapters.loop import Vitals
 from trainvitals.moe import TinyMoELM
+from trainvitals.report import write_report
 
 # The demo model and batch (benchmarks/bench_moe.py measures the MoE callbacks on exactly these).
 MODEL_CONFIG = dict(
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  MLflow        {mlflow_uri}   (mlflow ui --backend-store-uri {mlflow_uri})")
     print(f"  JSONL         {jsonl_path}")
     print(f"  tensor stats  {run_dir / 'tensor_stats.jsonl'}   (trainvitals query {run_dir} ...)")
+    print(f"  HTML report   {write_report(run_dir)}   (trainvitals report {run_dir})")
 
 
 if __name__ == "__main__":

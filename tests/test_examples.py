@@ -35,6 +35,9 @@ def test_demo_logs_to_every_backend(tmp_path):
     for prefix in ("train/loss", "moe/", "l2_norm/", "memory/", "throughput/", "time/"):
         assert any(k.startswith(prefix) for k in logged), prefix
     assert (tmp_path / "tensor_stats.jsonl").stat().st_size > 0
+    report = (tmp_path / "report.html").read_text()
+    assert str(tmp_path / "report.html") in out
+    assert 'data-key="train/loss"' in report and 'data-kind="grad"' in report
 
     from mlflow.tracking import MlflowClient
 

@@ -2,10 +2,11 @@
 
 Subcommands register themselves in :data:`SUBCOMMANDS` as ``name -> (add_arguments, run)``:
 ``add_arguments(parser)`` declares the options and ``run(args) -> int`` does the work and
-returns the exit code. Adding one (e.g. ``report``) is one function pair and one entry.
+returns the exit code. Adding one is one function pair and one entry.
 
 Example::
 
+    trainvitals report runs/exp1                  # writes runs/exp1/report.html
     trainvitals query runs/exp1 --kind grad --group 'layers.*.mlp.*' --stat kurtosis \\
         --steps 100:200 --by 'layers\\.(\\d+)\\.' --format csv --output kurt.csv
 """
@@ -112,6 +113,52 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+# ----------------------------------------------------------------------------------- report
+
+
+def _add_report_arguments(p: argparse.ArgumentParser) -> None:
+    from trainvitals.report.html import DEFAULT_MAX_POINTS
+
+    p.add_argument("run_dir", help="run folder holding metrics.jsonl and/or tensor_stats.jsonl")
+    p.add_argument(
+        "--output", "-o", default=None, help="the HTML file to write (default RUN_DIR/report.html)"
+    )
+    p.add_argument(
+        "--metrics", default=None, help="the metrics JSONL file (default RUN_DIR/metrics.jsonl)"
+    )
+    p.add_argument(
+        "--keys",
+        action="append",
+        default=None,
+        help="glob over metric keys to include, e.g. 'moe/*' (repeat for several; default all)",
+    )
+    p.add_argument("--steps", default=None, help="'100:200' (inclusive), '100:', ':200' or '150'")
+    p.add_argument(
+        "--max-points",
+        type=int,
+        default=DEFAULT_MAX_POINTS,
+        help="most points drawn per line; longer series keep each bucket's min and max "
+        f"(default {DEFAULT_MAX_POINTS})",
+    )
+    p.add_argument("--title", default=None, help="page title (default: the run folder's name)")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from trainvitals.report.html import write_report
+
+    path = write_report(
+        args.run_dir,
+        args.output,
+        metrics=args.metrics,
+        keys=args.keys,
+        steps=args.steps,
+        max_points=args.max_points,
+        title=args.title,
+    )
+    print(path)
+    return 0
+
+
 # ------------------------------------------------------------------------------------ main
 
 SUBCOMMANDS: dict[
@@ -121,6 +168,11 @@ SUBCOMMANDS: dict[
         "exact statistics of tensor groups from tensor_stats.jsonl",
         _add_query_arguments,
         _run_query,
+    ),
+    "report": (
+        "a self-contained HTML report of a run (metrics.jsonl and tensor_stats.jsonl)",
+        _add_report_arguments,
+        _run_report,
     ),
 }
 

@@ -6,6 +6,7 @@ import csv
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,14 @@ def make_tensors(step: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_run(run_dir: Path, steps: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """A tensor_stats.jsonl as the monitor writes it (schema version 1)."""
-    data = {s: make_tensors(s) for s in steps}
+def write_run(
+    run_dir: Path,
+    steps: list[int],
+    tensors_for: Callable[[int], dict[str, torch.Tensor]] = make_tensors,
+) -> dict[int, dict[str, torch.Tensor]]:
+    """A tensor_stats.jsonl as the monitor writes it (schema version 1), with the tensors
+    ``tensors_for(step)`` at each step."""
+    data = {s: tensors_for(s) for s in steps}
     with open(run_dir / "tensor_stats.jsonl", "w") as f:
         for step, tensors in data.items():
             rows = moments_to_dicts(fused_moments(list(tensors.values())))

@@ -21,7 +21,7 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,7 @@ def parse_steps(
     return first, last
 
 
-def _matcher(group: str | None) -> Any:
+def matcher(group: str | None) -> Callable[[str], bool]:
     """A name predicate: ``re:<regex>`` (searched), ``glob:<glob>``, or a bare pattern that is a
     regex if it contains one of ``\\ ^ $ ( ) + | { }`` and a glob (fnmatch, whole name) otherwise."""
     if group is None:
@@ -173,7 +173,7 @@ def query(
     if bad or not stats:
         raise ValueError(f"stat must be 'all' or among {DERIVED}, got {stat!r}")
     first, last = parse_steps(steps)
-    match = _matcher(group)
+    match = matcher(group)
     by_rx = None
     if by is not None and not per_tensor:
         try:
@@ -183,15 +183,35 @@ def query(
         if by_rx.groups != 1:
             raise ValueError(f"by must have exactly one capture group, got {by_rx.groups}")
 
+    latest = latest_records(read_tensor_stats(run_dir), kind, first, last)
+    return merge_records(latest, kind, stats, match, by_rx, per_tensor)
+
+
+def latest_records(
+    records: Iterable[dict[str, Any]], kind: str, first: int | None, last: int | None
+) -> dict[int, dict[str, Any]]:
+    """The records of ``kind`` with ``first <= step <= last``, one per step (a repeated step:
+    the later line wins), keyed by step."""
     latest: dict[int, dict[str, Any]] = {}
-    for rec in read_tensor_stats(run_dir):
+    for rec in records:
         if rec.get("kind") != kind:
             continue
         step = int(rec["step"])
         if (first is not None and step < first) or (last is not None and step > last):
             continue
-        latest[step] = rec  # a repeated step: the later line wins
+        latest[step] = rec
+    return latest
 
+
+def merge_records(
+    latest: dict[int, dict[str, Any]],
+    kind: str,
+    stats: Sequence[str],
+    match: Callable[[str], bool],
+    by_rx: re.Pattern[str] | None,
+    per_tensor: bool,
+) -> list[dict[str, Any]]:
+    """The rows of :func:`query` from :func:`latest_records` (arguments already checked)."""
     rows: list[dict[str, Any]] = []
     for step in sorted(latest):
         rec = latest[step]

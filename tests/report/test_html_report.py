@@ -1,0 +1,326 @@
+"""``trainvitals report``: the HTML report against the run's raw lines and float64 on pooled data."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.report.test_query_cli import LAYERS, check_row, make_tensors, write_run
+from trainvitals.adapters import FanoutWriter, JsonlSink
+from trainvitals.report import render_report, write_report
+from trainvitals.report.html import decimate, family_of
+
+STEPS = 1000
+SPIKE_STEP, NAN_STEP, INF_STEP = 777, 500, 3
+NAN_TENSOR = "model.layers.4.mlp.fc1.weight"
+
+
+class Page(HTMLParser):
+    """The parts of the report the tests read: charts (their lines and marks), tables (cells
+    with their exact data-value), links and anything that would load from elsewhere."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.charts: dict[str, dict] = {}
+        self.tables: dict[str, list[list[dict]]] = {}
+        self.links: list[str] = []
+        self.external: list[str] = []
+        self._chart: dict | None = None
+        self._table: list | None = None
+        self._cell: dict | None = None
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        if tag in ("script", "link", "img", "iframe") or "src" in a:
+            self.external.append(tag)
+        if tag == "a":
+            self.links.append(a.get("href", ""))
+        if tag == "svg":
+            self._chart = {"lines": {}, "nonfinite": None, "circles": {}}
+            assert a["data-key"] not in self.charts, f"two charts for {a['data-key']}"
+            self.charts[a["data-key"]] = self._chart
+        elif tag == "polyline" and self._chart is not None:
+            pts = [tuple(map(float, p.split(","))) for p in a["points"].split()]
+            self._chart["lines"][a["data-label"]] = pts
+        elif tag == "circle" and self._chart is not None:
+            self._chart["circles"][a["data-label"]] = (float(a["cx"]), float(a["cy"]))
+        elif tag == "path" and a.get("class") == "nonfinite":
+            self._chart["nonfinite"] = int(a["data-steps"])
+        elif tag == "table":
+            self._table = self.tables.setdefault(a["class"], [])
+        elif tag == "tr" and self._table is not None:
+            self._table.append([])
+        elif tag in ("td", "th") and self._table is not None:
+            self._cell = {
+                "col": a.get("data-col"),
+                "value": a.get("data-value"),
+                "text": "",
+                "head": tag == "th",
+            }
+            self._table[-1].append(self._cell)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "svg":
+            self._chart = None
+        elif tag == "table":
+            self._table = None
+        elif tag in ("td", "th"):
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell["text"] += data
+
+    def rows(self, cls: str) -> dict[str, dict[str, float | None]]:
+        """Tables of class ``cls`` as {first cell's text: {column: exact value}} (header rows
+        skipped)."""
+        out = {}
+        for row in self.tables[cls]:
+            if row[0]["head"]:
+                continue
+            assert row[0]["text"] not in out, f"{row[0]['text']} twice in {cls}"
+            out[row[0]["text"]] = {
+                c["col"]: (float(c["value"]) if c["value"] else None) for c in row[1:]
+            }
+        return out
+
+
+# ------------------------------------------------------------------------------ decimate
+
+
+@pytest.mark.parametrize("n", [1, 599, 600, 601, 10_007])
+def test_decimate_keeps_the_envelope(n: int) -> None:
+    rng = random.Random(n)
+    points = [(s, rng.gauss(0, 1) + (50.0 if s % 997 == 13 else 0.0)) for s in range(n)]
+    out = decimate(points, 600)
+    assert len(out) <= 600
+    if n <= 600:
+        assert out == points
+        return
+    assert set(out) <= set(points) and out == sorted(out)
+    assert max(v for _, v in out) == max(v for _, v in points)
+    assert min(v for _, v in out) == min(v for _, v in points)
+    # every point lies inside the drawn envelope near it (within two buckets of steps): plain
+    # striding, which drops one-step spikes, fails this
+    width = 2 * math.ceil(n / 300)
+    kept = sorted(out)
+    for s, v in points:
+        near = [w for t, w in kept if abs(t - s) <= width]
+        assert min(near) <= v <= max(near), (s, v)
+
+
+def test_decimate_rejects_too_few_points() -> None:
+    with pytest.raises(ValueError, match="max_points"):
+        decimate([(0, 1.0)], 1)
+
+
+# --------------------------------------------------------------------------- a whole run
+
+
+def metric_value(key: str, step: int) -> float:
+    """The metrics of the test run: a loss with a spike and a NaN, per-layer families, an inf."""
+    if key == "train/loss":
+        if step == NAN_STEP:
+            return math.nan
+        return 1000.0 if step == SPIKE_STEP else 5.0 * math.exp(-step / 300) + 0.01 * (step % 7)
+    if key == "time/remaining_hours":
+        return math.inf if step == INF_STEP else (STEPS - step) / 3600
+    layer = int(re.search(r"\d+", key).group())  # type: ignore[union-attr]
+    return 0.1 * layer + 0.001 * ((step * (layer + 3)) % 11)
+
+
+METRIC_KEYS = ["train/loss", "time/remaining_hours"] + [
+    f"moe/layer_{i}/cv" for i in range(LAYERS)
+]  # layer_2 ... layer_11: numeric order matters
+
+
+def tensors_with_a_nan(step: int) -> dict[str, torch.Tensor]:
+    tensors = make_tensors(step)
+    if step == 20:
+        tensors[NAN_TENSOR] = tensors[NAN_TENSOR].clone()
+        tensors[NAN_TENSOR][0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    run_dir = tmp_path_factory.mktemp("run")
+    with FanoutWriter([JsonlSink(run_dir / "metrics.jsonl")]) as writer:
+        for step in range(STEPS):
+            writer.add_scalars({k: metric_value(k, step) for k in METRIC_KEYS}, step)
+    data = write_run(run_dir, [0, 10, 20, 30], tensors_with_a_nan)
+    return run_dir, data
+
+
+def raw_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The metrics file read with json alone (not the package's reader)."""
+    spell = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+    out: dict[str, dict[int, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        for k, v in rec["metrics"].items():
+            out.setdefault(k, {})[rec["step"]] = spell[v] if isinstance(v, str) else v
+    return {k: sorted(v.items()) for k, v in out.items()}
+
+
+def test_metric_tables_equal_the_raw_lines(run: tuple[Path, dict]) -> None:
+    run_dir, _ = run
+    page = Page(render_report(run_dir))
+    rows = page.rows("metrics")
+    raw = raw_metrics(run_dir)
+    assert set(rows) == set(raw) == set(METRIC_KEYS)
+    for key, pts in raw.items():
+        finite = [v for _, v in pts if math.isfinite(v)]
+        row = rows[key]
+        assert row["last step"] == pts[-1][0] and row["last"] == pts[-1][1]
+        assert row["min"] == min(finite) and row["max"] == max(finite)
+        assert row["mean"] == pytest.approx(sum(finite) / len(finite), rel=1e-12)
+        assert row["steps"] == len(pts)
+        assert row["non-finite"] == sum(not math.isfinite(v) for _, v in pts)
+    # sections in numeric layer order, not string order
+    order = [r[0]["text"] for r in page.tables["metrics"] if r[0]["text"].startswith("moe/")]
+    assert [r[0]["text"] for r in page.tables["metrics"] if r[0]["head"]] == ["key"] * 3
+    assert order == [f"moe/layer_{i}/cv" for i in range(LAYERS)]
+
+
+def test_charts_one_per_family_with_spike_and_nonfinite_marks(run: tuple[Path, dict]) -> None:
+    run_dir, _ = run
+    page = Page(render_report(run_dir, max_points=200))
+    metric_charts = {k for k in page.charts if not k.startswith(("grad/", "param/"))}
+    assert metric_charts == {"train/loss", "time/remaining_hours", "moe/layer_*/cv"}
+    assert family_of("moe/layer_11/cv") == "moe/layer_*/cv"
+    family = page.charts["moe/layer_*/cv"]["lines"]
+    assert list(family) == [str(i) for i in range(LAYERS)]
+    assert all(len(pts) <= 200 for pts in family.values())
+
+    (loss,) = page.charts["train/loss"]["lines"].values()
+    assert len(loss) <= 200
+    # the spike is the highest point, drawn at its own step (plot: x 62..372 over steps 0..999)
+    top = min(loss, key=lambda p: p[1])
+    assert top[0] == pytest.approx(62 + 310 * SPIKE_STEP / (STEPS - 1), abs=0.06)
+    assert sorted(p[1] for p in loss)[1] > top[1] + 50  # nothing else near it
+    assert page.charts["train/loss"]["nonfinite"] == 1
+    assert page.charts["time/remaining_hours"]["nonfinite"] == 1
+    assert page.charts["moe/layer_*/cv"]["nonfinite"] is None
+
+
+def test_attention_lists_every_nonfinite_metric_and_tensor(run: tuple[Path, dict]) -> None:
+    run_dir, _ = run
+    att = Page(render_report(run_dir)).rows("attention")
+    assert att == {
+        "metric: train/loss": {
+            "first step": NAN_STEP,
+            "steps": 1,
+            "most non-finite elements": None,
+        },
+        "metric: time/remaining_hours": {
+            "first step": INF_STEP,
+            "steps": 1,
+            "most non-finite elements": None,
+        },
+        f"tensor (grad): {NAN_TENSOR}": {
+            "first step": 20,
+            "steps": 1,
+            "most non-finite elements": 3,
+        },
+    }
+
+
+def test_tensor_tables_equal_float64_on_pooled_data(run: tuple[Path, dict]) -> None:
+    run_dir, data = run
+    page = Page(render_report(run_dir))
+    last = data[30]
+    layers = page.rows("tensors-layers grad")
+    stats = ["mean", "std", "rms", "skewness", "kurtosis", "min", "max"]
+    pooled = torch.cat([t.reshape(-1) for t in last.values()])
+    check_row(layers["all"], pooled, stats)
+    assert layers["all"]["tensors"] == len(last) and layers["all"]["count"] == pooled.numel()
+    for i in range(LAYERS):
+        names = [n for n in last if n.startswith(f"model.layers.{i}.")]
+        check_row(layers[str(i)], torch.cat([last[n].reshape(-1) for n in names]), stats)
+        assert layers[str(i)]["tensors"] == 3
+    each = page.rows("tensors-each grad")
+    assert set(each) == set(last)
+    for name, t in last.items():
+        check_row(each[name], t.reshape(-1), stats)
+    # the merged charts have a point per logged step; step 20's NaN tensor is excluded from its
+    # moments and counted
+    chart = page.charts["grad/all/nonfinite"]
+    (line,) = chart["lines"].values()
+    assert len(line) == 4
+    assert set(page.charts) >= {"grad/all/rms", "grad/all/kurtosis", "grad/layer_*/kurtosis"}
+    assert list(page.charts["grad/layer_*/rms"]["lines"]) == [f"layer {i}" for i in range(LAYERS)]
+
+
+def test_report_is_self_contained(run: tuple[Path, dict]) -> None:
+    run_dir, _ = run
+    text = render_report(run_dir)
+    page = Page(text)
+    assert page.external == []
+    assert page.links and all(h.startswith("#") for h in page.links)
+    assert "http://" not in text and "https://" not in text
+
+
+def test_keys_and_steps_select(run: tuple[Path, dict]) -> None:
+    run_dir, _ = run
+    page = Page(render_report(run_dir, keys=["moe/*", "train/*"], steps="100:199"))
+    rows = page.rows("metrics")
+    assert set(rows) == {"train/loss"} | {f"moe/layer_{i}/cv" for i in range(LAYERS)}
+    assert all(r["steps"] == 100 for r in rows.values())
+    assert rows["train/loss"]["last step"] == 199
+    assert "tensors-layers grad" not in page.tables  # no tensor step in 100..199
+    with pytest.raises(ValueError, match="steps"):
+        render_report(run_dir, steps="9:1")
+    with pytest.raises(TypeError, match="keys"):
+        render_report(run_dir, keys=[3])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="max_points"):
+        render_report(run_dir, max_points=1)
+
+
+def test_missing_files_and_truncated_line(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="neither"):
+        render_report(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no run folder"):
+        render_report(tmp_path / "nope")
+    write_run(tmp_path, [0, 1])  # tensor statistics only: still a report
+    assert "metrics" not in Page(render_report(tmp_path)).tables
+    with FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")]) as writer:
+        writer.add_scalars({"train/loss": 1.0}, 0)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 1, "time": 0, "metrics": {"train/lo')
+    with pytest.warns(RuntimeWarning, match="truncated"):
+        page = Page(render_report(tmp_path))
+    assert page.rows("metrics")["train/loss"]["steps"] == 1
+
+
+def test_cli_writes_the_report(run: tuple[Path, dict], tmp_path: Path) -> None:
+    run_dir, _ = run
+    out = tmp_path / "sub" / "r.html"
+    done = subprocess.run(
+        [sys.executable, "-m", "trainvitals", "report", str(run_dir), "-o", str(out),
+         "--keys", "train/*", "--max-points", "50"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out)
+    page = Page(out.read_text())
+    assert set(page.rows("metrics")) == {"train/loss"}
+    assert all(len(p) <= 50 for p in page.charts["train/loss"]["lines"].values())
+    missing = subprocess.run(
+        [sys.executable, "-m", "trainvitals", "report", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "error: no run folder" in missing.stderr
+    default = write_report(run_dir)
+    assert default == run_dir / "report.html" and default.read_text().startswith("<!doctype html>")
+    assert not list(run_dir.glob(".*.tmp"))

@@ -1,0 +1,631 @@
+"""A self-contained HTML report of a run: ``trainvitals report RUN_DIR``.
+
+One HTML file, no JavaScript, no network: inline CSS and inline SVG charts, so it can be
+mailed, attached to a ticket or opened on a machine with no internet. It reads what the run
+wrote:
+
+* the metrics JSONL (``metrics.jsonl``, the :class:`~trainvitals.adapters.JsonlSink` file;
+  schema in :mod:`trainvitals.adapters.jsonl`): one chart per metric family and a table of
+  every key (last value, finite min / max / mean, non-finite count);
+* ``tensor_stats.jsonl`` (the :class:`~trainvitals.callbacks.TensorStatsMonitor` file), if
+  present: per kind, the statistics of all tensors merged exactly, per layer over the steps,
+  and a table per layer and per tensor at the last step (the same exact merging as
+  :func:`trainvitals.report.query`).
+
+An "Attention" section at the top lists every metric that was ever NaN or infinite and every
+tensor that held non-finite elements, with the first step it happened.
+
+Charts:
+
+* A *family* is the set of keys that differ only in their integers (``moe/layer_0/cv``,
+  ``moe/layer_1/cv``, ...: family ``moe/layer_*/cv``); it gets one chart with a line per
+  member, on one y scale. A key with no integers, or alone in its family, gets a chart of its
+  own.
+* Long series are thinned for drawing by keeping, in each of ``max_points / 2`` buckets of
+  consecutive steps, the smallest and the largest value (:func:`decimate`): a one-step spike is
+  never dropped, unlike taking every k-th point. The tables use every value.
+* NaN and infinite values are not drawn as points (they have no place on a y axis): red ticks
+  under the plot mark the steps where a member was non-finite.
+
+Example::
+
+    from trainvitals.report import write_report
+    path = write_report("runs/demo")          # runs/demo/report.html
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import html
+import math
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from trainvitals.adapters.jsonl import JsonlRecord, read_jsonl
+from trainvitals.report.query import (
+    KINDS,
+    latest_records,
+    matcher,
+    merge_records,
+    parse_steps,
+    read_tensor_stats,
+)
+
+__all__ = ["DEFAULT_MAX_POINTS", "decimate", "family_of", "render_report", "write_report"]
+
+DEFAULT_MAX_POINTS = 600
+METRICS_FILE = "metrics.jsonl"
+TENSOR_STATS_FILE = "tensor_stats.jsonl"
+# The first integer component of a dotted module name (as the layer numbers in keys).
+_LAYER = r"(?:^|\.)(\d+)(?=\.|$)"
+_DIGITS = re.compile(r"\d+")
+# Sections in this order first (the rest alphabetically): what a trainer looks at first.
+_AREA_ORDER = ("train", "l2_norm", "moe", "load_balance", "tensor_stats", "throughput", "time")
+_PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+)  # fmt: skip
+# Anchors of a perceptually ordered ramp (viridis) for families of more than 10 lines.
+_RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
+_TENSOR_STATS = ("rms", "kurtosis", "skewness", "abs_max", "nonfinite")
+_TABLE_STATS = ("count", "mean", "std", "rms", "skewness", "kurtosis", "min", "max", "nonfinite")
+
+
+# ------------------------------------------------------------------------------- series
+
+
+def decimate(points: Sequence[tuple[int, float]], max_points: int) -> list[tuple[int, float]]:
+    """At most ``max_points`` of ``points`` (``(step, value)`` in step order, finite values):
+    all of them when they fit, else the smallest and largest value of each of
+    ``max_points // 2`` buckets of consecutive points, in step order. The extremes of every
+    bucket, hence of the whole series, are kept: a spike of one step stays on the chart."""
+    if max_points < 2:
+        raise ValueError(f"max_points must be at least 2, got {max_points}")
+    n = len(points)
+    if n <= max_points:
+        return list(points)
+    buckets = max_points // 2
+    out: list[tuple[int, float]] = []
+    for b in range(buckets):
+        lo, hi = b * n // buckets, (b + 1) * n // buckets
+        lo_at = hi_at = lo
+        for i in range(lo + 1, hi):
+            v = points[i][1]
+            if v < points[lo_at][1]:
+                lo_at = i
+            if v > points[hi_at][1]:
+                hi_at = i
+        out.append(points[min(lo_at, hi_at)])
+        if hi_at != lo_at:
+            out.append(points[max(lo_at, hi_at)])
+    return out
+
+
+def family_of(key: str) -> str:
+    """The family of a key: its integers replaced by ``*`` (``moe/layer_3/cv`` ->
+    ``moe/layer_*/cv``)."""
+    return _DIGITS.sub("*", key)
+
+
+def _natural(key: str) -> tuple:
+    """Sort key that orders the integers inside names as numbers (layer_2 before layer_10)."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key))
+
+
+class _Series:
+    """One metric: its values by step (a later line wins within a step); read once filled."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.points: dict[int, float] = {}
+
+    @functools.cached_property
+    def ordered(self) -> list[tuple[int, float]]:
+        return sorted(self.points.items())
+
+    @functools.cached_property
+    def summary(self) -> dict[str, Any]:
+        pts = self.ordered
+        finite = [v for _, v in pts if math.isfinite(v)]
+        bad = [s for s, v in pts if not math.isfinite(v)]
+        return {
+            "first_step": pts[0][0],
+            "last_step": pts[-1][0],
+            "last": pts[-1][1],
+            "min": min(finite) if finite else math.nan,
+            "max": max(finite) if finite else math.nan,
+            "mean": math.fsum(finite) / len(finite) if finite else math.nan,
+            "points": len(pts),
+            "nonfinite": len(bad),
+            "first_nonfinite": bad[0] if bad else None,
+        }
+
+
+def _collect(
+    records: Iterable[JsonlRecord],
+    keep: Callable[[str], bool],
+    first: int | None,
+    last: int | None,
+) -> dict[str, _Series]:
+    series: dict[str, _Series] = {}
+    for rec in records:
+        step = rec["step"]
+        if (first is not None and step < first) or (last is not None and step > last):
+            continue
+        for key, value in rec["metrics"].items():
+            if not keep(key):
+                continue
+            s = series.get(key)
+            if s is None:
+                s = series[key] = _Series(key)
+            s.points[step] = value
+    return series
+
+
+# -------------------------------------------------------------------------------- drawing
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "NaN"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return f"{v:.6g}"
+    return str(v)
+
+
+def _value_attr(v: Any) -> str:
+    """The exact value for machines (``data-value``): repr of the float, '' for none."""
+    if v is None:
+        return ""
+    return repr(float(v)) if isinstance(v, float | int) else html.escape(str(v))
+
+
+def _color(i: int, n: int) -> str:
+    if n <= len(_PALETTE):
+        return _PALETTE[i % len(_PALETTE)]
+    t = i / (n - 1) * (len(_RAMP) - 1)
+    k = min(int(t), len(_RAMP) - 2)
+    f = t - k
+    a, b = _RAMP[k], _RAMP[k + 1]
+    return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b, strict=True))
+
+
+def _chart(
+    title: str,
+    lines: Sequence[tuple[str, list[tuple[int, float]]]],
+    max_points: int,
+    width: int = 380,
+    height: int = 150,
+) -> str:
+    """An inline SVG line chart of ``lines`` (label, [(step, value)]); non-finite values become
+    red ticks under the plot."""
+    left, right, top, bottom = 62, 8, 8, 30
+    pw, ph = width - left - right, height - top - bottom
+    finite = [(lab, [(s, v) for s, v in pts if math.isfinite(v)]) for lab, pts in lines]
+    bad_steps = sorted({s for _, pts in lines for s, v in pts if not math.isfinite(v)})
+    all_steps = [s for _, pts in lines for s, _ in pts]
+    values = [v for _, pts in finite for _, v in pts]
+    out = [
+        f'<svg class="chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'data-key="{html.escape(title)}" role="img"><title>{html.escape(title)}</title>'
+    ]
+    if not all_steps:
+        return out[0] + "</svg>"
+    x0, x1 = min(all_steps), max(all_steps)
+    if values:
+        y0, y1 = min(values), max(values)
+        if y0 == y1:  # a flat line: give it a band around the value
+            pad = abs(y0) * 0.05 or 1.0
+            y0, y1 = y0 - pad, y1 + pad
+    else:
+        y0, y1 = 0.0, 1.0
+
+    def px(s: float) -> float:
+        return left + (pw * (s - x0) / (x1 - x0) if x1 > x0 else pw / 2)
+
+    def py(v: float) -> float:
+        return top + ph * (y1 - v) / (y1 - y0)
+
+    out.append(
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>'
+    )
+    for v, y in ((y1, top), (y0, top + ph)):
+        out.append(
+            f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" class="ax">{_fmt(v)}</text>'
+        )
+    out.append(f'<text x="{left}" y="{height - 16}" class="ax">{x0}</text>')
+    out.append(f'<text x="{left + pw}" y="{height - 16}" text-anchor="end" class="ax">{x1}</text>')
+    if not values:
+        out.append(
+            f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle" class="ax">'
+            "no finite value</text>"
+        )
+    for i, (label, pts) in enumerate(finite):
+        color = _color(i, len(finite))
+        shown = decimate(pts, max_points)
+        attrs = f'data-label="{html.escape(label)}" stroke="{color}"'
+        if len(shown) == 1:
+            s, v = shown[0]
+            out.append(
+                f'<circle cx="{px(s):.1f}" cy="{py(v):.1f}" r="2.5" fill="{color}" {attrs}/>'
+            )
+        elif shown:
+            coords = " ".join(f"{px(s):.1f},{py(v):.1f}" for s, v in shown)
+            out.append(
+                f'<polyline points="{coords}" fill="none" stroke-width="1.2" {attrs}>'
+                f"<title>{html.escape(label)}</title></polyline>"
+            )
+    if bad_steps:
+        ticks = decimate([(s, 0.0) for s in bad_steps], max_points)  # at most max_points
+        ys, ye = top + ph + 2, top + ph + 9
+        marks = "".join(f"M{px(s):.1f} {ys}V{ye}" for s, _ in ticks)
+        out.append(
+            f'<path d="{marks}" stroke="#d62728" stroke-width="1.5" class="nonfinite" '
+            f'data-steps="{len(bad_steps)}"><title>non-finite at {len(bad_steps)} step(s), '
+            f"first {bad_steps[0]}</title></path>"
+        )
+    if len(finite) > 1:
+        legend = _legend(finite)
+        out.append(f'<text x="{left}" y="{height - 3}" class="legend">{legend}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _legend(lines: Sequence[tuple[str, Any]]) -> str:
+    n = len(lines)
+    if n > len(_PALETTE):  # a ramp: name its two ends
+        return (
+            f'<tspan fill="{_color(0, n)}">{html.escape(lines[0][0])}</tspan> … '
+            f'<tspan fill="{_color(n - 1, n)}">{html.escape(lines[-1][0])}</tspan> ({n} lines)'
+        )
+    return " ".join(
+        f'<tspan fill="{_color(i, n)}">{html.escape(label)}</tspan>'
+        for i, (label, _) in enumerate(lines)
+    )
+
+
+def _table(
+    cls: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], first_is_name: bool = True
+) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = []
+    for row in rows:
+        cells = []
+        for j, v in enumerate(row):
+            if j == 0 and first_is_name:
+                cells.append(f"<td class=name>{html.escape(str(v))}</td>")
+                continue
+            bad = isinstance(v, float) and not math.isfinite(v)
+            cells.append(
+                f'<td data-col="{html.escape(columns[j])}" data-value="{_value_attr(v)}"'
+                f"{' class=bad' if bad else ''}>{_fmt(v)}</td>"
+            )
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f'<table class="{cls}"><tr>{head}</tr>{"".join(body)}</table>'
+
+
+# ------------------------------------------------------------------------------- sections
+
+
+def _area(key: str) -> str:
+    return key.split("/", 1)[0] if "/" in key else "(no area)"
+
+
+def _area_rank(area: str) -> tuple:
+    return (_AREA_ORDER.index(area), "") if area in _AREA_ORDER else (len(_AREA_ORDER), area)
+
+
+def _anchor(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", text)
+
+
+def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list[str], list[str]]:
+    """(navigation links, HTML sections) for the metrics, one section per area."""
+    by_area: dict[str, list[str]] = {}
+    for key in series:
+        by_area.setdefault(_area(key), []).append(key)
+    nav, parts = [], []
+    for area in sorted(by_area, key=_area_rank):
+        keys = sorted(by_area[area], key=_natural)
+        families: dict[str, list[str]] = {}
+        for key in keys:
+            families.setdefault(family_of(key), []).append(key)
+        charts = []
+        for fam, members in families.items():
+            if len(members) == 1:
+                title, lines = members[0], [(members[0], series[members[0]].ordered)]
+            else:
+                title = fam
+                lines = [(_member_label(m), series[m].ordered) for m in members]
+            charts.append(
+                f'<div class="card">{_chart_title(title)}{_chart(title, lines, max_points)}</div>'
+            )
+        rows = []
+        for key in keys:
+            sm = series[key].summary
+            rows.append(
+                [key, sm["last"], sm["last_step"], sm["min"], sm["max"], sm["mean"],
+                 sm["points"], sm["nonfinite"]]
+            )  # fmt: skip
+        table = _table(
+            "metrics",
+            ["key", "last", "last step", "min", "max", "mean", "steps", "non-finite"],
+            rows,
+        )
+        anchor = f"m-{_anchor(area)}"
+        nav.append(f'<a href="#{anchor}">{html.escape(area)}</a>')
+        parts.append(
+            f'<section id="{anchor}" class="area" data-area="{html.escape(area)}">'
+            f"<h2>{html.escape(area)} <small>{len(keys)} keys</small></h2>"
+            f'<div class="grid">{"".join(charts)}</div>'
+            f"<details><summary>table of the {len(keys)} keys (min, max and mean over finite "
+            f"values)</summary>{table}</details></section>"
+        )
+    return nav, parts
+
+
+def _member_label(key: str) -> str:
+    nums = _DIGITS.findall(key)
+    return "/".join(nums)
+
+
+def _chart_title(title: str) -> str:
+    return f'<div class="ct">{html.escape(title)}</div>'
+
+
+def _tensor_sections(
+    records: list[dict[str, Any]], first: int | None, last: int | None, max_points: int
+) -> tuple[list[str], list[str], list[list[Any]]]:
+    """(navigation links, HTML sections, attention rows) for ``tensor_stats.jsonl``."""
+    nav, parts, attention = [], [], []
+    everything = matcher(None)
+    layer_rx = re.compile(_LAYER)
+    stats = ["rms", "kurtosis", "skewness", "min", "max", "nonfinite", *_TABLE_STATS]
+    stats = list(dict.fromkeys(stats))
+    for kind in KINDS:
+        latest = latest_records(records, kind, first, last)
+        if not latest:
+            continue
+        merged = merge_records(latest, kind, stats, everything, None, False)
+        per_layer = merge_records(latest, kind, stats, everything, layer_rx, False)
+        last_step = max(latest)
+        per_tensor = merge_records({last_step: latest[last_step]}, kind, stats, everything,
+                                   None, True)  # fmt: skip
+        charts = []
+        for stat in _TENSOR_STATS:
+            pts = [(r["step"], _stat(r, stat)) for r in merged]
+            if stat == "nonfinite" and not any(v for _, v in pts):
+                continue
+            title = f"{kind}/all/{stat}"
+            charts.append(
+                f'<div class="card">{_chart_title(title)}'
+                f"{_chart(title, [('all', pts)], max_points)}</div>"
+            )
+        layers = sorted({r["group"] for r in per_layer}, key=_natural)
+        if len(layers) > 1:
+            for stat in ("rms", "kurtosis"):
+                lines = [
+                    (
+                        f"layer {g}",
+                        [(r["step"], _stat(r, stat)) for r in per_layer if r["group"] == g],
+                    )
+                    for g in layers
+                ]
+                title = f"{kind}/layer_*/{stat}"
+                charts.append(
+                    f'<div class="card">{_chart_title(title)}{_chart(title, lines, max_points)}'
+                    "</div>"
+                )
+        cols = ["tensors", *_TABLE_STATS]
+        layer_rows = [
+            [g, *(_cell(r, c) for c in cols)]
+            for g in layers
+            for r in per_layer
+            if r["step"] == last_step and r["group"] == g
+        ]
+        tensor_rows = [[r["group"], *(_cell(r, c) for c in cols[1:])] for r in per_tensor]
+        all_rows = [["all", *(_cell(r, c) for c in cols)] for r in merged if r["step"] == last_step]
+        anchor = f"t-{kind}"
+        nav.append(f'<a href="#{anchor}">tensors: {kind}</a>')
+        parts.append(
+            f'<section id="{anchor}" class="tensors" data-kind="{kind}">'
+            f"<h2>tensor statistics: {kind} <small>{len(latest)} steps, "
+            f"{len(tensor_rows)} tensors</small></h2>"
+            f'<div class="grid">{"".join(charts)}</div>'
+            f"<h3>step {last_step}: all tensors and per layer</h3>"
+            + _table(f"tensors-layers {kind}", ["group", *cols], all_rows + layer_rows)
+            + f"<details><summary>step {last_step}: each of the {len(tensor_rows)} tensors"
+            f"</summary>"
+            + _table(f"tensors-each {kind}", ["tensor", *cols[1:]], tensor_rows)
+            + "</details></section>"
+        )
+        attention += _tensor_attention(latest, kind)
+    return nav, parts, attention
+
+
+def _stat(row: dict[str, Any], stat: str) -> float:
+    if stat == "abs_max":
+        lo, hi = row["min"], row["max"]
+        if lo is None or hi is None:
+            return math.nan
+        return max(abs(lo), abs(hi))
+    v = row[stat]
+    return math.nan if v is None else float(v)
+
+
+def _cell(row: dict[str, Any], col: str) -> Any:
+    v = row[col]
+    return math.nan if v is None and col not in ("count", "nonfinite", "tensors") else v
+
+
+def _tensor_attention(latest: dict[int, dict[str, Any]], kind: str) -> list[list[Any]]:
+    """Rows (what, name, first step, steps, worst count) for tensors with non-finite elements."""
+    seen: dict[str, list[int]] = {}
+    worst: dict[str, float] = {}
+    for step in sorted(latest):
+        rec = latest[step]
+        fields = rec.get("fields", [])
+        if "nonfinite" not in fields:
+            continue
+        col = fields.index("nonfinite")
+        for name, vec in rec["tensors"].items():
+            n = vec[col]
+            if n:
+                seen.setdefault(name, []).append(step)
+                worst[name] = max(worst.get(name, 0.0), float(n))
+    return [
+        [f"tensor ({kind})", name, steps[0], len(steps), worst[name]]
+        for name, steps in sorted(seen.items(), key=lambda kv: _natural(kv[0]))
+    ]
+
+
+# --------------------------------------------------------------------------------- report
+
+_CSS = """
+body{font:13px/1.4 system-ui,sans-serif;margin:16px 24px;color:#222}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:24px 0 8px;border-bottom:1px solid #ddd}
+h2 small,h3{font-weight:normal;color:#666}h3{font-size:13px}
+nav a{margin-right:10px}.meta{color:#555}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(390px,1fr));gap:10px}
+.card{border:1px solid #e3e3e3;border-radius:6px;padding:4px 6px;background:#fff}
+.ct{font-family:ui-monospace,monospace;font-size:12px;overflow-wrap:anywhere}
+.chart .ax{font-size:10px;fill:#666}.chart .legend{font-size:10px}
+table{border-collapse:collapse;margin:6px 0;font-size:12px}
+td,th{border:1px solid #e3e3e3;padding:2px 6px;text-align:right}
+td.name{text-align:left;font-family:ui-monospace,monospace}
+td.bad{color:#c00;font-weight:bold}.ok{color:#2a7}.warn{color:#c00}
+"""
+
+
+def render_report(
+    run_dir: str | os.PathLike[str],
+    *,
+    metrics: str | os.PathLike[str] | None = None,
+    keys: str | Sequence[str] | None = None,
+    steps: str | tuple[int | None, int | None] | int | None = None,
+    max_points: int = DEFAULT_MAX_POINTS,
+    title: str | None = None,
+) -> str:
+    """The HTML text of the report of ``run_dir`` (see the module docstring).
+
+    Args:
+        run_dir: the run folder.
+        metrics: the metrics JSONL file (default ``<run_dir>/metrics.jsonl``; a relative path is
+            taken from the current directory).
+        keys: glob(s) over metric keys to include (``"moe/*"``, ``["train/*", "l2_norm/*"]``);
+            default all. Tensor statistics are not filtered by it.
+        steps: ``"100:200"`` (inclusive), ``"100:"``, ``":200"``, ``"150"`` or None for all.
+        max_points: the most points drawn per line (see :func:`decimate`).
+        title: the page title (default: the run folder's name).
+
+    Raises:
+        FileNotFoundError: ``run_dir`` holds neither file.
+    """
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"no run folder at {run}")
+    if not isinstance(max_points, int) or isinstance(max_points, bool) or max_points < 2:
+        raise ValueError(f"max_points must be an integer >= 2, got {max_points!r}")
+    first, last = parse_steps(steps)
+    globs = [keys] if isinstance(keys, str) else list(keys) if keys is not None else None
+    if globs is not None and not all(isinstance(g, str) for g in globs):
+        raise TypeError(f"keys must be a glob or a list of globs, got {keys!r}")
+
+    def keep(key: str) -> bool:
+        return globs is None or any(fnmatchcase(key, g) for g in globs)
+
+    metrics_path = Path(metrics) if metrics is not None else run / METRICS_FILE
+    stats_path = run / TENSOR_STATS_FILE
+    if metrics is not None and not metrics_path.exists():
+        raise FileNotFoundError(f"no metrics file at {metrics_path}")
+    if not metrics_path.exists() and not stats_path.exists():
+        raise FileNotFoundError(f"{run} holds neither {METRICS_FILE} nor {TENSOR_STATS_FILE}")
+
+    sources: list[str] = []
+    series: dict[str, _Series] = {}
+    times: list[float] = []
+    if metrics_path.exists():
+        records = read_jsonl(metrics_path)
+        series = _collect(records, keep, first, last)
+        times = [r["time"] for r in records]
+        sources.append(f"{html.escape(str(metrics_path))} ({len(records)} lines)")
+    tensor_records: list[dict[str, Any]] = []
+    if stats_path.exists():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tensor_records = list(read_tensor_stats(stats_path))
+        for w in caught:  # re-raise here: the caller sees the reader's warnings once
+            warnings.warn(str(w.message), w.category, stacklevel=2)
+        sources.append(f"{html.escape(str(stats_path))} ({len(tensor_records)} lines)")
+
+    nav, sections = _metrics_sections(series, max_points)
+    t_nav, t_sections, t_attention = _tensor_sections(tensor_records, first, last, max_points)
+    attention = [
+        ["metric", key, sm["first_nonfinite"], sm["nonfinite"], None]
+        for key, s in sorted(series.items(), key=lambda kv: _natural(kv[0]))
+        if (sm := s.summary)["nonfinite"]
+    ] + t_attention
+    if attention:
+        att = _table(
+            "attention",
+            ["what", "first step", "steps", "most non-finite elements"],
+            [
+                [f"{what}: {name}", first_step, n, most]
+                for what, name, first_step, n, most in attention
+            ],
+        )
+        att_html = (
+            f'<p class="warn">{len(attention)} metric(s) or tensor(s) were NaN or infinite at some '
+            f"step.</p>{att}"
+        )
+    else:
+        att_html = '<p class="ok">No metric and no tensor was ever NaN or infinite.</p>'
+
+    all_steps = sorted({s for ser in series.values() for s in ser.points}) or sorted(
+        {int(r["step"]) for r in tensor_records}
+    )
+    span = ""
+    if all_steps:
+        span = f"steps {all_steps[0]} to {all_steps[-1]}"
+    if len(times) > 1:
+        span += f", {(_dt.timedelta(seconds=round(max(times) - min(times))))} of wall time"
+    name = title if title is not None else run.resolve().name
+    links = "".join(['<a href="#attention">attention</a>', *nav, *t_nav])
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        "<!doctype html><html lang=en><head><meta charset=utf-8>"
+        f"<title>trainvitals report: {html.escape(name)}</title><style>{_CSS}</style></head><body>"
+        f"<h1>trainvitals report: {html.escape(name)}</h1>"
+        f'<p class="meta">{span}; {len(series)} metric keys. Read from '
+        f"{'; '.join(sources)}. Made {now}.</p>"
+        f"<nav>{links}</nav>"
+        f'<section id="attention"><h2>Attention</h2>{att_html}</section>'
+        f"{''.join(sections)}{''.join(t_sections)}</body></html>\n"
+    )
+
+
+def write_report(
+    run_dir: str | os.PathLike[str],
+    output: str | os.PathLike[str] | None = None,
+    **options: Any,
+) -> Path:
+    """Write :func:`render_report` of ``run_dir`` to ``output`` (default
+    ``<run_dir>/report.html``), replacing it whole (written aside, then renamed), and return
+    its path. ``options`` are those of :func:`render_report`."""
+    text = render_report(run_dir, **options)
+    path = Path(output) if output is not None else Path(run_dir) / "report.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
