@@ -124,7 +124,10 @@ def _add_report_arguments(p: argparse.ArgumentParser) -> None:
         "--output", "-o", default=None, help="the HTML file to write (default RUN_DIR/report.html)"
     )
     p.add_argument(
-        "--metrics", default=None, help="the metrics JSONL file (default RUN_DIR/metrics.jsonl)"
+        "--metrics",
+        default=None,
+        help="the scalars: a JSONL file, a TensorBoard event file or folder, or a metrics CSV "
+        "(default: RUN_DIR/metrics.jsonl, else event files, else metrics.csv under RUN_DIR)",
     )
     p.add_argument(
         "--keys",

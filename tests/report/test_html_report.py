@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import random
@@ -11,11 +12,12 @@ import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from tests.report.test_query_cli import LAYERS, check_row, make_tensors, write_run
-from trainvitals.adapters import FanoutWriter, JsonlSink
+from trainvitals.adapters import FanoutWriter, JsonlSink, TensorBoardSink
 from trainvitals.report import render_report, write_report
 from trainvitals.report.html import decimate, family_of
 
@@ -288,7 +290,7 @@ def test_keys_and_steps_select(run: tuple[Path, dict]) -> None:
 
 
 def test_missing_files_and_truncated_line(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="neither"):
+    with pytest.raises(FileNotFoundError, match="holds no metrics"):
         render_report(tmp_path)
     with pytest.raises(FileNotFoundError, match="no run folder"):
         render_report(tmp_path / "nope")
@@ -324,3 +326,46 @@ def test_cli_writes_the_report(run: tuple[Path, dict], tmp_path: Path) -> None:
     default = write_report(run_dir)
     assert default == run_dir / "report.html" and default.read_text().startswith("<!doctype html>")
     assert not list(run_dir.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("fmt", ["tensorboard", "csv"])
+def test_metrics_from_tensorboard_or_lightning_csv(tmp_path: Path, fmt: str) -> None:
+    """A Lightning or Accelerate run with no JSONL: the scalars come from the TensorBoard
+    event files (float32) or the CSVLogger file found under the run folder."""
+    steps = range(0, 300, 3)
+    keys = ["train/loss", "moe/layer_2/cv", "moe/layer_10/cv"]
+    values = {k: {s: metric_value(k, s) for s in steps} for k in keys}
+    values["train/loss"][150] = math.nan
+    logs = tmp_path / "lightning_logs" / "version_0"
+    if fmt == "tensorboard":
+        with FanoutWriter([TensorBoardSink(logs)]) as writer:
+            for s in steps:
+                writer.add_scalars({k: values[k][s] for k in keys}, s)
+        want = {k: {s: float(np.float32(v)) for s, v in pts.items()} for k, pts in values.items()}
+    else:
+        logs.mkdir(parents=True)
+        with open(logs / "metrics.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["epoch", "step", *keys])
+            for s in steps:  # Lightning leaves a cell empty where a key was not logged
+                w.writerow(
+                    [0, s, *(repr(values[k][s]) if s % 2 or k == keys[0] else "" for k in keys)]
+                )
+        want = {
+            k: {s: v for s, v in pts.items() if s % 2 or k == keys[0]} for k, pts in values.items()
+        }
+    write_run(logs, [0, 3])  # tensor_stats.jsonl lands in the logger's folder
+    page = Page(render_report(logs))
+    rows = page.rows("metrics")
+    assert set(rows) == set(keys)
+    for key, pts in want.items():
+        finite = [v for v in pts.values() if math.isfinite(v)]
+        assert rows[key]["last"] == pts[max(pts)] and rows[key]["steps"] == len(pts)
+        assert rows[key]["min"] == min(finite) and rows[key]["max"] == max(finite)
+        assert rows[key]["non-finite"] == sum(not math.isfinite(v) for v in pts.values())
+    assert list(page.charts["moe/layer_*/cv"]["lines"]) == ["2", "10"]
+    assert "tensors-layers grad" in page.tables
+    # found from the run's root as well, and named explicitly
+    assert set(Page(render_report(tmp_path)).rows("metrics")) == set(keys)
+    source = logs if fmt == "tensorboard" else logs / "metrics.csv"
+    assert set(Page(render_report(tmp_path, metrics=source)).rows("metrics")) == set(keys)

@@ -4,9 +4,10 @@ One HTML file, no JavaScript, no network: inline CSS and inline SVG charts, so i
 mailed, attached to a ticket or opened on a machine with no internet. It reads what the run
 wrote:
 
-* the metrics JSONL (``metrics.jsonl``, the :class:`~trainvitals.adapters.JsonlSink` file;
-  schema in :mod:`trainvitals.adapters.jsonl`): one chart per metric family and a table of
-  every key (last value, finite min / max / mean, non-finite count);
+* the run's scalar metrics (``metrics.jsonl``, the :class:`~trainvitals.adapters.JsonlSink`
+  file; else TensorBoard event files or a Lightning ``metrics.csv`` found under the run folder,
+  see :mod:`trainvitals.report.sources`): one chart per metric family and a table of every
+  key (last value, finite min / max / mean, non-finite count);
 * ``tensor_stats.jsonl`` (the :class:`~trainvitals.callbacks.TensorStatsMonitor` file), if
   present: per kind, the statistics of all tensors merged exactly, per layer over the steps,
   and a table per layer and per tensor at the last step (the same exact merging as
@@ -42,12 +43,11 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from trainvitals.adapters.jsonl import JsonlRecord, read_jsonl
 from trainvitals.report.query import (
     KINDS,
     latest_records,
@@ -56,11 +56,11 @@ from trainvitals.report.query import (
     parse_steps,
     read_tensor_stats,
 )
+from trainvitals.report.sources import find_metrics, load_metrics
 
 __all__ = ["DEFAULT_MAX_POINTS", "decimate", "family_of", "render_report", "write_report"]
 
 DEFAULT_MAX_POINTS = 600
-METRICS_FILE = "metrics.jsonl"
 TENSOR_STATS_FILE = "tensor_stats.jsonl"
 # The first integer component of a dotted module name (as the layer numbers in keys).
 _LAYER = r"(?:^|\.)(\d+)(?=\.|$)"
@@ -145,27 +145,6 @@ class _Series:
             "nonfinite": len(bad),
             "first_nonfinite": bad[0] if bad else None,
         }
-
-
-def _collect(
-    records: Iterable[JsonlRecord],
-    keep: Callable[[str], bool],
-    first: int | None,
-    last: int | None,
-) -> dict[str, _Series]:
-    series: dict[str, _Series] = {}
-    for rec in records:
-        step = rec["step"]
-        if (first is not None and step < first) or (last is not None and step > last):
-            continue
-        for key, value in rec["metrics"].items():
-            if not keep(key):
-                continue
-            s = series.get(key)
-            if s is None:
-                s = series[key] = _Series(key)
-            s.points[step] = value
-    return series
 
 
 # -------------------------------------------------------------------------------- drawing
@@ -520,8 +499,10 @@ def render_report(
 
     Args:
         run_dir: the run folder.
-        metrics: the metrics JSONL file (default ``<run_dir>/metrics.jsonl``; a relative path is
-            taken from the current directory).
+        metrics: where the scalars are: a JSONL file, a TensorBoard event file or folder, or a
+            metrics CSV (default: found in the run folder, see
+            :mod:`trainvitals.report.sources`; a relative path is taken from the current
+            directory).
         keys: glob(s) over metric keys to include (``"moe/*"``, ``["train/*", "l2_norm/*"]``);
             default all. Tensor statistics are not filtered by it.
         steps: ``"100:200"`` (inclusive), ``"100:"``, ``":200"``, ``"150"`` or None for all.
@@ -529,7 +510,7 @@ def render_report(
         title: the page title (default: the run folder's name).
 
     Raises:
-        FileNotFoundError: ``run_dir`` holds neither file.
+        FileNotFoundError: ``run_dir`` holds neither metrics nor tensor statistics.
     """
     run = Path(run_dir)
     if not run.is_dir():
@@ -544,21 +525,29 @@ def render_report(
     def keep(key: str) -> bool:
         return globs is None or any(fnmatchcase(key, g) for g in globs)
 
-    metrics_path = Path(metrics) if metrics is not None else run / METRICS_FILE
+    if metrics is not None:
+        metrics_path: Path | None = Path(metrics)
+        if not metrics_path.exists():
+            raise FileNotFoundError(f"no metrics file at {metrics_path}")
+    else:
+        metrics_path = find_metrics(run)
     stats_path = run / TENSOR_STATS_FILE
-    if metrics is not None and not metrics_path.exists():
-        raise FileNotFoundError(f"no metrics file at {metrics_path}")
-    if not metrics_path.exists() and not stats_path.exists():
-        raise FileNotFoundError(f"{run} holds neither {METRICS_FILE} nor {TENSOR_STATS_FILE}")
+    if metrics_path is None and not stats_path.exists():
+        raise FileNotFoundError(
+            f"{run} holds no metrics (metrics.jsonl, TensorBoard event files, metrics.csv) and "
+            f"no {TENSOR_STATS_FILE}"
+        )
 
     sources: list[str] = []
     series: dict[str, _Series] = {}
     times: list[float] = []
-    if metrics_path.exists():
-        records = read_jsonl(metrics_path)
-        series = _collect(records, keep, first, last)
-        times = [r["time"] for r in records]
-        sources.append(f"{html.escape(str(metrics_path))} ({len(records)} lines)")
+    if metrics_path is not None:
+        source = load_metrics(metrics_path, keep, first, last)
+        for key, points in source.values.items():
+            series[key] = _Series(key)
+            series[key].points = points
+        times = source.times
+        sources.append(html.escape(source.description))
     tensor_records: list[dict[str, Any]] = []
     if stats_path.exists():
         with warnings.catch_warnings(record=True) as caught:

@@ -1,0 +1,125 @@
+"""Where a run's scalar metrics are read from, for :mod:`trainvitals.report.html`.
+
+Three formats, found in this order when none is named:
+
+1. ``<run_dir>/metrics.jsonl``: the :class:`~trainvitals.adapters.JsonlSink` file (float64,
+   exact; schema in :mod:`trainvitals.adapters.jsonl`);
+2. TensorBoard event files (``events.out.tfevents.*``) anywhere under the run folder: what a
+   Lightning ``TensorBoardLogger``, an Accelerate ``tensorboard`` tracker or a
+   :class:`~trainvitals.adapters.TensorBoardSink` wrote (values are float32 there; read with
+   ``tensorboard``'s own reader, imported only then);
+3. a Lightning ``CSVLogger`` file (``metrics.csv``) anywhere under the run folder: a ``step``
+   column and one column per key, empty where a key was not logged.
+
+Within a step, the value read last wins (a later line, a later event file of a resumed run).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainvitals.adapters.jsonl import read_jsonl
+
+__all__ = ["MetricsSource", "find_metrics", "load_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+_EVENTS = "events.out.tfevents.*"
+
+
+@dataclass
+class MetricsSource:
+    """The scalars of a run: ``values[key][step] = value``, the wall times seen (Unix
+    seconds, for the run's span) and a line saying where they came from."""
+
+    values: dict[str, dict[int, float]] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
+    description: str = ""
+
+
+def find_metrics(run_dir: Path) -> Path | None:
+    """The metrics source of ``run_dir`` in the order of the module docstring (a folder for
+    TensorBoard: the one holding the first event file found), or None."""
+    if (run_dir / METRICS_FILE).is_file():
+        return run_dir / METRICS_FILE
+    events = sorted(run_dir.rglob(_EVENTS))
+    if events:
+        return events[0].parent
+    csvs = sorted(run_dir.rglob("metrics.csv"))
+    return csvs[0] if csvs else None
+
+
+def load_metrics(
+    path: Path, keep: Callable[[str], bool], first: int | None, last: int | None
+) -> MetricsSource:
+    """Read the scalars of ``path`` (a ``.jsonl`` file, a ``.csv`` file, a TensorBoard event
+    file or a folder of them), keeping the keys ``keep`` accepts and ``first <= step <= last``."""
+    src = MetricsSource()
+
+    def add(key: str, step: int, value: float) -> None:
+        if (first is not None and step < first) or (last is not None and step > last):
+            return
+        if keep(key):
+            src.values.setdefault(key, {})[step] = value
+
+    if path.is_dir() or path.name.startswith("events.out.tfevents."):
+        files = sorted(path.rglob(_EVENTS)) if path.is_dir() else [path]
+        if not files:
+            raise FileNotFoundError(f"no TensorBoard event files under {path}")
+        for step, key, value, wall in _tensorboard_scalars(files):
+            add(key, step, value)
+            src.times.append(wall)
+        src.description = f"{path} ({len(files)} TensorBoard event file(s), float32 values)"
+    elif path.suffix == ".csv":
+        rows = 0
+        for step, key, value in _csv_scalars(path):
+            add(key, step, value)
+            rows += 1
+        src.description = f"{path} (CSV, {rows} values)"
+    else:
+        records = read_jsonl(path)
+        for rec in records:
+            for key, value in rec["metrics"].items():
+                add(key, rec["step"], value)
+        src.times = [r["time"] for r in records]
+        src.description = f"{path} ({len(records)} lines)"
+    return src
+
+
+def _tensorboard_scalars(files: list[Path]) -> Iterator[tuple[int, str, float, float]]:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError as exc:  # pragma: no cover - tensorboard is in the dev extra
+        raise FileNotFoundError(
+            "reading TensorBoard event files needs the tensorboard package "
+            "(pip install tensorboard), or write JSONL with JsonlSink"
+        ) from exc
+    for f in files:  # sorted: the file names start with their creation time
+        acc = EventAccumulator(os.fspath(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            for event in acc.Scalars(tag):
+                yield event.step, tag, float(event.value), event.wall_time
+
+
+def _csv_scalars(path: Path) -> Iterator[tuple[int, str, float]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or "step" not in reader.fieldnames:
+            raise ValueError(f"{path}: a metrics CSV needs a 'step' column")
+        for row in reader:
+            try:
+                step = int(float(row["step"]))
+            except (TypeError, ValueError):
+                continue
+            for key, text in row.items():
+                if key in ("step", "epoch") or text in (None, ""):
+                    continue
+                try:
+                    value = float(text)  # also 'nan', 'inf'
+                except ValueError:
+                    continue
+                yield step, key, value
