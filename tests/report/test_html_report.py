@@ -365,7 +365,8 @@ def test_metrics_from_tensorboard_or_lightning_csv(tmp_path: Path, fmt: str) -> 
         assert rows[key]["non-finite"] == sum(not math.isfinite(v) for v in pts.values())
     assert list(page.charts["moe/layer_*/cv"]["lines"]) == ["2", "10"]
     assert "tensors-layers grad" in page.tables
-    # found from the run's root as well, and named explicitly
-    assert set(Page(render_report(tmp_path)).rows("metrics")) == set(keys)
+    # found from the run's root as well (both files), and named explicitly
+    root = Page(render_report(tmp_path))
+    assert set(root.rows("metrics")) == set(keys) and "tensors-layers grad" in root.tables
     source = logs if fmt == "tensorboard" else logs / "metrics.csv"
     assert set(Page(render_report(tmp_path, metrics=source)).rows("metrics")) == set(keys)

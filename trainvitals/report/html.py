@@ -8,8 +8,8 @@ wrote:
   file; else TensorBoard event files or a Lightning ``metrics.csv`` found under the run folder,
   see :mod:`trainvitals.report.sources`): one chart per metric family and a table of every
   key (last value, finite min / max / mean, non-finite count);
-* ``tensor_stats.jsonl`` (the :class:`~trainvitals.callbacks.TensorStatsMonitor` file), if
-  present: per kind, the statistics of all tensors merged exactly, per layer over the steps,
+* ``tensor_stats.jsonl`` (the :class:`~trainvitals.callbacks.TensorStatsMonitor` file) in the
+  run folder or, if not there, the first found under it: per kind, the statistics of all tensors merged exactly, per layer over the steps,
   and a table per layer and per tensor at the last step (the same exact merging as
   :func:`trainvitals.report.query`).
 
@@ -532,6 +532,8 @@ def render_report(
     else:
         metrics_path = find_metrics(run)
     stats_path = run / TENSOR_STATS_FILE
+    if not stats_path.exists():  # a logger's subfolder (Lightning: lightning_logs/version_0)
+        stats_path = next(iter(sorted(run.rglob(TENSOR_STATS_FILE))), stats_path)
     if metrics_path is None and not stats_path.exists():
         raise FileNotFoundError(
             f"{run} holds no metrics (metrics.jsonl, TensorBoard event files, metrics.csv) and "
