@@ -7,6 +7,7 @@ import json
 import math
 import random
 import re
+import statistics
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -201,8 +202,8 @@ def test_charts_one_per_family_with_spike_and_nonfinite_marks(run: tuple[Path, d
     metric_charts = {k for k in page.charts if not k.startswith(("grad/", "param/"))}
     assert metric_charts == {"train/loss", "time/remaining_hours", "moe/layer_*/cv"}
     assert family_of("moe/layer_11/cv") == "moe/layer_*/cv"
-    family = page.charts["moe/layer_*/cv"]["lines"]
-    assert list(family) == [str(i) for i in range(LAYERS)]
+    family = page.charts["moe/layer_*/cv"]["lines"]  # 12 keys: their min, median, max
+    assert list(family) == [f"{w} of {LAYERS}" for w in ("min", "median", "max")]
     assert all(len(pts) <= 200 for pts in family.values())
 
     (loss,) = page.charts["train/loss"]["lines"].values()
@@ -214,6 +215,27 @@ def test_charts_one_per_family_with_spike_and_nonfinite_marks(run: tuple[Path, d
     assert page.charts["train/loss"]["nonfinite"] == 1
     assert page.charts["time/remaining_hours"]["nonfinite"] == 1
     assert page.charts["moe/layer_*/cv"]["nonfinite"] is None
+
+
+def test_a_large_family_is_drawn_as_its_min_median_max(run: tuple[Path, dict]) -> None:
+    run_dir, _ = run
+    page = Page(render_report(run_dir, max_points=2 * STEPS))  # no thinning: a point per step
+    lines = page.charts["moe/layer_*/cv"]["lines"]
+    keys = [f"moe/layer_{i}/cv" for i in range(LAYERS)]
+    want = {
+        "min": [min(metric_value(k, s) for k in keys) for s in range(STEPS)],
+        "median": [statistics.median(metric_value(k, s) for k in keys) for s in range(STEPS)],
+        "max": [max(metric_value(k, s) for k in keys) for s in range(STEPS)],
+    }
+    y0, y1 = min(want["min"]), max(want["max"])
+    for what, values in want.items():
+        pts = lines[f"{what} of {LAYERS}"]
+        assert [x for x, _ in pts] == pytest.approx(
+            [62 + 310 * s / (STEPS - 1) for s in range(STEPS)], abs=0.06
+        )
+        # back from pixels (plot: y 8..120 for y1..y0), to within the 0.1 px rounding
+        got = [y1 - (py - 8) * (y1 - y0) / 112 for _, py in pts]
+        assert got == pytest.approx(values, abs=0.06 * (y1 - y0) / 112)
 
 
 def test_attention_lists_every_nonfinite_metric_and_tensor(run: tuple[Path, dict]) -> None:

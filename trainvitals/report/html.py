@@ -20,8 +20,9 @@ Charts:
 
 * A *family* is the set of keys that differ only in their integers (``moe/layer_0/cv``,
   ``moe/layer_1/cv``, ...: family ``moe/layer_*/cv``); it gets one chart with a line per
-  member, on one y scale. A key with no integers, or alone in its family, gets a chart of its
-  own.
+  member, on one y scale, or, above :data:`MAX_LINES` members (tokens per expert of every
+  layer), three lines: the min, median and max across its keys at each step. A key with no
+  integers, or alone in its family, gets a chart of its own.
 * Long series are thinned for drawing by keeping, in each of ``max_points / 2`` buckets of
   consecutive steps, the smallest and the largest value (:func:`decimate`): a one-step spike is
   never dropped, unlike taking every k-th point. The tables use every value.
@@ -42,6 +43,7 @@ import html
 import math
 import os
 import re
+import statistics
 import warnings
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
@@ -61,6 +63,8 @@ from trainvitals.report.sources import find_metrics, load_metrics
 __all__ = ["DEFAULT_MAX_POINTS", "decimate", "family_of", "render_report", "write_report"]
 
 DEFAULT_MAX_POINTS = 600
+# A family of more keys than this is drawn as its min / median / max across keys per step.
+MAX_LINES = 10
 TENSOR_STATS_FILE = "tensor_stats.jsonl"
 # The first integer component of a dotted module name (as the layer numbers in keys).
 _LAYER = r"(?:^|\.)(\d+)(?=\.|$)"
@@ -323,9 +327,12 @@ def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list
         for fam, members in families.items():
             if len(members) == 1:
                 title, lines = members[0], [(members[0], series[members[0]].ordered)]
-            else:
+            elif len(members) <= MAX_LINES:
                 title = fam
                 lines = [(_member_label(m), series[m].ordered) for m in members]
+            else:
+                title = fam
+                lines = _band([series[m] for m in members])
             charts.append(
                 f'<div class="card">{_chart_title(title)}{_chart(title, lines, max_points)}</div>'
             )
@@ -351,6 +358,28 @@ def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list
             f"values)</summary>{table}</details></section>"
         )
     return nav, parts
+
+
+def _band(members: Sequence[_Series]) -> list[tuple[str, list[tuple[int, float]]]]:
+    """Lines ``min``, ``median``, ``max`` across ``members`` at each step (finite values; a
+    step where some member was non-finite gets a NaN on the ``max`` line, so it is marked)."""
+    by_step: dict[int, list[float]] = {}
+    for m in members:
+        for step, v in m.points.items():
+            by_step.setdefault(step, []).append(v)
+    lo, mid, hi = [], [], []
+    for step in sorted(by_step):
+        vals = sorted(v for v in by_step[step] if math.isfinite(v))
+        if not vals:
+            lo.append((step, math.nan))
+            mid.append((step, math.nan))
+            hi.append((step, math.nan))
+            continue
+        lo.append((step, vals[0]))
+        mid.append((step, statistics.median(vals)))
+        hi.append((step, vals[-1] if len(vals) == len(by_step[step]) else math.nan))
+    n = len(members)
+    return [(f"min of {n}", lo), (f"median of {n}", mid), (f"max of {n}", hi)]
 
 
 def _member_label(key: str) -> str:
