@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from trainvitals.stats.moments import DERIVED, FIELDS, combine_moments, derive, empty_moments
+from trainvitals.stats.moments import DERIVED, FIELDS, combine_moments, derive
 
 __all__ = ["SUPPORTED_VERSIONS", "parse_steps", "query", "read_tensor_stats"]
 
@@ -211,14 +211,16 @@ def merge_records(
     by_rx: re.Pattern[str] | None,
     per_tensor: bool,
 ) -> list[dict[str, Any]]:
-    """The rows of :func:`query` from :func:`latest_records` (arguments already checked)."""
-    rows: list[dict[str, Any]] = []
+    """The rows of :func:`query` from :func:`latest_records` (arguments already checked).
+
+    Every (step, group) of the call is merged in one :func:`combine_moments` over all parts,
+    not one per step: a report over thousands of steps costs a few tensor operations."""
+    keys: list[tuple[int, str]] = []  # (step, group) of each part
+    values: list[list[float]] = []
     for step in sorted(latest):
         rec = latest[step]
         fields = rec.get("fields", list(FIELDS))
         col = [fields.index(f) for f in FIELDS]
-        labels: list[str] = []
-        values: list[list[float]] = []
         for name, vec in rec["tensors"].items():
             if not match(name):
                 continue
@@ -231,31 +233,28 @@ def merge_records(
                 label = m.group(1)
             else:
                 label = "*"
-            labels.append(label)
+            keys.append((step, label))
             values.append([_num(vec[c], FIELDS[j]) for j, c in enumerate(col)])
-        if not labels:
-            continue
-        order = sorted(set(labels), key=_sort_key)
-        pos = {g: i for i, g in enumerate(order)}
-        parts = torch.tensor(values, dtype=torch.float64)
-        owner = torch.tensor([pos[g] for g in labels])
-        merged = (
-            combine_moments(parts, owner, len(order))
-            if parts.numel()
-            else empty_moments(len(order))
-        )
-        derived = derive(merged)
-        counts = torch.bincount(owner, minlength=len(order)).tolist()
-        for i, g in enumerate(order):
-            row: dict[str, Any] = {"step": step, "kind": kind, "group": g, "tensors": counts[i]}
-            for s in stats:
-                v = float(derived[s][i])
-                row[s] = (
-                    int(v)
-                    if s in ("count", "nonfinite") and math.isfinite(v)
-                    else (v if math.isfinite(v) else None)
-                )
-            rows.append(row)
+    if not keys:
+        return []
+    slots = sorted(set(keys), key=lambda k: (k[0], _sort_key(k[1])))
+    pos = {k: i for i, k in enumerate(slots)}
+    owner = torch.tensor([pos[k] for k in keys])
+    merged = combine_moments(torch.tensor(values, dtype=torch.float64), owner, len(slots))
+    every = derive(merged)
+    derived = {s: every[s].tolist() for s in stats}
+    counts = torch.bincount(owner, minlength=len(slots)).tolist()
+    rows: list[dict[str, Any]] = []
+    for i, (step, g) in enumerate(slots):
+        row: dict[str, Any] = {"step": step, "kind": kind, "group": g, "tensors": counts[i]}
+        for s in stats:
+            v = derived[s][i]
+            row[s] = (
+                int(v)
+                if s in ("count", "nonfinite") and math.isfinite(v)
+                else (v if math.isfinite(v) else None)
+            )
+        rows.append(row)
     return rows
 
 
