@@ -26,6 +26,7 @@ from trainvitals import (
 from trainvitals.adapters.accelerate import Vitals
 from trainvitals.moe import TinyMoELM
 from trainvitals.moe.tiny_model import RandomTokenDataset
+from trainvitals.report import write_report
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     accelerator.end_training()
     if accelerator.is_main_process:
         print(f"logs in {args.run_dir} (tensorboard --logdir {args.run_dir})")
+        print(f"HTML report: {write_report(args.run_dir)}")  # from the TensorBoard event files
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from trainvitals import (
     ThroughputMonitor,
 )
 from trainvitals.moe.tiny_model import RandomTokenDataset, TinyMoELightningModule
+from trainvitals.report import write_report
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(module, loader)
     if trainer.is_global_zero:
         print(f"logs in {args.run_dir} (tensorboard --logdir {args.run_dir / 'tb'})")
+        # the TensorBoard logger's folder holds the event file and tensor_stats.jsonl
+        print(f"HTML report: {write_report(trainer.loggers[0].log_dir)}")
 
 
 if __name__ == "__main__":

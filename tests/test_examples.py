@@ -66,3 +66,15 @@ def test_accelerate_example(tmp_path):
     accumulator.Reload()
     assert [e.step for e in accumulator.Scalars("l2_norm/grad/global")] == [0, 2]
     assert "moe/cv_mean" in accumulator.Tags()["scalars"]
+    report = (tmp_path / "report.html").read_text()  # its scalars from the event file
+    assert 'data-key="l2_norm/grad/global"' in report and "TensorBoard event file" in report
+
+
+def test_lightning_example(tmp_path):
+    pytest.importorskip("lightning")
+    out = _run("lightning_moe.py", "--run-dir", str(tmp_path), "--steps", "4", "--log-every", "2")
+    (stats,) = tmp_path.rglob("tensor_stats.jsonl")
+    report = stats.parent / "report.html"  # the TensorBoard logger's version folder
+    assert str(report) in out
+    text = report.read_text()
+    assert 'data-key="l2_norm/grad/global"' in text and 'data-kind="grad"' in text

@@ -392,3 +392,23 @@ def test_metrics_from_tensorboard_or_lightning_csv(tmp_path: Path, fmt: str) -> 
     assert set(root.rows("metrics")) == set(keys) and "tensors-layers grad" in root.tables
     source = logs if fmt == "tensorboard" else logs / "metrics.csv"
     assert set(Page(render_report(tmp_path, metrics=source)).rows("metrics")) == set(keys)
+
+
+def test_edge_cases_single_step_constant_all_nan_and_markup_in_keys(tmp_path: Path) -> None:
+    odd = 'odd/<b>"&</b>'
+    with FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")]) as writer:
+        writer.add_scalars({"a/flat": 2.5, "a/nan": math.nan, odd: 1.0}, 7)
+    text = render_report(tmp_path)
+    assert "<b>" not in text  # names are escaped, never markup
+    page = Page(text)
+    rows = page.rows("metrics")
+    assert rows[odd]["last"] == 1.0
+    assert math.isnan(rows["a/nan"]["min"]) and rows["a/nan"]["non-finite"] == 1
+    assert rows["a/flat"] == {
+        "last": 2.5, "last step": 7, "min": 2.5, "max": 2.5, "mean": 2.5,
+        "steps": 1, "non-finite": 0,
+    }  # fmt: skip
+    # one step: a point in the middle of the plot; an all-NaN key: no line, one red tick
+    assert page.charts["a/flat"]["circles"]["a/flat"] == (62 + 310 / 2, pytest.approx(64.0))
+    assert page.charts["a/nan"]["lines"] == {} and page.charts["a/nan"]["nonfinite"] == 1
+    assert "no finite value" in text
