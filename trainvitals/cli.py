@@ -119,7 +119,11 @@ def _cell(v: Any) -> str:
 def _add_report_arguments(p: argparse.ArgumentParser) -> None:
     from trainvitals.report.html import DEFAULT_MAX_POINTS
 
-    p.add_argument("run_dir", help="run folder holding metrics.jsonl and/or tensor_stats.jsonl")
+    p.add_argument(
+        "run_dir",
+        help="run folder: metrics.jsonl (or TensorBoard event files, or a metrics.csv) and/or "
+        "tensor_stats.jsonl, found in it or below it",
+    )
     p.add_argument(
         "--output", "-o", default=None, help="the HTML file to write (default RUN_DIR/report.html)"
     )
@@ -173,7 +177,7 @@ SUBCOMMANDS: dict[
         _run_query,
     ),
     "report": (
-        "a self-contained HTML report of a run (metrics.jsonl and tensor_stats.jsonl)",
+        "a self-contained HTML report of a run: its metrics and tensor statistics",
         _add_report_arguments,
         _run_report,
     ),
