@@ -419,14 +419,14 @@ def _tensor_sections(
                 f'<div class="card">{_chart_title(title)}'
                 f"{_chart(title, [('all', pts)], max_points)}</div>"
             )
-        layers = sorted({r["group"] for r in per_layer}, key=_natural)
+        by_layer: dict[str, list[dict[str, Any]]] = {}
+        for r in per_layer:
+            by_layer.setdefault(r["group"], []).append(r)
+        layers = sorted(by_layer, key=_natural)
         if len(layers) > 1:
             for stat in ("rms", "kurtosis"):
                 lines = [
-                    (
-                        f"layer {g}",
-                        [(r["step"], _stat(r, stat)) for r in per_layer if r["group"] == g],
-                    )
+                    (f"layer {g}", [(r["step"], _stat(r, stat)) for r in by_layer[g]])
                     for g in layers
                 ]
                 title = f"{kind}/layer_*/{stat}"
@@ -438,8 +438,8 @@ def _tensor_sections(
         layer_rows = [
             [g, *(_cell(r, c) for c in cols)]
             for g in layers
-            for r in per_layer
-            if r["step"] == last_step and r["group"] == g
+            for r in by_layer[g][-1:]  # rows are in step order: the last is the last step's
+            if r["step"] == last_step
         ]
         tensor_rows = [[r["group"], *(_cell(r, c) for c in cols[1:])] for r in per_tensor]
         all_rows = [["all", *(_cell(r, c) for c in cols)] for r in merged if r["step"] == last_step]
