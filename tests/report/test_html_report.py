@@ -49,12 +49,14 @@ class Page(HTMLParser):
         if tag == "a":
             self.links.append(a.get("href", ""))
         if tag == "svg":
-            self._chart = {"lines": {}, "nonfinite": None, "circles": {}}
+            self._chart = {"lines": {}, "nonfinite": None, "circles": {}, "cells": {}}
             assert a["data-key"] not in self.charts, f"two charts for {a['data-key']}"
             self.charts[a["data-key"]] = self._chart
         elif tag == "polyline" and self._chart is not None:
             pts = [tuple(map(float, p.split(","))) for p in a["points"].split()]
             self._chart["lines"][a["data-label"]] = pts
+        elif tag == "rect" and self._chart is not None and "data-expert" in a:
+            self._chart["cells"][(a["data-layer"], int(a["data-expert"]))] = a
         elif tag == "circle" and self._chart is not None:
             self._chart["circles"][a["data-label"]] = (float(a["cx"]), float(a["cy"]))
         elif tag == "path" and a.get("class") == "nonfinite":
@@ -412,3 +414,43 @@ def test_edge_cases_single_step_constant_all_nan_and_markup_in_keys(tmp_path: Pa
     assert page.charts["a/flat"]["circles"]["a/flat"] == (62 + 310 / 2, pytest.approx(64.0))
     assert page.charts["a/nan"]["lines"] == {} and page.charts["a/nan"]["nonfinite"] == 1
     assert "no finite value" in text
+
+
+def test_expert_load_heatmaps_equal_the_logged_tokens(tmp_path: Path) -> None:
+    """LoadBalanceMonitor's detailed keys become two heatmaps: the last step and all steps."""
+    layers, experts, steps = 3, 4, [0, 2, 4]
+
+    def tokens(layer: int, e: int, step: int) -> float:
+        if (layer, e, step) == (1, 3, 4):
+            return 0.0  # dead at the last step
+        return 100.0 + 10 * e + step + (300.0 if (layer, e) == (2, 0) else 0.0)
+
+    with FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")]) as writer:
+        for step in steps:
+            writer.add_scalars(
+                {
+                    f"moe/layer_{layer}/tokens_per_expert/{e}": tokens(layer, e, step)
+                    for layer in range(layers)
+                    for e in range(experts)
+                },
+                step,
+            )
+    page = Page(render_report(tmp_path))
+    for key, pick in (
+        ("expert-load/step-4", lambda layer, e: tokens(layer, e, 4)),
+        ("expert-load/all", lambda layer, e: sum(tokens(layer, e, s) for s in steps)),
+    ):
+        cells = page.charts[key]["cells"]
+        assert set(cells) == {(str(i), e) for i in range(layers) for e in range(experts)}
+        for layer in range(layers):
+            mean = sum(pick(layer, e) for e in range(experts)) / experts
+            for e in range(experts):
+                a = cells[(str(layer), e)]
+                assert float(a["data-tokens"]) == pick(layer, e)
+                assert float(a["data-util"]) == pytest.approx(pick(layer, e) / mean, rel=1e-12)
+    last = page.charts["expert-load/step-4"]["cells"]
+    assert last[("1", 3)]["fill"] == "#000000"  # dead: black
+    assert float(last[("2", 0)]["data-util"]) > 2  # overloaded: blue side of the scale
+    red, _, blue = (int(last[("2", 0)]["fill"][i : i + 2], 16) for i in (1, 3, 5))
+    assert blue > red
+    assert "expert-load/step-4" not in Page(render_report(tmp_path, keys=["train/*"])).charts

@@ -13,6 +13,9 @@ wrote:
   and a table per layer and per tensor at the last step (the same exact merging as
   :func:`trainvitals.report.query`).
 
+For MoE runs logged with ``LoadBalanceMonitor(mode="detailed")``, heatmaps of every expert's
+utilization per layer (last step, and all steps summed) come next.
+
 An "Attention" section at the top lists every metric that was ever NaN or infinite and every
 tensor that held non-finite elements, with the first step it happened.
 
@@ -391,6 +394,109 @@ def _chart_title(title: str) -> str:
     return f'<div class="ct">{html.escape(title)}</div>'
 
 
+_TOKENS_KEY = re.compile(r"^moe/layer_([^/]+)/tokens_per_expert/(\d+)$")
+
+
+def _expert_load_section(series: dict[str, _Series]) -> tuple[list[str], str]:
+    """Heatmaps of ``moe/layer_<l>/tokens_per_expert/<e>`` (LoadBalanceMonitor, detailed
+    mode): each expert's utilization, its tokens over its layer's mean per expert, at the last
+    step that logged them and over every step shown. ``([], "")`` without such keys."""
+    cells: dict[tuple[str, int], _Series] = {}
+    for key, ser in series.items():
+        m = _TOKENS_KEY.match(key)
+        if m:
+            cells[(m.group(1), int(m.group(2)))] = ser
+    if not cells:
+        return [], ""
+    layers = sorted({lab for lab, _ in cells}, key=_natural)
+    experts = sorted({e for _, e in cells})
+    last = max(step for ser in cells.values() for step in ser.points)
+
+    def at_last(ser: _Series) -> float:
+        return ser.points.get(last, math.nan)
+
+    def summed(ser: _Series) -> float:
+        return math.fsum(v for v in ser.points.values() if math.isfinite(v))
+
+    maps = [
+        (f"expert-load/step-{last}", f"step {last}", at_last),
+        ("expert-load/all", "all steps shown, tokens summed", summed),
+    ]
+    body = []
+    for key, caption, pick in maps:
+        grid = {
+            lab: {e: pick(cells[(lab, e)]) if (lab, e) in cells else math.nan for e in experts}
+            for lab in layers
+        }
+        body.append(
+            f'<div class="card"><div class="ct">{html.escape(caption)}</div>'
+            f"{_heatmap(key, layers, experts, grid)}</div>"
+        )
+    legend = (
+        "utilization = an expert's tokens / its layer's mean tokens per expert (1 = balanced); "
+        '<span style="color:#b2182b">red: starved (1/4 and below)</span>, white: balanced, '
+        '<span style="color:#2166ac">blue: overloaded (4x and above)</span>, black: no token '
+        "(dead), grey: not logged. Hover a cell for its numbers."
+    )
+    return ['<a href="#expert-load">expert load</a>'], (
+        '<section id="expert-load"><h2>Expert load <small>'
+        f"{len(layers)} layers x {len(experts)} experts</small></h2>"
+        f'<p class="meta">{legend}</p><div class="grid wide">{"".join(body)}</div></section>'
+    )
+
+
+def _heatmap(
+    key: str, layers: Sequence[str], experts: Sequence[int], grid: dict[str, dict[int, float]]
+) -> str:
+    cw = max(4, min(16, 640 // max(1, len(experts))))
+    ch = max(6, min(16, 480 // max(1, len(layers))))
+    left, top = 56, 4
+    width, height = left + cw * len(experts) + 4, top + ch * len(layers) + 18
+    out = [
+        f'<svg class="heatmap" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" data-key="{html.escape(key)}" role="img">'
+    ]
+    for i, lab in enumerate(layers):
+        row = grid[lab]
+        finite = [v for v in row.values() if math.isfinite(v)]
+        mean = math.fsum(finite) / len(experts) if finite else math.nan
+        y = top + i * ch
+        out.append(
+            f'<text x="{left - 4}" y="{y + ch - 1}" text-anchor="end" class="ax">'
+            f"layer {html.escape(lab)}</text>"
+        )
+        for j, e in enumerate(experts):
+            tokens = row[e]
+            util = tokens / mean if math.isfinite(tokens) and mean > 0 else math.nan
+            out.append(
+                f'<rect x="{left + j * cw}" y="{y}" width="{cw}" height="{ch}" '
+                f'fill="{_load_color(tokens, util)}" data-layer="{html.escape(lab)}" '
+                f'data-expert="{e}" data-tokens="{_value_attr(tokens)}" '
+                f'data-util="{_value_attr(util)}"><title>layer {html.escape(lab)}, expert {e}: '
+                f"{_fmt(tokens)} tokens, utilization {_fmt(util)}</title></rect>"
+            )
+    out.append(
+        f'<text x="{left}" y="{height - 4}" class="ax">expert {experts[0]}</text>'
+        f'<text x="{left + cw * len(experts)}" y="{height - 4}" text-anchor="end" class="ax">'
+        f"expert {experts[-1]}</text></svg>"
+    )
+    return "".join(out)
+
+
+def _load_color(tokens: float, util: float) -> str:
+    if not math.isfinite(tokens):
+        return "#cccccc"  # not logged (or NaN)
+    if tokens == 0:
+        return "#000000"  # a dead expert
+    if not math.isfinite(util):
+        return "#cccccc"
+    t = max(-1.0, min(1.0, math.log2(util) / 2))  # 1/4 .. 4 -> -1 .. 1
+    white, end = (247, 247, 247), ((178, 24, 43) if t < 0 else (33, 102, 172))
+    return "#" + "".join(
+        f"{round(w + (c - w) * abs(t)):02x}" for w, c in zip(white, end, strict=True)
+    )
+
+
 def _tensor_sections(
     records: list[dict[str, Any]], first: int | None, last: int | None, max_points: int
 ) -> tuple[list[str], list[str], list[list[Any]]]:
@@ -505,9 +611,10 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:24px 0 8px;border-bott
 h2 small,h3{font-weight:normal;color:#666}h3{font-size:13px}
 nav a{margin-right:10px}.meta{color:#555}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(390px,1fr));gap:10px}
+.grid.wide{grid-template-columns:repeat(auto-fill,minmax(720px,1fr))}
 .card{border:1px solid #e3e3e3;border-radius:6px;padding:4px 6px;background:#fff}
 .ct{font-family:ui-monospace,monospace;font-size:12px;overflow-wrap:anywhere}
-.chart .ax{font-size:10px;fill:#666}.chart .legend{font-size:10px}
+.chart .ax,.heatmap .ax{font-size:10px;fill:#666}.chart .legend{font-size:10px}
 table{border-collapse:collapse;margin:6px 0;font-size:12px}
 td,th{border:1px solid #e3e3e3;padding:2px 6px;text-align:right}
 td.name{text-align:left;font-family:ui-monospace,monospace}
@@ -588,7 +695,9 @@ def render_report(
             warnings.warn(str(w.message), w.category, stacklevel=2)
         sources.append(f"{html.escape(str(stats_path))} ({len(tensor_records)} lines)")
 
+    load_nav, load_html = _expert_load_section(series)
     nav, sections = _metrics_sections(series, max_points)
+    nav = load_nav + nav
     t_nav, t_sections, t_attention = _tensor_sections(tensor_records, first, last, max_points)
     attention = [
         ["metric", key, sm["first_nonfinite"], sm["nonfinite"], None]
@@ -630,6 +739,7 @@ def render_report(
         f"{'; '.join(sources)}. Made {now}.</p>"
         f"<nav>{links}</nav>"
         f'<section id="attention"><h2>Attention</h2>{att_html}</section>'
+        f"{load_html}"
         f"{''.join(sections)}{''.join(t_sections)}</body></html>\n"
     )
 
