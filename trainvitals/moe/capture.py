@@ -116,7 +116,8 @@ HF_ROUTER_CLASSES: frozenset[str] = frozenset(
 _HF_SOFTMAX_AUX: frozenset[str] = frozenset(HF_ROUTER_CLASSES - {"DeepseekV3TopkRouter"})
 _HF_GENERIC = re.compile(r"Top[kK]Router$")
 _TORCHTITAN_BUFFERS = ("tokens_per_expert_E", "tokens_per_expert")
-_INT = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+# The integer components of a dotted module name; the first is the layer number in keys.
+LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
 # Deferred routing maps held before they are counted early (elements, i.e. bytes of bool):
 # bounds the memory a long gradient accumulation of large maps can hold until the step ends.
 _MAX_PENDING_NUMEL = 1 << 25
@@ -214,7 +215,7 @@ def clear_router_extractors() -> None:
 def layer_number_from_name(name: str) -> int | None:
     """The first integer component of a dotted module name (``model.layers.10.mlp.gate`` ->
     ``10``), or ``None`` when there is none."""
-    match = _INT.search(name)
+    match = LAYER_NUMBER.search(name)
     return int(match.group(1)) if match else None
 
 
@@ -363,7 +364,7 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
 
 def _assign_labels(routers: list[RouterInfo]) -> None:
     for pos, r in enumerate(routers):
-        ints = tuple(int(m) for m in _INT.findall(r.name))
+        ints = tuple(int(m) for m in LAYER_NUMBER.findall(r.name))
         if ints:
             r.layer = ints[0]
             r.sort_key = (0, ints, pos)

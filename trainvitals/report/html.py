@@ -47,12 +47,12 @@ import math
 import os
 import re
 import statistics
-import warnings
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
     KINDS,
     latest_records,
@@ -69,8 +69,6 @@ DEFAULT_MAX_POINTS = 600
 # A family of more keys than this is drawn as its min / median / max across keys per step.
 MAX_LINES = 10
 TENSOR_STATS_FILE = "tensor_stats.jsonl"
-# The first integer component of a dotted module name (as the layer numbers in keys).
-_LAYER = r"(?:^|\.)(\d+)(?=\.|$)"
 _DIGITS = re.compile(r"\d+")
 # Sections in this order first (the rest alphabetically): what a trainer looks at first.
 _AREA_ORDER = ("train", "l2_norm", "moe", "load_balance", "tensor_stats", "throughput", "time")
@@ -126,11 +124,10 @@ def _natural(key: str) -> tuple:
 
 
 class _Series:
-    """One metric: its values by step (a later line wins within a step); read once filled."""
+    """One metric: its values by step (a later line wins within a step), never changed."""
 
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.points: dict[int, float] = {}
+    def __init__(self, points: dict[int, float]) -> None:
+        self.points = points
 
     @functools.cached_property
     def ordered(self) -> list[tuple[int, float]]:
@@ -280,15 +277,15 @@ def _legend(lines: Sequence[tuple[str, Any]]) -> str:
     )
 
 
-def _table(
-    cls: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], first_is_name: bool = True
-) -> str:
+def _table(cls: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A table whose first column names the row and whose other cells carry their exact value
+    in ``data-value``."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     body = []
     for row in rows:
         cells = []
         for j, v in enumerate(row):
-            if j == 0 and first_is_name:
+            if j == 0:
                 cells.append(f"<td class=name>{html.escape(str(v))}</td>")
                 continue
             bad = isinstance(v, float) and not math.isfinite(v)
@@ -503,15 +500,13 @@ def _tensor_sections(
     """(navigation links, HTML sections, attention rows) for ``tensor_stats.jsonl``."""
     nav, parts, attention = [], [], []
     everything = matcher(None)
-    layer_rx = re.compile(_LAYER)
-    stats = ["rms", "kurtosis", "skewness", "min", "max", "nonfinite", *_TABLE_STATS]
-    stats = list(dict.fromkeys(stats))
+    stats = list(_TABLE_STATS)  # holds every statistic the charts draw too
     for kind in KINDS:
         latest = latest_records(records, kind, first, last)
         if not latest:
             continue
         merged = merge_records(latest, kind, stats, everything, None, False)
-        per_layer = merge_records(latest, kind, stats, everything, layer_rx, False)
+        per_layer = merge_records(latest, kind, stats, everything, LAYER_NUMBER, False)
         last_step = max(latest)
         per_tensor = merge_records({last_step: latest[last_step]}, kind, stats, everything,
                                    None, True)  # fmt: skip
@@ -681,18 +676,12 @@ def render_report(
     times: list[float] = []
     if metrics_path is not None:
         source = load_metrics(metrics_path, keep, first, last)
-        for key, points in source.values.items():
-            series[key] = _Series(key)
-            series[key].points = points
+        series = {key: _Series(points) for key, points in source.values.items()}
         times = source.times
         sources.append(html.escape(source.description))
     tensor_records: list[dict[str, Any]] = []
     if stats_path.exists():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            tensor_records = list(read_tensor_stats(stats_path))
-        for w in caught:  # re-raise here: the caller sees the reader's warnings once
-            warnings.warn(str(w.message), w.category, stacklevel=2)
+        tensor_records = list(read_tensor_stats(stats_path))
         sources.append(f"{html.escape(str(stats_path))} ({len(tensor_records)} lines)")
 
     load_nav, load_html = _expert_load_section(series)
@@ -720,12 +709,10 @@ def render_report(
     else:
         att_html = '<p class="ok">No metric and no tensor was ever NaN or infinite.</p>'
 
-    all_steps = sorted({s for ser in series.values() for s in ser.points}) or sorted(
-        {int(r["step"]) for r in tensor_records}
-    )
-    span = ""
-    if all_steps:
-        span = f"steps {all_steps[0]} to {all_steps[-1]}"
+    ends = [s for ser in series.values() for s in (ser.ordered[0][0], ser.ordered[-1][0])] or [
+        int(r["step"]) for r in tensor_records
+    ]
+    span = f"steps {min(ends)} to {max(ends)}" if ends else ""
     if len(times) > 1:
         span += f", {(_dt.timedelta(seconds=round(max(times) - min(times))))} of wall time"
     name = title if title is not None else run.resolve().name
