@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from trainvitals.adapters import FanoutWriter, JsonlSink, metric_history, read_jsonl
+from trainvitals.adapters import FanoutWriter, JsonlSink, iter_jsonl, metric_history, read_jsonl
 
 
 def _random_doubles(n: int, seed: int) -> list[float]:
@@ -97,3 +97,27 @@ def test_metric_history_merges_lines_of_one_step(tmp_path) -> None:
     assert len(records) == 4
     assert metric_history(records, "a") == [(0, 2.0), (2, 4.0)]
     assert metric_history(records, "b") == [(1, 3.0)]
+
+
+def test_iter_jsonl_yields_the_records_of_read_jsonl_one_at_a_time(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    with FanoutWriter([JsonlSink(path)], rank=0) as writer:
+        for step in range(4):
+            writer.add_scalars({"a": float(step), "b": math.nan}, step)
+    lines = path.read_bytes().split(b"\n")
+    lines.insert(2, b'{"step":')  # a broken line between complete ones
+    path.write_bytes(b"\n".join(lines) + b'{"step":9,"ti')  # and a truncated tail
+    records = iter_jsonl(path)
+    assert next(records)["step"] == 0  # one record, before the rest of the file is read
+    with pytest.warns(RuntimeWarning) as caught:
+        rest = list(records)
+    assert [r["step"] for r in rest] == [1, 2, 3]
+    assert all(math.isnan(r["metrics"]["b"]) for r in rest)
+    text = [str(w.message) for w in caught]
+    assert any("do not parse: [3]" in t for t in text)
+    assert any("last line is truncated" in t for t in text)
+    with pytest.warns(RuntimeWarning) as caught_again:
+        assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2, 3]
+    assert [str(w.message) for w in caught_again] == text
+    with pytest.raises(ValueError, match="do not parse"):
+        list(iter_jsonl(path, strict=True))

@@ -19,7 +19,7 @@ import torch
 
 from tests.report.test_query_cli import LAYERS, check_row, make_tensors, write_run
 from trainvitals.adapters import FanoutWriter, JsonlSink, TensorBoardSink
-from trainvitals.report import render_report, write_report
+from trainvitals.report import query, render_report, write_report
 from trainvitals.report.html import decimate, family_of
 
 STEPS = 1000
@@ -454,3 +454,67 @@ def test_expert_load_heatmaps_equal_the_logged_tokens(tmp_path: Path) -> None:
     red, _, blue = (int(last[("2", 0)]["fill"][i : i + 2], 16) for i in (1, 3, 5))
     assert blue > red
     assert "expert-load/step-4" not in Page(render_report(tmp_path, keys=["train/*"])).charts
+
+
+def test_tensor_file_read_in_chunks_equals_the_query_and_later_lines_win(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report reduces tensor_stats.jsonl a few records at a time (bounded memory): with
+    chunks of 3 records, a resumed run's repeated steps (appended later, other values) and a
+    NaN tensor, every per-step number equals what query() computes over the whole file, and
+    the page is the one a single chunk gives."""
+    import trainvitals.report.html as report_html
+
+    def with_nans(step: int) -> dict[str, torch.Tensor]:  # NaN/inf at steps 5 and 8
+        tensors = make_tensors(step)
+        if step in (5, 8):
+            tensors[NAN_TENSOR] = tensors[NAN_TENSOR].clone()
+            tensors[NAN_TENSOR][0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+        return tensors
+
+    first = write_run(tmp_path, list(range(10)), with_nans)
+    resumed = {s: make_tensors(100 + s) for s in (4, 5, 6, 9)}  # resumed from step 4 (and 9)
+    lines = (tmp_path / "tensor_stats.jsonl").read_text()
+    write_run(tmp_path, list(resumed), lambda s: resumed[s])
+    (tmp_path / "tensor_stats.jsonl").write_text(
+        lines + (tmp_path / "tensor_stats.jsonl").read_text()
+    )
+    kinds = {k: report_html._KindStats(k) for k in report_html.KINDS}
+    monkeypatch.setattr(report_html, "CHUNK_RECORDS", 3)
+    for rec in report_html.read_tensor_stats(tmp_path):
+        kinds[rec["kind"]].add(int(rec["step"]), rec)
+        assert len(kinds[rec["kind"]]._pending) < 3  # records held: fewer than a chunk
+    grad = kinds["grad"]
+    grad.flush()
+    assert grad.steps == set(first) and grad.last_step == 9
+
+    merged = query(tmp_path, kind="grad", stat="all")
+    assert [r["step"] for r in merged] == sorted(grad.merged) == list(range(10))
+    for row in merged:
+        got = grad.merged[row["step"]]
+        for stat in ("rms", "kurtosis", "skewness", "nonfinite"):
+            assert got[stat] == pytest.approx(row[stat], rel=1e-12), (row["step"], stat)
+        assert got["abs_max"] == max(abs(row["min"]), abs(row["max"]))
+    # the resumed steps carry the later values: step 5's rms is that of the resumed tensors
+    pooled = torch.cat([t.reshape(-1).double() for t in resumed[5].values()])
+    assert grad.merged[5]["rms"] == pytest.approx(pooled.square().mean().sqrt().item(), rel=1e-9)
+    per_layer = query(tmp_path, kind="grad", stat=["rms", "kurtosis"], by=r"layers\.(\d+)\.")
+    assert sum(len(v) for v in grad.layers.values()) == len(per_layer)
+    for row in per_layer:
+        got = grad.layers[row["step"]][row["group"]]
+        assert got["rms"] == pytest.approx(row["rms"], rel=1e-12)
+        assert got["kurtosis"] == pytest.approx(row["kurtosis"], rel=1e-12)
+    # step 5's NaN/inf went with its first line; step 8's stays
+    assert grad.nonfinite == {8: {NAN_TENSOR: 3.0}}
+    assert merged[8]["nonfinite"] == 3 and merged[5]["nonfinite"] == 0
+
+    made = re.compile(r"Made [^<]*\.")
+    small = made.sub("", render_report(tmp_path))
+    each = Page(small).rows("tensors-each grad")  # the last step's tables: its later line
+    for row in query(tmp_path, kind="grad", stat="rms", steps=9, per_tensor=True):
+        assert each[row["group"]]["rms"] == pytest.approx(row["rms"], rel=1e-12)
+    assert each[NAN_TENSOR]["rms"] == pytest.approx(
+        resumed[9][NAN_TENSOR].double().square().mean().sqrt().item(), rel=1e-9
+    )
+    monkeypatch.setattr(report_html, "CHUNK_RECORDS", 10_000)
+    assert small == made.sub("", render_report(tmp_path))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch
 
 from tests.stats.test_moments import REL, reference
 from trainvitals.cli import main
-from trainvitals.report import parse_steps, query
+from trainvitals.report import parse_steps, query, read_tensor_stats
 from trainvitals.stats.moments import DERIVED, FIELDS, fused_moments, moments_to_dicts
 
 LAYERS = 12
@@ -237,3 +239,65 @@ def test_query_on_a_monitor_run(tmp_path: Path) -> None:
         )
         check_row(r, pooled, ["kurtosis"])
     assert [r["group"] for r in rows] == ["0", "1"]
+
+
+def test_read_tensor_stats_names_each_unreadable_line(tmp_path: Path) -> None:
+    write_run(tmp_path, [0, 1])
+    path = tmp_path / "tensor_stats.jsonl"
+    good = path.read_text().splitlines()
+    future = json.dumps({"version": 99, "step": 2, "kind": "grad"})
+    path.write_text("\n".join([good[0], "{not json", future, "", good[1], '{"cut', "", ""]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = list(read_tensor_stats(tmp_path))
+    assert [r["step"] for r in records] == [0, 1]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 3, messages
+    assert "unreadable line (line 2)" in messages[0]
+    assert "line 3 has schema version 99" in messages[1]
+    assert "unreadable line (last line, cut by a crash?)" in messages[2]
+
+
+def test_query_reads_in_chunks_and_a_later_line_of_a_step_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    query_module = importlib.import_module("trainvitals.report.query")
+    write_run(tmp_path, [0, 1, 2, 3, 4, 5])
+    lines = (tmp_path / "tensor_stats.jsonl").read_text()
+    resumed = write_run(tmp_path, [2, 3], lambda s: make_tensors(50 + s))  # resumed at step 2
+    (tmp_path / "tensor_stats.jsonl").write_text(
+        lines + (tmp_path / "tensor_stats.jsonl").read_text()
+    )
+    args = {"kind": "grad", "stat": "all", "by": r"layers\.(\d+)\."}
+    monkeypatch.setattr(query_module, "CHUNK_RECORDS", 2)
+    chunked = query(tmp_path, **args)
+    monkeypatch.setattr(query_module, "CHUNK_RECORDS", 10_000)
+    assert chunked == query(tmp_path, **args)
+    assert [r["step"] for r in chunked] == sorted(r["step"] for r in chunked)
+    assert len(chunked) == 6 * LAYERS
+    for row in chunked:
+        if row["step"] == 3:  # the resumed line's tensors, not the first line's
+            layer = f"model.layers.{row['group']}."
+            pooled = torch.cat(
+                [t.reshape(-1) for n, t in resumed[3].items() if n.startswith(layer)]
+            )
+            check_row(row, pooled, ["mean", "std", "kurtosis"])
+
+
+def test_gc_paused_restores_the_collector_state_also_on_error() -> None:
+    import gc
+
+    from trainvitals.report.query import gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a read failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()

@@ -17,7 +17,7 @@ Example::
 """
 
 from trainvitals.adapters.fanout_writer import FanoutWriter
-from trainvitals.adapters.jsonl import metric_history, read_jsonl
+from trainvitals.adapters.jsonl import iter_jsonl, metric_history, read_jsonl
 from trainvitals.adapters.sinks import (
     CometSink,
     JsonlSink,
@@ -44,6 +44,7 @@ __all__ = [
     "TensorBoardSink",
     "TrackerSink",
     "WandbSink",
+    "iter_jsonl",
     "metric_history",
     "read_jsonl",
     "unmap_key",

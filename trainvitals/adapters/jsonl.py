@@ -30,10 +30,17 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypedDict
 
-__all__ = ["JsonlRecord", "decode_value", "encode_metrics", "metric_history", "read_jsonl"]
+__all__ = [
+    "JsonlRecord",
+    "decode_value",
+    "encode_metrics",
+    "iter_jsonl",
+    "metric_history",
+    "read_jsonl",
+]
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -73,6 +80,7 @@ def read_jsonl(path: str | os.PathLike[str], *, strict: bool = False) -> list[Js
     (the writing process was killed mid-line) is skipped with a ``RuntimeWarning`` saying so;
     other lines that do not parse (a truncated line followed by later appends) are skipped with
     a warning naming their line numbers, or raise ``ValueError`` when ``strict`` is true.
+    :func:`iter_jsonl` reads the same records one at a time, for files too large to hold.
 
     Example::
 
@@ -80,39 +88,54 @@ def read_jsonl(path: str | os.PathLike[str], *, strict: bool = False) -> list[Js
         >>> records[0]["step"], records[0]["metrics"]["train/loss"]  # doctest: +SKIP
         (0, 2.302585092994046)
     """
-    with open(path, "rb") as f:
-        data = f.read()
-    lines = data.split(b"\n")
-    truncated_tail = lines.pop()  # b"" when the file ends with a newline
-    records: list[JsonlRecord] = []
+    return list(_iter_jsonl(path, strict))
+
+
+def iter_jsonl(path: str | os.PathLike[str], *, strict: bool = False) -> Iterator[JsonlRecord]:
+    """The records of :func:`read_jsonl`, one at a time: the file is read line by line, so
+    memory does not grow with its length. The warnings (or, with ``strict``, the
+    ``ValueError``) for lines that do not parse come once the file has been read to its end.
+
+    Example::
+
+        >>> losses = [r["metrics"]["train/loss"] for r in iter_jsonl("metrics.jsonl")]  # doctest: +SKIP
+    """
+    return _iter_jsonl(path, strict)
+
+
+def _iter_jsonl(path: str | os.PathLike[str], strict: bool) -> Iterator[JsonlRecord]:
     bad: list[int] = []
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        record = _parse(raw)
-        if record is None:
-            bad.append(number)
-        else:
-            records.append(record)
+    truncated_tail = b""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.endswith(b"\n"):  # only the last line can end without a newline
+                truncated_tail = raw
+                break
+            if not raw.strip():
+                continue
+            record = _parse(raw)
+            if record is None:
+                bad.append(number)
+            else:
+                yield record
     if bad:
         msg = f"{os.fspath(path)}: skipped {len(bad)} line(s) that do not parse: {bad[:10]}"
         if strict:
             raise ValueError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
     if truncated_tail.strip():
         record = _parse(truncated_tail)
         if record is not None:
             # a complete object whose newline did not make it: keep it
-            records.append(record)
+            yield record
         else:
             warnings.warn(
                 f"{os.fspath(path)}: the last line is truncated ({len(truncated_tail)} bytes "
                 "without a newline; the writing process was probably killed mid-write); "
                 "it was skipped",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-    return records
 
 
 def _parse(raw: bytes) -> JsonlRecord | None:

@@ -54,8 +54,9 @@ from typing import Any
 
 from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
+    CHUNK_RECORDS,
     KINDS,
-    latest_records,
+    gc_paused,
     matcher,
     merge_records,
     parse_steps,
@@ -80,6 +81,9 @@ _PALETTE = (
 _RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
 _TENSOR_STATS = ("rms", "kurtosis", "skewness", "abs_max", "nonfinite")
 _TABLE_STATS = ("count", "mean", "std", "rms", "skewness", "kurtosis", "min", "max", "nonfinite")
+# what the merge of each chunk must derive for _TENSOR_STATS (abs_max comes from min and max)
+_CHART_MERGE = ("rms", "kurtosis", "skewness", "min", "max", "nonfinite")
+_LAYER_STATS = ("rms", "kurtosis")  # charted per layer over the steps
 
 
 # ------------------------------------------------------------------------------- series
@@ -494,25 +498,77 @@ def _load_color(tokens: float, util: float) -> str:
     )
 
 
+class _KindStats:
+    """One kind's tensor statistics, reduced while ``tensor_stats.jsonl`` is read (so memory
+    holds :data:`CHUNK_RECORDS` records, not the file): per step the charted statistics of all
+    tensors merged and of each layer, the tensors with non-finite elements, and the record of
+    the last step whole (for its tables). Records are merged a chunk at a time (one
+    :func:`merge_records` per chunk, not per step); a step read again (a resumed run) replaces
+    what its earlier line gave."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.steps: set[int] = set()
+        self.merged: dict[int, dict[str, float]] = {}  # step -> charted stat -> value
+        self.layers: dict[int, dict[str, dict[str, float]]] = {}  # step -> layer -> stat -> v
+        self.nonfinite: dict[int, dict[str, float]] = {}  # step -> tensor -> count (nonzero)
+        self.last_step: int | None = None
+        self.last_record: dict[str, Any] | None = None
+        self._pending: dict[int, dict[str, Any]] = {}
+
+    def add(self, step: int, rec: dict[str, Any]) -> None:
+        self.steps.add(step)
+        self._pending[step] = rec
+        if self.last_step is None or step >= self.last_step:
+            self.last_step, self.last_record = step, rec
+        fields = rec.get("fields", [])
+        bad: dict[str, float] = {}
+        if "nonfinite" in fields:
+            col = fields.index("nonfinite")
+            bad = {name: float(v[col]) for name, v in rec["tensors"].items() if v[col]}
+        if bad:
+            self.nonfinite[step] = bad
+        else:
+            self.nonfinite.pop(step, None)
+        if len(self._pending) >= CHUNK_RECORDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        for step in self._pending:
+            self.merged.pop(step, None)
+            self.layers.pop(step, None)
+        everything = matcher(None)
+        for r in merge_records(self._pending, self.kind, _CHART_MERGE, everything, None, False):
+            self.merged[r["step"]] = {s: _stat(r, s) for s in _TENSOR_STATS}
+        by_layer = merge_records(
+            self._pending, self.kind, _LAYER_STATS, everything, LAYER_NUMBER, False
+        )
+        for r in by_layer:
+            self.layers.setdefault(r["step"], {})[r["group"]] = {
+                s: _stat(r, s) for s in _LAYER_STATS
+            }
+        self._pending.clear()
+
+
 def _tensor_sections(
-    records: list[dict[str, Any]], first: int | None, last: int | None, max_points: int
+    kinds: dict[str, _KindStats], max_points: int
 ) -> tuple[list[str], list[str], list[list[Any]]]:
     """(navigation links, HTML sections, attention rows) for ``tensor_stats.jsonl``."""
     nav, parts, attention = [], [], []
     everything = matcher(None)
-    stats = list(_TABLE_STATS)  # holds every statistic the charts draw too
+    stats = list(_TABLE_STATS)
     for kind in KINDS:
-        latest = latest_records(records, kind, first, last)
-        if not latest:
+        ks = kinds[kind]
+        ks.flush()
+        if ks.last_step is None or ks.last_record is None:
             continue
-        merged = merge_records(latest, kind, stats, everything, None, False)
-        per_layer = merge_records(latest, kind, stats, everything, LAYER_NUMBER, False)
-        last_step = max(latest)
-        per_tensor = merge_records({last_step: latest[last_step]}, kind, stats, everything,
-                                   None, True)  # fmt: skip
+        last_step = ks.last_step
         charts = []
+        merged_steps = sorted(ks.merged)
         for stat in _TENSOR_STATS:
-            pts = [(r["step"], _stat(r, stat)) for r in merged]
+            pts = [(step, ks.merged[step][stat]) for step in merged_steps]
             if stat == "nonfinite" and not any(v for _, v in pts):
                 continue
             title = f"{kind}/all/{stat}"
@@ -520,14 +576,15 @@ def _tensor_sections(
                 f'<div class="card">{_chart_title(title)}'
                 f"{_chart(title, [('all', pts)], max_points)}</div>"
             )
-        by_layer: dict[str, list[dict[str, Any]]] = {}
-        for r in per_layer:
-            by_layer.setdefault(r["group"], []).append(r)
-        layers = sorted(by_layer, key=_natural)
+        layer_steps = sorted(ks.layers)
+        layers = sorted({g for rows in ks.layers.values() for g in rows}, key=_natural)
         if len(layers) > 1:
-            for stat in ("rms", "kurtosis"):
+            for stat in _LAYER_STATS:
                 lines = [
-                    (f"layer {g}", [(r["step"], _stat(r, stat)) for r in by_layer[g]])
+                    (
+                        f"layer {g}",
+                        [(s, ks.layers[s][g][stat]) for s in layer_steps if g in ks.layers[s]],
+                    )
                     for g in layers
                 ]
                 title = f"{kind}/layer_*/{stat}"
@@ -535,20 +592,25 @@ def _tensor_sections(
                     f'<div class="card">{_chart_title(title)}{_chart(title, lines, max_points)}'
                     "</div>"
                 )
+        last = {last_step: ks.last_record}
         cols = ["tensors", *_TABLE_STATS]
-        layer_rows = [
-            [g, *(_cell(r, c) for c in cols)]
-            for g in layers
-            for r in by_layer[g][-1:]  # rows are in step order: the last is the last step's
-            if r["step"] == last_step
+        all_rows = [
+            ["all", *(_cell(r, c) for c in cols)]
+            for r in merge_records(last, kind, stats, everything, None, False)
         ]
-        tensor_rows = [[r["group"], *(_cell(r, c) for c in cols[1:])] for r in per_tensor]
-        all_rows = [["all", *(_cell(r, c) for c in cols)] for r in merged if r["step"] == last_step]
+        layer_rows = [
+            [r["group"], *(_cell(r, c) for c in cols)]
+            for r in merge_records(last, kind, stats, everything, LAYER_NUMBER, False)
+        ]
+        tensor_rows = [
+            [r["group"], *(_cell(r, c) for c in cols[1:])]
+            for r in merge_records(last, kind, stats, everything, None, True)
+        ]
         anchor = f"t-{kind}"
         nav.append(f'<a href="#{anchor}">tensors: {kind}</a>')
         parts.append(
             f'<section id="{anchor}" class="tensors" data-kind="{kind}">'
-            f"<h2>tensor statistics: {kind} <small>{len(latest)} steps, "
+            f"<h2>tensor statistics: {kind} <small>{len(ks.steps)} steps, "
             f"{len(tensor_rows)} tensors</small></h2>"
             f'<div class="grid">{"".join(charts)}</div>'
             f"<h3>step {last_step}: all tensors and per layer</h3>"
@@ -558,7 +620,7 @@ def _tensor_sections(
             + _table(f"tensors-each {kind}", ["tensor", *cols[1:]], tensor_rows)
             + "</details></section>"
         )
-        attention += _tensor_attention(latest, kind)
+        attention += _tensor_attention(ks.nonfinite, kind)
     return nav, parts, attention
 
 
@@ -577,21 +639,15 @@ def _cell(row: dict[str, Any], col: str) -> Any:
     return math.nan if v is None and col not in ("count", "nonfinite", "tensors") else v
 
 
-def _tensor_attention(latest: dict[int, dict[str, Any]], kind: str) -> list[list[Any]]:
-    """Rows (what, name, first step, steps, worst count) for tensors with non-finite elements."""
+def _tensor_attention(nonfinite: dict[int, dict[str, float]], kind: str) -> list[list[Any]]:
+    """Rows (what, name, first step, steps, worst count) for tensors with non-finite elements,
+    from :attr:`_KindStats.nonfinite`."""
     seen: dict[str, list[int]] = {}
     worst: dict[str, float] = {}
-    for step in sorted(latest):
-        rec = latest[step]
-        fields = rec.get("fields", [])
-        if "nonfinite" not in fields:
-            continue
-        col = fields.index("nonfinite")
-        for name, vec in rec["tensors"].items():
-            n = vec[col]
-            if n:
-                seen.setdefault(name, []).append(step)
-                worst[name] = max(worst.get(name, 0.0), float(n))
+    for step in sorted(nonfinite):
+        for name, n in nonfinite[step].items():
+            seen.setdefault(name, []).append(step)
+            worst[name] = max(worst.get(name, 0.0), n)
     return [
         [f"tensor ({kind})", name, steps[0], len(steps), worst[name]]
         for name, steps in sorted(seen.items(), key=lambda kv: _natural(kv[0]))
@@ -671,23 +727,37 @@ def render_report(
             f"no {TENSOR_STATS_FILE}"
         )
 
-    sources: list[str] = []
-    series: dict[str, _Series] = {}
-    times: list[float] = []
-    if metrics_path is not None:
-        source = load_metrics(metrics_path, keep, first, last)
-        series = {key: _Series(points) for key, points in source.values.items()}
-        times = source.times
-        sources.append(html.escape(source.description))
-    tensor_records: list[dict[str, Any]] = []
-    if stats_path.exists():
-        tensor_records = list(read_tensor_stats(stats_path))
-        sources.append(f"{html.escape(str(stats_path))} ({len(tensor_records)} lines)")
+    with gc_paused():  # millions of parsed containers, none in a cycle
+        sources: list[str] = []
+        series: dict[str, _Series] = {}
+        times: list[float] = []
+        if metrics_path is not None:
+            source = load_metrics(metrics_path, keep, first, last)
+            series = {key: _Series(points) for key, points in source.values.items()}
+            times = source.times
+            sources.append(html.escape(source.description))
+        kinds = {kind: _KindStats(kind) for kind in KINDS}
+        tensor_steps: list[int] = []  # the first and last step of the file (any kind, any step)
+        if stats_path.exists():
+            lines = 0
+            for rec in read_tensor_stats(stats_path):
+                lines += 1
+                step = int(rec["step"])
+                tensor_steps = (
+                    [min(tensor_steps[0], step), max(tensor_steps[1], step)]
+                    if tensor_steps
+                    else [step, step]
+                )
+                ks = kinds.get(rec.get("kind"))  # type: ignore[arg-type]
+                in_range = (first is None or step >= first) and (last is None or step <= last)
+                if ks is not None and in_range:
+                    ks.add(step, rec)
+            sources.append(f"{html.escape(str(stats_path))} ({lines} lines)")
 
-    load_nav, load_html = _expert_load_section(series)
-    nav, sections = _metrics_sections(series, max_points)
-    nav = load_nav + nav
-    t_nav, t_sections, t_attention = _tensor_sections(tensor_records, first, last, max_points)
+        load_nav, load_html = _expert_load_section(series)
+        nav, sections = _metrics_sections(series, max_points)
+        nav = load_nav + nav
+        t_nav, t_sections, t_attention = _tensor_sections(kinds, max_points)
     attention = [
         ["metric", key, sm["first_nonfinite"], sm["nonfinite"], None]
         for key, s in sorted(series.items(), key=lambda kv: _natural(kv[0]))
@@ -709,9 +779,9 @@ def render_report(
     else:
         att_html = '<p class="ok">No metric and no tensor was ever NaN or infinite.</p>'
 
-    ends = [s for ser in series.values() for s in (ser.ordered[0][0], ser.ordered[-1][0])] or [
-        int(r["step"]) for r in tensor_records
-    ]
+    ends = [
+        s for ser in series.values() for s in (ser.ordered[0][0], ser.ordered[-1][0])
+    ] or tensor_steps
     span = f"steps {min(ends)} to {max(ends)}" if ends else ""
     if len(times) > 1:
         span += f", {(_dt.timedelta(seconds=round(max(times) - min(times))))} of wall time"

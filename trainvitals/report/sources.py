@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainvitals.adapters.jsonl import read_jsonl
+from trainvitals.adapters.jsonl import iter_jsonl
 
 __all__ = ["MetricsSource", "find_metrics", "load_metrics"]
 
@@ -80,12 +80,13 @@ def load_metrics(
             rows += 1
         src.description = f"{path} (CSV, {rows} values)"
     else:
-        records = read_jsonl(path)
-        for rec in records:
+        lines = 0
+        for rec in iter_jsonl(path):  # one record at a time: memory holds the kept values only
             for key, value in rec["metrics"].items():
                 add(key, rec["step"], value)
-        src.times = [r["time"] for r in records]
-        src.description = f"{path} ({len(records)} lines)"
+            src.times.append(rec["time"])
+            lines += 1
+        src.description = f"{path} ({lines} lines)"
     return src
 
 
