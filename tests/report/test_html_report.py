@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import math
 import random
@@ -480,10 +481,11 @@ def test_tensor_file_read_in_chunks_equals_the_query_and_later_lines_win(
         lines + (tmp_path / "tensor_stats.jsonl").read_text()
     )
     kinds = {k: report_html._KindStats(k) for k in report_html.KINDS}
-    monkeypatch.setattr(report_html, "CHUNK_RECORDS", 3)
+    query_module = importlib.import_module("trainvitals.report.query")
+    monkeypatch.setattr(query_module, "CHUNK_RECORDS", 3)
     for rec in report_html.read_tensor_stats(tmp_path):
         kinds[rec["kind"]].add(int(rec["step"]), rec)
-        assert len(kinds[rec["kind"]]._pending) < 3  # records held: fewer than a chunk
+        assert len(kinds[rec["kind"]].chunks._pending) < 3  # records held: fewer than a chunk
     grad = kinds["grad"]
     grad.flush()
     assert grad.steps == set(first) and grad.last_step == 9
@@ -516,5 +518,5 @@ def test_tensor_file_read_in_chunks_equals_the_query_and_later_lines_win(
     assert each[NAN_TENSOR]["rms"] == pytest.approx(
         resumed[9][NAN_TENSOR].double().square().mean().sqrt().item(), rel=1e-9
     )
-    monkeypatch.setattr(report_html, "CHUNK_RECORDS", 10_000)
+    monkeypatch.setattr(query_module, "CHUNK_RECORDS", 10_000)
     assert small == made.sub("", render_report(tmp_path))

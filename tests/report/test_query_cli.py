@@ -301,3 +301,21 @@ def test_gc_paused_restores_the_collector_state_also_on_error() -> None:
         assert not gc.isenabled()  # it was off before: it stays off
     finally:
         gc.enable()
+
+
+def test_a_later_line_with_no_matching_tensor_removes_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The later line of a repeated step replaces the earlier one also when it gives no row
+    (here: it holds no layer tensor), also across chunks."""
+    query_module = importlib.import_module("trainvitals.report.query")
+    monkeypatch.setattr(query_module, "CHUNK_RECORDS", 2)
+    write_run(tmp_path, [0, 1, 2, 3])
+    lines = (tmp_path / "tensor_stats.jsonl").read_text()
+    write_run(tmp_path, [1], lambda s: {"model.norm.weight": make_tensors(s)["model.norm.weight"]})
+    (tmp_path / "tensor_stats.jsonl").write_text(
+        lines + (tmp_path / "tensor_stats.jsonl").read_text()
+    )
+    rows = query(tmp_path, kind="grad", stat="rms", by=r"layers\.(\d+)\.")
+    assert sorted({r["step"] for r in rows}) == [0, 2, 3]
+    assert len(rows) == 3 * LAYERS

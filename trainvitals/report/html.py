@@ -48,14 +48,15 @@ import os
 import re
 import statistics
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
-    CHUNK_RECORDS,
     KINDS,
+    StepChunks,
     gc_paused,
     matcher,
     merge_records,
@@ -498,58 +499,69 @@ def _load_color(tokens: float, util: float) -> str:
     )
 
 
+@dataclass
+class _StepStats:
+    """What the report keeps of one step of one kind."""
+
+    merged: dict[str, float] | None = None  # charted stat -> value, all tensors (None: none)
+    layers: dict[str, dict[str, float]] = field(default_factory=dict)  # layer -> stat -> value
+    nonfinite: dict[str, float] = field(default_factory=dict)  # tensor -> count (nonzero only)
+
+
 class _KindStats:
-    """One kind's tensor statistics, reduced while ``tensor_stats.jsonl`` is read (so memory
-    holds :data:`CHUNK_RECORDS` records, not the file): per step the charted statistics of all
-    tensors merged and of each layer, the tensors with non-finite elements, and the record of
-    the last step whole (for its tables). Records are merged a chunk at a time (one
-    :func:`merge_records` per chunk, not per step); a step read again (a resumed run) replaces
-    what its earlier line gave."""
+    """One kind's tensor statistics, reduced while ``tensor_stats.jsonl`` is read (a
+    :class:`StepChunks`: memory holds a chunk of records, not the file): per step the charted
+    statistics of all tensors merged and of each layer and the tensors with non-finite
+    elements, and the record of the last step whole (for its tables)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.steps: set[int] = set()
-        self.merged: dict[int, dict[str, float]] = {}  # step -> charted stat -> value
-        self.layers: dict[int, dict[str, dict[str, float]]] = {}  # step -> layer -> stat -> v
-        self.nonfinite: dict[int, dict[str, float]] = {}  # step -> tensor -> count (nonzero)
         self.last_step: int | None = None
         self.last_record: dict[str, Any] | None = None
-        self._pending: dict[int, dict[str, Any]] = {}
+        self.chunks = StepChunks(self._reduce)
 
     def add(self, step: int, rec: dict[str, Any]) -> None:
         self.steps.add(step)
-        self._pending[step] = rec
         if self.last_step is None or step >= self.last_step:
             self.last_step, self.last_record = step, rec
-        fields = rec.get("fields", [])
-        bad: dict[str, float] = {}
-        if "nonfinite" in fields:
-            col = fields.index("nonfinite")
-            bad = {name: float(v[col]) for name, v in rec["tensors"].items() if v[col]}
-        if bad:
-            self.nonfinite[step] = bad
-        else:
-            self.nonfinite.pop(step, None)
-        if len(self._pending) >= CHUNK_RECORDS:
-            self.flush()
+        self.chunks.add(step, rec)
 
     def flush(self) -> None:
-        if not self._pending:
-            return
-        for step in self._pending:
-            self.merged.pop(step, None)
-            self.layers.pop(step, None)
+        self.chunks.flush()
+
+    def _reduce(self, records: dict[int, dict[str, Any]]) -> dict[int, _StepStats]:
+        out = {step: _StepStats(nonfinite=_nonfinite_counts(rec)) for step, rec in records.items()}
         everything = matcher(None)
-        for r in merge_records(self._pending, self.kind, _CHART_MERGE, everything, None, False):
-            self.merged[r["step"]] = {s: _stat(r, s) for s in _TENSOR_STATS}
-        by_layer = merge_records(
-            self._pending, self.kind, _LAYER_STATS, everything, LAYER_NUMBER, False
-        )
-        for r in by_layer:
-            self.layers.setdefault(r["step"], {})[r["group"]] = {
-                s: _stat(r, s) for s in _LAYER_STATS
-            }
-        self._pending.clear()
+        for r in merge_records(records, self.kind, _CHART_MERGE, everything, None, False):
+            out[r["step"]].merged = {s: _stat(r, s) for s in _TENSOR_STATS}
+        for r in merge_records(records, self.kind, _LAYER_STATS, everything, LAYER_NUMBER, False):
+            out[r["step"]].layers[r["group"]] = {s: _stat(r, s) for s in _LAYER_STATS}
+        return out
+
+    @property
+    def merged(self) -> dict[int, dict[str, float]]:
+        """step -> charted stat -> value, for the steps with tensors."""
+        return {s: v.merged for s, v in self.chunks.results.items() if v.merged is not None}
+
+    @property
+    def layers(self) -> dict[int, dict[str, dict[str, float]]]:
+        """step -> layer -> stat -> value, for the steps with layered tensors."""
+        return {s: v.layers for s, v in self.chunks.results.items() if v.layers}
+
+    @property
+    def nonfinite(self) -> dict[int, dict[str, float]]:
+        """step -> tensor -> non-finite count, for the steps with any."""
+        return {s: v.nonfinite for s, v in self.chunks.results.items() if v.nonfinite}
+
+
+def _nonfinite_counts(rec: dict[str, Any]) -> dict[str, float]:
+    """The tensors of a record with non-finite elements, and how many."""
+    fields = rec.get("fields", [])
+    if "nonfinite" not in fields:
+        return {}
+    col = fields.index("nonfinite")
+    return {name: float(v[col]) for name, v in rec["tensors"].items() if v[col]}
 
 
 def _tensor_sections(
@@ -566,9 +578,9 @@ def _tensor_sections(
             continue
         last_step = ks.last_step
         charts = []
-        merged_steps = sorted(ks.merged)
+        merged = ks.merged
         for stat in _TENSOR_STATS:
-            pts = [(step, ks.merged[step][stat]) for step in merged_steps]
+            pts = [(step, merged[step][stat]) for step in sorted(merged)]
             if stat == "nonfinite" and not any(v for _, v in pts):
                 continue
             title = f"{kind}/all/{stat}"
@@ -576,14 +588,15 @@ def _tensor_sections(
                 f'<div class="card">{_chart_title(title)}'
                 f"{_chart(title, [('all', pts)], max_points)}</div>"
             )
-        layer_steps = sorted(ks.layers)
-        layers = sorted({g for rows in ks.layers.values() for g in rows}, key=_natural)
+        by_step = ks.layers
+        layer_steps = sorted(by_step)
+        layers = sorted({g for rows in by_step.values() for g in rows}, key=_natural)
         if len(layers) > 1:
             for stat in _LAYER_STATS:
                 lines = [
                     (
                         f"layer {g}",
-                        [(s, ks.layers[s][g][stat]) for s in layer_steps if g in ks.layers[s]],
+                        [(s, by_step[s][g][stat]) for s in layer_steps if g in by_step[s]],
                     )
                     for g in layers
                 ]

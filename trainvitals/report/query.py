@@ -206,30 +206,49 @@ def query(
         if by_rx.groups != 1:
             raise ValueError(f"by must have exactly one capture group, got {by_rx.groups}")
 
-    # Records are merged CHUNK_RECORDS at a time, as the file is read: memory holds one chunk
-    # of records and the rows, not the file. A step read again (a resumed run) replaces the
-    # rows its earlier line gave: the later line wins.
-    rows: dict[int, list[dict[str, Any]]] = {}
-    pending: dict[int, dict[str, Any]] = {}
+    def by_step(records: dict[int, dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+        out: dict[int, list[dict[str, Any]]] = {}
+        for row in merge_records(records, kind, stats, match, by_rx, per_tensor):
+            out.setdefault(row["step"], []).append(row)
+        return out
 
-    def flush() -> None:
-        for step in pending:
-            rows.pop(step, None)
-        for row in merge_records(pending, kind, stats, match, by_rx, per_tensor):
-            rows.setdefault(row["step"], []).append(row)
-        pending.clear()
-
+    chunks = StepChunks(by_step)
     with gc_paused():  # millions of parsed containers, none in a cycle
         for rec in read_tensor_stats(run_dir):
             if rec.get("kind") != kind:
                 continue
             step = int(rec["step"])
             if (first is None or step >= first) and (last is None or step <= last):
-                pending[step] = rec
-                if len(pending) >= CHUNK_RECORDS:
-                    flush()
-        flush()
-    return [row for step in sorted(rows) for row in rows[step]]
+                chunks.add(step, rec)
+        chunks.flush()
+    return [row for step in sorted(chunks.results) for row in chunks.results[step]]
+
+
+class StepChunks:
+    """Records of one kind, in file order, turned into results per step :data:`CHUNK_RECORDS`
+    at a time by ``reduce`` (one call per chunk, from the chunk's records keyed by step to
+    results keyed by step): memory holds one chunk of records and the results, not the file.
+    A step read again (a resumed run) replaces what its earlier line gave: the later line
+    wins. Used by :func:`query` and by the HTML report."""
+
+    def __init__(self, reduce: Callable[[dict[int, dict[str, Any]]], dict[int, Any]]) -> None:
+        self.results: dict[int, Any] = {}
+        self._reduce = reduce
+        self._pending: dict[int, dict[str, Any]] = {}
+
+    def add(self, step: int, record: dict[str, Any]) -> None:
+        self._pending[step] = record
+        if len(self._pending) >= CHUNK_RECORDS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Reduce the records held (call once more after the last :meth:`add`)."""
+        if not self._pending:
+            return
+        for step in self._pending:  # a step the reduction leaves out must not keep old results
+            self.results.pop(step, None)
+        self.results.update(self._reduce(self._pending))
+        self._pending = {}
 
 
 def merge_records(
