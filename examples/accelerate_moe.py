@@ -1,4 +1,7 @@
-"""trainvitals in a Hugging Face Accelerate script: three added lines (marked ``# vitals``).
+"""trainvitals in a Hugging Face Accelerate script: three added lines (marked ``# vitals``),
+plus two optional ones: ``register_for_checkpointing`` (counters and windows survive a
+``save_state``/``load_state``) and ``vitals.close()`` (flushes the writer; a ``with Vitals(...)``
+block does it too).
 
     python examples/accelerate_moe.py --run-dir runs/accelerate --steps 100
     accelerate launch --num_processes 2 --cpu examples/accelerate_moe.py   # two CPU ranks

@@ -17,9 +17,11 @@ import argparse
 import csv
 import io
 import json
+import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
@@ -49,7 +51,7 @@ def _add_query_arguments(p: argparse.ArgumentParser) -> None:
         "--by",
         default=None,
         help="regex with one capture group; merge each captured value separately "
-        "(e.g. 'layers\\.(\\d+)\\.' for per-layer rows)",
+        "(e.g. 'layers\\.(\\d+)\\.' for per-layer rows); tensors it does not match are left out",
     )
     p.add_argument("--per-tensor", action="store_true", help="one row per tensor, no merging")
     p.add_argument("--format", default="table", choices=["table", "csv", "json"])
@@ -71,15 +73,63 @@ def _run_query(args: argparse.Namespace) -> int:
         by=args.by,
         per_tensor=args.per_tensor,
     )
+    if not rows:
+        reason, not_stats = _why_empty(args)
+        if not_stats:
+            raise ValueError(reason)
     text = _format(rows, args.format)
     if args.output:
-        with open(args.output, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)  # as `trainvitals report -o` does
+        out.write_text(text, encoding="utf-8", newline="")
     else:
         sys.stdout.write(text)
     if not rows:
-        print("trainvitals query: no matching tensors", file=sys.stderr)
+        print(f"trainvitals query: {reason}", file=sys.stderr)
     return 0
+
+
+def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
+    """Why a query gave no rows, found by reading the file once more (only then): the message,
+    and whether the file holds no tensor-statistics record at all (a wrong file: an error)."""
+    from trainvitals.report.query import matcher, parse_steps, read_tensor_stats
+
+    first, last = parse_steps(args.steps)
+    match = matcher(args.group)
+    by = None if args.by is None or args.per_tensor else re.compile(args.by)
+    spans: dict[str, tuple[int, int]] = {}
+    in_steps = grouped = False
+    names: list[str] = []  # tensor names of the kind's last record in the steps asked for
+    with warnings.catch_warnings():  # the query already warned about skipped lines
+        warnings.simplefilter("ignore")
+        for rec in read_tensor_stats(args.run_dir):
+            kind, step = rec.get("kind"), int(rec["step"])
+            lo, hi = spans.get(kind, (step, step))
+            spans[kind] = (min(lo, step), max(hi, step))
+            if kind != args.kind or (first is not None and step < first):
+                continue
+            if last is not None and step > last:
+                continue
+            in_steps = True
+            names = list(rec["tensors"])
+            grouped = grouped or any(match(n) for n in names)
+    if not spans:
+        return (
+            f"{args.run_dir} holds no tensor-statistics record (is it a tensor_stats.jsonl "
+            "file? `trainvitals report` reads the metrics files)",
+            True,
+        )
+    held = ", ".join(f"{k} steps {lo}-{hi}" for k, (lo, hi) in sorted(spans.items()))
+    if args.kind not in spans:
+        return f"no {args.kind!r} records (the file holds {held})", False
+    if not in_steps:
+        return f"no {args.kind!r} records in steps {args.steps} (the file holds {held})", False
+    if not grouped:
+        sample = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return f"no {args.kind!r} tensor name matches --group {args.group!r} ({sample})", False
+    if by is not None:
+        return f"no tensor name of --group {args.group!r} matches --by {args.by!r}", False
+    return "no matching tensors", False
 
 
 def _format(rows: list[dict[str, Any]], fmt: str) -> str:
@@ -185,9 +235,12 @@ SUBCOMMANDS: dict[
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from trainvitals import __version__
+
     parser = argparse.ArgumentParser(
         prog="trainvitals", description="Read trainvitals run files back."
     )
+    parser.add_argument("--version", action="version", version=f"trainvitals {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

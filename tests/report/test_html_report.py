@@ -312,6 +312,11 @@ def test_keys_and_steps_select(run: tuple[Path, dict]) -> None:
         render_report(run_dir, keys=[3])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="max_points"):
         render_report(run_dir, max_points=1)
+    with pytest.warns(RuntimeWarning, match=r"no metric within keys \['nomatch/\*'\]"):
+        page = Page(render_report(run_dir, keys="nomatch/*"))
+    assert "metrics" not in page.tables
+    with pytest.warns(RuntimeWarning, match="no metric within steps 5000:"):
+        render_report(run_dir, steps="5000:")
 
 
 def test_missing_files_and_truncated_line(tmp_path: Path) -> None:

@@ -319,3 +319,65 @@ def test_a_later_line_with_no_matching_tensor_removes_the_step(
     rows = query(tmp_path, kind="grad", stat="rms", by=r"layers\.(\d+)\.")
     assert sorted({r["step"] for r in rows}) == [0, 2, 3]
     assert len(rows) == 3 * LAYERS
+
+
+def test_a_wrong_file_gives_a_few_warnings_and_an_error(tmp_path: Path) -> None:
+    # a metrics file given to `query`: every line parses but none is a tensor-statistics record
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(40)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert list(read_tensor_stats(path)) == []
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 6, messages  # five lines named, then one count
+    assert [f"line {i} has schema version None" in m for i, m in enumerate(messages[:5], 1)] == [
+        True
+    ] * 5
+    assert "35 more lines skipped" in messages[5]
+    res = run_cli("query", str(path))  # a subprocess: the CLI's own warning output
+    assert res.returncode == 2
+    assert "holds no tensor-statistics record" in res.stderr
+    assert res.stderr.count("warning:") == 6, res.stderr
+
+
+def test_cli_says_why_a_query_is_empty(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path, [0, 5, 9])
+    cases = [
+        (
+            ["--steps", "100:200"],
+            "no 'grad' records in steps 100:200 (the file holds grad steps 0-9)",
+        ),
+        (["--kind", "param"], "no 'param' records (the file holds grad steps 0-9)"),
+        (["--group", "decoder.*"], "no 'grad' tensor name matches --group 'decoder.*'"),
+        (["--group", "*fc1*", "--by", r"blocks\.(\d+)"], "matches --by"),
+    ]
+    for extra, reason in cases:
+        assert main(["query", str(tmp_path), *extra]) == 0
+        captured = capsys.readouterr()
+        assert reason in captured.err, (extra, captured.err)
+        assert captured.out.split() == ["step", "kind", "group", "tensors"]
+    assert main(["query", str(tmp_path), "--steps", "5"]) == 0  # not empty: no message
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.splitlines()[1].split()[:3] == ["5", "grad", "*"]
+
+
+def test_cli_output_folders_are_made_and_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_run(tmp_path, [0])
+    out = tmp_path / "new" / "deeper" / "kurt.csv"
+    assert main(["query", str(tmp_path), "--format", "csv", "-o", str(out)]) == 0
+    assert out.read_text().splitlines()[0] == "step,kind,group,tensors,kurtosis"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    from trainvitals import __version__
+
+    assert capsys.readouterr().out.strip() == f"trainvitals {__version__}"
+
+
+def test_negative_steps_are_rejected() -> None:
+    for bad in ("-5", "5:-1", "-3:", (-1, 4)):
+        with pytest.raises(ValueError, match="counted from 0"):
+            parse_steps(bad)
+    assert main(["query", "unused", "--steps", "-5"]) == 2

@@ -70,7 +70,9 @@ class MoEMetricsMonitor(VitalsCallback):
         last_losses: ``{name: value}`` of the last report's metrics ending in ``loss``.
 
     Keys written (``name`` is the recorded metric; :class:`~trainvitals.moe.TopKRouter`
-    records the five listed):
+    records those of the first five rows its configuration uses: the load-balancing loss of its
+    ``aux_loss_type``, ``z_loss`` when ``z_loss_coeff > 0`` and ``dropped_token_fraction`` with
+    a capacity):
 
     ========================================  ================================================  ======
     key                                       meaning                                           unit

@@ -154,6 +154,7 @@ class TensorStatsMonitor(VitalsCallback):
         writer: where summaries go (default: the run's writer).
 
     Example:
+        >>> import lightning
         >>> from trainvitals.callbacks import TensorStatsMonitor
         >>> monitor = TensorStatsMonitor(activation_every_n_steps=100, exclude=["lm_head/*"])
         >>> trainer = lightning.pytorch.Trainer(callbacks=[monitor], log_every_n_steps=10)
@@ -169,7 +170,7 @@ class TensorStatsMonitor(VitalsCallback):
     ``tensor_stats/<kind>/rms_max``             largest per-tensor RMS                      value
     ``tensor_stats/<kind>/abs_max``             largest absolute finite element             value
     ``tensor_stats/<kind>/kurtosis_mean``       mean per-tensor Pearson kurtosis (3 =       1
-                                                normal; tensors with zero variance skipped)
+                                                normal; tensors of zero variance skipped)
     ``tensor_stats/<kind>/kurtosis_max``        largest per-tensor Pearson kurtosis         1
     ``tensor_stats/<kind>/nonfinite``           NaN/Inf elements over all tensors           count
     ``tensor_stats/<kind>/layer_<i>/rms``       RMS of all tensors of layer ``i`` merged    value

@@ -103,21 +103,21 @@ class ThroughputMonitor(VitalsCallback):
 
     Keys written (on logging steps, once the window holds a step):
 
-    ===================================  ========================================================  ===========
-    key                                  meaning                                                   unit
-    ===================================  ========================================================  ===========
-    ``throughput/batches_per_sec``       micro-batches of all data-parallel ranks per second        batches/s
-    ``throughput/samples_per_sec``       samples of all data-parallel ranks per second              samples/s
-    ``throughput/tokens_per_sec``        tokens of all data- and context-parallel ranks per second  tokens/s
-    ``throughput/device/batches_per_sec``  this rank's micro-batches per second                     batches/s
-    ``throughput/device/samples_per_sec``  this rank's samples per second                           samples/s
-    ``throughput/device/tokens_per_sec``   this rank's tokens per second                            tokens/s
-    ``throughput/seconds_per_step``      mean training wall time per optimizer step in the window   s
-    ``throughput/flops_per_sec``         flops of all ranks per second (flops known)                FLOP/s
-    ``throughput/device/flops_per_sec``  this device's flops per second (flops known)               FLOP/s
-    ``throughput/mfu``                   ``flops_per_sec / (world_size * peak)`` (peak known)       fraction
-    ``throughput/device/mfu``            ``device/flops_per_sec / peak`` (peak known)               fraction
-    ===================================  ========================================================  ===========
+    =====================================  =========================================================  =========
+    key                                    meaning                                                    unit
+    =====================================  =========================================================  =========
+    ``throughput/batches_per_sec``         micro-batches of all data-parallel ranks per second        batches/s
+    ``throughput/samples_per_sec``         samples of all data-parallel ranks per second              samples/s
+    ``throughput/tokens_per_sec``          tokens of all data- and context-parallel ranks per second  tokens/s
+    ``throughput/device/batches_per_sec``  this rank's micro-batches per second                       batches/s
+    ``throughput/device/samples_per_sec``  this rank's samples per second                             samples/s
+    ``throughput/device/tokens_per_sec``   this rank's tokens per second                              tokens/s
+    ``throughput/seconds_per_step``        mean training wall time per optimizer step in the window   s
+    ``throughput/flops_per_sec``           flops of all ranks per second (flops known)                FLOP/s
+    ``throughput/device/flops_per_sec``    this device's flops per second (flops known)               FLOP/s
+    ``throughput/mfu``                     ``flops_per_sec / (world_size * peak)`` (peak known)       fraction
+    ``throughput/device/mfu``              ``device/flops_per_sec / peak`` (peak known)               fraction
+    =====================================  =========================================================  =========
 
     Rates are counts summed over the window divided by the window's training time (validation
     excluded). A rate whose count some rank could not provide (a batch without a tensor, no

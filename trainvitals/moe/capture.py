@@ -21,8 +21,8 @@ router                      how its counts are read
 user extractor              ``register_router_extractor(predicate_or_type, fn)``; ``fn(module,
                             inputs, output)`` returns the ``[E]`` tokens per expert of one forward,
                             or a pair ``(tokens_per_expert, aux_loss)``
-``trainvitals.moe.          output ``(probs [T, E], routing_map [T, E] bool)``: ``routing_map.sum(0)``
-TopKRouter``                (the tokens each expert processes, after any capacity drop; with
+``TopKRouter`` of           output ``(probs [T, E], routing_map [T, E] bool)``: ``routing_map.sum(0)``
+``trainvitals.moe``         (the tokens each expert processes, after any capacity drop; with
                             ``pad_to_capacity`` the weight-0 padding slots are not counted);
                             ``module.last_aux_loss`` (when not ``None``) as the layer's aux loss
 Hugging Face transformers   ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,

@@ -47,6 +47,7 @@ import math
 import os
 import re
 import statistics
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -747,6 +748,16 @@ def render_report(
         if metrics_path is not None:
             source = load_metrics(metrics_path, keep, first, last)
             series = {key: _Series(points) for key, points in source.values.items()}
+            if not series:
+                wanted = [f"keys {globs}"] * (globs is not None) + [f"steps {steps}"] * (
+                    steps is not None
+                )
+                warnings.warn(
+                    f"{source.description}: no metric "
+                    + (f"within {' and '.join(wanted)}" if wanted else "values"),
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             times = source.times
             sources.append(html.escape(source.description))
         kinds = {kind: _KindStats(kind) for kind in KINDS}

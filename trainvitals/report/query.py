@@ -38,6 +38,8 @@ KINDS = ("param", "grad", "activation", "dgrad")
 #: Records of one kind held and merged at a time while a file is read (:func:`query`, the HTML
 #: report): bounds memory whatever the file's length, and keeps one merge per few hundred steps.
 CHUNK_RECORDS = 256
+#: Skipped lines of a file warned about one by one; the rest are counted in one warning.
+MAX_LINE_WARNINGS = 5
 _REGEX_CHARS = re.compile(r"[\\^$()+|{}]")
 
 
@@ -45,21 +47,30 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     """Yield the records of a ``tensor_stats.jsonl`` file (or of ``<run_dir>/tensor_stats.jsonl``).
 
     A last line cut by a crash is skipped with a warning, as are other unreadable lines and
-    lines of an unknown schema version. When a (step, kind) appears twice, the later line wins
-    (:func:`query` applies this).
+    lines of an unknown schema version (the first :data:`MAX_LINE_WARNINGS` one by one, the
+    rest counted in one warning at the end, so a wrong file does not print a warning per
+    line). When a (step, kind) appears twice, the later line wins (:func:`query` applies this).
     """
     path = Path(path)
     if path.is_dir():
         path = path / "tensor_stats.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no tensor statistics file at {path}")
+    skipped = 0
+
+    def skip(message: str) -> None:
+        nonlocal skipped
+        skipped += 1
+        if skipped <= MAX_LINE_WARNINGS:
+            warnings.warn(f"{path}: {message}", RuntimeWarning, stacklevel=3)
+
     with open(path, "rb") as f:  # line by line: memory does not grow with the file
         unreadable = 0  # number of an unreadable line not yet known to be the last one
         for i, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             if unreadable:
-                _warn_unreadable(path, f"line {unreadable}")
+                skip(f"skipped an unreadable line (line {unreadable})")
                 unreadable = 0
             try:
                 rec = json.loads(raw)
@@ -68,20 +79,25 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
                 continue
             version = rec.get("version") if isinstance(rec, dict) else None
             if version not in SUPPORTED_VERSIONS:
-                warnings.warn(
-                    f"{path}: line {i} has schema version {version!r}; this reader supports "
-                    f"{SUPPORTED_VERSIONS}",
-                    RuntimeWarning,
-                    stacklevel=2,
+                skip(
+                    f"line {i} has schema version {version!r}; this reader supports "
+                    f"{SUPPORTED_VERSIONS}"
                 )
                 continue
             yield rec
-    if unreadable:
-        _warn_unreadable(path, "last line, cut by a crash?")
-
-
-def _warn_unreadable(path: Path, where: str) -> None:
-    warnings.warn(f"{path}: skipped an unreadable line ({where})", RuntimeWarning, stacklevel=3)
+    if skipped > MAX_LINE_WARNINGS:
+        warnings.warn(
+            f"{path}: {skipped - MAX_LINE_WARNINGS} more lines skipped (unreadable or of another "
+            "schema version)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if unreadable:  # reported last and always: a run that crashed while writing
+        warnings.warn(
+            f"{path}: skipped an unreadable line (last line, cut by a crash?)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 @contextlib.contextmanager
@@ -128,6 +144,9 @@ def parse_steps(
             ) from None
     else:
         raise TypeError(f"steps must be 'A:B', an int, a (first, last) pair or None, got {steps!r}")
+    for end in (first, last):
+        if end is not None and end < 0:
+            raise ValueError(f"steps are counted from 0, got {steps!r}")
     if first is not None and last is not None and first > last:
         raise ValueError(f"steps: first step {first} is after last step {last}")
     return first, last

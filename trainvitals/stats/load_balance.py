@@ -7,19 +7,19 @@ once for each). Everything is computed on the tensor's device, in float64, batch
 
 Definitions (per layer, with ``n_e`` the load of expert ``e``, ``N = sum_e n_e``, ``m = N / E``):
 
-============================  =====================================================================
-metric                        definition
-============================  =====================================================================
-``utilization[e]``            ``n_e / m``: 1 = fair share, >1 overloaded, 0 dead (NeMo Automodel)
-``cv``                        ``std(n) / m`` with the POPULATION std (divide by ``E``), equal to the
-                              std of the utilizations. See "Which std" below.
-``dead_expert_frac``          fraction of experts with ``n_e == 0``
-``expert_diversity``          ``exp(H) / E`` with ``H = -sum_e p_e log p_e``, ``p_e = n_e / N``,
-                              ``0 log 0 = 0``: the effective number of experts as a fraction of
-                              ``E`` (1 = uniform; ``k/E`` when only ``k`` experts are used evenly)
-``max_overload_factor``       ``max_e n_e / m`` (= the largest utilization)
-``utilization_{min,p25,...}`` quantiles of the layer's utilizations
-============================  =====================================================================
+==============================  =====================================================================
+metric                          definition
+==============================  =====================================================================
+``utilization[e]``              ``n_e / m``: 1 = fair share, >1 overloaded, 0 dead (NeMo Automodel)
+``cv``                          ``std(n) / m`` with the POPULATION std (divide by ``E``), equal to the
+                                std of the utilizations. See "Which std" below.
+``dead_expert_frac``            fraction of experts with ``n_e == 0``
+``expert_diversity``            ``exp(H) / E`` with ``H = -sum_e p_e log p_e``, ``p_e = n_e / N``,
+                                ``0 log 0 = 0``: the effective number of experts as a fraction of
+                                ``E`` (1 = uniform; ``k/E`` when only ``k`` experts are used evenly)
+``max_overload_factor``         ``max_e n_e / m`` (= the largest utilization)
+``utilization_{min,p25,...}``   quantiles of the layer's utilizations
+==============================  =====================================================================
 
 Which std: the ``E`` loads are the whole population of the layer's experts, not a sample from a
 larger one, so the population standard deviation (``correction=0``) is the natural one; with it
