@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -556,3 +557,27 @@ def test_failure_of_the_parameter_kernel_leaves_that_step_out(tmp_path: Path, mo
         assert by[(1, kind)] == {}
         assert set(by[(0, kind)]) == set(by[(2, kind)]) == {n for n, _ in model.named_parameters()}
     assert not monitor._disabled  # the callback itself goes on
+
+
+def test_a_glob_matching_no_tensor_is_warned_once(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TensorStatsMonitor(
+        include=["layers.*", "head*", "encoder.*"], exclude=["lm_head/*", "head/output0"]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals([monitor], writer=Recorder(), run_dir=tmp_path, log_every_n_steps=1) as v:
+            v.attach(model, opt)
+            for ids in batches(2):
+                v.batch(ids)
+                model(ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    messages = [str(w.message) for w in caught if "matches no" in str(w.message)]
+    assert len(messages) == 2, messages  # each unmatched glob once, not once per step
+    assert "include glob 'encoder.*'" in messages[0]
+    assert "exclude glob 'lm_head/*'" in messages[1]
+    names = set(read_lines(tmp_path / "tensor_stats.jsonl")[-1]["tensors"])
+    assert "head/input0" in names and "head/output0" not in names  # the others did their job

@@ -144,6 +144,8 @@ class TensorStatsMonitor(VitalsCallback):
         include: globs (``fnmatch``) over tensor names (``layers.0.mlp.fc1.weight``,
             ``layers.0.mlp.fc1/input0``); only matching tensors are recorded. Default: all.
         exclude: globs of tensor names to leave out (e.g. ``["lm_head/*"]`` for the logits).
+            A glob of ``include`` or ``exclude`` that matches no name is warned about once, at
+            run start (rank 0).
         layer_pattern: regex with one capture group (e.g. ``r"layers\\.(\\d+)\\."``); when set,
             per-layer summaries merge the tensors of each captured value.
         expert_pattern: regex with one capture group for the local expert index.
@@ -287,13 +289,19 @@ class TensorStatsMonitor(VitalsCallback):
         self._names = {}
         self._params = None
         self._sites, self._site_expert = [], []
-        for name, _ in self._modules:
-            for suffix in _SITE_SUFFIXES:
-                site = self._global_name(f"{name}/{suffix}")
-                if self._wanted(site):
-                    self._sites.append(site)
-                    self._site_expert.append(self._is_expert(site))
+        every_site = [
+            self._global_name(f"{name}/{suffix}")
+            for name, _ in self._modules
+            for suffix in _SITE_SUFFIXES
+        ]
+        for site in every_site:
+            if self._wanted(site):
+                self._sites.append(site)
+                self._site_expert.append(self._is_expert(site))
         self._site_index = {s: i for i, s in enumerate(self._sites)}
+        if ctx.global_rank == 0:
+            params = [self._global_name(canonical_name(n)) for n, _ in model.named_parameters()]
+            self._warn_unmatched_globs(params + every_site)
         self._path = Path(ctx.run_dir) / self.filename
         if ctx.global_rank == 0:
             _prepare_jsonl(self._path, first_step=ctx.step)
@@ -773,6 +781,20 @@ class TensorStatsMonitor(VitalsCallback):
         return f"{prefix}{rank * per + local}{name[m.end(1) :]}"
 
     # ------------------------------------------------------------------ names
+
+    def _warn_unmatched_globs(self, names: list[str]) -> None:
+        """A glob of ``include``/``exclude`` that matches no tensor name is almost always a
+        mistake (``"head/*"`` for a module named ``lm_head``: globs match whole names), and
+        it fails silently otherwise: say so once, at run start."""
+        for option, globs in (("include", self.include or []), ("exclude", self.exclude)):
+            for glob in globs:
+                if not any(fnmatch.fnmatchcase(n, glob) for n in names):
+                    example = next(iter(names), "")
+                    self.warn_once(
+                        f"unmatched-{option}-{glob}",
+                        f"{option} glob {glob!r} matches no parameter or activation site of the "
+                        f"model (globs match whole names, e.g. {example!r})",
+                    )
 
     def _wanted(self, name: str) -> bool:
         if self.include is not None and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
