@@ -64,7 +64,7 @@ from trainvitals.report.query import (
     parse_steps,
     read_tensor_stats,
 )
-from trainvitals.report.sources import find_metrics, load_metrics
+from trainvitals.report.sources import StepValues, find_metrics, load_metrics
 
 __all__ = ["DEFAULT_MAX_POINTS", "decimate", "family_of", "render_report", "write_report"]
 
@@ -130,28 +130,30 @@ def _natural(key: str) -> tuple:
 
 
 class _Series:
-    """One metric: its values by step (a later line wins within a step), never changed."""
+    """One metric: its points in step order, one per step (a later line wins within a step),
+    never changed."""
 
-    def __init__(self, points: dict[int, float]) -> None:
+    def __init__(self, points: StepValues) -> None:
         self.points = points
 
-    @functools.cached_property
     def ordered(self) -> list[tuple[int, float]]:
-        return sorted(self.points.items())
+        """``(step, value)`` pairs, made when a chart is drawn and dropped after it (kept for
+        every metric, the pairs would cost ten times the arrays they come from)."""
+        return list(zip(self.points.steps, self.points.values, strict=True))
 
     @functools.cached_property
     def summary(self) -> dict[str, Any]:
-        pts = self.ordered
-        finite = [v for _, v in pts if math.isfinite(v)]
-        bad = [s for s, v in pts if not math.isfinite(v)]
+        steps, values = self.points.steps, self.points.values
+        finite = [v for v in values if math.isfinite(v)]
+        bad = [s for s, v in zip(steps, values, strict=True) if not math.isfinite(v)]
         return {
-            "first_step": pts[0][0],
-            "last_step": pts[-1][0],
-            "last": pts[-1][1],
+            "first_step": steps[0],
+            "last_step": steps[-1],
+            "last": values[-1],
             "min": min(finite) if finite else math.nan,
             "max": max(finite) if finite else math.nan,
             "mean": math.fsum(finite) / len(finite) if finite else math.nan,
-            "points": len(pts),
+            "points": len(steps),
             "nonfinite": len(bad),
             "first_nonfinite": bad[0] if bad else None,
         }
@@ -332,10 +334,10 @@ def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list
         charts = []
         for fam, members in families.items():
             if len(members) == 1:
-                title, lines = members[0], [(members[0], series[members[0]].ordered)]
+                title, lines = members[0], [(members[0], series[members[0]].ordered())]
             elif len(members) <= MAX_LINES:
                 title = fam
-                lines = [(_member_label(m), series[m].ordered) for m in members]
+                lines = [(_member_label(m), series[m].ordered()) for m in members]
             else:
                 title = fam
                 lines = _band([series[m] for m in members])
@@ -371,7 +373,7 @@ def _band(members: Sequence[_Series]) -> list[tuple[str, list[tuple[int, float]]
     step where some member was non-finite gets a NaN on the ``max`` line, so it is marked)."""
     by_step: dict[int, list[float]] = {}
     for m in members:
-        for step, v in m.points.items():
+        for step, v in zip(m.points.steps, m.points.values, strict=True):
             by_step.setdefault(step, []).append(v)
     lo, mid, hi = [], [], []
     for step in sorted(by_step):
@@ -413,13 +415,13 @@ def _expert_load_section(series: dict[str, _Series]) -> tuple[list[str], str]:
         return [], ""
     layers = sorted({lab for lab, _ in cells}, key=_natural)
     experts = sorted({e for _, e in cells})
-    last = max(step for ser in cells.values() for step in ser.points)
+    last = max(ser.points.steps[-1] for ser in cells.values())
 
     def at_last(ser: _Series) -> float:
         return ser.points.get(last, math.nan)
 
     def summed(ser: _Series) -> float:
-        return math.fsum(v for v in ser.points.values() if math.isfinite(v))
+        return math.fsum(v for v in ser.points.values if math.isfinite(v))
 
     maps = [
         (f"expert-load/step-{last}", f"step {last}", at_last),
@@ -803,9 +805,9 @@ def render_report(
     else:
         att_html = '<p class="ok">No metric and no tensor was ever NaN or infinite.</p>'
 
-    ends = [
-        s for ser in series.values() for s in (ser.ordered[0][0], ser.ordered[-1][0])
-    ] or tensor_steps
+    ends = [s for ser in series.values() for s in (ser.points.steps[0], ser.points.steps[-1])] or (
+        tensor_steps
+    )
     span = f"steps {min(ends)} to {max(ends)}" if ends else ""
     if len(times) > 1:
         span += f", {(_dt.timedelta(seconds=round(max(times) - min(times))))} of wall time"

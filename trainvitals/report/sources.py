@@ -16,26 +16,70 @@ Within a step, the value read last wins (a later line, a later event file of a r
 
 from __future__ import annotations
 
+import bisect
 import csv
+import itertools
 import os
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainvitals.adapters.jsonl import iter_jsonl
 
-__all__ = ["MetricsSource", "find_metrics", "load_metrics"]
+__all__ = ["MetricsSource", "StepValues", "find_metrics", "load_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 _EVENTS = "events.out.tfevents.*"
 
 
+class StepValues:
+    """One metric's points in two typed arrays, steps (int64) and values (float64): 16 bytes a
+    point, where a dict entry of boxed ints and floats costs about ten times that (a long run's
+    millions of points are what bounds the report's memory). Points are appended in file
+    order; :meth:`finish` sorts them by step and keeps one value per step, the one read last
+    (a resumed run's repeated steps), which is free when the steps came in increasing order."""
+
+    __slots__ = ("_ordered", "steps", "values")
+
+    def __init__(self) -> None:
+        self.steps = array("q")
+        self.values = array("d")
+        self._ordered = True  # steps strictly increasing so far
+
+    def append(self, step: int, value: float) -> None:
+        if self._ordered and self.steps and step <= self.steps[-1]:
+            self._ordered = False
+        self.steps.append(step)
+        self.values.append(value)
+
+    def finish(self) -> StepValues:
+        if not self._ordered:
+            steps, values = self.steps, self.values
+            order = sorted(range(len(steps)), key=steps.__getitem__)  # stable: file order kept
+            last = [i for i, j in itertools.pairwise(order) if steps[i] != steps[j]]
+            last.append(order[-1])
+            self.steps = array("q", [steps[i] for i in last])
+            self.values = array("d", [values[i] for i in last])
+            self._ordered = True
+        return self
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def get(self, step: int, default: float) -> float:
+        """The value at ``step`` (after :meth:`finish`), or ``default``."""
+        i = bisect.bisect_left(self.steps, step)
+        return self.values[i] if i < len(self.steps) and self.steps[i] == step else default
+
+
 @dataclass
 class MetricsSource:
-    """The scalars of a run: ``values[key][step] = value``, the wall times seen (Unix
-    seconds, for the run's span) and a line saying where they came from."""
+    """The scalars of a run: ``values[key]``, the :class:`StepValues` of each key (finished:
+    in step order, one value per step), the wall times seen (Unix seconds, for the run's span)
+    and a line saying where they came from."""
 
-    values: dict[str, dict[int, float]] = field(default_factory=dict)
+    values: dict[str, StepValues] = field(default_factory=dict)
     times: list[float] = field(default_factory=list)
     description: str = ""
 
@@ -62,8 +106,12 @@ def load_metrics(
     def add(key: str, step: int, value: float) -> None:
         if (first is not None and step < first) or (last is not None and step > last):
             return
-        if keep(key):
-            src.values.setdefault(key, {})[step] = value
+        points = src.values.get(key)
+        if points is None:
+            if not keep(key):
+                return
+            points = src.values[key] = StepValues()
+        points.append(step, value)
 
     if path.is_dir() or path.name.startswith("events.out.tfevents."):
         files = sorted(path.rglob(_EVENTS)) if path.is_dir() else [path]
@@ -87,6 +135,8 @@ def load_metrics(
             src.times.append(rec["time"])
             lines += 1
         src.description = f"{path} ({lines} lines)"
+    for points in src.values.values():
+        points.finish()
     return src
 
 
