@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import collections
 import math
+import pickle
+import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -31,6 +34,11 @@ _OPS = ("sum", "avg", "max", "min")
 
 # Number of collectives issued, per op kind ("all_reduce", "all_gather", "all_gather_object").
 collective_counter: collections.Counter[str] = collections.Counter()
+
+# Longest wait of :func:`_let_worker_release` (normally microseconds): it never hangs a run,
+# and after one wait this long it is turned off for the process.
+_RELEASE_TIMEOUT_S = 1.0
+_release_wait_off = False
 
 
 def is_distributed() -> bool:
@@ -94,7 +102,9 @@ def all_reduce_coalesced(
         return [t.detach().to(dtype=dtype, copy=True) for t in tensors]
     device = _collective_device(group, tensors[0].device)
     buffer = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
+    uses = _use_count(buffer)
     dist.all_reduce(buffer, op=_torch_op("sum" if op == "avg" else op), group=group)
+    _let_worker_release([(buffer, uses)])
     collective_counter["all_reduce"] += 1
     if op == "avg":
         buffer /= size
@@ -129,12 +139,8 @@ def all_gather_coalesced(
         return [t.detach().to(dtype=dtype, copy=True).unsqueeze(0) for t in tensors]
     device = _collective_device(group, tensors[0].device)
     local = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
-    gathered = torch.empty(size * local.numel(), dtype=dtype, device=device)
-    # all_gather_single is the new name (torch >= 2.13 deprecates all_gather_into_tensor).
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, local, group=group)
+    rows = _gather_rows(local, group, size)
     collective_counter["all_gather"] += 1
-    rows = gathered.view(size, local.numel())
     out = []
     offset = 0
     for t in tensors:
@@ -153,10 +159,77 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     size = group_size(group)
     if size == 1:
         return [obj]
-    out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj, group=group)
+    # torch.distributed.all_gather_object's protocol (sizes, then padded pickles), done here so
+    # that its tensors get the release of _let_worker_release like every other collective.
+    device = _collective_device(group, torch.device("cpu"))
+    payload = pickle.dumps(obj)
+    lengths = _gather_rows(torch.tensor([len(payload)], device=device), group, size)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = _gather_rows(padded.to(device), group, size).cpu()
     collective_counter["all_gather_object"] += 1
-    return out
+    return [pickle.loads(rows[r, : int(lengths[r])].numpy().tobytes()) for r in range(size)]
+
+
+def _gather_rows(local: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """``[size, n]``: row ``r`` is rank ``r``'s 1-d ``local`` (one blocking all_gather)."""
+    gathered = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
+    uses = (_use_count(local), _use_count(gathered))
+    # all_gather_single is the new name (torch >= 2.13 deprecates all_gather_into_tensor).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, local, group=group)
+    _let_worker_release(list(zip((local, gathered), uses, strict=True)))
+    return gathered.view(size, local.numel())
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    """References to the tensor's implementation (C++ holders and views included; 0 where
+    this torch has no ``Tensor._use_count``, which turns :func:`_let_worker_release` off)."""
+    count = getattr(tensor, "_use_count", None)
+    return int(count()) if count is not None else 0
+
+
+def _let_worker_release(tensors: Sequence[tuple[torch.Tensor, int]]) -> None:
+    """After a blocking collective on CPU tensors, wait until the backend's worker thread has
+    dropped its references to them (each ``(tensor, use count before the collective)``).
+
+    Why: gloo runs a collective on a worker thread that lets go of the work, and with it of
+    the tensors, a moment *after* waking the caller. Were the caller to free the tensors first,
+    the worker would own the last reference and have to take the GIL to free their Python
+    objects; if the interpreter is shutting down by then (the process group is still alive
+    when a script ends: the model's DDP wrapper holds it), Python ends that thread inside a
+    C++ frame and the process aborts with "terminate called without an active exception",
+    after the job's work is done (seen as a rare SIGABRT of torchrun jobs: our worker's stack
+    ended in ``ProcessGroupGloo::runLoop`` -> ``TensorImpl::decref_pyobject`` ->
+    ``PyEval_AcquireThread``; pytorch/pytorch#190489, PR #179291). Waiting here makes the
+    caller's release the last one, made with the GIL held. Normally the references are gone
+    already or within microseconds; the wait is bounded by :data:`_RELEASE_TIMEOUT_S`, and
+    turned off (with a warning) after a wait that long.
+    CUDA tensors are not waited for (NCCL's watchdog frees its works asynchronously)."""
+    global _release_wait_off
+    if _release_wait_off:
+        return
+    deadline = None
+    for tensor, uses in tensors:
+        if tensor.device.type != "cpu":
+            continue
+        while _use_count(tensor) > uses:
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + _RELEASE_TIMEOUT_S
+            elif now > deadline:
+                # something else keeps a reference (a debug wrapper?): waiting would cost this
+                # much at every collective, so stop waiting for the rest of the process
+                _release_wait_off = True
+                warnings.warn(
+                    "trainvitals: a collective's tensors stayed referenced by the backend for "
+                    f"{_RELEASE_TIMEOUT_S} s; no longer waiting for their release",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return
+            time.sleep(1e-5)  # gives the worker the CPU
 
 
 def _collective_device(group: Any, fallback: torch.device) -> torch.device:

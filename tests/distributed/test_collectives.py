@@ -205,3 +205,50 @@ def test_single_process_helpers_are_noops():
     assert dict(collective_counter) == before
     with pytest.raises(ValueError, match="op must be one of"):
         all_reduce_coalesced(tensors, "prod")
+
+
+def test_a_collective_returns_only_once_the_worker_let_go_of_its_tensors(monkeypatch):
+    """gloo's worker thread drops its reference to a collective's tensors just after waking the
+    caller; the caller must wait for that, so that it (holding the GIL) frees them last, not
+    the worker at interpreter exit (SIGABRT "terminate called without an active exception")."""
+    import threading
+    import time
+
+    t = torch.zeros(4)
+    uses = t._use_count()
+    worker_refs = [t.view(-1)]  # a view holds the tensor like the backend's work does
+    started = threading.Event()
+
+    def worker() -> None:
+        started.set()
+        time.sleep(0.05)
+        worker_refs.clear()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    started.wait()
+    tvd._let_worker_release([(t, uses)])
+    assert worker_refs == []  # returned only after the other thread let go
+    assert t._use_count() == uses
+    thread.join()
+
+    # bounded: a reference never let go stops the wait after the timeout (with a warning),
+    # and the wait is off from then on in this process
+    monkeypatch.setattr(tvd, "_RELEASE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(tvd, "_release_wait_off", False)
+    kept = t.view(-1)
+    started_at = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="no longer waiting"):
+        tvd._let_worker_release([(t, uses)])
+    assert time.monotonic() - started_at >= 0.05 and t._use_count() > uses
+    assert tvd._release_wait_off
+    monkeypatch.setattr(tvd, "_RELEASE_TIMEOUT_S", 60.0)
+    tvd._let_worker_release([(t, uses)])  # returns at once: off
+    del kept
+    monkeypatch.setattr(tvd, "_release_wait_off", False)
+    # only CPU tensors are waited for (NCCL's watchdog frees its works asynchronously)
+    meta = torch.zeros(4, device="meta")
+    held = meta.view(-1)
+    monkeypatch.setattr(tvd, "_RELEASE_TIMEOUT_S", 60.0)
+    tvd._let_worker_release([(meta, meta._use_count() - 1)])
+    assert held.device.type == "meta"
