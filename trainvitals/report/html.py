@@ -61,6 +61,7 @@ from trainvitals.report.query import (
     gc_paused,
     matcher,
     merge_records,
+    natural_key,
     parse_steps,
     read_tensor_stats,
 )
@@ -122,11 +123,6 @@ def family_of(key: str) -> str:
     """The family of a key: its integers replaced by ``*`` (``moe/layer_3/cv`` ->
     ``moe/layer_*/cv``)."""
     return _DIGITS.sub("*", key)
-
-
-def _natural(key: str) -> tuple:
-    """Sort key that orders the integers inside names as numbers (layer_2 before layer_10)."""
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key))
 
 
 class _Series:
@@ -327,7 +323,7 @@ def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list
         by_area.setdefault(_area(key), []).append(key)
     nav, parts = [], []
     for area in sorted(by_area, key=_area_rank):
-        keys = sorted(by_area[area], key=_natural)
+        keys = sorted(by_area[area], key=natural_key)
         families: dict[str, list[str]] = {}
         for key in keys:
             families.setdefault(family_of(key), []).append(key)
@@ -413,7 +409,7 @@ def _expert_load_section(series: dict[str, _Series]) -> tuple[list[str], str]:
             cells[(m.group(1), int(m.group(2)))] = ser
     if not cells:
         return [], ""
-    layers = sorted({lab for lab, _ in cells}, key=_natural)
+    layers = sorted({lab for lab, _ in cells}, key=natural_key)
     experts = sorted({e for _, e in cells})
     last = max(ser.points.steps[-1] for ser in cells.values())
 
@@ -593,7 +589,7 @@ def _tensor_sections(
             )
         by_step = ks.layers
         layer_steps = sorted(by_step)
-        layers = sorted({g for rows in by_step.values() for g in rows}, key=_natural)
+        layers = sorted({g for rows in by_step.values() for g in rows}, key=natural_key)
         if len(layers) > 1:
             for stat in _LAYER_STATS:
                 lines = [
@@ -666,7 +662,7 @@ def _tensor_attention(nonfinite: dict[int, dict[str, float]], kind: str) -> list
             worst[name] = max(worst.get(name, 0.0), n)
     return [
         [f"tensor ({kind})", name, steps[0], len(steps), worst[name]]
-        for name, steps in sorted(seen.items(), key=lambda kv: _natural(kv[0]))
+        for name, steps in sorted(seen.items(), key=lambda kv: natural_key(kv[0]))
     ]
 
 
@@ -786,7 +782,7 @@ def render_report(
         t_nav, t_sections, t_attention = _tensor_sections(kinds, max_points)
     attention = [
         ["metric", key, sm["first_nonfinite"], sm["nonfinite"], None]
-        for key, s in sorted(series.items(), key=lambda kv: _natural(kv[0]))
+        for key, s in sorted(series.items(), key=lambda kv: natural_key(kv[0]))
         if (sm := s.summary)["nonfinite"]
     ] + t_attention
     if attention:

@@ -172,8 +172,10 @@ def matcher(group: str | None) -> Callable[[str], bool]:
     return lambda name: fnmatch.fnmatchcase(name, group)
 
 
-def _sort_key(label: str) -> tuple:
-    return (0, int(label), "") if label.lstrip("-").isdigit() else (1, 0, label)
+def natural_key(text: str) -> tuple:
+    """Sort key that orders the integers inside names as numbers (``layer_2`` before
+    ``layer_10``, label ``"2"`` before ``"10"``); used by the query rows and the report."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
 
 
 def query(
@@ -305,7 +307,7 @@ def merge_records(
             values.append([_num(vec[c], FIELDS[j]) for j, c in enumerate(col)])
     if not keys:
         return []
-    slots = sorted(set(keys), key=lambda k: (k[0], _sort_key(k[1])))
+    slots = sorted(set(keys), key=lambda k: (k[0], natural_key(k[1])))
     pos = {k: i for i, k in enumerate(slots)}
     owner = torch.tensor([pos[k] for k in keys])
     merged = combine_moments(torch.tensor(values, dtype=torch.float64), owner, len(slots))
