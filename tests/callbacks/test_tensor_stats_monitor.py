@@ -7,6 +7,7 @@ import json
 import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -289,22 +290,25 @@ def test_resume_appends_without_duplicate_steps(tmp_path: Path) -> None:
     assert steps == [(s, k) for s in range(4) for k in ("param", "activation")]
 
 
-def test_real_fanout_writer_with_jsonl_sink(tmp_path: Path) -> None:
-    from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
-
+def two_plain_steps(run_dir: Path, monitor: TensorStatsMonitor, writer: Any) -> None:
+    """Two steps of a fresh ``Net`` (seed 0) under the driver, every step a logging step."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    writer = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")])
-    with Vitals(
-        [TensorStatsMonitor(kernel="eager")], writer=writer, run_dir=tmp_path, log_every_n_steps=1
-    ) as vitals:
+    with Vitals([monitor], writer=writer, run_dir=run_dir, log_every_n_steps=1) as vitals:
         vitals.attach(model, opt)
         for ids in batches(2):
             vitals.batch(ids)
             model(ids).sum().backward()
             opt.step()
             opt.zero_grad()
+
+
+def test_real_fanout_writer_with_jsonl_sink(tmp_path: Path) -> None:
+    from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
+
+    writer = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")])
+    two_plain_steps(tmp_path, TensorStatsMonitor(kernel="eager"), writer)
     writer.close()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     by_step = {r["step"]: r["metrics"] for r in records}
@@ -560,21 +564,12 @@ def test_failure_of_the_parameter_kernel_leaves_that_step_out(tmp_path: Path, mo
 
 
 def test_a_glob_matching_no_tensor_is_warned_once(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = TensorStatsMonitor(
         include=["layers.*", "head*", "encoder.*"], exclude=["lm_head/*", "head/output0"]
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with Vitals([monitor], writer=Recorder(), run_dir=tmp_path, log_every_n_steps=1) as v:
-            v.attach(model, opt)
-            for ids in batches(2):
-                v.batch(ids)
-                model(ids).sum().backward()
-                opt.step()
-                opt.zero_grad()
+        two_plain_steps(tmp_path, monitor, Recorder())
     messages = [str(w.message) for w in caught if "matches no" in str(w.message)]
     assert len(messages) == 2, messages  # each unmatched glob once, not once per step
     assert "include glob 'encoder.*'" in messages[0]
