@@ -426,3 +426,53 @@ def test_masked_kernel_scales_rows_instead_of_a_host_check(compiled: bool) -> No
     got = derive(combine_moments(torch.cat(parts), torch.tensor(owner), len(xs)))
     for i, x in enumerate(xs):
         assert_matches(got, i, reference(x), f"masked/{'compiled' if compiled else 'eager'}{i}")
+
+
+def test_deferred_checks_keep_float32_and_float64_tensors_apart(monkeypatch) -> None:
+    # The rows of an accelerator's eager kernel are checked in one batch by fix_nonfinite; a
+    # float64 tensor among float32 ones must not make the float32 rows skip the underflow check
+    # (a concatenation promotes them all to float64). CPU stands in for the accelerator here:
+    # its eager kernel is swapped for the row kernel whose check is deferred.
+    import trainvitals.stats.moments as mod
+
+    def deferred(body: torch.Tensor, work: list[torch.Tensor]):
+        return mod._rows_eager_fast(body, work), None
+
+    monkeypatch.setattr(mod, "_blocks_eager", deferred)
+    g = torch.Generator().manual_seed(21)
+    xs = [
+        torch.randn(9 * CHUNK, generator=g, dtype=torch.float64),
+        1e-12 * torch.randn(20 * CHUNK, generator=g),  # float32 powers underflow
+        1e-12 * torch.randn(9 * CHUNK, generator=g, dtype=torch.float64),  # float64 do not
+    ]
+    got = derive(fused_moments(xs, kernel="eager"))
+    for i, x in enumerate(xs):
+        assert_matches(got, i, reference(x), f"deferred{i}")
+
+
+def test_compiled_float64_body_with_a_tiny_spread_is_not_recomputed(monkeypatch) -> None:
+    # float64 sums do not underflow: a float64 tensor of std 1e-12 keeps the compiled kernel's
+    # moments (exact), a float32 one is recomputed in float64
+    import trainvitals.stats.moments as mod
+
+    recomputed: list[torch.dtype] = []
+    exact = mod._rows_exact
+
+    def counting(body: torch.Tensor) -> torch.Tensor:
+        recomputed.append(body.dtype)
+        return exact(body)
+
+    monkeypatch.setattr(mod, "_rows_exact", counting)
+    g = torch.Generator().manual_seed(22)
+    x64 = 1e-12 * torch.randn(16 * CHUNK, generator=g, dtype=torch.float64)
+    x32 = 1e-12 * torch.randn(16 * CHUNK, generator=g)
+    for check_finite in (False, True):
+        recomputed.clear()
+        acc = mod.MomentAccumulator(2, kernel="compile")
+        acc.add(0, x64, check_finite=check_finite)
+        acc.add(1, x32, check_finite=check_finite)
+        acc.fix_nonfinite([x64, x32])
+        got = derive(acc.result())
+        assert recomputed == [torch.float32], (check_finite, recomputed)
+        for i, x in enumerate((x64, x32)):
+            assert_matches(got, i, reference(x), f"compiled{i}/{check_finite}")

@@ -583,11 +583,14 @@ def _part_needs_exact(
     return not all(math.isfinite(v) for v in values) or (spread < count * tiny and mx > mn)
 
 
-def _body_needs_exact(bodies: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _body_needs_exact(
+    bodies: torch.Tensor, counts: torch.Tensor, tiny: torch.Tensor | float = _TINY_VAR
+) -> torch.Tensor:
     """:func:`_needs_exact` for whole-body moments ``[K, 6]`` (mean, M2, M3, M4, min, max) of
-    the compiled CPU kernel and their element counts ``[K]``."""
-    tiny = (bodies[:, 1] < counts * _TINY_VAR) & (bodies[:, 5] > bodies[:, 4])
-    return ~torch.isfinite(bodies).all(1) | tiny
+    the compiled CPU kernel, their element counts ``[K]`` and the mean square below which each
+    underflows (``[K]`` or one number: :data:`_TINY_VAR` for float32 sums, 0 for float64)."""
+    underflow = (bodies[:, 1] < counts * tiny) & (bodies[:, 5] > bodies[:, 4])
+    return ~torch.isfinite(bodies).all(1) | underflow
 
 
 def _body(flat: torch.Tensor) -> torch.Tensor:
@@ -898,7 +901,8 @@ class MomentAccumulator:
                     self._unchecked.append((True, len(self._bodies)))
                 else:
                     _, m2, _, _, mn, mx = values = rows.tolist()
-                    if _part_needs_exact(values, c * CHUNK, m2, mn, mx):
+                    tiny = 0.0 if flat.dtype == torch.float64 else _TINY_VAR
+                    if _part_needs_exact(values, c * CHUNK, m2, mn, mx, tiny):
                         self._rows.append(_rows_exact(body))
                         self._row_slot.append(slot)
                         return
@@ -933,17 +937,23 @@ class MomentAccumulator:
         flagged: list[bool] = [False] * len(self._unchecked)
         row_at = [k for k, (is_body, _) in enumerate(self._unchecked) if not is_body]
         body_at = [k for k, (is_body, _) in enumerate(self._unchecked) if is_body]
-        if row_at:
-            parts = [self._rows[self._unchecked[k][1]] for k in row_at]
+        by_dtype: dict[torch.dtype, list[int]] = {}  # float32 and float64 rows apart: a
+        for k in row_at:  # concatenation would make float32 rows float64 and skip their check
+            by_dtype.setdefault(self._rows[self._unchecked[k][1]].dtype, []).append(k)
+        for ks in by_dtype.values():
+            parts = [self._rows[self._unchecked[k][1]] for k in ks]
             bad = _needs_exact(torch.cat(parts, 1))
             if bool(bad.any()):
-                for k, part in zip(row_at, bad.split([p.shape[1] for p in parts]), strict=True):
+                for k, part in zip(ks, bad.split([p.shape[1] for p in parts]), strict=True):
                     flagged[k] = bool(part.any())
         if body_at:
             js = [self._unchecked[k][1] for k in body_at]
             bodies = torch.stack([self._bodies[j] for j in js])  # type: ignore[misc]
             counts = torch.tensor([self._body_count[j] for j in js], dtype=torch.float64)
-            bad = _body_needs_exact(bodies, counts.to(bodies.device))
+            # float64 tensors' powers do not underflow: no spread is too small for them
+            exact64 = [tensors[self._body_slot[j]].dtype == torch.float64 for j in js]
+            tiny = torch.tensor([0.0 if e else _TINY_VAR for e in exact64], dtype=torch.float64)
+            bad = _body_needs_exact(bodies, counts.to(bodies.device), tiny.to(bodies.device))
             if bool(bad.any()):
                 for k, flag in zip(body_at, bad.tolist(), strict=True):
                     flagged[k] = flag
