@@ -522,7 +522,7 @@ def _blocks_eager(body: torch.Tensor, work: list[torch.Tensor]) -> tuple[torch.T
     counts = [block] * (nblocks - 1) + [last_rows * b]  # elements per block
     keep: list[bool] = []
     flagged = False
-    tiny = _TINY_VAR if dtype != torch.float64 else 0.0  # float64 powers do not underflow
+    tiny = _underflow_var(dtype)
     columns: list[list[float]] = []
     for (s1, s2, s3, mn, mx), s4, n in zip(per_block, s4s, counts, strict=True):
         values = (s1, s2, s3, s4, mn, mx)
@@ -574,23 +574,30 @@ def _part_needs_exact(
     spread: float,
     mn: float,
     mx: float,
-    tiny: float = _TINY_VAR,
+    tiny: float,
 ) -> bool:
     """The rule of :func:`_needs_exact` for one part read back as Python floats (the check made
     per call, where a dozen tensor operations would cost ~40 us and this ~1 us): ``values``
     not all finite, or ``spread`` (a sum of squares, S2 or M2) below ``count * tiny`` in a part
-    that is not constant."""
+    that is not constant (``tiny``: :func:`_underflow_var` of the sums' dtype)."""
     return not all(math.isfinite(v) for v in values) or (spread < count * tiny and mx > mn)
 
 
 def _body_needs_exact(
-    bodies: torch.Tensor, counts: torch.Tensor, tiny: torch.Tensor | float = _TINY_VAR
+    bodies: torch.Tensor, counts: torch.Tensor, tiny: torch.Tensor
 ) -> torch.Tensor:
     """:func:`_needs_exact` for whole-body moments ``[K, 6]`` (mean, M2, M3, M4, min, max) of
     the compiled CPU kernel, their element counts ``[K]`` and the mean square below which each
-    underflows (``[K]`` or one number: :data:`_TINY_VAR` for float32 sums, 0 for float64)."""
+    underflows ``[K]`` (:func:`_underflow_var` of each body's tensor dtype)."""
     underflow = (bodies[:, 1] < counts * tiny) & (bodies[:, 5] > bodies[:, 4])
     return ~torch.isfinite(bodies).all(1) | underflow
+
+
+def _underflow_var(dtype: torch.dtype) -> float:
+    """The mean square below which the sums of a tensor of ``dtype`` lose precision:
+    :data:`_TINY_VAR` for float32 sums (float32, bf16, fp16 tensors), 0 for float64, whose
+    fourth powers do not underflow."""
+    return 0.0 if dtype == torch.float64 else _TINY_VAR
 
 
 def _body(flat: torch.Tensor) -> torch.Tensor:
@@ -901,7 +908,7 @@ class MomentAccumulator:
                     self._unchecked.append((True, len(self._bodies)))
                 else:
                     _, m2, _, _, mn, mx = values = rows.tolist()
-                    tiny = 0.0 if flat.dtype == torch.float64 else _TINY_VAR
+                    tiny = _underflow_var(flat.dtype)
                     if _part_needs_exact(values, c * CHUNK, m2, mn, mx, tiny):
                         self._rows.append(_rows_exact(body))
                         self._row_slot.append(slot)
@@ -950,9 +957,10 @@ class MomentAccumulator:
             js = [self._unchecked[k][1] for k in body_at]
             bodies = torch.stack([self._bodies[j] for j in js])  # type: ignore[misc]
             counts = torch.tensor([self._body_count[j] for j in js], dtype=torch.float64)
-            # float64 tensors' powers do not underflow: no spread is too small for them
-            exact64 = [tensors[self._body_slot[j]].dtype == torch.float64 for j in js]
-            tiny = torch.tensor([0.0 if e else _TINY_VAR for e in exact64], dtype=torch.float64)
+            tiny = torch.tensor(
+                [_underflow_var(tensors[self._body_slot[j]].dtype) for j in js],
+                dtype=torch.float64,
+            )
             bad = _body_needs_exact(bodies, counts.to(bodies.device), tiny.to(bodies.device))
             if bool(bad.any()):
                 for k, flag in zip(body_at, bad.tolist(), strict=True):
