@@ -17,7 +17,6 @@ import argparse
 import csv
 import io
 import json
-import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -96,7 +95,7 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
 
     first, last = parse_steps(args.steps)
     match = matcher(args.group)
-    by = None if args.by is None or args.per_tensor else re.compile(args.by)
+    by_used = args.by is not None and not args.per_tensor  # (query compiled it already)
     spans: dict[str, tuple[int, int]] = {}
     in_steps = grouped = False
     names: list[str] = []  # tensor names of the kind's last record in the steps asked for
@@ -127,7 +126,7 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     if not grouped:
         sample = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         return f"no {args.kind!r} tensor name matches --group {args.group!r} ({sample})", False
-    if by is not None:
+    if by_used:
         return f"no tensor name of --group {args.group!r} matches --by {args.by!r}", False
     return "no matching tensors", False
 

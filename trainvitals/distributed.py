@@ -163,13 +163,13 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     # that its tensors get the release of _let_worker_release like every other collective.
     device = _collective_device(group, torch.device("cpu"))
     payload = pickle.dumps(obj)
-    lengths = _gather_rows(torch.tensor([len(payload)], device=device), group, size)
-    longest = int(lengths.max())
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    sizes = _gather_rows(torch.tensor([len(payload)], device=device), group, size)
+    lengths: list[int] = sizes.view(-1).tolist()  # one read back, not one per rank
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
     padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     rows = _gather_rows(padded.to(device), group, size).cpu()
     collective_counter["all_gather_object"] += 1
-    return [pickle.loads(rows[r, : int(lengths[r])].numpy().tobytes()) for r in range(size)]
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
 
 def _gather_rows(local: torch.Tensor, group: Any, size: int) -> torch.Tensor:

@@ -9,9 +9,9 @@ wrote:
   see :mod:`trainvitals.report.sources`): one chart per metric family and a table of every
   key (last value, finite min / max / mean, non-finite count);
 * ``tensor_stats.jsonl`` (the :class:`~trainvitals.callbacks.TensorStatsMonitor` file) in the
-  run folder or, if not there, the first found under it: per kind, the statistics of all tensors merged exactly, per layer over the steps,
-  and a table per layer and per tensor at the last step (the same exact merging as
-  :func:`trainvitals.report.query`).
+  run folder or, if not there, the first found under it: per kind, the statistics of all
+  tensors merged exactly, per layer over the steps, and a table per layer and per tensor at
+  the last step (the same exact merging as :func:`trainvitals.report.query`).
 
 For MoE runs logged with ``LoadBalanceMonitor(mode="detailed")``, heatmaps of every expert's
 utilization per layer (last step, and all steps summed) come next.

@@ -64,9 +64,6 @@ class StepValues:
             self._ordered = True
         return self
 
-    def __len__(self) -> int:
-        return len(self.steps)
-
     def get(self, step: int, default: float) -> float:
         """The value at ``step`` (after :meth:`finish`), or ``default``."""
         i = bisect.bisect_left(self.steps, step)
