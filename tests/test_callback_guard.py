@@ -11,7 +11,8 @@ from tests.helpers.dist import run_distributed
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.base import VitalsCallback
-from trainvitals.distributed import all_reduce_coalesced, world_group
+from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+from trainvitals.distributed import all_gather_objects, all_reduce_coalesced, world_group
 
 
 class SumOverRanks(VitalsCallback):
@@ -100,6 +101,109 @@ def test_rank_local_failure_keeps_the_ranks_in_lockstep():
     expected = {step: {"sum/step": 2.0 * step} for step in range(4)}
     assert rank0 == expected
     assert rank1 == {s: v for s, v in expected.items() if s != 1}
+
+
+class GatherThenReduce(VitalsCallback):
+    """At every step: agree on names (object gather), sum a vector over the world, take its max;
+    raises on ``(rank, step)`` in ``fail_at`` at ``stage`` 0 (before any collective), 1 (after
+    the gather) or 2 (after the sum)."""
+
+    def __init__(self, fail_at: dict[tuple[int, int], int]) -> None:
+        super().__init__(log_every_n_steps=1)
+        self.fail_at = fail_at
+
+    def step_end(self, ctx):
+        rank = torch.distributed.get_rank()
+        stage = self.fail_at.get((rank, ctx.step))
+        if stage == 0:
+            raise RuntimeError("boom before the gather")
+        names = all_gather_objects(["a", "b"], world_group())[0]
+        if stage == 1:
+            raise RuntimeError("boom between the gather and the sum")
+        local = torch.tensor([rank + 1.0, 10.0 * ctx.step + rank])
+        (total,) = all_reduce_coalesced([local], "sum", world_group())
+        if stage == 2:
+            raise RuntimeError("boom between the sum and the max")
+        (top,) = all_reduce_coalesced([local], "max", world_group())
+        self.write(ctx, {f"sum/{n}": v for n, v in zip(names, total, strict=True)})
+        self.write(ctx, {"max/b": top[1]})
+
+
+def _part_way_failure(rank: int, world_size: int) -> tuple[dict, list[str]]:
+    os.environ["TRAINVITALS_STRICT"] = "0"
+    writer = Recorder()
+    # rank 1 fails at three stages, rank 0 once at the start of a step
+    callback = GatherThenReduce({(1, 1): 0, (1, 3): 1, (1, 4): 2, (0, 6): 0})
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals([callback], writer=writer) as vitals:
+            _train(vitals, 8)
+    return writer.rows, [str(w.message) for w in caught]
+
+
+def test_part_way_failure_completes_the_steps_collectives_on_every_rank():
+    """A hook that fails before or between its collectives on one rank: the rest of them are
+    issued with a 'missing' mark, every rank leaves that step out (none waits, none pairs the
+    step with the next one) and every other step is reduced exactly."""
+    (rank0, warned0), (rank1, warned1) = run_distributed(
+        _part_way_failure, world_size=2, timeout=120
+    )
+    failed = {1, 3, 4, 6}
+
+    def expected(step: int) -> dict[str, float]:
+        # ranks 0 and 1 send [1, 10 step] and [2, 10 step + 1]
+        return {"sum/a": 3.0, "sum/b": 20.0 * step + 1, "max/b": 10.0 * step + 1}
+
+    want = {step: expected(step) for step in range(8) if step not in failed}
+    assert rank0 == want
+    assert rank1 == want
+    # the failing rank says it failed; the other that a peer did
+    assert any("raised RuntimeError: boom before the gather" in w for w in warned1)
+    assert any("keeps running" in w for w in warned0)  # rank 0's own failure at step 6
+    assert any("missing on every rank" in w for w in warned0)
+    assert any("missing on every rank" in w for w in warned1)
+    assert not any("could not be issued" in w for w in warned0 + warned1)
+
+
+def _runtime_peer_failure(rank: int, world_size: int) -> dict:
+    os.environ["TRAINVITALS_STRICT"] = "0"
+    writer = Recorder()
+    monitor = RuntimeMonitor(log_every_n_steps=1)
+    sync = monitor._sync_consumed
+    step = {"now": 0}
+
+    def failing_sync() -> None:
+        if rank == 1 and step["now"] == 2:
+            raise RuntimeError("boom before the counts' collective")
+        sync()
+
+    monitor._sync_consumed = failing_sync
+    with Vitals([monitor], writer=writer) as vitals:
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        vitals.attach(model, optimizer)
+        for s in range(5):
+            step["now"] = s
+            for _ in range(2):
+                x = torch.randn(4, 3)
+                vitals.batch(x)
+                model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return writer.key("time/samples")
+
+
+def test_counts_summed_over_ranks_stay_exact_after_a_peer_failure():
+    """RuntimeMonitor adds each logging step's summed counts to its totals: when a rank fails
+    before the sum, no rank adds a partial (or NaN) sum; the counts of the missed step are
+    summed at the next one, so the totals stay exact."""
+    rank0, rank1 = run_distributed(_runtime_peer_failure, world_size=2, timeout=120)
+    # 2 ranks x 2 micro-batches x 4 samples per step, counted through the end of each step
+    want = {s: 16.0 * (s + 1) for s in range(5) if s != 2}
+    assert rank0 == want
+    assert rank1 == want
 
 
 class Events(VitalsCallback):

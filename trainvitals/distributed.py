@@ -7,7 +7,12 @@ No other module calls ``torch.distributed`` collectives. Every helper here:
 * flattens all tensors of one call into one buffer and issues exactly one collective, whatever
   the number of tensors (the design's "at most one collective per reduction kind per group");
 * counts the collectives it issues in :data:`collective_counter`, so tests and benchmarks can
-  check that count.
+  check that count;
+* carries one extra element, a "missing" mark, so that a rank whose callback failed part-way
+  through a step can still take part in the step's remaining collectives
+  (:func:`replay_missing`) and the other ranks learn that this step's values are incomplete
+  (:class:`PeerRankFailed`) instead of waiting forever or pairing this step's collective with
+  the failed rank's next one.
 
 A group argument of ``None`` means "no group": nothing to reduce over (not the world group,
 which would silently multiply replicated values by the world size, the review bug of
@@ -17,11 +22,12 @@ Megatron-LM PR #5492). Pass :func:`world_group` explicitly for the world.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import pickle
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -39,6 +45,102 @@ collective_counter: collections.Counter[str] = collections.Counter()
 # and after one wait this long it is turned off for the process.
 _RELEASE_TIMEOUT_S = 1.0
 _release_wait_off = False
+
+
+class PeerRankFailed(RuntimeError):
+    """A collective reached with a "missing" mark from another rank: that rank's callback
+    failed earlier in the same hook and issued the rest of its collectives through
+    :func:`replay_missing`. Raised on the other ranks, after the collective, where the mark can
+    be read without a host sync: always for :func:`all_gather_objects`, and for CPU (gloo)
+    tensor collectives. On accelerators tensor results are set to NaN instead ("not
+    measured"; floating dtypes)."""
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective as issued by the helpers below: what :func:`replay_missing` needs to
+    issue the same collective again (``numel``: elements of the flattened buffer, without the
+    mark)."""
+
+    kind: Literal["all_reduce", "all_gather", "all_gather_object"]
+    group: Any
+    numel: int = 0
+    dtype: torch.dtype | None = None
+    op: str = "sum"
+
+
+# The calls issued inside :func:`recording_collectives` (None outside), and whether the
+# helpers are replaying for a failed callback (they send the mark and never raise).
+_journal: list[CollectiveCall] | None = None
+_replaying = False
+
+
+@contextlib.contextmanager
+def recording_collectives() -> Iterator[list[CollectiveCall]]:
+    """Collect the :class:`CollectiveCall` of every collective issued inside the block (the
+    callback guard records each hook, to complete a failed call's collectives later)."""
+    global _journal
+    outer, calls = _journal, []
+    _journal = calls
+    try:
+        yield calls
+    finally:
+        _journal = outer
+
+
+def replay_missing(calls: Sequence[CollectiveCall]) -> None:
+    """Issue ``calls`` with the "missing" mark and placeholder values: the collectives a
+    callback that failed part-way would have issued (the rest of the same hook's calls at the
+    previous step with the same collectives). Every other member of each group gets
+    :class:`PeerRankFailed` (or NaN results on accelerators) from it, so no rank waits and
+    no result mixes this step with the next."""
+    global _replaying
+    _replaying = True
+    try:
+        for call in calls:
+            if call.kind == "all_gather_object":
+                all_gather_objects(None, call.group)
+                continue
+            placeholder = torch.zeros(call.numel, dtype=call.dtype)
+            if call.kind == "all_reduce":
+                all_reduce_coalesced([placeholder], call.op, call.group, dtype=call.dtype)  # type: ignore[arg-type]
+            else:
+                all_gather_coalesced([placeholder], call.group, dtype=call.dtype)
+    finally:
+        _replaying = False
+
+
+def _record(call: CollectiveCall) -> None:
+    if _journal is not None:
+        _journal.append(call)
+
+
+def _mark(device: torch.device, dtype: torch.dtype, op: str = "sum") -> torch.Tensor:
+    """The mark element: 1 when replaying (-1 under MIN, so that it survives the reduction),
+    else 0; any non-zero result means some member was missing."""
+    value = (-1 if op == "min" else 1) if _replaying else 0
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
+def _check_mark(
+    flags: torch.Tensor, values: torch.Tensor, what: str, *, host: bool | None = None
+) -> torch.Tensor:
+    """``values`` as they are when every ``flags`` entry is 0. Otherwise, unless this rank is
+    the one replaying: raise :class:`PeerRankFailed` when the flags are on the host (``host``,
+    by default whether they are on the CPU: reading them is free there), or set ``values`` to
+    NaN on an accelerator (no host sync; floating dtypes only)."""
+    if _replaying:
+        return values
+    if flags.device.type == "cpu" if host is None else host:
+        if bool(flags.any()):
+            raise PeerRankFailed(
+                f"another rank took part in this {what} with a 'missing' mark (its callback "
+                "failed earlier in the same hook); this step's values are left out"
+            )
+        return values
+    if values.is_floating_point():
+        return torch.where(flags.any(), math.nan, values)
+    return values
 
 
 def is_distributed() -> bool:
@@ -101,11 +203,14 @@ def all_reduce_coalesced(
         # Always new tensors, as promised: callers may modify the result in place.
         return [t.detach().to(dtype=dtype, copy=True) for t in tensors]
     device = _collective_device(group, tensors[0].device)
-    buffer = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
+    parts = [t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors]
+    buffer = torch.cat([*parts, _mark(device, dtype, op)])
     uses = _use_count(buffer)
     dist.all_reduce(buffer, op=_torch_op("sum" if op == "avg" else op), group=group)
     _let_worker_release([(buffer, uses)])
     collective_counter["all_reduce"] += 1
+    _record(CollectiveCall("all_reduce", group, buffer.numel() - 1, dtype, op))
+    buffer = _check_mark(buffer[-1:], buffer[:-1], "all_reduce")
     if op == "avg":
         buffer /= size
     out = []
@@ -138,9 +243,11 @@ def all_gather_coalesced(
     if size == 1:
         return [t.detach().to(dtype=dtype, copy=True).unsqueeze(0) for t in tensors]
     device = _collective_device(group, tensors[0].device)
-    local = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
-    rows = _gather_rows(local, group, size)
+    parts = [t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors]
+    rows = _gather_rows(torch.cat([*parts, _mark(device, dtype)]), group, size)
     collective_counter["all_gather"] += 1
+    _record(CollectiveCall("all_gather", group, rows.shape[1] - 1, dtype))
+    rows = _check_mark(rows[:, -1], rows[:, :-1], "all_gather")
     out = []
     offset = 0
     for t in tensors:
@@ -162,14 +269,17 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     # torch.distributed.all_gather_object's protocol (sizes, then padded pickles), done here so
     # that its tensors get the release of _let_worker_release like every other collective.
     device = _collective_device(group, torch.device("cpu"))
-    payload = pickle.dumps(obj)
+    payload = pickle.dumps((_replaying, obj))
     sizes = _gather_rows(torch.tensor([len(payload)], device=device), group, size)
     lengths: list[int] = sizes.view(-1).tolist()  # one read back, not one per rank
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
     padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     rows = _gather_rows(padded.to(device), group, size).cpu()
     collective_counter["all_gather_object"] += 1
-    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+    _record(CollectiveCall("all_gather_object", group))
+    marked = [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+    _check_mark(torch.tensor([missing for missing, _ in marked]), rows, "all_gather_object")
+    return [value for _, value in marked]
 
 
 def _gather_rows(local: torch.Tensor, group: Any, size: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -177,3 +178,27 @@ def test_train_clock_waits_for_queued_device_work_at_the_validation_boundaries()
     assert fresh.sync_fn is sync and not fresh.started
     with pytest.raises(TypeError, match="sync"):
         TrainClock(sync=3)
+
+
+def test_a_peer_marked_sum_leaves_the_counts_for_the_next_one(monkeypatch):
+    """On accelerators a peer's missing mark comes back as NaN sums: they are not added to the
+    totals (which would stay NaN for the rest of the run); the pending counts wait for the next
+    sum instead."""
+    import trainvitals.callbacks.runtime_monitor as runtime_module
+    from trainvitals.distributed import PeerRankFailed
+
+    monitor = RuntimeMonitor()
+    monitor._pending.update(batches=2.0, samples=8.0, tokens=40.0)
+    before = dict(monitor._consumed)
+    real = runtime_module.reduce_counts
+    monkeypatch.setattr(
+        runtime_module, "reduce_counts", lambda m, g: torch.full_like(m, math.nan, dtype=float)
+    )
+    with pytest.raises(PeerRankFailed):
+        monitor._sync_consumed()
+    assert monitor._consumed == before
+    assert (monitor._pending["samples"], monitor._pending["tokens"]) == (8.0, 40.0)
+    monkeypatch.setattr(runtime_module, "reduce_counts", real)
+    monitor._sync_consumed()
+    assert monitor._consumed["samples"] == before["samples"] + 8.0
+    assert monitor._consumed["tokens"] == before["tokens"] + 40.0

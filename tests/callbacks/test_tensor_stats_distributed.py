@@ -358,3 +358,66 @@ def test_a_rank_whose_hook_work_fails_leaves_the_sites_out_everywhere(tmp_path: 
         assert by[(1, kind)] == {}, kind
         assert len(by[(0, kind)]) == len(by[(2, kind)]) > 0, kind
     assert set(by[(1, "param")]) == set(by[(0, "param")]) != set()
+
+
+def _failing_emit_body(rank: int, world_size: int, run_dir: str) -> dict:
+    import os
+    import warnings
+
+    import trainvitals.callbacks.tensor_stats_monitor as mod
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import TensorStatsMonitor
+    from trainvitals.distributed import ProcessGroups, world_group
+
+    os.environ["TRAINVITALS_STRICT"] = "0"
+    state = {"step": -1}
+    original = mod._merge_over_groups
+
+    def merge(kinds):
+        # an unanticipated failure on rank 1 at step 2, before the step's collectives
+        if rank == 1 and state["step"] == 2:
+            raise RuntimeError("unexpected failure on rank 1 only")
+        return original(kinds)
+
+    mod._merge_over_groups = merge
+    torch.manual_seed(0)
+    model = TPNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TensorStatsMonitor(
+        kinds=["param", "grad", "activation"], kernel="eager", activation_every_n_steps=2
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals(
+            [monitor],
+            writer=NullWriter(),
+            run_dir=run_dir,
+            log_every_n_steps=1,
+            groups=ProcessGroups(dp=world_group()),
+        ) as vitals:
+            vitals.attach(model, opt)
+            for step in range(6):
+                state["step"] = step
+                x = _batch(rank)
+                vitals.batch(x)
+                _loss(model(x)).backward()
+                opt.step()
+                opt.zero_grad()
+    return {"warnings": [str(w.message) for w in caught], "rows": x.shape[0]}
+
+
+def test_an_unanticipated_failure_on_one_rank_drops_that_step_everywhere(tmp_path: Path) -> None:
+    """Rank 1 raises inside step_end before its collectives at step 2 (an activation step: the
+    two intervals give that hook different collectives at odd and even steps): the guard
+    issues the rest of step 2's collectives for it, rank 0 leaves step 2 out, and every other
+    step's activations are merged over both ranks' tokens."""
+    results = run_distributed(_failing_emit_body, world_size=2, args=(str(tmp_path),), timeout=120)
+    lines = [json.loads(x) for x in (tmp_path / "tensor_stats.jsonl").read_text().splitlines()]
+    by = {(line["step"], line["kind"]): line["tensors"] for line in lines}
+    assert sorted({step for step, _ in by}) == [0, 1, 3, 4, 5]
+    assert sorted(step for step, kind in by if kind == "activation") == [0, 4]
+    for step in (0, 4):  # merged over both ranks: each input site counts both ranks' rows
+        site = by[(step, "activation")]["up/input0"]
+        assert site[FIELDS.index("count")] == 2 * results[0]["rows"] * D
+    assert any("missing on every rank" in w for w in results[0]["warnings"])
+    assert any("unexpected failure on rank 1 only" in w for w in results[1]["warnings"])

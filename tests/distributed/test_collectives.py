@@ -252,3 +252,72 @@ def test_a_collective_returns_only_once_the_worker_let_go_of_its_tensors(monkeyp
     monkeypatch.setattr(tvd, "_RELEASE_TIMEOUT_S", 60.0)
     tvd._let_worker_release([(meta, meta._use_count() - 1)])
     assert held.device.type == "meta"
+
+
+def _replay_body(rank: int, world_size: int) -> dict:
+    """Rank 1 issues, through replay_missing, what rank 0 issues for real (recorded by rank 0
+    in a first round where both issue them for real)."""
+    group = tvd.world_group()
+    x = torch.tensor([1.0 + rank, -2.0 - rank, 5.0])
+
+    def issue() -> None:
+        all_reduce_coalesced([x[:2], x[2:]], "sum", group)
+        all_reduce_coalesced([x], "min", group)
+        all_reduce_coalesced([x.int()], "max", group, dtype=None)
+        all_gather_coalesced([x], group)
+        all_gather_objects({"rank": rank}, group)
+
+    with tvd.recording_collectives() as calls:
+        issue()
+    out: dict = {"calls": [(c.kind, c.numel, str(c.dtype), c.op) for c in calls], "raised": []}
+    for i in range(len(calls)):
+        if rank == 1:
+            tvd.replay_missing(calls[i : i + 1])  # never raises on the replaying rank
+            continue
+        try:  # rank 0 issues the i-th collective for real
+            [
+                lambda: all_reduce_coalesced([x[:2], x[2:]], "sum", group),
+                lambda: all_reduce_coalesced([x], "min", group),
+                lambda: all_reduce_coalesced([x.int()], "max", group, dtype=None),
+                lambda: all_gather_coalesced([x], group),
+                lambda: all_gather_objects({"rank": rank}, group),
+            ][i]()
+        except tvd.PeerRankFailed:
+            out["raised"].append(i)
+    # afterwards the same collectives are plain again
+    out["sum"] = all_reduce_coalesced([x], "sum", group)[0]
+    out["min"] = all_reduce_coalesced([x], "min", group)[0]
+    return out
+
+
+def test_replay_missing_marks_every_kind_of_collective():
+    """What the guard replays for a failed callback matches the recorded collectives (kind,
+    size, dtype, op): the other rank gets PeerRankFailed from each (the mark survives SUM, MIN,
+    MAX, an integer dtype, a gather and an object gather), and later collectives are exact."""
+    rank0, rank1 = run_distributed(_replay_body, world_size=2, timeout=90)
+    calls = [
+        ("all_reduce", 3, "torch.float64", "sum"),
+        ("all_reduce", 3, "torch.float64", "min"),
+        ("all_reduce", 3, "torch.int32", "max"),
+        ("all_gather", 3, "torch.float64", "sum"),
+        ("all_gather_object", 0, "None", "sum"),
+    ]
+    assert rank0["calls"] == calls and rank1["calls"] == calls
+    assert rank0["raised"] == [0, 1, 2, 3, 4] and rank1["raised"] == []
+    for r in (rank0, rank1):
+        assert r["sum"].tolist() == [3.0, -5.0, 10.0]
+        assert r["min"].tolist() == [1.0, -3.0, 5.0]
+
+
+def test_a_peer_mark_on_an_accelerator_gives_nan_instead_of_a_host_read():
+    """Where reading the mark would sync the host (a device tensor), floating results are
+    NaN when some member was missing, untouched otherwise; integers are left as they are."""
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    clear, marked = torch.zeros(2), torch.tensor([0.0, 1.0])
+    kept = tvd._check_mark(clear, values, "all_gather", host=False)
+    assert torch.equal(kept, values)
+    assert torch.isnan(tvd._check_mark(marked, values, "all_gather", host=False)).all()
+    ints = torch.tensor([5, 6])
+    assert torch.equal(tvd._check_mark(marked, ints, "all_reduce", host=False), ints)
+    with pytest.raises(tvd.PeerRankFailed):
+        tvd._check_mark(marked, values, "all_gather")  # CPU flags: read, and raised

@@ -29,7 +29,15 @@ The same instance is a Lightning callback: :class:`VitalsCallback` defines every
 A callback that raises inside a training hook never ends the run: it is reported once with a
 warning and, in a single process, disabled. With several ranks it keeps running instead (its
 values for the failing step are missing), because disabling it on the rank that failed would
-leave the other ranks waiting in its next collective. Where a rank-local failure is likeliest,
+leave the other ranks waiting in its next collective. A hook that fails part-way, after some
+of its collectives and before the others, has the rest issued for it with a "missing" mark
+(:func:`trainvitals.distributed.replay_missing`): the same collectives as the last call of the
+same hook with the same :meth:`VitalsCallback.collective_key`. The other ranks then leave the
+step's values out too (:class:`~trainvitals.distributed.PeerRankFailed`; NaN results on
+accelerators) instead of waiting, or pairing this step's collective with the failed rank's
+next one; every later step is reduced as usual. Only a failure at the first call of a key (no
+earlier call to copy) cannot be completed; it is reported as such. Where a rank-local failure
+is likeliest,
 before a collective (the norm and moment kernels: out of memory), the callbacks catch it
 themselves and send "not measured" values (NaN, or -inf for a sum of squares) through the
 step's collectives, so every rank stays in step; modules' forward/gradient hooks installed by a
@@ -40,14 +48,21 @@ construction or at run start, on every rank, before any collective.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
 from trainvitals._strict import strict as _strict
 from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
-from trainvitals.distributed import ProcessGroups
+from trainvitals.distributed import (
+    CollectiveCall,
+    PeerRankFailed,
+    ProcessGroups,
+    recording_collectives,
+    replay_missing,
+)
 
 _WRITER_ATTR = "_trainvitals_writer"
 
@@ -84,6 +99,8 @@ class VitalsCallback:
         self._disabled = False
         self._failures = 0
         self._warned: set[str] = set()
+        # the collectives of the last successful call per collective_key (several ranks only)
+        self._collective_schemas: dict[Hashable, tuple[CollectiveCall, ...]] = {}
         # Lightning adapter state
         self._pl_last_global_step: int | None = None
 
@@ -167,44 +184,100 @@ class VitalsCallback:
 
     # ------------------------------------------------------------------ dispatch with guard
 
+    def collective_key(self, hook: str, ctx: RunContext) -> Hashable:
+        """What decides which collectives ``hook`` issues at this step, evaluated before the
+        hook runs: two calls with the same key must issue the same collectives (kinds, groups,
+        sizes), or agree on their sizes through an object gather first. The guard completes a
+        call that failed part-way with the collectives of the last call with the same key.
+        Default: the hook and whether the step logs; override when a callback has several
+        intervals."""
+        return (hook, self.should_log(ctx))
+
     def _dispatch(self, hook: str, ctx: RunContext, *args: Any) -> None:
         if self._disabled:
             return
         self._ctx = ctx
-        try:
-            getattr(self, hook)(ctx, *args)
-        except Exception as exc:
-            if _strict():
-                raise
-            if hook == "run_start" and isinstance(exc, ValueError | TypeError):
-                # A configuration error (a glob matching nothing, no router found): the user
-                # must fix it, and at run start it costs nothing and is raised on every rank.
-                raise
-            self._failures += 1
-            if ctx.world_size > 1:
-                # Disabling on this rank alone would leave the other ranks waiting forever in
-                # this callback's next collective. Keep calling it: a failure that happens on
-                # every rank keeps happening on every rank, one that does not leaves the later
-                # steps in lockstep.
-                if self._failures == 1:
-                    warnings.warn(
-                        f"trainvitals: {type(self).__name__}.{hook} raised "
-                        f"{type(exc).__name__}: {exc}; training continues and the callback "
-                        "keeps running (disabling it on one rank could hang the others); "
-                        "its values for this step are missing. Set TRAINVITALS_STRICT=1 to "
-                        "raise instead.",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+        several = ctx.world_size > 1
+        key = self.collective_key(hook, ctx) if several else None
+        # (one process: no collectives to record)
+        with recording_collectives() if several else contextlib.nullcontext([]) as issued:
+            try:
+                getattr(self, hook)(ctx, *args)
+            except Exception as exc:
+                failure = exc
+            else:
+                if several:
+                    self._collective_schemas[key] = tuple(issued)
                 return
-            self._disabled = True
-            warnings.warn(
-                f"trainvitals: {type(self).__name__}.{hook} raised {type(exc).__name__}: {exc}; "
-                "the callback is disabled for the rest of the run (training continues). "
-                "Set TRAINVITALS_STRICT=1 to raise instead.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        if _strict():
+            raise failure
+        if hook == "run_start" and isinstance(failure, ValueError | TypeError):
+            # A configuration error (a glob matching nothing, no router found): the user
+            # must fix it, and at run start it costs nothing and is raised on every rank.
+            raise failure
+        self._failures += 1
+        if several:
+            # Disabling on this rank alone would leave the other ranks waiting forever in
+            # this callback's next collective. Keep calling it: a failure that happens on
+            # every rank keeps happening on every rank, one that does not leaves the later
+            # steps in lockstep once this step's collectives are completed.
+            completed = self._complete_collectives(key, issued)
+            where = f"{type(self).__name__}.{hook}"
+            if isinstance(failure, PeerRankFailed):
+                what = f"trainvitals: {where}: {failure}"
+            else:
+                what = f"trainvitals: {where} raised {type(failure).__name__}: {failure}"
+            if not completed:
+                self._warn_first(
+                    "guard:incomplete",
+                    f"{what}; its remaining collectives of this step, if it has any, could not be "
+                    "issued (no earlier call with the same collectives to copy), so the other "
+                    "ranks may wait in them. Set TRAINVITALS_STRICT=1 to raise instead.",
+                )
+            elif isinstance(failure, PeerRankFailed):
+                self._warn_first(
+                    "guard:peer",
+                    f"{what}; training continues and the callback keeps working; this "
+                    "step's values of this callback are missing on every rank.",
+                )
+            else:
+                self._warn_first(
+                    "guard:failure",
+                    f"{what}; training continues and the callback keeps running (disabling "
+                    "it on one rank could hang the others); its values for this step are "
+                    "missing (its remaining collectives were issued with a 'missing' mark, "
+                    "so every rank leaves them out). Set TRAINVITALS_STRICT=1 to raise "
+                    "instead.",
+                )
+            return
+        self._disabled = True
+        warnings.warn(
+            f"trainvitals: {type(self).__name__}.{hook} raised {type(failure).__name__}: "
+            f"{failure}; the callback is disabled for the rest of the run (training "
+            "continues). Set TRAINVITALS_STRICT=1 to raise instead.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _complete_collectives(self, key: Hashable, issued: list[CollectiveCall]) -> bool:
+        """Issue, with the "missing" mark, the collectives a failed call did not reach: the
+        rest of the last successful call with the same key, when the failed call's own
+        collectives are its beginning. False when there is no such call (or issuing failed)."""
+        schema = self._collective_schemas.get(key)
+        done = len(issued)
+        if schema is None or schema[:done] != tuple(issued):
+            return False
+        try:
+            replay_missing(schema[done:])
+        except Exception:  # the backend itself failed: nothing more can be done from here
+            return False
+        return True
+
+    def _warn_first(self, key: str, message: str) -> None:
+        """Warn once per ``key`` (the guard's own kinds of message)."""
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ Lightning adapter
     # Every Lightning Callback hook is defined here (duck typing): the Trainer calls

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.callbacks.throughput_monitor import reduce_counts
-from trainvitals.distributed import ProcessGroups
+from trainvitals.distributed import PeerRankFailed, ProcessGroups
 from trainvitals.stats.runtime import (
     TIME_UNITS,
     TrainClock,
@@ -184,6 +185,10 @@ class RuntimeMonitor(VitalsCallback):
         """Add every rank's counts since the last sync to the global counts (one collective)."""
         vec = to_vector([self._pending[n] for n in COUNT_FIELDS[1:]]).unsqueeze(0)
         summed = reduce_counts(vec, self._groups)[0].tolist()
+        if any(math.isnan(v) for v in summed):
+            # another rank's counts are missing (its failure's mark, as NaN on accelerators):
+            # keep this rank's pending counts for the next sum instead of adding a partial one
+            raise PeerRankFailed("another rank's consumed counts are missing at this step")
         for name, value in zip(COUNT_FIELDS[1:], summed, strict=True):
             self._consumed[name] += value
             self._pending[name] = 0.0

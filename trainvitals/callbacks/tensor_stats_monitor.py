@@ -10,7 +10,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,6 +272,11 @@ class TensorStatsMonitor(VitalsCallback):
             return False
         every = self.activation_every_n_steps or self.interval(ctx)
         return ctx.step % every == 0
+
+    def collective_key(self, hook: str, ctx: RunContext) -> Hashable:
+        # two intervals: which kinds are due (and, at step end, collected) decide the
+        # collectives of a hook
+        return (hook, self._param_step(ctx), bool(self._handles), tuple(self._pending))
 
     # ------------------------------------------------------------------ hooks
 
