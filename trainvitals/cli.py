@@ -147,19 +147,13 @@ def _format(rows: list[dict[str, Any]], fmt: str) -> str:
                 }
             )
         return buf.getvalue()
-    cells = [[_cell(r[c]) for c in columns] for r in rows]
+    from trainvitals.report.query import format_value
+
+    cells = [[format_value(r[c]) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(lines) + "\n"
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
 
 
 # ----------------------------------------------------------------------------------- report

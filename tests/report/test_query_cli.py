@@ -381,3 +381,13 @@ def test_negative_steps_are_rejected() -> None:
         with pytest.raises(ValueError, match="counted from 0"):
             parse_steps(bad)
     assert main(["query", "unused", "--steps", "-5"]) == 2
+
+
+def test_table_cells_spell_out_missing_and_non_finite_values():
+    from trainvitals.report.query import format_value
+
+    assert format_value(None) == "-"
+    nonfinite = (float("nan"), float("inf"), float("-inf"))
+    assert [format_value(v) for v in nonfinite] == ["NaN", "inf", "-inf"]
+    assert format_value(2.0 / 3.0) == "0.666667"
+    assert format_value(12) == "12"

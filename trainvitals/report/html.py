@@ -58,6 +58,7 @@ from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
     KINDS,
     StepChunks,
+    format_value,
     gc_paused,
     matcher,
     merge_records,
@@ -158,18 +159,6 @@ class _Series:
 # -------------------------------------------------------------------------------- drawing
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "NaN"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return f"{v:.6g}"
-    return str(v)
-
-
 def _value_attr(v: Any) -> str:
     """The exact value for machines (``data-value``): repr of the float, '' for none."""
     if v is None:
@@ -228,7 +217,7 @@ def _chart(
     )
     for v, y in ((y1, top), (y0, top + ph)):
         out.append(
-            f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" class="ax">{_fmt(v)}</text>'
+            f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" class="ax">{format_value(v)}</text>'
         )
     out.append(f'<text x="{left}" y="{height - 16}" class="ax">{x0}</text>')
     out.append(f'<text x="{left + pw}" y="{height - 16}" text-anchor="end" class="ax">{x1}</text>')
@@ -295,7 +284,7 @@ def _table(cls: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> s
             bad = isinstance(v, float) and not math.isfinite(v)
             cells.append(
                 f'<td data-col="{html.escape(columns[j])}" data-value="{_value_attr(v)}"'
-                f"{' class=bad' if bad else ''}>{_fmt(v)}</td>"
+                f"{' class=bad' if bad else ''}>{format_value(v)}</td>"
             )
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f'<table class="{cls}"><tr>{head}</tr>{"".join(body)}</table>'
@@ -474,7 +463,7 @@ def _heatmap(
                 f'fill="{_load_color(tokens, util)}" data-layer="{html.escape(lab)}" '
                 f'data-expert="{e}" data-tokens="{_value_attr(tokens)}" '
                 f'data-util="{_value_attr(util)}"><title>layer {html.escape(lab)}, expert {e}: '
-                f"{_fmt(tokens)} tokens, utilization {_fmt(util)}</title></rect>"
+                f"{format_value(tokens)} tokens, utilization {format_value(util)}</title></rect>"
             )
     out.append(
         f'<text x="{left}" y="{height - 4}" class="ax">expert {experts[0]}</text>'

@@ -178,6 +178,20 @@ def natural_key(text: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
 
 
+def format_value(v: Any) -> str:
+    """A table cell: 6 significant digits, ``-`` for none, ``NaN``/``inf``/``-inf`` spelt out
+    (the query tool's table and the HTML report)."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "NaN"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return f"{v:.6g}"
+    return str(v)
+
+
 def query(
     run_dir: str | Path,
     *,
