@@ -103,6 +103,29 @@ def test_rank_local_failure_keeps_the_ranks_in_lockstep():
     assert rank1 == {s: v for s, v in expected.items() if s != 1}
 
 
+class BadKey(SumOverRanks):
+    def collective_key(self, hook, ctx):
+        raise KeyError("a bug in an override")
+
+
+def _bad_key(rank: int, world_size: int) -> tuple[dict, list[str]]:
+    os.environ["TRAINVITALS_STRICT"] = "0"
+    writer = Recorder()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals([BadKey()], writer=writer) as vitals:
+            _train(vitals, 3)
+    return writer.rows, [str(w.message) for w in caught]
+
+
+def test_a_failing_collective_key_is_reported_and_changes_nothing_else():
+    (rank0, warned0), (rank1, _) = run_distributed(_bad_key, world_size=2, timeout=90)
+    assert rank0 == rank1 == {step: {"sum/step": 2.0 * step} for step in range(3)}
+    assert sum("collective_key raised KeyError" in w for w in warned0) == 1
+
+
 class GatherThenReduce(VitalsCallback):
     """At every step: agree on names (object gather), sum a vector over the world, take its max;
     raises on ``(rank, step)`` in ``fail_at`` at ``stage`` 0 (before any collective), 1 (after

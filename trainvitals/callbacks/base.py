@@ -190,7 +190,7 @@ class VitalsCallback:
         sizes), or agree on their sizes through an object gather first. The guard completes a
         call that failed part-way with the collectives of the last call with the same key.
         Default: the hook and whether the step logs; override when a callback has several
-        intervals."""
+        intervals. ``None`` records nothing (such a call cannot be completed)."""
         return (hook, self.should_log(ctx))
 
     def _dispatch(self, hook: str, ctx: RunContext, *args: Any) -> None:
@@ -198,7 +198,7 @@ class VitalsCallback:
             return
         self._ctx = ctx
         several = ctx.world_size > 1
-        key = self.collective_key(hook, ctx) if several else None
+        key = self._collective_key_or_none(hook, ctx) if several else None
         # (one process: no collectives to record)
         with recording_collectives() if several else contextlib.nullcontext([]) as issued:
             try:
@@ -206,7 +206,7 @@ class VitalsCallback:
             except Exception as exc:
                 failure = exc
             else:
-                if several:
+                if key is not None:
                     self._collective_schemas[key] = tuple(issued)
                 return
         if _strict():
@@ -259,11 +259,27 @@ class VitalsCallback:
             stacklevel=2,
         )
 
+    def _collective_key_or_none(self, hook: str, ctx: RunContext) -> Hashable | None:
+        """:meth:`collective_key`, or None (nothing recorded, nothing completed) when it raises:
+        an override's bug must not end the run either."""
+        try:
+            return self.collective_key(hook, ctx)
+        except Exception as exc:
+            if _strict():
+                raise
+            self._warn_first(
+                "guard:key",
+                f"trainvitals: {type(self).__name__}.collective_key raised "
+                f"{type(exc).__name__}: {exc}; a failure of this callback on one rank can "
+                "no longer be completed on the others",
+            )
+            return None
+
     def _complete_collectives(self, key: Hashable, issued: list[CollectiveCall]) -> bool:
         """Issue, with the "missing" mark, the collectives a failed call did not reach: the
         rest of the last successful call with the same key, when the failed call's own
         collectives are its beginning. False when there is no such call (or issuing failed)."""
-        schema = self._collective_schemas.get(key)
+        schema = None if key is None else self._collective_schemas.get(key)
         done = len(issued)
         if schema is None or schema[:done] != tuple(issued):
             return False
