@@ -307,13 +307,41 @@ def test_pipeline_stages_are_gathered_to_rank0(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ a failing rank
 
 
+def _train_data_parallel(
+    rank: int, monitor, run_dir: str, steps: int, state: dict[str, int]
+) -> int:
+    """Train a seeded TPNet under the driver with ``monitor``, data-parallel over the world
+    (each rank its own batch), logging every step; ``state["step"]`` follows the step. Returns
+    the rows of a batch."""
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.distributed import ProcessGroups, world_group
+
+    torch.manual_seed(0)
+    model = TPNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Vitals(
+        [monitor],
+        writer=NullWriter(),
+        run_dir=run_dir,
+        log_every_n_steps=1,
+        groups=ProcessGroups(dp=world_group()),
+    ) as vitals:
+        vitals.attach(model, opt)
+        for step in range(steps):
+            state["step"] = step
+            x = _batch(rank)
+            vitals.batch(x)
+            _loss(model(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    return x.shape[0]
+
+
 def _failing_rank_body(rank: int, world_size: int, run_dir: str) -> dict:
     import os
 
     import trainvitals.callbacks.tensor_stats_monitor as mod
-    from trainvitals.adapters.loop import Vitals
     from trainvitals.callbacks import TensorStatsMonitor
-    from trainvitals.distributed import ProcessGroups, world_group
 
     os.environ["TRAINVITALS_STRICT"] = "0"
     state = {"step": -1}
@@ -325,25 +353,8 @@ def _failing_rank_body(rank: int, world_size: int, run_dir: str) -> dict:
         return original(self, *args, **kwargs)
 
     mod.MomentAccumulator.add = add
-    torch.manual_seed(0)
-    model = TPNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = TensorStatsMonitor(kinds=["param", "activation", "dgrad"], kernel="eager")
-    with Vitals(
-        [monitor],
-        writer=NullWriter(),
-        run_dir=run_dir,
-        log_every_n_steps=1,
-        groups=ProcessGroups(dp=world_group()),
-    ) as vitals:
-        vitals.attach(model, opt)
-        for step in range(3):
-            state["step"] = step
-            x = _batch(rank)
-            vitals.batch(x)
-            _loss(model(x)).backward()
-            opt.step()
-            opt.zero_grad()
+    _train_data_parallel(rank, monitor, run_dir, 3, state)
     return {}
 
 
@@ -365,9 +376,7 @@ def _failing_emit_body(rank: int, world_size: int, run_dir: str) -> dict:
     import warnings
 
     import trainvitals.callbacks.tensor_stats_monitor as mod
-    from trainvitals.adapters.loop import Vitals
     from trainvitals.callbacks import TensorStatsMonitor
-    from trainvitals.distributed import ProcessGroups, world_group
 
     os.environ["TRAINVITALS_STRICT"] = "0"
     state = {"step": -1}
@@ -380,30 +389,13 @@ def _failing_emit_body(rank: int, world_size: int, run_dir: str) -> dict:
         return original(kinds)
 
     mod._merge_over_groups = merge
-    torch.manual_seed(0)
-    model = TPNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = TensorStatsMonitor(
         kinds=["param", "grad", "activation"], kernel="eager", activation_every_n_steps=2
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with Vitals(
-            [monitor],
-            writer=NullWriter(),
-            run_dir=run_dir,
-            log_every_n_steps=1,
-            groups=ProcessGroups(dp=world_group()),
-        ) as vitals:
-            vitals.attach(model, opt)
-            for step in range(6):
-                state["step"] = step
-                x = _batch(rank)
-                vitals.batch(x)
-                _loss(model(x)).backward()
-                opt.step()
-                opt.zero_grad()
-    return {"warnings": [str(w.message) for w in caught], "rows": x.shape[0]}
+        rows = _train_data_parallel(rank, monitor, run_dir, 6, state)
+    return {"warnings": [str(w.message) for w in caught], "rows": rows}
 
 
 def test_an_unanticipated_failure_on_one_rank_drops_that_step_everywhere(tmp_path: Path) -> None:
