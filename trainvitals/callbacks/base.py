@@ -37,11 +37,11 @@ step's values out too (:class:`~trainvitals.distributed.PeerRankFailed`; NaN res
 accelerators) instead of waiting, or pairing this step's collective with the failed rank's
 next one; every later step is reduced as usual. Only a failure at the first call of a key (no
 earlier call to copy) cannot be completed; it is reported as such. Where a rank-local failure
-is likeliest,
-before a collective (the norm and moment kernels: out of memory), the callbacks catch it
-themselves and send "not measured" values (NaN, or -inf for a sum of squares) through the
-step's collectives, so every rank stays in step; modules' forward/gradient hooks installed by a
-callback run outside this guard and catch their own failures. Set ``TRAINVITALS_STRICT=1`` (the
+is likeliest, before a collective (the norm and moment kernels: out of memory), the callbacks
+catch it themselves and send "not measured" values (NaN, or -inf for a sum of squares) through
+the step's collectives, so every rank stays in step and the other values of the step are still
+written; modules' forward/gradient hooks installed by a callback run outside this guard and
+catch their own failures. Set ``TRAINVITALS_STRICT=1`` (the
 test suite does) to re-raise. Configuration errors (``ValueError``/``TypeError``) are raised at
 construction or at run start, on every rank, before any collective.
 """
