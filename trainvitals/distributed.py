@@ -133,14 +133,18 @@ def _check_mark(
         return values
     if flags.device.type == "cpu" if host is None else host:
         if bool(flags.any()):
-            raise PeerRankFailed(
-                f"another rank took part in this {what} with a 'missing' mark (its callback "
-                "failed earlier in the same hook); this step's values are left out"
-            )
+            raise _peer_failed(what)
         return values
     if values.is_floating_point():
         return torch.where(flags.any(), math.nan, values)
     return values
+
+
+def _peer_failed(what: str) -> PeerRankFailed:
+    return PeerRankFailed(
+        f"another rank took part in this {what} with a 'missing' mark (its callback failed "
+        "earlier in the same hook); this step's values are left out"
+    )
 
 
 def is_distributed() -> bool:
@@ -278,7 +282,8 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     collective_counter["all_gather_object"] += 1
     _record(CollectiveCall("all_gather_object", group))
     marked = [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
-    _check_mark(torch.tensor([missing for missing, _ in marked]), rows, "all_gather_object")
+    if not _replaying and any(missing for missing, _ in marked):  # on the host already
+        raise _peer_failed("all_gather_object")
     return [value for _, value in marked]
 
 

@@ -97,7 +97,6 @@ class VitalsCallback:
         self._writer_override = writer
         self._ctx: RunContext | None = None
         self._disabled = False
-        self._failures = 0
         self._warned: set[str] = set()
         # the collectives of the last successful call per collective_key (several ranks only)
         self._collective_schemas: dict[Hashable, tuple[CollectiveCall, ...]] = {}
@@ -161,9 +160,7 @@ class VitalsCallback:
             self.writer(ctx).add_scalars(dict(values), ctx.step if step is None else step)
 
     def warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
+        self._warn_first(key, f"{type(self).__name__}: {message}", stacklevel=4)
 
     def tolerate_failure(self, key: str, what: str, exc: Exception, consequence: str) -> None:
         """A rank-local failure the callback recovers from itself (it goes on with "not
@@ -215,7 +212,6 @@ class VitalsCallback:
             # A configuration error (a glob matching nothing, no router found): the user
             # must fix it, and at run start it costs nothing and is raised on every rank.
             raise failure
-        self._failures += 1
         if several:
             # Disabling on this rank alone would leave the other ranks waiting forever in
             # this callback's next collective. Keep calling it: a failure that happens on
@@ -289,11 +285,12 @@ class VitalsCallback:
             return False
         return True
 
-    def _warn_first(self, key: str, message: str) -> None:
-        """Warn once per ``key`` (the guard's own kinds of message)."""
+    def _warn_first(self, key: str, message: str, stacklevel: int = 3) -> None:
+        """Warn ``message`` once per ``key`` (:meth:`warn_once` without the class prefix, for
+        the guard's messages, which name the callback and hook themselves)."""
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
     # ------------------------------------------------------------------ Lightning adapter
     # Every Lightning Callback hook is defined here (duck typing): the Trainer calls
