@@ -203,3 +203,9 @@ def test_exception_dumps_a_snapshot_when_recording(fake_cuda, tmp_path):
         raise RuntimeError("CUDA out of memory (simulated)")
     assert fake_cuda["dump"] == [str(tmp_path / "rank0_exception.pickle")]
     assert fake_cuda["record"][-1][0] is None  # recording stopped
+
+
+def test_cpu_without_host_readings_warns_that_nothing_is_written():
+    with pytest.warns(RuntimeWarning, match="nothing to measure"):
+        writer, _ = fake_loop([MemoryMonitor(host=False)], None, steps=range(2))
+    assert all(not row for row in writer.rows.values())

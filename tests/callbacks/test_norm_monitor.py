@@ -394,3 +394,124 @@ def test_fsdp1_layout_writes_nothing_and_warns():
         lm_loss(model, ids).backward()
         opt.step()
     assert writer.steps == {}
+
+
+# ------------------------------------------------------------------ sparse gradients
+
+
+def test_sparse_gradients_are_normed_exactly():
+    # nn.Embedding(sparse=True) gives uncoalesced COO gradients (one entry per looked-up
+    # token, indices repeated); their norm is that of the dense gradient.
+    torch.manual_seed(0)
+    embed = nn.Embedding(20, 4, sparse=True)
+    head = nn.Linear(4, 1)
+    model = nn.Sequential(embed, head)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = RecordingWriter()
+    ids = torch.tensor([[1, 1, 2, 7, 7, 7]])
+    with Vitals([NormMonitor(per_param="0.weight")], writer=writer, log_every_n_steps=1) as v:
+        v.attach(model, opt)
+        v.batch(ids)
+        model(ids).pow(2).sum().backward()
+        sparse = embed.weight.grad
+        assert sparse.is_sparse and not sparse.is_coalesced()
+        dense = [sparse.to_dense().double(), head.weight.grad.double(), head.bias.grad.double()]
+        g_ref = math.sqrt(sum(float(g.pow(2).sum()) for g in dense))
+        e_ref = float(dense[0].norm())
+        opt.step()
+    row = writer.steps[0]
+    assert row["l2_norm/grad/global"] == pytest.approx(g_ref, rel=REL)
+    assert row["l2_norm/grad/0.weight"] == pytest.approx(e_ref, rel=REL)
+    assert row["l2_norm/grad/nonfinite_count"] == 0
+    assert math.isfinite(row["l2_norm/param/global"])
+
+
+def test_local_sq_norms_of_sparse_layouts():
+    g = torch.Generator().manual_seed(2)
+    dense = torch.randn(6, 5, generator=g) * (torch.rand(6, 5, generator=g) > 0.5)
+    coo = torch.sparse_coo_tensor(
+        torch.tensor([[0, 0, 3, 5], [1, 1, 2, 4]]), torch.tensor([1.5, -2.0, 3.0, 0.25]), (6, 5)
+    )  # uncoalesced: (0, 1) twice
+    tensors = [coo, dense.to_sparse_csr(), dense.to_sparse_csc()]
+    got = local_sq_norms(tensors).tolist()
+    for value, t in zip(got, tensors, strict=True):
+        assert value == pytest.approx(float(t.to_dense().double().pow(2).sum()), rel=1e-6)
+
+
+# ------------------------------------------------------------------ pipeline: a frozen stage
+
+
+def _frozen_stage_body(rank: int, world_size: int) -> dict:
+    from trainvitals.distributed import ProcessGroups, world_group
+
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    if rank == 0:  # stage 0 trains nothing (a frozen stage), stage 1 trains
+        model.requires_grad_(False)
+    x = torch.randn(5, 4)
+    writer = RecordingWriter()
+    groups = ProcessGroups(pp=world_group())
+    with Vitals([NormMonitor()], writer=writer, log_every_n_steps=1, groups=groups) as v:
+        v.attach(model, opt)
+        for _ in range(2):
+            v.batch(x)
+            out = model(x).pow(2).sum()
+            if out.requires_grad:
+                out.backward()
+            opt.step()
+            opt.zero_grad()
+    return {"steps": writer.steps}
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_pipeline_stage_still_joins_the_totals_collective():
+    # A stage without trainable parameters that skipped the all-reduce over the pipeline
+    # group left the other stages waiting in it.
+    from tests.helpers.dist import run_distributed
+
+    results = run_distributed(_frozen_stage_body, 2, timeout=120)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    model(torch.randn(5, 4).double()).pow(2).sum().backward()
+    p_ref, g_ref = float64_norms(list(model.parameters()))
+    for res in results:
+        for step in (0, 1):
+            row = res["steps"][step]
+            assert row["l2_norm/param/global"] == pytest.approx(p_ref, rel=1e-6)
+            assert row["l2_norm/grad/global"] == pytest.approx(g_ref, rel=1e-6)
+
+
+# ------------------------------------------------------------------ state with flags in flight
+
+
+def test_state_dict_waits_for_flags_still_in_flight():
+    # On CUDA the non-finite flags reach the host through an asynchronous copy; a checkpoint
+    # taken before it lands must still hold the step and names.
+    from trainvitals.callbacks.norm_monitor import _PendingFlags, _Tracked
+
+    class InFlight:
+        def __init__(self) -> None:
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = True
+
+    monitor = NormMonitor()
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    monitor._tracked = [_Tracked(f"p{i}", p, ()) for i, p in enumerate(params)]
+    flags = torch.tensor([False, True, True])
+    monitor._pending = _PendingFlags(7, flags, InFlight())
+    monitor._report_pending(block=False)  # step_end: not arrived yet
+    assert monitor.first_nonfinite_step is None
+    with pytest.warns(RuntimeWarning, match="at step 7"):
+        state = monitor.state_dict()
+    expected = [f"p{i}" for i in flags.nonzero().flatten().tolist()]
+    assert state == {
+        "first_nonfinite_step": 7,
+        "first_nonfinite_names": expected,
+        "nonfinite_logging_steps": 1,
+    }

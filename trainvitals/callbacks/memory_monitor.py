@@ -31,7 +31,9 @@ class MemoryMonitor(VitalsCallback):
     Peaks are since the process started (as Composer's and Megatron-Bridge's reports), or since
     the previous logging step with ``peak_since_last_log=True`` (then the allocator's peak
     counters are reset after each reading: do not combine with other code that relies on
-    them). Nothing here is checkpoint state: a resumed process starts its own peaks.
+    them). ``memory/peak_rss_gb`` is always since the process started: the OS's peak
+    (``ru_maxrss``) cannot be reset. Nothing here is checkpoint state: a resumed process starts
+    its own peaks.
 
     Allocator history (CUDA only): ``record_history=True`` starts
     ``torch.cuda.memory._record_memory_history`` at run start (allocations made earlier, such
@@ -45,7 +47,7 @@ class MemoryMonitor(VitalsCallback):
         reduce: which reductions over ranks to write: a non-empty subset of ``("max", "min",
             "mean")``. ``"max"`` writes the plain keys, the others add ``/min`` and ``/mean``.
         host: also write the process's resident set (``memory/rss_gb``, ``memory/peak_rss_gb``).
-        peak_since_last_log: peaks since the previous logging step instead of since start.
+        peak_since_last_log: CUDA peaks since the previous logging step instead of since start.
         record_history: record the CUDA allocator's history (for snapshots).
         max_history_entries: events the history keeps (``max_entries`` of the torch API).
         snapshot_steps: optimizer steps after which to dump an allocator snapshot.
@@ -145,6 +147,13 @@ class MemoryMonitor(VitalsCallback):
             self._process = psutil.Process()
         device = ctx.device
         self._cuda = device if device.type == "cuda" and torch.cuda.is_available() else None
+        if self._cuda is None and not self.host:
+            # Otherwise the monitor would sit in the run writing nothing, silently.
+            self.warn_once(
+                "nothing",
+                f"host=False and the model is on {device}, not CUDA: there is nothing to "
+                "measure and no key is written",
+            )
         if self._cuda is None and (self.record_history or self.snapshot_steps):
             self.warn_once(
                 "nocuda",

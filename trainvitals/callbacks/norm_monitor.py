@@ -127,6 +127,7 @@ class NormMonitor(VitalsCallback):
         self.max_nonfinite_names = max_nonfinite_names
         self._tracked: list[_Tracked] = []
         self._selected: list[int] = []
+        self._unsupported = False
         self._pending: _PendingFlags | None = None
         # state kept across checkpoints
         self.first_nonfinite_step: int | None = None
@@ -146,6 +147,7 @@ class NormMonitor(VitalsCallback):
             # Their parameters are plain tensors holding flat shards: a norm would be wrong.
             self.warn_once("layout", f"{unsupported} is not supported; no norms are written")
             self._tracked = []
+            self._unsupported = True
             return
         named = [
             (canonical_name(n), p)
@@ -159,13 +161,19 @@ class NormMonitor(VitalsCallback):
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
         """On logging steps: norms of the parameters and of the complete gradients."""
-        if not self.should_log(ctx) or not self._tracked:
+        if not self.should_log(ctx) or self._unsupported:
             return
+        pipeline = group_size(ctx.groups.pp) > 1
+        if not self._tracked and not pipeline:
+            return
+        # A pipeline stage without trainable parameters (a frozen stage) still takes part in
+        # the totals' collective over the stages, with zeros: skipping it would leave the other
+        # stages waiting in that all-reduce.
         self._report_pending(block=True)
         tracked = self._tracked
         n = len(tracked)
         grads = [t.param.grad for t in tracked]
-        if all(g is None for g in grads):
+        if tracked and all(g is None for g in grads):
             self.warn_once("no-grads", "no parameter has a gradient at a logging step")
         tensors = [t.param for t in tracked] + grads
         try:
@@ -188,7 +196,7 @@ class NormMonitor(VitalsCallback):
         param_sq, grad_sq = sq[:n], sq[n:]
         bad = torch.isnan(grad_sq) | (grad_sq == math.inf)
         totals = torch.stack([param_sq.sum(), grad_sq.sum(), bad.sum().to(sq.dtype)])
-        if group_size(ctx.groups.pp) > 1:
+        if pipeline:
             totals = all_reduce_coalesced([totals], "sum", ctx.groups.pp)[0]
         values: dict[str, Any] = {
             "l2_norm/param/global": totals[0].sqrt(),
@@ -219,6 +227,9 @@ class NormMonitor(VitalsCallback):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
+        # Flags still on their way from the device (CUDA) belong to a step this checkpoint
+        # follows: wait for them, or a first non-finite step would be missing after a resume.
+        self._report_pending(block=True)
         return {
             "first_nonfinite_step": self.first_nonfinite_step,
             "first_nonfinite_names": list(self.first_nonfinite_names),

@@ -163,6 +163,7 @@ def local_sq_norms(
     """
     locals_: list[torch.Tensor | None] = [None if t is None else local_tensor(t) for t in tensors]
     _resolve_partials(tensors, locals_)
+    locals_ = [None if t is None else _dense_values(t) for t in locals_]
     if device is None:
         device = next((t.device for t in locals_ if t is not None), torch.device("cpu"))
     out = torch.zeros(len(locals_), dtype=torch.float64, device=device)
@@ -179,6 +180,23 @@ def local_sq_norms(
             sq = torch.stack(norms).square()
         out.index_copy_(0, torch.tensor(idx, device=device), sq.to(device))
     return out
+
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _dense_values(tensor: torch.Tensor) -> torch.Tensor:
+    """A strided tensor with the same sum of squares: a sparse tensor's stored values.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) have no norm kernel (the whole step's
+    norms would be NaN). A COO gradient is coalesced first: it usually repeats indices (one
+    entry per looked-up token) and the squares of the parts do not sum to the square of the sum.
+    """
+    if tensor.layout == torch.sparse_coo:
+        return tensor.coalesce().values()
+    if tensor.layout in _COMPRESSED:
+        return tensor.values()
+    return tensor
 
 
 def _resolve_partials(
