@@ -3,6 +3,8 @@ AMP-skipped steps, batch counts, state, the default JSONL writer, bad input, fai
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -144,6 +146,43 @@ def test_skipped_optimizer_step_ends_at_next_batch():
     assert [e for e in rec.events if e[0] == "end"] == [("end", 0, 1), ("end", 1, 1), ("end", 2, 1)]
     assert [e[1] for e in rec.events if e[0] == "mb"] == [0, 1, 2]
     assert vitals.step == 3
+
+
+def test_grad_scaler_unscaling_shows_gradients_of_skipped_steps_too():
+    # GradScaler.step() skips optimizer.step() (and its hooks) on inf gradients; with the scaler
+    # attached the callbacks still see every step's unscaled, unclipped gradients.
+    model, opt = _model_opt()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, opt, scaler=scaler)
+    expected = []
+    for i in range(4):
+        x = torch.randn(2, 4) * 10
+        vitals.batch(x)
+        loss = model(x).pow(2).mean() * (math.inf if i == 1 else 1.0)
+        scaler.scale(loss).backward()
+        grads = [p.grad.double() / scaler.get_scale() for p in model.parameters()]
+        expected.append(float(torch.stack([g.norm() for g in grads]).norm()))
+        if i == 2:  # explicit unscale, then clip: the callbacks see the unclipped gradients
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    vitals.close()
+    assert [e for e in rec.events if e[0] == "grads"] == [("grads", s) for s in range(4)]
+    assert [e for e in rec.events if e[0] == "end"] == [("end", s, 1) for s in range(4)]
+    assert not math.isfinite(rec.grad_norms[1]) and not math.isfinite(expected[1])
+    for got, want in zip(rec.grad_norms, expected, strict=True):
+        if math.isfinite(want):
+            assert want > 1e-2  # so that the clipped norm (1e-3) could not pass
+            assert got == pytest.approx(want, rel=1e-5)
+    assert "unscale_" not in vars(scaler)  # close() gave the scaler its own method back
+
+
+def test_scaler_must_unscale():
+    with pytest.raises(TypeError, match="GradScaler"):
+        Vitals([Recorder()], writer=RecordingWriter()).attach(*_model_opt(), scaler=object())
 
 
 def test_batch_counts_explicit_beat_callback_functions_beat_inference():

@@ -15,10 +15,13 @@ Three lines in a loop::
 The driver learns of optimizer steps from the optimizer itself (``register_step_pre_hook`` and
 ``register_step_post_hook`` on the innermost torch optimizer), so under gradient accumulation,
 where the optimizer steps once per real step, each step is seen once. Gradients are observed in
-the pre-hook, or earlier, right after AMP unscaling and before clipping, when the loop clips
-with ``accelerator.clip_grad_norm_`` or :meth:`Vitals.clip_grad_norm_`. A step whose gradients
-were observed but that the optimizer skipped (AMP's ``GradScaler`` on inf/nan gradients) ends at
-the next :meth:`Vitals.batch` call, so its micro-batches are not counted into the next step.
+the pre-hook, or earlier, right after AMP unscaling and before clipping: when the loop clips
+with ``accelerator.clip_grad_norm_`` or :meth:`Vitals.clip_grad_norm_`, and whenever a
+``GradScaler`` unscales (``attach(..., scaler=scaler)``; Accelerate's own scaler is found by
+itself). A step whose gradients were observed but that the optimizer skipped (``GradScaler`` on
+inf/nan gradients) ends at the next :meth:`Vitals.batch` call, so its micro-batches are not
+counted into the next step. Without the scaler attached, ``GradScaler.step`` skips such a step
+before the optimizer's hooks run: the callbacks never see its (non-finite) gradients.
 
 ``vitals.batch()`` tells the callbacks a micro-batch starts and how big it is. A loop that does
 not call it still works: each training-mode forward of the attached model (with autograd on,
@@ -136,15 +139,25 @@ class Vitals:
         self._handles: list[Any] = []
         self._started = False
         self._grads_seen_for_step = False
+        self._unscaled: set[int] = set()
+        self._scalers: list[Any] = []
         self._batch_announced = False
         self._closed = False
 
     # ------------------------------------------------------------------ wiring
 
-    def attach(self, model: torch.nn.Module, optimizer: Any) -> Vitals:
-        """Attach to the model and its optimizer (one or a list); returns ``self``."""
+    def attach(self, model: torch.nn.Module, optimizer: Any, *, scaler: Any = None) -> Vitals:
+        """Attach to the model and its optimizer (one or a list); returns ``self``.
+
+        ``scaler``: the loop's ``torch.amp.GradScaler`` under fp16 AMP (default: the
+        accelerator's ``scaler``, if any). The callbacks then see each step's gradients right
+        after it unscales them, before clipping, also on the steps it then skips for inf/nan
+        gradients (whose optimizer hooks never run).
+        """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
+        if scaler is not None and not callable(getattr(scaler, "unscale_", None)):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
         inner = [_inner_optimizer(o) for o in optimizers]
         self.ctx.model = model
@@ -156,7 +169,30 @@ class Vitals:
         self._handles.append(model.register_forward_pre_hook(self._on_model_forward))
         if self._accelerator is not None:
             self._wrap_accelerator_clip()
+            if scaler is None:
+                scaler = getattr(self._accelerator, "scaler", None)
+        if scaler is not None:
+            self._wrap_scaler(scaler)
         return self
+
+    def _wrap_scaler(self, scaler: Any) -> None:
+        # GradScaler.step() calls self.unscale_(optimizer) unless the loop already did, and
+        # skips optimizer.step() on inf/nan gradients (torch.amp.GradScaler.step): an instance
+        # attribute catches both the explicit and the implicit call, before any skip.
+        original = scaler.unscale_
+        attached = {id(o) for o in self.ctx.optimizers}
+        accelerator = self._accelerator
+
+        def unscale_(optimizer: Any) -> None:
+            original(optimizer)
+            self._unscaled.add(id(_inner_optimizer(optimizer)))
+            # Once every attached optimizer's gradients are unscaled (several optimizers share
+            # one scaler), and, under Accelerate, only when the optimizer will step.
+            if attached <= self._unscaled and getattr(accelerator, "sync_gradients", True):
+                self.gradients_ready()
+
+        scaler.unscale_ = unscale_
+        self._scalers.append(scaler)
 
     def _wrap_accelerator_clip(self) -> None:
         # Accelerate unscales AMP gradients in unscale_gradients(), which its clip_grad_norm_ and
@@ -278,6 +314,7 @@ class Vitals:
         self.ctx.micro_batch = 0
         self.ctx.micro_batches_in_step = 0
         self._grads_seen_for_step = False
+        self._unscaled.clear()
 
     @contextlib.contextmanager
     def validating(self) -> Iterator[None]:
@@ -342,6 +379,9 @@ class Vitals:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for scaler in self._scalers:  # the class's own unscale_ again
+            vars(scaler).pop("unscale_", None)
+        self._scalers.clear()
         writer = self.ctx.writer
         if self._owns_writer:
             writer.close()
