@@ -152,6 +152,33 @@ def test_percentile_without_nonzero_layer_is_not_written():
     assert writer.rows[0] == {"moe/x": 0.0}
 
 
+def test_nan_mean_and_layer_value_are_written_not_dropped():
+    # A diverged router records NaN: the mean and that layer's value must say so (the writers
+    # carry NaN); only a percentile over no non-zero layer is left out.
+    tracker = MoEMetricsTracker()
+    values = [math.nan, 1.5, 0.5]
+    for layer, v in enumerate(values, start=1):
+        tracker.record("load_balancing_loss", torch.tensor(v), layer, 3)
+    writer = Recorder()
+    losses: dict[str, float] = {}
+    tracker.report(
+        0.5,
+        0,
+        writer,
+        per_layer_logging=True,
+        total_loss_dict=losses,
+        percentiles={"load_balancing_loss": [0.5]},
+    )
+    row = writer.rows[0]
+    assert math.isnan(row["moe/load_balancing_loss"])
+    assert math.isnan(losses["load_balancing_loss"])
+    assert math.isnan(row["moe/load_balancing_loss_layer_0"])
+    assert row["moe/load_balancing_loss_layer_1"] == 0.5 * 1.5
+    # median of the positive (so non-NaN) layers, float64
+    finite = [0.5 * v for v in values if v > 0]
+    assert row["moe/load_balancing_loss_p50"] == pytest.approx(float(np.median(finite)))
+
+
 def test_one_host_transfer_per_report(monkeypatch):
     tracker = MoEMetricsTracker()
     for name in ("a_loss", "b", "c"):

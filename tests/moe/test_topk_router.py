@@ -172,6 +172,46 @@ def test_no_loss_in_eval_or_without_grad(fresh_tracker):
     assert not fresh_tracker.metrics
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(aux_loss_type="aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.1),
+        dict(aux_loss_type="aux_loss", aux_loss_coeff=0.1, capacity_factor=1.0),
+        dict(aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.1),
+        dict(sinkhorn=True, z_loss_coeff=0.1),
+    ],
+)
+def test_forward_without_tokens_routes_nothing_and_records_nothing(fresh_tracker, kwargs):
+    # An empty micro-batch must not end the run (1/T of the losses) nor put a NaN into the
+    # step's sums: the next forward's recorded values are its own, as the float64 formula.
+    router = make_router(layer_number=1, **kwargs)
+    router.num_layers = 1
+    x = torch.randn(2, 4, H)
+    router(x)
+    last, dropped = router.last_aux_loss, router.last_dropped_fraction
+    probs, routing_map = router(torch.randn(0, 4, H))
+    assert probs.shape == (0, E) and routing_map.shape == (0, E)
+    assert router.last_z_loss is None
+    if last is not None:
+        assert router.last_aux_loss is None  # not the previous forward's value
+    probs.sum().backward()
+    assert torch.isfinite(router.weight.grad).all()
+    recorded = {name: float(entry.values[0]) for name, entry in fresh_tracker.metrics.items()}
+    logits = x.reshape(-1, H).double() @ router.weight.detach().double().T
+    if "z_loss" in recorded:
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        assert recorded["z_loss"] == pytest.approx(float(z), rel=1e-5)
+    p = ref_scores(x, router.weight, "softmax", K)
+    if "load_balancing_loss" in recorded:
+        assert recorded["load_balancing_loss"] == pytest.approx(float(ref_switch(p, K)), rel=1e-5)
+    if "seq_load_balancing_loss" in recorded:
+        per_seq = sum(ref_switch(p[4 * b : 4 * b + 4], K) for b in range(2)) / 2
+        assert recorded["seq_load_balancing_loss"] == pytest.approx(float(per_seq), rel=1e-5)
+    if "dropped_token_fraction" in recorded:
+        assert recorded["dropped_token_fraction"] == float(dropped)
+    assert all(math.isfinite(v) for v in recorded.values())
+
+
 # ---------------------------------------------------------------------- global aux loss (2 ranks)
 
 
@@ -191,12 +231,16 @@ def _global_body(rank: int, world_size: int) -> dict:
         router.weight.normal_(0, 0.5)
     router.num_layers = 1
     router.dp_group = world_group()
+    from trainvitals.moe.capture import RouterCapture
+
+    capture = RouterCapture(router)  # LoadBalanceMonitor's source of moe/aux_loss_*
     gen = torch.Generator().manual_seed(100 + rank)
     xs = [torch.randn(5, H, generator=gen) for _ in range(2)]  # two micro-batches
     losses = []
     for x in xs:
         router(x)
         losses.append(float(router.last_aux_loss))
+    aux_sum, aux_count = capture.aux_losses()
     rows: dict[str, float] = {}
 
     class W:
@@ -212,6 +256,7 @@ def _global_body(rank: int, world_size: int) -> dict:
         "losses": losses,
         "rows": rows,
         "micro": before,
+        "capture_aux": (float(aux_sum[0]), float(aux_count[0])),
         "after_reset": (router.global_aux_micro_batches, router.global_tokens_per_expert.tolist()),
     }
 
@@ -240,11 +285,13 @@ def test_global_aux_loss_uses_tokens_summed_over_dp_and_micro_batches(two_ranks)
 
     global_counts = [counts(torch.cat([p[0][m], p[1][m]])) for m in range(2)]
     total = 10  # tokens of both ranks in one micro-batch
+    global_per_micro = [0.0, 0.0]  # the sum of the ranks' shares
     for m in range(2):
         mean_counts = sum(global_counts[: m + 1]) / (m + 1)  # accumulated over micro-batches
         for r in range(2):
             expected = E / (K * total * total) * (p[r][m].sum(dim=0) * mean_counts).sum()
             assert res[r]["losses"][m] == pytest.approx(float(expected), rel=1e-5)
+            global_per_micro[m] += float(expected)
         # the tracker sums the ranks' shares over dp: micro-batch 0 is the Switch loss of the
         # whole global batch
     whole = ref_switch(torch.cat([p[0][0], p[1][0]]), K)
@@ -256,6 +303,12 @@ def test_global_aux_loss_uses_tokens_summed_over_dp_and_micro_batches(two_ranks)
         )
         assert res[r]["micro"] == 2
         assert res[r]["after_reset"] == (0, [0.0] * E)
+    # Router capture: averaged over the ranks and micro-batches (as LoadBalanceMonitor does), a
+    # rank's aux value is the global loss, not the mean of the ranks' shares (1/2 of it).
+    aux_sum = sum(res[r]["capture_aux"][0] for r in range(2))
+    aux_count = sum(res[r]["capture_aux"][1] for r in range(2))
+    assert aux_count == 4
+    assert aux_sum / aux_count == pytest.approx(sum(global_per_micro) / 2, rel=1e-5)
 
 
 # ---------------------------------------------------------------------- expert bias (2 ranks)

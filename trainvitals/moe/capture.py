@@ -4,14 +4,15 @@ how many tokens each expert of each layer received over every micro-batch of a s
 :class:`RouterCapture` walks ``model.named_modules()`` once, recognises routers, and registers
 forward hooks on them. Each hook adds the router's token-to-expert assignment counts of one
 forward into row ``i`` of one ``[L, E]`` accumulator that lives on the router's device: no
-``.item()``, no host copy, no collective. For ``TopKRouter`` the hook runs no kernel at all:
-it keeps a reference to the forward's routing map and aux loss (a fresh tensor per forward;
-a later in-place change is detected by its version counter), and the step's maps are counted
-together when the step is read (:meth:`RouterCapture.read_host`, :meth:`RouterCapture.loads`),
-in a few kernels whatever the number of layers and micro-batches, or earlier when the held
-maps exceed 32 Mi elements. So under gradient accumulation every micro-batch of
-the step is counted (NeMo Automodel's gates keep only the last micro-batch's load, a bug), and
-the owner (``LoadBalanceMonitor``) reads the whole step at once and resets it.
+``.item()``, no host copy, no collective. For ``TopKRouter`` the hook runs no kernel (but one
+scalar product for a ``global_aux_loss`` over several ranks): it keeps a reference to the
+forward's routing map and aux loss (a fresh tensor per forward; a later in-place change is
+detected by its version counter), and the step's maps are counted together when the step is read
+(:meth:`RouterCapture.read_host`, :meth:`RouterCapture.loads`), in a few kernels whatever the
+number of layers and micro-batches, or earlier when the held maps exceed 32 Mi elements. So
+under gradient accumulation every micro-batch of the step is counted (NeMo Automodel's gates
+keep only the last micro-batch's load, a bug), and the owner (``LoadBalanceMonitor``) reads the
+whole step at once and resets it.
 
 Recognised routers (first match wins, user extractors first):
 
@@ -25,6 +26,8 @@ user extractor              ``register_router_extractor(predicate_or_type, fn)``
 ``trainvitals.moe``         (the tokens each expert processes, after any capacity drop; with
                             ``pad_to_capacity`` the weight-0 padding slots are not counted);
                             ``module.last_aux_loss`` (when not ``None``) as the layer's aux loss
+                            (``global_aux_loss``: this rank's share times the size of the router's
+                            ``dp_group``, so its mean over data parallel is the global loss)
 Hugging Face transformers   ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,
 routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter`` (and
                             any ``transformers`` module whose class name ends in ``TopKRouter`` /
@@ -86,7 +89,7 @@ import torch
 from torch import nn
 
 from trainvitals._strict import strict as _strict
-from trainvitals.distributed import local_tensor
+from trainvitals.distributed import group_size, local_tensor
 
 __all__ = [
     "HF_ROUTER_CLASSES",
@@ -587,11 +590,19 @@ class RouterCapture:
         if module.pad_to_capacity and isinstance(output[0], torch.Tensor):
             # padding slots are marked in the map with weight 0: count routed tokens only
             routing_map = routing_map & (local_tensor(output[0]).reshape(-1, num_experts) > 0)
+        aux = module.last_aux_loss
+        if aux is not None and module.aux_loss_type == "global_aux_loss":
+            # last_aux_loss is this rank's share of the global-batch loss (the shares sum to
+            # it over dp_group); the owner averages over data parallel, so hand it share x
+            # group size, whose mean over the group is the global loss (the tracker's value).
+            ranks = group_size(module.dp_group)
+            if ranks > 1:
+                aux = aux * ranks
         if i in self._eager:
             self._add_counts(i, routing_map.sum(dim=0))
-            self._add_aux(i, module.last_aux_loss)
+            self._add_aux(i, aux)
         else:
-            self._defer(i, routing_map, module.last_aux_loss)
+            self._defer(i, routing_map, aux)
 
     def _unsupported(self, i: int, why: str) -> None:
         self._broken.add(i)

@@ -13,7 +13,9 @@ sequence-first: transpose before calling). ``forward`` returns
 * ``routing_map`` ``[T, E]`` bool: which tokens go to which expert (with ``pad_to_capacity``,
   also the padding tokens that fill every expert up to its capacity, with weight 0).
 
-Load balancing (only in training with gradients enabled, and only with a coefficient > 0):
+Load balancing (only in training with gradients enabled, only with a coefficient > 0, and only
+for a forward with at least one token, except ``global_aux_loss``, whose all-reduce every rank
+joins):
 
 =========================  ======================================================================
 ``aux_loss``               Switch loss ``E/(k*T^2) * sum_i (sum_x p_xi) * tokens_i``: ``p`` the
@@ -283,18 +285,27 @@ class TopKRouter(nn.Module):
             raise ValueError("seq_aux_loss needs a batch-first input [batch, seq, hidden_size]")
         training = self.training and torch.is_grad_enabled()
         x = hidden.reshape(-1, self.hidden_size)
+        # No token (an empty micro-batch or rank): nothing to balance, and the losses divide
+        # by the token count (ZeroDivisionError, or NaN recorded into the step's sums). Except
+        # global_aux_loss: its all-reduce must be joined (this rank's share is then 0).
+        with_losses = training and x.shape[0] > 0
+        with_aux = with_losses or (training and self.aux_loss_type == "global_aux_loss")
+        if training and not with_losses:  # no loss of this forward: none is "the last" one
+            self.last_z_loss = None
+            if not with_aux:
+                self.last_aux_loss = None
         if self.training and self.input_jitter_eps is not None:
             eps = self.input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())  # [T, E]
-            if training and self.z_loss_coeff > 0:
+            if with_losses and self.z_loss_coeff > 0:
                 z_loss = torch.logsumexp(logits, dim=-1).square().mean()
                 logits = attach_aux_loss(logits, z_loss * self.z_loss_coeff)
                 self.last_z_loss = z_loss.detach()
                 self._record("z_loss", self.last_z_loss)
             probs, routing_map, kept = self._route(logits)
-            if training and self.aux_loss_type is not None and self.aux_loss_coeff > 0:
+            if with_aux and self.aux_loss_type is not None and self.aux_loss_coeff > 0:
                 probs = self._apply_aux_loss(probs, logits, hidden.shape)
         if training and self.expert_bias is not None:
             with torch.no_grad():
@@ -333,7 +344,7 @@ class TopKRouter(nn.Module):
         keep = self._capacity_mask(probs.detach(), selected, capacity)
         dropped = (selected & ~keep).sum().to(torch.float32) / max(num_tokens * k, 1)
         self.last_dropped_fraction = dropped
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and num_tokens > 0:
             self._record("dropped_token_fraction", dropped)
         kept = selected & keep
         return probs * kept, keep if self.pad_to_capacity else kept, kept
@@ -376,7 +387,7 @@ class TopKRouter(nn.Module):
         selects; the weights are sigmoid (k == 1) or softmax scores of the raw logits."""
         k = self.top_k
         activated = torch.sigmoid(logits) if k == 1 else torch.softmax(logits, dim=-1)
-        if self.training:
+        if self.training and logits.shape[0] > 0:  # (Sinkhorn's 1/T needs a token)
             with torch.no_grad():
                 top_idx = torch.topk(_sinkhorn(logits.detach()), k, dim=-1).indices
         else:

@@ -39,7 +39,8 @@ key                                 meaning
 ==================================  ===========================================================
 
 Units are those of the recorded metric (the router's losses are dimensionless, 1.0 at perfect
-balance for the load-balancing losses).
+balance for the load-balancing losses). A NaN value (e.g. a diverged router) is written as NaN;
+only a percentile with no non-zero layer is left out.
 """
 
 from __future__ import annotations
@@ -349,12 +350,20 @@ class MoEMetricsTracker:
             numbers.append(math.fsum(v) / plan.num_moe_layers)
             qs = pct.get(plan.name)
             if qs:
-                keys.extend(self._percentile_keys(plan.name, qs))
-                numbers.extend(quantiles_of_positive_host(v, qs))
+                # NaN = no non-zero layer: that percentile is not written. Only here: a NaN
+                # mean or layer value (a diverged router) must reach the writer, not vanish.
+                for key, x in zip(
+                    self._percentile_keys(plan.name, qs),
+                    quantiles_of_positive_host(v, qs),
+                    strict=True,
+                ):
+                    if not math.isnan(x):
+                        keys.append(key)
+                        numbers.append(x)
             if per_layer_logging:
                 keys.extend(plan.layer_keys)
                 numbers.extend(v[i] for i in plan.moe_slots)
-        scalars = {k: x for k, x in zip(keys, numbers, strict=True) if not math.isnan(x)}
+        scalars = dict(zip(keys, numbers, strict=True))
         loss_names = [plan.name for plan in plans if plan.name.endswith("loss")]
 
         # 4. Write, hand losses to total_loss_dict, build the console string, clear.
