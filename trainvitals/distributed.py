@@ -478,7 +478,10 @@ class ProcessGroups:
     Each field is a ``torch.distributed`` process group or ``None`` (trivial: this rank alone).
     ``dp`` is the whole data-parallel group (replicate x shard); ``dp_cp`` the data- and
     context-parallel ranks together (the ranks that see different tokens), defaulting to ``dp``
-    when there is no context parallelism. A single process means every group is ``None``.
+    when there is no context parallelism. ``ep`` is a subgroup of ``dp_cp`` (Megatron-LM's and
+    torchtitan's layout: expert-parallel ranks route different tokens to each other's experts),
+    so sums of tokens over ``dp_cp`` include every expert-parallel rank. A single process means
+    every group is ``None``.
 
     Example::
 
@@ -521,8 +524,11 @@ class ProcessGroups:
 
         Recognised: ``dp``/``data_parallel``, ``dp_shard``/``fsdp``, ``dp_replicate``/``ddp``,
         ``tp``/``tensor_parallel``, ``pp``, ``ep``, ``cp``. With both ``dp_replicate`` and
-        ``dp_shard`` (HSDP) the data-parallel group is their flattened product. A mesh with
-        unnamed or unknown dims raises ``ValueError`` naming them.
+        ``dp_shard`` (HSDP) the data-parallel group is their flattened product. An ``ep`` dim of
+        its own is part of it too: its ranks see different tokens (each routes its own batch to
+        the experts of all), so a mesh ``("dp", "ep")`` of shape ``(2, 2)`` has four
+        data-parallel ranks and ``ep`` groups of two. A mesh with unnamed or unknown dims raises
+        ``ValueError`` naming them.
         """
         names = tuple(mesh.mesh_dim_names or ())
         if len(names) != mesh.ndim:
@@ -543,7 +549,9 @@ class ProcessGroups:
         def group(role: str) -> Any:
             return mesh[roles[role]].get_group() if role in roles else None
 
-        dp_dims = [roles[r] for r in ("dp", "dp_replicate", "dp_shard") if r in roles]
+        # ep counts as data parallel: leaving it out would sum tokens and expert loads over
+        # half the token streams of a ("dp", "ep") mesh (measured: CV 1.0 for a balanced load)
+        dp_dims = [roles[r] for r in ("dp", "dp_replicate", "dp_shard", "ep") if r in roles]
         dp = _flat_group(mesh, dp_dims)
         cp = group("cp")
         dp_cp = _flat_group(mesh, [*dp_dims, roles["cp"]]) if cp is not None else dp

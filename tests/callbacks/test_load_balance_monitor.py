@@ -269,6 +269,80 @@ def test_dead_expert_warning_after_patience_and_resume() -> None:
     assert _run_gated(resumed, 1, Recorder()) == [0]
 
 
+class PartlyGated(nn.Module):
+    """Two FixedGate layers; layer 1 is skipped on the steps in ``skip``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"gate": FixedGate()}) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, run: tuple[bool, bool]) -> torch.Tensor:
+        return sum(b["gate"](x)[0].sum() for b, on in zip(self.layers, run, strict=True) if on)
+
+
+def test_persistent_dead_count_keeps_streaks_of_layers_that_routed_nothing() -> None:
+    # Which layers route tokens at each (logging) step: layer 1 sits out step 2, and step 4
+    # routes nothing at all (an empty step).
+    runs = [(True, True), (True, True), (True, False), (True, True), (False, False)]
+    patience = 2
+    model = PartlyGated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    monitor = LoadBalanceMonitor(
+        dead_expert_patience=patience, extractors=[(FixedGate, _gate_counts)]
+    )
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for run in runs:
+            vitals.batch()
+            x = torch.randn(6, 2)
+            (model(x, run) + sum(p.sum() for p in model.parameters())).backward()
+            opt.step()
+            opt.zero_grad()
+    vitals.close()
+    # Independent: a layer that ran gives loads [2, 2, 2, 0] (token t -> expert t % 3); a
+    # layer that did not run is no evidence, so its streaks are kept, and still counted.
+    streaks = np.zeros((2, 4), dtype=int)
+    for step, run in enumerate(runs):
+        for layer, on in enumerate(run):
+            if on:
+                loads = np.bincount(np.arange(6) % 3, minlength=4)
+                streaks[layer] = np.where(loads == 0, streaks[layer] + 1, 0)
+        expected = int((streaks >= patience).sum())
+        assert writer.rows[step]["moe/dead_experts_persistent"] == expected, step
+    # the empty step wrote nothing else (no NaN, no misleading 0 for the balance metrics)
+    assert set(writer.rows[4]) == {"moe/dead_experts_persistent"}
+    assert writer.rows[4]["moe/dead_experts_persistent"] == 2
+
+
+def test_state_of_other_expert_count_loaded_mid_run_keeps_logging() -> None:
+    # A state whose streaks have another number of experts (e.g. from a model before its
+    # experts were changed), loaded after run_start: the monitor must go on (it used to raise
+    # IndexError in step_end, which disabled it for the rest of the run).
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    monitor = LoadBalanceMonitor(dead_expert_patience=2, extractors=[(FixedGate, _gate_counts)])
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            vitals.batch()
+            model(torch.randn(6, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                state = {"dead_streak": {"0": [1, 1], "1": [5] * 8}}
+                vitals.load_state_dict({"step": 1, "callbacks": {monitor.state_key: state}})
+    vitals.close()
+    assert not any("disabled" in str(w.message) for w in caught)
+    assert sorted(writer.rows) == [0, 1, 2]
+    # the mismatched streaks restart at step 1: expert 3 of each layer is dead for 2 steps
+    # (steps 1 and 2), which reaches the patience at step 2
+    assert [writer.rows[s]["moe/dead_experts_persistent"] for s in (1, 2)] == [0, 2]
+
+
 def test_no_router_and_bad_arguments() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

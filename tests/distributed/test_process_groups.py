@@ -41,6 +41,7 @@ def _mesh_body(rank: int, world_size: int) -> dict:
         "dp_cp": ((2, 2), ("dp", "cp")),
         "shard_cp": ((2, 2), ("dp_shard", "cp")),
         "pp_ep": ((2, 2), ("pp", "ep")),
+        "dp_ep": ((2, 2), ("dp", "ep")),
         "pp_tp_long": ((2, 2), ("pipeline_parallel", "tensor_parallel")),
     }
     for key, (shape, names) in cases.items():
@@ -85,7 +86,10 @@ def test_from_device_mesh_on_four_ranks():
         # context parallel: dp_cp is every rank that sees different tokens
         assert res["dp_cp"] == {**none, "dp": col[rank], "cp": row[rank], "dp_cp": everyone}
         assert res["shard_cp"] == res["dp_cp"]
-        assert res["pp_ep"] == {**none, "pp": col[rank], "ep": row[rank]}
+        # expert-parallel ranks route different tokens: they are data parallel too
+        ep_only = {"dp": row[rank], "ep": row[rank], "dp_cp": row[rank]}
+        assert res["pp_ep"] == {**none, "pp": col[rank], **ep_only}
+        assert res["dp_ep"] == {**none, "dp": everyone, "ep": row[rank], "dp_cp": everyone}
         assert res["pp_tp_long"] == {**none, "pp": col[rank], "tp": row[rank]}
         assert "foo" in res["errors"]["unknown"]
         assert "mesh_dim_names" in res["errors"]["unnamed"]

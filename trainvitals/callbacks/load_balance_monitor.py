@@ -347,15 +347,18 @@ class LoadBalanceMonitor(VitalsCallback):
         newly_dead: list[str] = []
         persistent = 0
         for label, row in zip(self._layout.labels, loads, strict=True):
-            streak = self._dead_streak.setdefault(label, [0] * num_experts)
-            if not any(row):
-                continue  # the layer routed nothing this step: no evidence either way
-            for e, load in enumerate(row):
-                streak[e] = streak[e] + 1 if load == 0 else 0
-                if streak[e] >= patience:
-                    persistent += 1
-                if streak[e] == patience:
-                    newly_dead.append(f"layer {label} expert {e}")
+            streak = self._dead_streak.get(label)
+            if streak is None or len(streak) != num_experts:
+                # new layer, or a state loaded after run_start from a model with other experts
+                streak = self._dead_streak[label] = [0] * num_experts
+            if any(row):  # else the layer routed nothing this step: no evidence either way
+                for e, load in enumerate(row):
+                    streak[e] = streak[e] + 1 if load == 0 else 0
+                    if streak[e] == patience:
+                        newly_dead.append(f"layer {label} expert {e}")
+            # A streak kept through a step without evidence is still a streak: count it, or
+            # the count dips whenever a layer (or the whole step) routed nothing.
+            persistent += sum(s >= patience for s in streak)
         if newly_dead and ctx.global_rank == 0:
             warnings.warn(
                 f"LoadBalanceMonitor: {len(newly_dead)} expert(s) received no token on "
