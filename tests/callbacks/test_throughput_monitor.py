@@ -153,6 +153,40 @@ def test_measured_flops_match_analytic_count():
     assert _get_current_dispatch_mode() is None  # the counting mode was left
 
 
+def test_measured_zero_flops_write_no_flops_or_mfu():
+    """A model whose work FlopCounterMode does not see (element-wise only here; custom kernels
+    in practice) measures 0 flops: no FLOP/s or MFU is written rather than 0."""
+    from trainvitals.stats.flops import measure_flops
+
+    scale = torch.nn.Parameter(torch.ones(3))
+
+    def forward(x):
+        return (x * scale).tanh()
+
+    assert measure_flops(lambda: forward(torch.randn(4, 3)).sum().backward()) == 0
+    clock = FakeClock()
+    monitor = ThroughputMonitor(
+        window_size=2, clock=clock, measure_flops=True, peak_flops=1e12, log_every_n_steps=1
+    )
+    model = torch.nn.Module()
+    model.scale = scale
+    opt = torch.optim.SGD([scale], lr=0.01)
+    writer = RecordingWriter()
+    with pytest.warns(RuntimeWarning, match="no flops"):
+        vitals = Vitals([monitor], writer=writer).attach(model, opt)
+        for _ in range(3):
+            x = torch.randn(4, 3)
+            vitals.batch(x)
+            clock.t += 1.0
+            forward(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        vitals.close()
+    row = writer.rows[2]
+    assert row["throughput/samples_per_sec"] == pytest.approx(4.0)
+    assert not any("flops" in key or "mfu" in key for key in row)
+
+
 @pytest.mark.parametrize("kind", ["throughput", "runtime"])
 def test_cuda_sync_only_on_logging_steps(monkeypatch, kind):
     from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
@@ -201,6 +235,28 @@ def test_resume_continues_window_exactly():
     totals = vitals.callbacks[0].state_dict()["totals"]
     assert totals["steps"] == 16
     assert totals["samples"] == sum(_bs(s, mb) for s in range(16) for mb in range(2))
+
+
+def test_restore_into_a_used_instance_restarts_clock_and_warmup():
+    """A rollback (load_state_dict on the instance that kept training) times the next steps on
+    their own: the time before the restore is not charged to the first step after it."""
+    window = 5
+    clock = FakeClock()
+    _, saved = _loop(ThroughputMonitor(window_size=window, clock=clock), clock, steps=range(10))
+    state = saved.state_dict()
+    clock = FakeClock()
+    monitor = ThroughputMonitor(window_size=window, clock=clock)
+    _loop(monitor, clock, steps=range(13))  # trained past the checkpoint ...
+    clock.t += 500.0  # ... then spent time reloading
+    writer, _ = _loop(monitor, clock, steps=range(10, 16), state=state)
+    for step in (10, 12, 14):
+        # restored steps 1..9 of the first run, then 11..step (10 is the restart's warm-up)
+        in_window = [*range(1, 10), *range(11, step + 1)][-window:]
+        seconds = sum(_dt(s, mb) for s in in_window for mb in range(2))
+        samples = sum(_bs(s, mb) for s in in_window for mb in range(2))
+        row = writer.rows[step]
+        assert row["throughput/seconds_per_step"] == pytest.approx(seconds / window, rel=1e-12)
+        assert row["throughput/samples_per_sec"] == pytest.approx(samples / seconds, rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -257,8 +313,55 @@ def test_two_ranks_global_sums_count_the_bigger_rank():
             assert not math.isclose(
                 row["throughput/samples_per_sec"], 2 * row["throughput/device/samples_per_sec"]
             )
-        # One all-reduce per logging step that has a window (2, 4, 6), none on other steps.
-        assert result["collectives"] == [0, 0, 1, 1, 2, 2, 3]
+        # One all-reduce per logging step (0, 2, 4, 6; step 0's window is still empty), none
+        # on other steps.
+        assert result["collectives"] == [1, 1, 2, 2, 3, 3, 4]
+
+
+def _peer_failure_body(rank: int, world_size: int) -> dict:
+    import os
+
+    os.environ["TRAINVITALS_STRICT"] = "0"
+    clock = FakeClock()
+    monitor = ThroughputMonitor(window_size=100, clock=clock)
+    split_sums = monitor._window.split_sums
+    now = {"step": 0}
+
+    def failing_split_sums():
+        if rank == 1 and now["step"] == 2:  # the first logging step with a window
+            raise RuntimeError("boom before the window's sum")
+        return split_sums()
+
+    monitor._window.split_sums = failing_split_sums
+    writer = RecordingWriter()
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning), Vitals([monitor], writer=writer, log_every_n_steps=2) as v:
+        v.attach(model, opt)
+        for step in range(9):
+            now["step"] = step
+            x = torch.randn(_bs(step, 0, rank), 3)
+            v.batch(x)
+            clock.t += _dt(step, 0)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return writer.key("throughput/samples_per_sec")
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_failing_at_the_first_windowed_logging_step_leaves_later_sums_paired():
+    """The failed rank's step_end is completed with the collectives of the last logging
+    step_end (step 0's, in warm-up): they must be the same, or every later sum pairs this
+    rank's window with the other rank's window of the next logging step."""
+    results = run_distributed(_peer_failure_body, world_size=2, timeout=150)
+    for rates in results:
+        assert 2 not in rates  # the failed step is left out on every rank
+        for step in (4, 6, 8):
+            window = range(1, step + 1)
+            samples = sum(_bs(s, 0, r) for r in (0, 1) for s in window)
+            seconds = sum(_dt(s, 0) for s in window)
+            assert rates[step] == pytest.approx(samples / seconds, rel=1e-12), step
 
 
 def test_token_counts_given_as_tensors():
@@ -296,6 +399,11 @@ def test_token_counts_given_as_tensors():
         ("NVIDIA B200", "b200", 2.25e15),
         ("NVIDIA L40", None, None),
         ("NVIDIA A10G", None, None),
+        # not in the table: no peak rather than a neighbour's (far from theirs)
+        ("NVIDIA RTX A1000 6GB Laptop GPU", None, None),
+        ("NVIDIA GB200", None, None),
+        ("Tesla V100S-PCIE-32GB", None, None),
+        ("NVIDIA A100 80GB PCIe", "a100", 312e12),
     ],
 )
 def test_peak_flops_table_dense_per_gpu(device_name, chip, bf16):
@@ -371,5 +479,5 @@ def test_dp_tp_mesh_counts_tensor_parallel_peers_once():
         assert row["throughput/mfu"] == pytest.approx(10.0 * exp["tokens_per_sec"] / (4 * 1e3))
         true = sum(_bs(s, mb, d) for d in (0, 1) for s in range(3) for mb in range(2))
         assert row["time/samples"] == true
-        # logging steps 0 and 2: runtime 2 x (dp + world), throughput at step 2 only (dp + world)
-        assert result["all_reduce"] == 6
+        # logging steps 0 and 2: runtime and throughput 2 x (dp + world) each
+        assert result["all_reduce"] == 8

@@ -124,7 +124,9 @@ class ThroughputMonitor(VitalsCallback):
     ``input_ids``) is not written. Names follow Composer's ``SpeedMonitor`` and Megatron-Bridge's
     ``report_throughput``; ``throughput/mfu`` (global) and ``throughput/seconds_per_step`` are
     ours, and our global rates are sums over the ranks where theirs are rank 0 times the world
-    size (Lightning's ``ThroughputMonitor``).
+    size (Lightning's ``ThroughputMonitor``). ``throughput/device/*`` are this rank's own counts
+    (Composer's meaning); Megatron-Bridge's are the global rates divided by the world size,
+    which differs under tensor or context parallelism (peers share their samples).
 
     Example::
 
@@ -301,6 +303,16 @@ class ThroughputMonitor(VitalsCallback):
             )
             self.measure_flops = False
             return
+        if flops == 0:
+            # FlopCounterMode saw no matmul/conv/attention (e.g. all in custom kernels): a
+            # training step does work, so 0 FLOP/s and MFU 0 would be wrong numbers
+            self.warn_once(
+                "flops",
+                "FlopCounterMode counted no flops in the first step; "
+                "flops not measured, pass flops_per_token=",
+            )
+            self.measure_flops = False
+            return
         for unit, count, missing in (
             ("tokens", c.tokens, c.tokens_missing),
             ("samples", c.samples, c.samples_missing),
@@ -342,13 +354,15 @@ class ThroughputMonitor(VitalsCallback):
         t["tokens"] = t["tokens"] + record.tokens
 
     def _rates(self, ctx: RunContext) -> dict[str, Any]:
-        if not len(self._window):
-            return {}
         local = astuple(self._window.sums())
         live, restored = self._window.split_sums()
         live_vec = to_vector(astuple(live)[1:]).unsqueeze(0)
-        # Host values from here on (the collective's result is on the CPU).
+        # Host values from here on (the collective's result is on the CPU). Reduced on every
+        # logging step, the window empty (warm-up) or not: the guard completes a rank's failed
+        # step_end with the collectives of the last logging step_end, which must be the same.
         summed = reduce_counts(live_vec, self._groups)[0].tolist()
+        if not len(self._window):
+            return {}
         g = dict(
             zip(
                 COUNT_FIELDS[1:],
@@ -403,3 +417,9 @@ class ThroughputMonitor(VitalsCallback):
         self._totals["batches"] = int(self._totals["batches"])
         measured = state_dict.get("measured")
         self._measured = (str(measured[0]), float(measured[1])) if measured else None
+        # A restore is a restart, also on an instance that has already trained (a rollback,
+        # fit(ckpt_path=) with the same callbacks): its own clock and warm-up, as RuntimeMonitor,
+        # so the time before the restore is not timed as the next step.
+        self._clock = self._clock.fresh()
+        self._last_end = None
+        self._steps_this_process = 0

@@ -26,6 +26,7 @@ Sources (datasheets, dense = sparse / 2):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,8 @@ def chip_name(device_name: str) -> str | None:
     name = device_name.lower()
     if "gh200" in name:
         return "h100 sxm"
+    if "gb200" in name:
+        return None  # Grace-Blackwell's GPU peaks higher than the B200 figures below
     if "b200" in name:
         return "b200"
     for chip in ("h200", "h100"):
@@ -104,7 +107,7 @@ def chip_name(device_name: str) -> str | None:
             if "pcie" in name:
                 return f"{chip} pcie" if chip == "h100" else None
             return f"{chip} sxm"
-    if "a100" in name:
+    if re.search(r"a100(?!\d)", name):  # not the RTX A1000, a far slower workstation GPU
         return "a100"
     if "l40s" in name:
         return "l40s"
@@ -112,6 +115,8 @@ def chip_name(device_name: str) -> str | None:
         return "l4"
     if "a10" in name and "a100" not in name and "a10g" not in name:
         return "a10"
+    if "v100s" in name:
+        return None  # V100S peaks higher than the V100 figures below
     if "v100" in name:
         return "v100 pcie" if "pcie" in name else "v100 sxm"
     return None
