@@ -32,11 +32,27 @@ from trainvitals.adapters import (
     WandbSink,
     read_jsonl,
 )
-from trainvitals.adapters.sinks.base import MLFLOW_KEYS, WANDB_KEYS
+from trainvitals.adapters.sinks.base import COMET_KEYS, MLFLOW_KEYS, WANDB_KEYS
 
 N_KEYS = 1000
 N_STEPS = 20
 FLOAT_MAX = 1.7976931348623157e308
+
+
+_COMET_KWARGS = {
+    "project_name": "trainvitals-test",
+    "auto_metric_logging": False,
+    "auto_param_logging": False,
+    "auto_output_logging": False,
+    "log_env_details": False,
+    "log_git_metadata": False,
+    "log_git_patch": False,
+    "log_env_gpu": False,
+    "log_env_host": False,
+    "log_env_cpu": False,
+    "log_code": False,
+    "display_summary_level": 0,
+}
 
 
 def _keys() -> list[str]:
@@ -114,25 +130,11 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             project="trainvitals-test",
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
         )
-        comet_kwargs = {
-            "project_name": "trainvitals-test",
-            "auto_metric_logging": False,
-            "auto_param_logging": False,
-            "auto_output_logging": False,
-            "log_env_details": False,
-            "log_git_metadata": False,
-            "log_git_patch": False,
-            "log_env_gpu": False,
-            "log_env_host": False,
-            "log_env_cpu": False,
-            "log_code": False,
-            "display_summary_level": 0,
-        }
         sinks = {
             "tb32": TensorBoardSink(tmp / "tb32"),
             "tb64": TensorBoardSink(tmp / "tb64", double_precision=True, name="tb64"),
             "mlflow": MLflowSink(run_dir=tmp / "mlflow", experiment_name="backends"),
-            "comet": CometSink(offline_directory=tmp / "comet", experiment_kwargs=comet_kwargs),
+            "comet": CometSink(offline_directory=tmp / "comet", experiment_kwargs=_COMET_KWARGS),
             "wandb": WandbSink(run, owned=True),
             "jsonl": JsonlSink(tmp / "metrics.jsonl"),
         }
@@ -187,6 +189,23 @@ def test_mlflow_sqlite_store(written) -> None:
 def test_comet_offline_archive(written) -> None:
     got = read_comet_archive(written["tmp"] / "comet")
     _assert_exact(got, _by_key(written["expected"]))
+
+
+def test_comet_long_keys_sharing_their_start_stay_apart(tmp_path: Path) -> None:
+    # Comet cuts a name over 100 characters to a plain prefix (comet_ml MAXIMAL_KEY_LENGTH), so
+    # without mapping these two per-tensor keys landed in one metric, the later one winning.
+    prefix = "tensor_stats/grad/" + "model.decoder.layers.11.self_attention.linear_qkv.weight/" * 2
+    logged = {prefix + "rms_mean": 1.0, prefix + "abs_max": 100.0, "short/key": -2.5}
+    with FanoutWriter(
+        [CometSink(offline_directory=tmp_path / "comet", experiment_kwargs=_COMET_KWARGS)], rank=0
+    ) as writer:
+        for step in range(3):
+            writer.add_scalars({k: v + step for k, v in logged.items()}, step)
+    got = read_comet_archive(tmp_path / "comet")
+    expected = {COMET_KEYS.map(k): {s: v + s for s in range(3)} for k, v in logged.items()}
+    assert got == expected
+    assert all(len(name) <= 100 for name in got)
+    assert COMET_KEYS.map("short/key") == "short/key"
 
 
 def test_wandb_offline_run(written) -> None:

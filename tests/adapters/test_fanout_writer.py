@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.adapters.conftest import RecordingSink
+from tests.adapters.conftest import RecordingSink, read_comet_archive, read_wandb_offline
 from trainvitals.adapters import FanoutWriter, JsonlSink, TensorBoardSink, read_jsonl
 
 
@@ -432,3 +432,30 @@ def test_values_queued_at_exit_without_close_are_delivered(tmp_path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     records = read_jsonl(tmp_path / "m.jsonl")
     assert [(r["step"], r["metrics"]) for r in records] == [(s, {"a": float(s)}) for s in range(3)]
+
+
+def test_values_queued_at_exit_reach_runs_whose_backends_end_them_at_exit(tmp_path) -> None:
+    # W&B (an atexit hook) and Comet (a threading._register_atexit hook) end their runs at exit
+    # themselves; the writer's exit hook used to run after both, and every queued step was lost.
+    code = textwrap.dedent(
+        f"""
+        import comet_ml, wandb
+        from trainvitals.adapters import CometSink, FanoutWriter, WandbSink
+        run = wandb.init(mode="offline", dir={str(tmp_path)!r}, project="t",
+                         settings=wandb.Settings(console="off", x_disable_stats=True))
+        experiment = comet_ml.OfflineExperiment(
+            offline_directory={str(tmp_path / "comet")!r}, project_name="t",
+            auto_metric_logging=False, auto_param_logging=False, auto_output_logging=False,
+            log_env_details=False, log_git_metadata=False, log_git_patch=False, log_code=False,
+            display_summary_level=0)
+        w = FanoutWriter([WandbSink(run), CometSink(experiment)], rank=0, close_timeout=20)
+        for s in range(4):
+            w.add_scalar("loss", 0.5 * s, s)
+        """
+    )
+    (tmp_path / "comet").mkdir()
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
+    expected = {s: 0.5 * s for s in range(4)}
+    rows = read_wandb_offline(tmp_path)
+    assert {row["_step"]: row["loss"] for row in rows if "loss" in row} == expected
+    assert read_comet_archive(tmp_path / "comet")["loss"] == expected

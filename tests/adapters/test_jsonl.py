@@ -6,6 +6,7 @@ import json
 import math
 import random
 import struct
+import warnings
 
 import pytest
 
@@ -72,17 +73,66 @@ def test_a_complete_last_line_without_newline_is_kept(tmp_path) -> None:
     assert read_jsonl(path) == [{"step": 0, "time": 1.0, "metrics": {"a": 1.0}}]
 
 
-def test_appending_after_a_truncated_line_starts_a_new_line(tmp_path) -> None:
+def test_appending_after_a_truncated_line_drops_it(tmp_path) -> None:
     path = tmp_path / "m.jsonl"
     path.write_text('{"step":0,"time":1.0,"metrics":{"a":1.0}}\n{"step":1,"ti')
-    with FanoutWriter([JsonlSink(path)], rank=0) as writer:  # a resumed run appends
+    with (
+        pytest.warns(RuntimeWarning, match=r"dropped 1 line\(s\) of steps >= 1"),
+        FanoutWriter([JsonlSink(path)], rank=0) as writer,  # a resumed run appends
+    ):
         writer.add_scalar("a", 5.0, 1)
         writer.add_scalar("a", 6.0, 2)
-    with pytest.warns(RuntimeWarning, match=r"skipped 1 line\(s\) that do not parse: \[2\]"):
-        records = read_jsonl(path)
+    records = read_jsonl(path, strict=True)  # nothing left that does not parse
     assert [(r["step"], r["metrics"]["a"]) for r in records] == [(0, 1.0), (1, 5.0), (2, 6.0)]
-    with pytest.raises(ValueError, match="do not parse"):
-        read_jsonl(path, strict=True)
+
+
+def _log_run(path, steps, value) -> None:
+    with FanoutWriter([JsonlSink(path)], rank=0) as writer:
+        for step in steps:
+            writer.add_scalars({"loss": value(step), "lr": 1e-3 * step}, step)
+
+
+def test_a_resumed_run_replaces_the_steps_it_logs_again(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    # the first run checkpoints after step 10, goes on to step 15 and is killed mid-line
+    _log_run(path, range(16), lambda s: 10.0 - s)
+    with open(path, "a") as f:
+        f.write('{"step":16,"time":1.0,"metrics":{"lo')
+    # the resumed run starts again at step 11 and (killed again) gets to step 12 only
+    with pytest.warns(RuntimeWarning, match=r"dropped 6 line\(s\) of steps >= 11"):
+        _log_run(path, range(11, 13), lambda s: 100.0 + s)
+    records = read_jsonl(path, strict=True)
+    expected = [(s, 10.0 - s) for s in range(11)] + [(s, 100.0 + s) for s in (11, 12)]
+    assert [(r["step"], r["metrics"]["loss"]) for r in records] == expected
+    # steps 13..15 of the interrupted timeline are gone, not shown as this run's values
+    assert metric_history(records, "loss") == expected
+
+
+def test_resuming_keeps_earlier_lines_in_order_wherever_the_dropped_ones_are(tmp_path) -> None:
+    lines = [
+        {"step": 0, "time": 1.0, "metrics": {"a": 0.0}},
+        {"step": 5, "time": 2.0, "metrics": {"a": 5.0}},  # dropped, in the middle of the file
+        {"step": 2, "time": 3.0, "metrics": {"a": 2.0}},  # (an older writer's duplicates)
+        {"step": 7, "time": 4.0, "metrics": {"a": 7.0}},
+        {"step": 1, "time": 5.0, "metrics": {"a": 1.0}},  # complete, its newline lost
+    ]
+    # spaced JSON (not the sink's own compact form), a blank line, no final newline
+    text = "".join(json.dumps(r) + "\n" for r in lines[:4]) + "\n" + json.dumps(lines[4])
+    for first, rewritten in ((3, True), (8, False)):
+        path = tmp_path / f"m{first}.jsonl"
+        path.write_text(text)
+        kept = [(r["step"], r["metrics"]["a"]) for r in lines if r["step"] < first]
+        dropped = len(lines) - len(kept)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _log_run(path, [first], lambda s: 30.0)
+        assert [str(w.message).count(f"dropped {dropped} line") for w in caught] == (
+            [1] if dropped else []
+        )
+        got = [
+            (r["step"], r["metrics"].get("a", r["metrics"].get("loss"))) for r in read_jsonl(path)
+        ]
+        assert got == [*kept, (first, 30.0)], rewritten
 
 
 def test_metric_history_merges_lines_of_one_step(tmp_path) -> None:

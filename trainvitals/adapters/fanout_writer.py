@@ -45,6 +45,7 @@ its last warning lists every sink that missed steps.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import numbers
 import os
@@ -362,6 +363,7 @@ class _SinkWorker:
             if not self.opened:
                 self.sink.open()
                 self.opened = True
+                _register_exit_hook()  # after any exit hook the backend registered in open()
             self.sink.write(record.step, record.metrics, record.time)
         except StepRefused as e:
             refused, error = True, e
@@ -472,6 +474,29 @@ def _close_live_writers() -> None:
     """Deliver what is still queued when the interpreter exits without ``close()``."""
     for writer in list(_live_writers):
         writer.close()
+
+
+def _close_live_writers_first() -> None:
+    """The same, before the backends' own exit hooks run (see :func:`_register_exit_hook`)."""
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        return  # a thread may still be logging: leave it to the atexit hook, after the joins
+    _close_live_writers()
+
+
+def _register_exit_hook() -> None:
+    """Have the live writers closed at exit before the exit hooks of the backends registered
+    so far. Those end their runs: W&B's ``atexit`` hook tears its service down (a later
+    ``run.log`` raises), Comet's ``threading._register_atexit`` hook ends the experiment (later
+    metrics are dropped). ``threading._register_atexit`` hooks run before every ``atexit`` hook,
+    the last registered first, so the writer registers one there, again whenever one of its
+    sinks has opened its backend.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython has it since 3.9
+        return
+    with contextlib.suppress(RuntimeError):  # raised once the interpreter is shutting down
+        register(_close_live_writers_first)
 
 
 class FanoutWriter:
@@ -585,6 +610,7 @@ class FanoutWriter:
                 threaded = background and s.thread_safe
                 self._workers.append(_SinkWorker(self, s, name, threaded))
             _live_writers.add(self)
+            _register_exit_hook()
 
     def __repr__(self) -> str:
         names = [w.name for w in self._workers] or [s.name for s in self.sinks]

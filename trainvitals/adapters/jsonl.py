@@ -15,8 +15,11 @@ delivered::
 
 The same step can appear on more than one line (values logged for a step after a ``flush()``);
 :func:`metric_history` merges them. A process killed while writing leaves a last line without
-its newline: :func:`read_jsonl` skips it and warns; a sink appending to such a file starts a new
-line first.
+its newline: :func:`read_jsonl` skips it and warns. A resumed run appends to the file of the run
+it resumes: before its first line, :class:`~trainvitals.adapters.JsonlSink` drops every line of a
+step at or after the first step it writes (the resumed run logs those steps again; lines the
+interrupted run wrote past its checkpoint would otherwise stay, as values of a timeline that no
+longer exists) and a last line cut by a crash.
 
 Example::
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypedDict
@@ -36,6 +40,7 @@ from typing import Any, TypedDict
 __all__ = [
     "JsonlRecord",
     "decode_value",
+    "drop_steps_from",
     "encode_metrics",
     "iter_jsonl",
     "metric_history",
@@ -136,6 +141,58 @@ def _iter_jsonl(path: str | os.PathLike[str], strict: bool) -> Iterator[JsonlRec
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+# the start of a line as JsonlSink writes it (compact separators, "step" first)
+_STEP_PREFIX = re.compile(rb'\{"step":(\d+),"time":')
+
+
+def drop_steps_from(path: str | os.PathLike[str], first_step: int) -> int:
+    """Make ``path`` ready for appending lines from ``first_step`` on: drop every line of a step
+    ``>= first_step``, every line that does not parse (a line cut by a crash) and blank lines,
+    and end the file with a newline. Returns how many non-blank lines were dropped.
+
+    The file is cut short when the dropped lines are all at its end (the usual case: lines are
+    in step order), else rewritten through a temporary file and ``os.replace``.
+    """
+    kept_end = 0  # byte offset just past the last kept line
+    dropped = 0
+    rewrite = False  # a kept line follows a dropped one
+    last = b""
+    with open(path, "rb") as f:
+        offset = 0
+        for raw in f:
+            offset += len(raw)
+            step = _line_step(raw)
+            if step is not None and step < first_step:
+                rewrite = rewrite or kept_end != offset - len(raw)
+                kept_end, last = offset, raw
+            elif raw.strip():
+                dropped += 1
+    if rewrite:
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            for raw in src:
+                step = _line_step(raw)
+                if step is not None and step < first_step:
+                    dst.write(raw if raw.endswith(b"\n") else raw + b"\n")
+        os.replace(tmp, path)
+        return dropped
+    if kept_end != offset:
+        os.truncate(path, kept_end)
+    if last and not last.endswith(b"\n"):  # a complete last line whose newline was lost
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    return dropped
+
+
+def _line_step(raw: bytes) -> int | None:
+    """The step of a valid line; ``None`` for a cut or unparsable line."""
+    m = _STEP_PREFIX.match(raw)
+    if m is not None and raw.endswith(b"}}\n"):  # as JsonlSink writes it: skip the full parse
+        return int(m.group(1))
+    record = _parse(raw)
+    return None if record is None else record["step"]
 
 
 def _parse(raw: bytes) -> JsonlRecord | None:

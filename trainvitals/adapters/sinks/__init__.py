@@ -1,6 +1,7 @@
 """The writer's sinks, one module per backend; backends are imported when a sink first writes."""
 
 from trainvitals.adapters.sinks.base import (
+    COMET_KEYS,
     MLFLOW_KEYS,
     WANDB_KEYS,
     KeyRule,
@@ -16,6 +17,7 @@ from trainvitals.adapters.sinks.tensorboard import TensorBoardSink
 from trainvitals.adapters.sinks.wandb import WandbSink
 
 __all__ = [
+    "COMET_KEYS",
     "MLFLOW_KEYS",
     "WANDB_KEYS",
     "CometSink",

@@ -10,6 +10,8 @@ Some backends refuse some keys. MLflow accepts only ASCII letters and digits, ``
 space (and ``:`` except on Windows servers), at most 250 characters, and no name that
 ``posixpath.normpath`` would change (``a//b``, ``a/./b``, ``/a``, ``a/``, ``..a``). W&B silently
 overwrites the keys it uses itself (``_step``, ``_runtime``, ``_timestamp``, ``_wandb...``).
+Comet cuts a metric name longer than 100 characters to its first 88 plus ``" [truncated]"``
+(with a warning per call), so two long keys with a common start would land in one metric.
 Every sink maps keys through one rule (:class:`KeyRule`), which differs between backends only in
 *which* characters it has to escape:
 
@@ -45,6 +47,7 @@ import re
 from collections.abc import Callable, Mapping
 
 __all__ = [
+    "COMET_KEYS",
     "IDENTITY_KEYS",
     "MLFLOW_KEYS",
     "WANDB_KEYS",
@@ -196,7 +199,7 @@ def unmap_key(mapped: str) -> str | None:
     return out.decode("utf-8", "surrogatepass")
 
 
-#: Keys every backend accepts unchanged (TensorBoard, JSONL, Comet, CSV).
+#: Keys every backend accepts unchanged (TensorBoard, JSONL, CSV).
 IDENTITY_KEYS: KeyRule | None = None
 
 #: MLflow: ASCII letters and digits, ``_ - . /`` and space (``:`` is left out: Windows servers
@@ -210,6 +213,10 @@ WANDB_KEYS = KeyRule(
     reserved=frozenset({"_step", "_runtime", "_timestamp"}),
     reserved_prefixes=("_wandb",),
 )
+
+#: Comet: any characters, at most 100 (``comet_ml.config.MAXIMAL_KEY_LENGTH``); Comet itself
+#: would cut a longer name to a prefix, merging keys that share their first 88 characters.
+COMET_KEYS = KeyRule("comet", max_length=100)
 
 
 class StepRefused(Exception):

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from trainvitals.adapters.sinks.base import Sink
+from trainvitals.adapters.sinks.base import COMET_KEYS, Sink
 
 __all__ = ["CometSink"]
 
@@ -23,7 +23,9 @@ class CometSink(Sink):
         experiment_kwargs: extra keyword arguments for that ``OfflineExperiment``.
         name: the sink's name in warnings.
 
-    Keys are passed unchanged (Comet accepts any metric name). Comet serialises NaN and
+    Keys are passed unchanged up to 100 characters; a longer key is cut with a hash by
+    :data:`~trainvitals.adapters.sinks.base.COMET_KEYS` (Comet would cut it to a plain prefix
+    itself, merging long keys that start alike into one metric). Comet serialises NaN and
     infinities as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` in its messages
     (``messages.json`` of the offline archive); finite values as JSON numbers.
 
@@ -34,6 +36,7 @@ class CometSink(Sink):
     """
 
     name = "comet"
+    key_rule = COMET_KEYS
 
     def __init__(
         self,
@@ -69,7 +72,7 @@ class CometSink(Sink):
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         if self.experiment is None:
             self.open()
-        self.experiment.log_metrics(dict(metrics), step=step)
+        self.experiment.log_metrics(dict(self.map_metrics(metrics)), step=step)
 
     def close(self) -> None:
         if self.owned and self.experiment is not None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
-from trainvitals.adapters.jsonl import encode_metrics
+from trainvitals.adapters.jsonl import drop_steps_from, encode_metrics
 from trainvitals.adapters.sinks.base import Sink
 
 __all__ = ["JsonlSink"]
@@ -19,10 +21,16 @@ class JsonlSink(Sink):
 
     The file is opened on the first delivery (append mode, parent directories created), each
     line is written whole and flushed to the operating system at once, so a killed process
-    loses at most the line being written. When the file already ends in a partial line (a
-    previous process was killed mid-write), a newline is written first so that the partial line
-    stays on its own and :func:`~trainvitals.adapters.jsonl.read_jsonl` can skip it. Keys are
-    written unchanged; NaN and infinities as ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+    loses at most the line being written. Keys are written unchanged; NaN and infinities as
+    ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+
+    Appending to an existing file (a resumed run): before its first line the sink drops every
+    line of a step at or after the first step it writes, with a warning saying how many. A run
+    resumed from a checkpoint logs those steps again, and the lines the interrupted run wrote
+    after its checkpoint would otherwise stay in the file, values of steps the resumed run has
+    not reached (yet) or logged twice. A last line cut by a crash is dropped too (see
+    :func:`~trainvitals.adapters.jsonl.drop_steps_from`). So give each writer of a run its own
+    file: a second writer appending at a step the first one already wrote replaces its lines.
 
     Example::
 
@@ -39,20 +47,27 @@ class JsonlSink(Sink):
         self._partial = False  # a failed write may have left part of a line
 
     def open(self) -> None:
+        # The file itself is opened by the first write, which knows the first step.
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        needs_newline = False
-        if self.path.exists() and self.path.stat().st_size > 0:
-            with open(self.path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                needs_newline = f.read(1) != b"\n"
+
+    def _open_from(self, first_step: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            dropped = drop_steps_from(self.path, first_step)
+            if dropped:
+                message = (
+                    f"JsonlSink: {self.path}: dropped {dropped} line(s) of steps >= {first_step} "
+                    "(this run logs them again: a resumed run) or cut by a crash"
+                )
+                try:
+                    warnings.warn(message, RuntimeWarning, stacklevel=2)
+                except Exception:  # warnings turned into errors must not fail the write
+                    logging.getLogger(__name__).warning(message)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
-        if needs_newline:
-            self._file.write("\n")
-            self._file.flush()
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         if self._file is None:
-            self.open()
+            self._open_from(step)
         assert self._file is not None
         line = json.dumps(
             {"step": step, "time": wall_time, "metrics": encode_metrics(metrics)},
