@@ -433,6 +433,32 @@ def test_mfu_uses_the_table_peak_of_the_cuda_device(monkeypatch):
     assert writer.rows[2]["throughput/mfu"] == pytest.approx(1e9 * exp["tokens_per_sec"] / 989.4e12)
 
 
+@pytest.mark.parametrize(
+    ("name", "precision", "names_precision"),
+    [("Tesla V100-SXM2-32GB", "bf16", True), ("NVIDIA RTX A1000", "bf16", False)],
+)
+def test_missing_peak_warning_names_the_precision_when_the_device_is_known(
+    monkeypatch, name, precision, names_precision
+):
+    import trainvitals.callbacks.throughput_monitor as tm
+    from trainvitals.adapters.context import RunContext
+    from trainvitals.stats.flops import peak_flops
+
+    assert peak_flops(name, precision) is None  # the case: no peak for this device/precision
+    monkeypatch.setattr(RunContext, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(tm, "device_name_of", lambda device: name)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    clock = FakeClock()
+    monitor = ThroughputMonitor(
+        window_size=2, clock=clock, flops_per_token=1e9, precision=precision
+    )
+    with pytest.warns(RuntimeWarning, match="no peak FLOP/s") as record:
+        writer, _ = _loop(monitor, clock, steps=range(3))
+    text = " ".join(str(w.message) for w in record)
+    assert (f"precision={precision!r}" in text) is names_precision
+    assert "throughput/mfu" not in writer.rows[2]
+
+
 def _dp_tp_body(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -12,7 +12,13 @@ import torch
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import ProcessGroups, all_reduce_by_groups, group_size, world_group
-from trainvitals.stats.flops import PRECISIONS, FlopCounterSession, device_name_of, peak_flops
+from trainvitals.stats.flops import (
+    PRECISIONS,
+    FlopCounterSession,
+    chip_name,
+    device_name_of,
+    peak_flops,
+)
 from trainvitals.stats.runtime import TrainClock
 from trainvitals.stats.throughput import COUNT_FIELDS, RollingWindow, StepCounter, to_vector
 
@@ -226,11 +232,11 @@ class ThroughputMonitor(VitalsCallback):
         if self._peak is None and self._cuda is not None:
             self._peak = peak_flops(device_name_of(device) or "", self.precision)
             if self._peak is None:
-                self.warn_once(
-                    "peak",
-                    f"no peak FLOP/s known for {device_name_of(device)!r}; "
-                    "pass peak_flops= for MFU",
-                )
+                name = device_name_of(device) or ""
+                # the device may be known, only not at this precision (V100 at bf16)
+                known = chip_name(name) is not None
+                what = f"{name!r} at precision={self.precision!r}" if known else repr(name)
+                self.warn_once("peak", f"no peak FLOP/s known for {what}; pass peak_flops= for MFU")
         world = ctx.world_size
         # Devices that share one token (sample) stream and split its model flops between them.
         self._mp = {
