@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -454,7 +455,12 @@ def test_values_queued_at_exit_reach_runs_whose_backends_end_them_at_exit(tmp_pa
         """
     )
     (tmp_path / "comet").mkdir()
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
+    # A script of its own: not attached to the wandb service an earlier test of this process
+    # started (wandb exports its address in WANDB_SERVICE; the child would end its run there).
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=300, capture_output=True, env=env
+    )
     expected = {s: 0.5 * s for s in range(4)}
     rows = read_wandb_offline(tmp_path)
     assert {row["_step"]: row["loss"] for row in rows if "loss" in row} == expected
