@@ -282,5 +282,34 @@ def test_sink_constructors_check_their_arguments(tmp_path: Path) -> None:
         CometSink()
     with pytest.raises(TypeError, match="SummaryWriter"):
         TensorBoardSink(42)
+
+
+class _PlainScalarWriter:
+    """A writer like tensorboardX's: add_scalar without new_style/double_precision."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag, scalar_value, global_step=None, walltime=None):
+        self.rows.append((tag, scalar_value, global_step))
+
+    def flush(self) -> None:
+        pass
+
+
+def test_tensorboard_double_precision_needs_a_writer_that_takes_it(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    plain = _PlainScalarWriter()
+    with pytest.raises(ValueError, match="double_precision"):
+        TensorBoardSink(plain, double_precision=True)
+    sink = TensorBoardSink(plain)  # float32 through its own add_scalar works
+    sink.write(3, {"a": 0.25}, 0.0)
+    assert plain.rows == [("a", 0.25, 3)]
+    torch_writer = SummaryWriter(tmp_path / "tb")
+    try:
+        TensorBoardSink(torch_writer, double_precision=True)  # torch's takes it
+    finally:
+        torch_writer.close()
     with pytest.raises(TypeError, match="wandb run"):
         WandbSink(object())

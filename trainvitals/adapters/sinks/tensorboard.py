@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -59,6 +60,13 @@ class TensorBoardSink(Sink):
                 raise TypeError(
                     "TensorBoardSink needs a SummaryWriter (an object with add_scalar) or a "
                     f"log directory, got {type(writer_or_logdir).__name__}"
+                )
+            if double_precision and not _accepts_double_precision(writer_or_logdir.add_scalar):
+                # else every write would raise TypeError and the sink would be switched off
+                raise ValueError(
+                    "double_precision=True needs a writer whose add_scalar takes new_style= and "
+                    f"double_precision= (torch's SummaryWriter); {type(writer_or_logdir).__name__}"
+                    " does not"
                 )
             super().__init__(name=name, owned=False)
             self.logdir = None
@@ -132,3 +140,15 @@ def _torch_file_writer(writer: Any) -> Any:
         return None
     get = getattr(writer, "_get_file_writer", None)
     return get() if callable(get) else None
+
+
+def _accepts_double_precision(add_scalar: Any) -> bool:
+    """Whether ``add_scalar`` takes ``new_style=`` and ``double_precision=`` (torch's does,
+    tensorboardX's does not)."""
+    try:
+        params = inspect.signature(add_scalar).parameters
+    except (TypeError, ValueError):  # no signature to read: let the writes tell
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    return "new_style" in params and "double_precision" in params
