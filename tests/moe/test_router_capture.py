@@ -4,6 +4,7 @@ evaluation forwards and activation-checkpoint re-runs are not counted."""
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -359,6 +360,79 @@ def test_torchtitan_buffer_read_before_its_pre_hook_zeroes_it(titan_zeroes_buffe
         )
         np.testing.assert_array_equal(capture.loads().numpy(), expected, err_msg=f"step {step}")
         capture.reset()
+
+
+class _TopKBlock(nn.Module):
+    def __init__(self, dim: int = 8, num_experts: int = 4) -> None:
+        super().__init__()
+        from trainvitals.moe import TopKRouter
+
+        self.router = TopKRouter(dim, num_experts, 2)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs, _ = self.router(x)
+        return x + probs.sum(-1, keepdim=True) * self.proj(x)
+
+
+class _Checkpointed(nn.Module):
+    """Blocks run under torch.utils.checkpoint (or plainly, ``reentrant=None``)."""
+
+    def __init__(self, blocks: list[nn.Module], reentrant: bool | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.layers:
+            if self.reentrant is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("kind", ["topk_router", "torchtitan"])
+def test_each_forward_counted_once_under_either_activation_checkpointing(
+    kind: str, reentrant: bool
+) -> None:
+    # Non-reentrant checkpointing re-runs a forward with autograd on in the backward pass; the
+    # reentrant kind runs the first forward with autograd off (like evaluation) and re-runs
+    # it in the backward pass: in both, each training forward must count exactly once.
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [
+        _TopKBlock() if kind == "topk_router" else TitanMoE() for _ in range(3)
+    ]
+    reference = _Checkpointed(blocks, None)
+    model = _Checkpointed([copy.deepcopy(b) for b in blocks], reentrant)
+    # expected: the routers' own choices in plain forwards of the same weights and inputs
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(3)}
+    for i, block in enumerate(reference.layers):
+        router = block.router
+        router.register_forward_hook(
+            lambda m, inp, out, i=i: seen[i].append(out[1].detach().clone())
+        )
+    capture = RouterCapture(model)
+    assert [r.kind for r in capture.routers] == [kind] * 3
+    # (reentrant checkpointing needs an input that requires grad)
+    xs = [torch.randn(10, 8, requires_grad=True) for _ in range(2)]
+    for x in xs:  # two micro-batches
+        reference(x).pow(2).mean().backward()
+        model(x).pow(2).mean().backward()
+    with torch.no_grad():  # a training-mode forward without backward (e.g. generation)
+        model(torch.randn(10, 8))
+    expected = []
+    for i in range(3):
+        if kind == "topk_router":
+            expected.append(torch.stack(seen[i]).sum(dim=(0, 1)).double())
+        else:  # the TitanRouter's top-k indices
+            idx = torch.cat([t.reshape(-1) for t in seen[i]])
+            expected.append(torch.bincount(idx, minlength=4).double())
+    assert torch.stack(expected).sum() == 3 * 2 * 10 * 2  # layers x micro-batches x tokens x k
+    torch.testing.assert_close(capture.loads(), torch.stack(expected), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------- user extractors, naming

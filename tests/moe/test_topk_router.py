@@ -212,6 +212,52 @@ def test_forward_without_tokens_routes_nothing_and_records_nothing(fresh_tracker
     assert all(math.isfinite(v) for v in recorded.values())
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(aux_loss_type="aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.1, capacity_factor=1.0),
+        dict(aux_loss_type="global_aux_loss", aux_loss_coeff=0.1),
+        dict(aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1, expert_bias=True),
+    ],
+)
+def test_activation_checkpointing_records_and_counts_each_forward_once(reentrant, kwargs):
+    # A non-reentrant checkpoint re-runs the forward in the backward pass (Megatron-LM then
+    # records its losses twice); a reentrant one runs it first with autograd off. Either way
+    # the tracker, the token counts and the gradients must be those of plain forwards.
+    from torch.utils.checkpoint import checkpoint
+
+    results = []
+    for checkpointed in (False, True):
+        tracker = MoEMetricsTracker()
+        set_moe_metrics_tracker(tracker)
+        router = make_router(layer_number=1, **kwargs)
+        router.num_layers = 1
+        torch.manual_seed(1)
+        for _ in range(2):  # two micro-batches
+            x = torch.randn(2, 5, H, requires_grad=True)
+            if checkpointed:
+                probs = checkpoint(lambda t, r=router: r(t)[0], x, use_reentrant=reentrant)
+            else:
+                probs = router(x)[0]
+            (probs * torch.arange(E, dtype=probs.dtype)).sum().backward()
+        counts = [
+            getattr(router, name).clone()
+            for name in ("local_tokens_per_expert", "global_tokens_per_expert")
+            if getattr(router, name) is not None
+        ]
+        recorded = {name: entry.values.clone() for name, entry in tracker.metrics.items()}
+        results.append((recorded, router.weight.grad.clone(), counts))
+    (plain, plain_grad, plain_counts), (ckpt, ckpt_grad, ckpt_counts) = results
+    assert set(ckpt) == set(plain) and plain
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-6, atol=0, msg=name)
+    torch.testing.assert_close(ckpt_grad, plain_grad, rtol=1e-5, atol=1e-8)
+    for got, want in zip(ckpt_counts, plain_counts, strict=True):
+        assert want.sum() > 0
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------- global aux loss (2 ranks)
 
 

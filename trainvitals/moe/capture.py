@@ -46,11 +46,20 @@ torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (
                             registered
 ==========================  =======================================================================
 
-What is counted: forwards with the module in training mode and autograd enabled. Evaluation
-(``model.eval()``, ``torch.no_grad()``, ``torch.inference_mode()``) is not counted, nor is the
-re-run of a forward during the backward pass by activation checkpointing (detected with
-``torch._C._current_graph_task_id()``, which is ``-1`` outside the autograd engine), so a
-checkpointed layer is not counted twice (torchtitan's own buffer is; it halves it for full AC).
+What is counted: each training forward once, with the module in training mode. Evaluation
+(``model.eval()``, ``torch.no_grad()``, ``torch.inference_mode()``) is not counted. Activation
+checkpointing runs a forward twice, and which run to count depends on its kind:
+
+* non-reentrant (``use_reentrant=False``, the default of transformers 5, torchtitan and FSDP's
+  ``checkpoint_wrapper``): the first run has autograd on and is counted; the re-run during the
+  backward pass (detected with ``torch._C._current_graph_task_id()``, which is ``-1`` outside
+  the autograd engine) is not, so a checkpointed layer is not counted twice (torchtitan's own
+  buffer is; it halves it for full AC);
+* reentrant (``use_reentrant=True``, DeepSpeed's): the first run has autograd off, like an
+  evaluation forward, and is held back; the re-run during the backward pass then counts, once
+  per held-back run of the same router. A training-mode forward under ``no_grad`` that no
+  backward re-runs (a generation step, a teacher) is never counted; a forward with autograd on
+  outside the backward pass drops the router's held-back runs.
 
 Layer numbers come from the module name: the first integer component, so
 ``model.layers.10.mlp.gate`` is layer 10 and ``module.decoder.layers.3.mlp.router`` layer 3.
@@ -428,6 +437,10 @@ class RouterCapture:
         self._ones: dict[torch.device, torch.Tensor] = {}
         self._snapshots: dict[int, torch.Tensor] = {}
         self._broken: set[int] = set()
+        # per router: forwards run with autograd off in training mode and not counted, which
+        # a reentrant activation checkpoint re-runs (and we count) in the backward pass
+        self._held_back = [0] * len(self.routers)
+        self._taking: dict[int, bool] = {}  # torchtitan: the pre-hook's decision for the hook
         # Deferred counting (TopKRouter): a counted forward only keeps a reference to its
         # routing map and aux-loss tensor, each with its version counter (to detect a later
         # in-place change); _fold() counts all of them in a few kernels when the step is read,
@@ -477,17 +490,28 @@ class RouterCapture:
         self._handles.clear()
         self._snapshots.clear()
 
-    def _counting(self, module: nn.Module) -> bool:
-        return (
-            self.enabled
-            and module.training
-            and torch.is_grad_enabled()
-            and torch._C._current_graph_task_id() == -1  # not an activation-checkpoint re-run
-        )
+    def _counts_now(self, i: int) -> bool:
+        """Whether this training-mode forward of router ``i`` is the one to count (see the
+        module docstring on activation checkpointing); called once per forward."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        grad = torch.is_grad_enabled()
+        if grad and not in_backward:  # an ordinary forward, or a non-reentrant first run
+            self._held_back[i] = 0
+            return True
+        if not in_backward:  # autograd off: a reentrant checkpoint's first run, or no training
+            self._held_back[i] += 1
+            return False
+        if grad and self._held_back[i] > 0:  # the reentrant re-run of a held-back run
+            self._held_back[i] -= 1
+            return True
+        return False  # a non-reentrant re-run: its first run was counted
 
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, inputs: Any) -> None:
-            if i in self._broken or not self._counting(module):
+            if not self.enabled or i in self._broken or not module.training:
+                return
+            taking = self._taking[i] = self._counts_now(i)
+            if not taking:
                 return
             buffer = _torchtitan_buffer(module)
             if buffer is not None:
@@ -499,16 +523,13 @@ class RouterCapture:
         # TopKRouter (the common case) goes straight to its counting, without the dispatch
         # on the router kind: this runs in every forward of a logging step.
         topk = self.routers[i].kind == "topk_router"
+        decided_before = self.routers[i].kind == "torchtitan"  # by its pre-hook
 
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            # _counting inlined, the cheapest test first (False on steps that are not logged)
-            if (
-                not self.enabled
-                or i in self._broken
-                or not module.training
-                or not torch.is_grad_enabled()
-                or torch._C._current_graph_task_id() != -1  # an activation-checkpoint re-run
-            ):
+            # the cheapest test first (False on steps that are not logged)
+            if not self.enabled or i in self._broken or not module.training:
+                return
+            if not (self._taking.pop(i, False) if decided_before else self._counts_now(i)):
                 return
             try:
                 if topk:
@@ -875,6 +896,8 @@ class RouterCapture:
             self._dirty = False
         self._aux_count = [0] * len(self.routers)
         self._snapshots.clear()
+        self._held_back = [0] * len(self.routers)
+        self._taking.clear()
         self._pending_maps.clear()
         self._pending_aux.clear()
         self._pending_numel = 0

@@ -40,8 +40,19 @@ Megatron logs it, under ``load_balancing_loss``, ``seq_load_balancing_loss``,
 Recording needs :attr:`layer_number` and :attr:`num_layers` (set by the model, e.g.
 :class:`~trainvitals.moe.tiny_model.TinyMoELM`); without them nothing is recorded.
 
+Activation checkpointing: each training forward is recorded (and counted into
+``local_tokens_per_expert`` and the ``global_aux_loss`` counts) once. A non-reentrant
+checkpoint (``use_reentrant=False``) re-runs the forward in the backward pass (detected with
+``torch._C._current_graph_task_id() != -1``): the re-run recomputes the same losses for the
+gradient from the counts of the first run, without recording, counting or all-reducing again
+(Megatron-LM records the re-run too, doubling its logged losses under recompute). A reentrant
+checkpoint runs the first forward with autograd off (no loss, nothing recorded) and the re-run
+is the one that records. With several micro-batches of one router in flight (a pipeline
+schedule that runs the next forward before this backward), a ``global_aux_loss`` re-run sees
+the counts of the later forwards too.
+
 Not handled: sequence/tensor-parallel splitting of the tokens inside the router (Megatron's
-``tp_cp`` reductions), activation recomputation (a recomputed forward records again).
+``tp_cp`` reductions).
 """
 
 from __future__ import annotations
@@ -244,6 +255,12 @@ class TopKRouter(nn.Module):
             persistent=False,
         )
         self.global_aux_micro_batches = 0
+        # activation checkpointing: forwards run with autograd off in training mode (a
+        # reentrant checkpoint's first run, re-run for real in the backward pass); whether the
+        # forward running now records and counts; the last global token count (for re-runs)
+        self._held_back = 0
+        self._first_run = True
+        self._global_total: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
@@ -284,6 +301,8 @@ class TopKRouter(nn.Module):
         if self.aux_loss_type == "seq_aux_loss" and hidden.ndim != 3:
             raise ValueError("seq_aux_loss needs a batch-first input [batch, seq, hidden_size]")
         training = self.training and torch.is_grad_enabled()
+        if self.training:
+            self._first_run = self._is_first_run()
         x = hidden.reshape(-1, self.hidden_size)
         # No token (an empty micro-batch or rank): nothing to balance, and the losses divide
         # by the token count (ZeroDivisionError, or NaN recorded into the step's sums). Except
@@ -307,10 +326,25 @@ class TopKRouter(nn.Module):
             probs, routing_map, kept = self._route(logits)
             if with_aux and self.aux_loss_type is not None and self.aux_loss_coeff > 0:
                 probs = self._apply_aux_loss(probs, logits, hidden.shape)
-        if training and self.expert_bias is not None:
+        if training and self.expert_bias is not None and self._first_run:
             with torch.no_grad():
                 self.local_tokens_per_expert += kept.sum(dim=0)
         return probs, routing_map
+
+    def _is_first_run(self) -> bool:
+        """Whether this training-mode forward is its first run with autograd on (records and
+        counts), rather than a non-reentrant activation checkpoint's re-run of one."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        if not in_backward:
+            if torch.is_grad_enabled():
+                self._held_back = 0
+            else:  # maybe a reentrant checkpoint's first run: its re-run will be the real one
+                self._held_back += 1
+            return True
+        if self._held_back > 0:  # the reentrant re-run of a run made with autograd off
+            self._held_back -= 1
+            return True
+        return False  # a non-reentrant re-run: its first run recorded and counted already
 
     # ------------------------------------------------------------------ routing
 
@@ -430,13 +464,17 @@ class TopKRouter(nn.Module):
                     RuntimeWarning,
                     stacklevel=3,
                 )
-            count = torch.tensor([float(num_tokens)], device=scores.device)
-            tokens, total = all_reduce_coalesced(
-                [chosen.detach().sum(dim=0).to(torch.float64), count], "sum", group
-            )
             assert self.global_tokens_per_expert is not None
-            self.global_tokens_per_expert += tokens.to(self.global_tokens_per_expert.device)
-            self.global_aux_micro_batches += 1
+            if self._first_run or self._global_total is None:
+                count = torch.tensor([float(num_tokens)], device=scores.device)
+                tokens, total = all_reduce_coalesced(
+                    [chosen.detach().sum(dim=0).to(torch.float64), count], "sum", group
+                )
+                self.global_tokens_per_expert += tokens.to(self.global_tokens_per_expert.device)
+                self.global_aux_micro_batches += 1
+                self._global_total = total
+            else:  # a checkpoint's re-run: the same loss from the first run's counts
+                total = self._global_total
             mean_tokens = self.global_tokens_per_expert / self.global_aux_micro_batches
             loss = (scores.sum(dim=0) * mean_tokens.to(scores.dtype)).sum() * (
                 num_experts / (k * total.to(scores.dtype).square())
@@ -455,7 +493,7 @@ class TopKRouter(nn.Module):
     def _record(
         self, name: str, value: torch.Tensor, reduce_group: Any = None, needs_dp_avg: bool = True
     ) -> None:
-        if self.layer_number is None or self.num_layers is None:
+        if self.layer_number is None or self.num_layers is None or not self._first_run:
             return
         get_moe_metrics_tracker().record(
             name,
