@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args._run(args))
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, OSError) as exc:  # OSError: `-o` naming a folder, say
         print(f"trainvitals {args.command}: error: {exc}", file=sys.stderr)
         return 2
     finally:

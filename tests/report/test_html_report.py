@@ -525,3 +525,65 @@ def test_tensor_file_read_in_chunks_equals_the_query_and_later_lines_win(
     )
     monkeypatch.setattr(query_module, "CHUNK_RECORDS", 10_000)
     assert small == made.sub("", render_report(tmp_path))
+
+
+def test_expert_utilization_is_over_the_layers_own_experts(tmp_path: Path) -> None:
+    """Layers with different expert counts: each layer's utilization is its expert's tokens
+    over that layer's mean tokens per expert (LoadBalanceMonitor's definition), not over the
+    mean across the union of every layer's expert columns."""
+    counts = {0: 8, 1: 4}  # layer -> experts
+
+    def tokens(layer: int, e: int) -> float:
+        return 10.0 * (layer + 1) + 3.0 * e
+
+    with FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")]) as writer:
+        for step in range(3):
+            writer.add_scalars(
+                {
+                    f"moe/layer_{layer}/tokens_per_expert/{e}": tokens(layer, e)
+                    for layer, n in counts.items()
+                    for e in range(n)
+                },
+                step,
+            )
+    page = Page(render_report(tmp_path))
+    for key in ("expert-load/step-2", "expert-load/all"):
+        cells = page.charts[key]["cells"]
+        for layer, n in counts.items():
+            mean = math.fsum(tokens(layer, e) for e in range(n)) / n
+            for e in range(n):
+                util = float(cells[(str(layer), e)]["data-util"])
+                assert util == pytest.approx(tokens(layer, e) / mean, rel=1e-12), (key, layer, e)
+        assert cells[("1", 7)]["data-tokens"] == "nan"  # not an expert of layer 1: grey
+        assert cells[("1", 7)]["fill"] == "#cccccc"
+
+
+def test_activation_sites_are_grouped_by_their_layer(tmp_path: Path) -> None:
+    """Sites of numbered modules (`0/input0` in an nn.Sequential, `layers.3/output0` in a
+    ModuleList of Linear layers) belong to that layer in the per-layer table, as the
+    parameters `0.weight`, `layers.3.weight` do."""
+
+    def sites(step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return {
+            "0/input0": torch.randn(16, 4, generator=g),
+            "0/output0": 3 + torch.randn(16, 8, generator=g) ** 3,
+            "2/input0": torch.randn(16, 8, generator=g).relu(),
+            "2/output0": torch.randn(16, 2, generator=g),
+            "layers.3/output0": 0.1 * torch.randn(16, 5, generator=g),
+            "head/output0": torch.randn(16, 3, generator=g),  # no layer
+        }
+
+    data = write_run(tmp_path, [0, 1], sites)
+    path = tmp_path / "tensor_stats.jsonl"
+    path.write_text(path.read_text().replace('"kind": "grad"', '"kind": "activation"'))
+    rows = Page(render_report(tmp_path)).rows("tensors-layers activation")
+    assert list(rows) == ["all", "0", "2", "3"]
+    for layer, names in {"0": ["0/input0", "0/output0"], "2": ["2/input0", "2/output0"]}.items():
+        pooled = torch.cat([data[1][n].reshape(-1) for n in names])
+        assert rows[layer]["tensors"] == len(names)
+        check_row(
+            {k: rows[layer][k] for k in ("mean", "std", "rms", "skewness", "kurtosis")},
+            pooled,
+            ["mean", "std", "rms", "skewness", "kurtosis"],
+        )

@@ -391,3 +391,60 @@ def test_table_cells_spell_out_missing_and_non_finite_values():
     assert [format_value(v) for v in nonfinite] == ["NaN", "inf", "-inf"]
     assert format_value(2.0 / 3.0) == "0.666667"
     assert format_value(12) == "12"
+
+
+def test_by_with_an_optional_group_leaves_out_names_it_does_not_capture(tmp_path: Path) -> None:
+    """A `by` regex that matches a name without its group taking part (here `norm`) leaves
+    that tensor out, as one that does not match at all, instead of failing on its None label."""
+    data = write_run(tmp_path, [0, 3])
+    rows = query(tmp_path, kind="grad", stat=["kurtosis", "rms"], by=r"layers\.(\d+)\.|norm")
+    assert [(r["step"], r["group"]) for r in rows] == [
+        (s, str(i)) for s in (0, 3) for i in range(LAYERS)
+    ]
+    for r in rows:
+        prefix = f"model.layers.{r['group']}."
+        pooled = torch.cat(
+            [t.reshape(-1) for n, t in data[r["step"]].items() if n.startswith(prefix)]
+        )
+        check_row(r, pooled, ["kurtosis", "rms"])
+
+
+def test_cli_output_errors_are_clear_and_leave_nothing_behind(tmp_path: Path) -> None:
+    """`-o` naming a folder: exit 2 with the system's message, no traceback, and no hidden
+    temporary report file left next to it."""
+    write_run(tmp_path, [0])
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for args in (["query", str(tmp_path)], ["report", str(tmp_path)]):
+        res = run_cli(*args, "-o", str(folder))
+        assert res.returncode == 2, res.stderr
+        assert "Traceback" not in res.stderr
+        assert f"trainvitals {args[0]}: error:" in res.stderr and "directory" in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tensor_stats.jsonl"]
+
+
+def test_records_without_step_or_tensors_are_skipped_not_a_traceback(tmp_path: Path) -> None:
+    """Version-1 lines missing `tensors` or an integer `step` (not written by the monitor) are
+    skipped with a warning naming them; the other lines still give their exact rows, and a
+    file of only such lines is a clear CLI error."""
+    data = write_run(tmp_path, [0, 4])
+    path = tmp_path / "tensor_stats.jsonl"
+    good = path.read_text().splitlines()
+    broken = [
+        json.dumps({"version": 1, "step": 2, "kind": "grad"}),
+        json.dumps({"version": 1, "step": "3", "kind": "grad", "tensors": {}}),
+    ]
+    path.write_text("\n".join([good[0], *broken, good[1]]) + "\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = query(tmp_path, stat="kurtosis")
+    messages = [str(w.message) for w in caught]
+    assert any("line 2 has no 'tensors'" in m for m in messages), messages
+    assert any("line 3 has no integer 'step'" in m for m in messages), messages
+    assert [r["step"] for r in rows] == [0, 4]
+    for r in rows:
+        check_row(r, torch.cat([t.reshape(-1) for t in data[r["step"]].values()]), ["kurtosis"])
+    path.write_text("\n".join(broken) + "\n")
+    res = run_cli("query", str(tmp_path))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "holds no tensor-statistics record" in res.stderr

@@ -54,7 +54,6 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
     KINDS,
     StepChunks,
@@ -75,6 +74,10 @@ DEFAULT_MAX_POINTS = 600
 MAX_LINES = 10
 TENSOR_STATS_FILE = "tensor_stats.jsonl"
 _DIGITS = re.compile(r"\d+")
+# The layer of a tensor: its first integer name component. The module name of a site ends at
+# '/' (`layers.0/input0`, `0/output0` in an nn.Sequential), so '/' ends a component too (the
+# moe.capture pattern, for module names only, left such activations and dgrads out of every layer).
+_LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?=[./]|$)")
 # Sections in this order first (the rest alphabetically): what a trainer looks at first.
 _AREA_ORDER = ("train", "l2_norm", "moe", "load_balance", "tensor_stats", "throughput", "time")
 _PALETTE = (
@@ -449,7 +452,9 @@ def _heatmap(
     for i, lab in enumerate(layers):
         row = grid[lab]
         finite = [v for v in row.values() if math.isfinite(v)]
-        mean = math.fsum(finite) / len(experts) if finite else math.nan
+        # over the layer's own experts (those logged), as LoadBalanceMonitor defines it: the
+        # columns are every layer's experts, and a layer with fewer would be diluted
+        mean = math.fsum(finite) / len(finite) if finite else math.nan
         y = top + i * ch
         out.append(
             f'<text x="{left - 4}" y="{y + ch - 1}" text-anchor="end" class="ax">'
@@ -523,7 +528,7 @@ class _KindStats:
         everything = matcher(None)
         for r in merge_records(records, self.kind, _CHART_MERGE, everything, None, False):
             out[r["step"]].merged = {s: _stat(r, s) for s in _TENSOR_STATS}
-        for r in merge_records(records, self.kind, _LAYER_STATS, everything, LAYER_NUMBER, False):
+        for r in merge_records(records, self.kind, _LAYER_STATS, everything, _LAYER_NUMBER, False):
             out[r["step"]].layers[r["group"]] = {s: _stat(r, s) for s in _LAYER_STATS}
         return out
 
@@ -601,7 +606,7 @@ def _tensor_sections(
         ]
         layer_rows = [
             [r["group"], *(_cell(r, c) for c in cols)]
-            for r in merge_records(last, kind, stats, everything, LAYER_NUMBER, False)
+            for r in merge_records(last, kind, stats, everything, _LAYER_NUMBER, False)
         ]
         tensor_rows = [
             [r["group"], *(_cell(r, c) for c in cols[1:])]
@@ -824,6 +829,10 @@ def write_report(
     path = Path(output) if output is not None else Path(run_dir) / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # (`-o` naming a folder) leave no hidden file behind
+        raise
     return path

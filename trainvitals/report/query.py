@@ -46,10 +46,11 @@ _REGEX_CHARS = re.compile(r"[\\^$()+|{}]")
 def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     """Yield the records of a ``tensor_stats.jsonl`` file (or of ``<run_dir>/tensor_stats.jsonl``).
 
-    A last line cut by a crash is skipped with a warning, as are other unreadable lines and
-    lines of an unknown schema version (the first :data:`MAX_LINE_WARNINGS` one by one, the
-    rest counted in one warning at the end, so a wrong file does not print a warning per
-    line). When a (step, kind) appears twice, the later line wins (:func:`query` applies this).
+    A last line cut by a crash is skipped with a warning, as are other unreadable lines, lines
+    of an unknown schema version and lines without an integer ``step`` or a ``tensors`` object
+    (the first :data:`MAX_LINE_WARNINGS` one by one, the rest counted in one warning at the
+    end, so a wrong file does not print a warning per line). When a (step, kind) appears
+    twice, the later line wins (:func:`query` applies this).
     """
     path = Path(path)
     if path.is_dir():
@@ -84,11 +85,19 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
                     f"{SUPPORTED_VERSIONS}"
                 )
                 continue
+            step = rec.get("step")
+            if not isinstance(step, int) or isinstance(step, bool):
+                skip(f"line {i} has no integer 'step'")
+                continue
+            if not isinstance(rec.get("tensors"), dict):
+                # (the readers index rec["tensors"]: a KeyError traceback out of the CLI before)
+                skip(f"line {i} has no 'tensors' object")
+                continue
             yield rec
     if skipped > MAX_LINE_WARNINGS:
         warnings.warn(
-            f"{path}: {skipped - MAX_LINE_WARNINGS} more lines skipped (unreadable or of another "
-            "schema version)",
+            f"{path}: {skipped - MAX_LINE_WARNINGS} more lines skipped (unreadable, of another "
+            "schema version or incomplete)",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -312,7 +321,7 @@ def merge_records(
                 label = name
             elif by_rx is not None:
                 m = by_rx.search(name)
-                if m is None:
+                if m is None or m.group(1) is None:  # (an optional group that did not take part)
                     continue
                 label = m.group(1)
             else:
@@ -321,7 +330,8 @@ def merge_records(
             values.append([_num(vec[c], FIELDS[j]) for j, c in enumerate(col)])
     if not keys:
         return []
-    slots = sorted(set(keys), key=lambda k: (k[0], natural_key(k[1])))
+    # the label itself breaks ties ("01" and "1" have one natural key): a stable order
+    slots = sorted(set(keys), key=lambda k: (k[0], natural_key(k[1]), k[1]))
     pos = {k: i for i, k in enumerate(slots)}
     owner = torch.tensor([pos[k] for k in keys])
     merged = combine_moments(torch.tensor(values, dtype=torch.float64), owner, len(slots))
