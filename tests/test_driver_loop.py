@@ -185,6 +185,33 @@ def test_scaler_must_unscale():
         Vitals([Recorder()], writer=RecordingWriter()).attach(*_model_opt(), scaler=object())
 
 
+def test_restore_mid_step_replays_the_step_from_its_first_micro_batch():
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, opt)
+
+    def micro_batch() -> None:
+        x = torch.randn(2, 4)
+        vitals.batch(x)
+        model(x).sum().backward()
+
+    for _ in range(2):
+        micro_batch()
+    opt.step()
+    opt.zero_grad()
+    state = vitals.state_dict()
+    micro_batch()  # step 1 starts, then the run rolls back to the checkpoint
+    vitals.gradients_ready()
+    vitals.load_state_dict(state)
+    rec.events.clear()
+    for _ in range(2):
+        micro_batch()
+    opt.step()
+    vitals.close()
+    assert [e[1:3] for e in rec.events if e[0] == "mb"] == [(1, 0), (1, 1)]
+    assert [e for e in rec.events if e[0] in ("grads", "end")] == [("grads", 1), ("end", 1, 2)]
+
+
 def test_batch_counts_explicit_beat_callback_functions_beat_inference():
     model, opt = _model_opt()
     plain = Recorder("plain")

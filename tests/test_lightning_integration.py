@@ -191,6 +191,30 @@ def test_no_logger_falls_back_to_jsonl_in_run_folder(tmp_path):
     assert records[2]["time/remaining_hours"] == 0.0
 
 
+def test_values_written_before_a_crash_are_in_the_file_when_fit_raises(tmp_path):
+    import lightning.pytorch as pl
+
+    from trainvitals.adapters import read_jsonl
+
+    clock = FakeClock()
+    module = _module(pl, clock, 2, 10)
+    step = module.training_step
+
+    def training_step(batch, batch_idx):
+        if module.trainer.global_step == 3:
+            raise RuntimeError("crash at step 3")
+        return step(batch, batch_idx)
+
+    module.training_step = training_step
+    trainer = _trainer(pl, [RuntimeMonitor(clock=clock, max_steps=6)], tmp_path, max_steps=6)
+    with pytest.raises(RuntimeError, match="crash"):
+        trainer.fit(module)
+    # still in the process: nothing has closed the writer, yet every logged step is on disk
+    records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert sorted(records) == [0, 1, 2]
+    assert records[2]["time/samples"] == 2 * 3
+
+
 # ---------------------------------------------------------------------------- DDP
 
 
@@ -318,3 +342,113 @@ def test_model_parallel_strategy_counts_tensor_parallel_peers_once(tmp_path):
         row = result["throughput"][2]
         seconds = step_seconds(1) + step_seconds(2)
         assert row["throughput/samples_per_sec"] == pytest.approx(2 * per_batch / seconds)
+
+
+def test_manual_optimization_two_optimizers_remaining_time_in_global_steps(tmp_path):
+    """Manual optimization stepping two optimizers per batch: Lightning's global_step (the
+    step axis and max_steps' unit) advances by 2 per batch, so the rate and the steps left are
+    counted in global steps too (before: a batch counted as one step of a horizon of max_steps,
+    which doubled the estimate)."""
+    import lightning.pytorch as pl
+
+    clock = FakeClock()
+    writer = RecordingWriter()
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.a, self.b = nn.Linear(3, 1), nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            clock.t += step_seconds(batch_idx)
+            for opt, layer in zip(self.optimizers(), (self.a, self.b), strict=True):
+                opt.zero_grad()
+                self.manual_backward(layer(batch).pow(2).mean())
+                opt.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(m.parameters(), lr=0.01) for m in (self.a, self.b)]
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(40, 3), batch_size=2)
+
+    max_steps = 12  # 6 batches
+    monitor = RuntimeMonitor(clock=clock, writer=writer, warmup_steps=1)
+    trainer = _trainer(pl, [monitor], tmp_path, max_steps=max_steps)
+    trainer.fit(TwoOptimizers())
+    assert trainer.global_step == max_steps
+    assert sorted(writer.rows) == [0, 2, 4, 6, 8, 10]
+    for step, row in writer.rows.items():
+        batch = step // 2
+        if batch == 0:
+            continue  # warm-up batch: no rate yet
+        per_global_step = sum(step_seconds(b) for b in range(1, batch + 1)) / (2 * batch)
+        assert row["time/seconds_per_step"] == pytest.approx(per_global_step, rel=1e-12)
+        left = max_steps - 2 * (batch + 1)
+        assert row["time/remaining_hours"] == pytest.approx(
+            left * per_global_step / 3600, rel=1e-12, abs=1e-15
+        )
+
+
+def test_retry_after_a_crashed_fit_on_the_same_trainer(tmp_path):
+    """A fit that raised mid-step never reaches teardown; a retry ``trainer.fit(new_module,
+    ckpt_path=...)`` on the same trainer must see the new module and count the resumed step's
+    micro-batches from 0, and RuntimeMonitor must not add the crashed step's micro-batches
+    (restored from the checkpoint while a step was in progress) to the replayed one."""
+    import lightning.pytorch as pl
+
+    from trainvitals.callbacks.base import VitalsCallback
+
+    class Seen(VitalsCallback):
+        def __init__(self) -> None:
+            super().__init__(writer=RecordingWriter())
+            self.models: list = []
+            self.ends: dict[int, int] = {}
+
+        def micro_batch_start(self, ctx, batch):
+            self.models.append(ctx.model)
+
+        def step_end(self, ctx):
+            self.ends[ctx.step] = ctx.micro_batches_in_step
+
+    bs, acc = 3, 2
+    clock = FakeClock()
+    crash = {"at": None}
+
+    def module():
+        m = _module(pl, clock, bs, 20)
+        step = m.training_step
+
+        def training_step(batch, batch_idx):
+            if (m.trainer.global_step, batch_idx % acc) == crash["at"]:
+                raise RuntimeError("crash in the second micro-batch of step 2")
+            return step(batch, batch_idx)
+
+        m.training_step = training_step
+        return m
+
+    rows = RecordingWriter()
+    seen, runtime = Seen(), RuntimeMonitor(clock=clock, writer=rows)
+    options = {"accumulate_grad_batches": acc, "limit_val_batches": 0, "num_sanity_val_steps": 0}
+    trainer = _trainer(pl, [seen, runtime], tmp_path, max_steps=2, **options)
+    trainer.fit(module())
+    ckpt = tmp_path / "step2.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    trainer = _trainer(pl, [seen, runtime], tmp_path, max_steps=4, **options)
+    crash["at"] = (2, 1)
+    with pytest.raises(RuntimeError, match="crash"):
+        trainer.fit(module(), ckpt_path=ckpt)
+    crash["at"] = None
+    seen.models.clear()
+    seen.ends.clear()
+    retried = module()
+    trainer.fit(retried, ckpt_path=ckpt)
+    assert trainer.global_step == 4
+    assert len(seen.models) == 2 * acc and all(m is retried for m in seen.models)
+    assert seen.ends == {2: acc, 3: acc}
+    for step in (2, 3):
+        row = rows.rows[step]
+        assert row["time/batches"] == acc * (step + 1)
+        assert row["time/samples"] == acc * bs * (step + 1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.scripts.vitals_testing import FakeClock, batch_size, dt, fake_loop
+from tests.scripts.vitals_testing import FakeClock, RecordingWriter, batch_size, dt, fake_loop
 from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
 from trainvitals.distributed import collective_counter
 from trainvitals.stats.runtime import training_horizon
@@ -202,3 +202,44 @@ def test_a_peer_marked_sum_leaves_the_counts_for_the_next_one(monkeypatch):
     monitor._sync_consumed()
     assert monitor._consumed["samples"] == before["samples"] + 8.0
     assert monitor._consumed["tokens"] == before["tokens"] + 40.0
+
+
+def test_restore_mid_step_drops_the_abandoned_micro_batches():
+    """A restore while a step is in progress (a rollback to the last checkpoint): the
+    micro-batches already counted for that step belong to the abandoned timeline, and the
+    restored run replays the step, so they must not be added to it."""
+    from trainvitals.adapters.loop import Vitals
+
+    clock = FakeClock()
+    writer = RecordingWriter()
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    vitals = Vitals(
+        [RuntimeMonitor(clock=clock, max_steps=10, warmup_steps=0)],
+        writer=writer,
+        log_every_n_steps=1,
+    ).attach(model, opt)
+    sizes = {0: [4, 3], "abandoned": [5], 1: [2, 6]}
+
+    def micro_batch(n: int) -> None:
+        x = torch.randn(n, 3)
+        vitals.batch(x)
+        clock.t += 1.0
+        model(x).sum().backward()
+
+    for n in sizes[0]:
+        micro_batch(n)
+    opt.step()
+    opt.zero_grad()
+    state = vitals.state_dict()
+    for n in sizes["abandoned"]:
+        micro_batch(n)
+    vitals.load_state_dict(state)
+    for n in sizes[1]:
+        micro_batch(n)
+    opt.step()
+    opt.zero_grad()
+    vitals.close()
+    row = writer.rows[1]
+    assert row["time/samples"] == sum(sizes[0]) + sum(sizes[1])
+    assert row["time/batches"] == len(sizes[0]) + len(sizes[1])

@@ -259,6 +259,38 @@ def test_restore_into_a_used_instance_restarts_clock_and_warmup():
         assert row["throughput/samples_per_sec"] == pytest.approx(samples / seconds, rel=1e-12)
 
 
+def test_restore_mid_step_drops_the_abandoned_micro_batches():
+    # a rollback while a step is in progress replays that step: the micro-batches counted
+    # for it before the restore must not be added to the replayed one
+    clock = FakeClock()
+    writer = RecordingWriter()
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = ThroughputMonitor(window_size=1, warmup_steps=0, clock=clock)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+
+    def micro_batch(n: int) -> None:
+        x = torch.randn(n, 3)
+        vitals.batch(x)
+        clock.t += 1.0
+        model(x).sum().backward()
+
+    for n in (4, 3):
+        micro_batch(n)
+    opt.step()
+    opt.zero_grad()
+    state = vitals.state_dict()
+    micro_batch(5)  # abandoned
+    vitals.load_state_dict(state)
+    for n in (2, 6):
+        micro_batch(n)
+    opt.step()
+    vitals.close()
+    row = writer.rows[1]
+    assert row["throughput/samples_per_sec"] == pytest.approx((2 + 6) / 2.0, rel=1e-12)
+    assert row["throughput/batches_per_sec"] == pytest.approx(2 / 2.0, rel=1e-12)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

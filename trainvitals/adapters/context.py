@@ -34,7 +34,10 @@ class RunContext:
 
     ``step`` is the 0-based index of the optimizer step in progress; ``micro_batch`` the 0-based
     index of the micro-batch within it; ``micro_batches_in_step`` how many micro-batches of the
-    current step have started (at ``on_step_end``: the step's number of micro-batches).
+    current step have started (at ``on_step_end``: the step's number of micro-batches);
+    ``step_increment`` how far the step in progress advances ``step``: 1, except under
+    Lightning's manual optimization with several optimizers stepped per batch, where
+    ``trainer.global_step`` (and so ``step``) counts every ``optimizer.step()``.
     """
 
     writer: Any
@@ -52,6 +55,7 @@ class RunContext:
     step: int = 0
     micro_batch: int = 0
     micro_batches_in_step: int = 0
+    step_increment: int = 1
     in_validation: bool = False
 
     @property

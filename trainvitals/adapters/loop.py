@@ -357,6 +357,12 @@ class Vitals:
 
     def _apply_state(self, state_dict: dict[str, Any]) -> None:
         self.ctx.step = int(state_dict.get("step", 0))
+        # A restore while a step is in progress (a rollback) replays that step from its start:
+        # the micro-batches and gradients seen since belong to the abandoned timeline.
+        self.ctx.micro_batch = 0
+        self.ctx.micro_batches_in_step = 0
+        self._grads_seen_for_step = False
+        self._unscaled.clear()
         states = state_dict["callbacks"]
         for cb in self.callbacks:
             if cb.state_key in states:

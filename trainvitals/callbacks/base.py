@@ -304,7 +304,11 @@ class VitalsCallback:
         return ctx
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        pass
+        # A fit that raised never reached teardown (Lightning calls on_exception instead): its
+        # context still holds that fit's model, optimizers and micro-batch counts. A later fit
+        # on the same trainer (a retry from a checkpoint) builds its own at on_train_start.
+        if getattr(trainer, "_trainvitals_ctx", None) is not None:
+            trainer._trainvitals_ctx = None
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         writer = getattr(trainer, _WRITER_ATTR, None)
@@ -359,7 +363,10 @@ class VitalsCallback:
         last = self._pl_last_global_step
         if last is not None and trainer.global_step > last:
             # One optimizer step finished (the step index is the one before the increment).
+            # Under manual optimization every optimizer.step() increments global_step, so one
+            # batch with several optimizers advances it by more than one.
             ctx.step = last
+            ctx.step_increment = trainer.global_step - last
             self._dispatch("step_end", ctx)
             ctx.step = trainer.global_step
         self._pl_last_global_step = trainer.global_step
@@ -388,6 +395,11 @@ class VitalsCallback:
         ctx = getattr(trainer, "_trainvitals_ctx", None)
         if ctx is not None:
             self._dispatch("exception_raised", ctx, exception)
+            # The run may end here; deliver what was written so far now, not at exit (the
+            # writer stays open: a retried fit on the same trainer goes on with it).
+            # (a flush failure must not hide the exception being raised)
+            with contextlib.suppress(Exception):
+                ctx.writer.flush()
 
     # Lightning's checkpoint hooks: state_dict/load_state_dict above are what it calls.
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:

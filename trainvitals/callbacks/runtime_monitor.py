@@ -121,6 +121,10 @@ class RuntimeMonitor(VitalsCallback):
         self._horizon: int | None = None
         self._steps_this_process = 0
         self._rate_anchor: float | None = None  # train-clock reading where the rate starts
+        # Steps (in ctx.step units) of this process since the anchor: Lightning's global_step
+        # advances once per optimizer, so a batch stepping two optimizers is two steps of the
+        # horizon (max_steps), not one.
+        self._rate_steps = 0
         # Carried over from earlier processes of the run (checkpoint state).
         self._prev = {"train": 0.0, "validation": 0.0, "total": 0.0}
         self._prev_rate = {"seconds": 0.0, "steps": 0}
@@ -172,12 +176,14 @@ class RuntimeMonitor(VitalsCallback):
             self._rate_anchor = train_now
         elif self.warmup_steps == 0 and self._rate_anchor is None:
             self._rate_anchor = 0.0
+        if self._steps_this_process > self.warmup_steps:
+            self._rate_steps += ctx.step_increment
         record = self._counter.take(0.0)
         for name in COUNT_FIELDS[1:]:
             self._pending[name] = self._pending[name] + getattr(record, name)
         if log:
             self._sync_consumed()
-            self.write(ctx, self._values(ctx.step + 1))
+            self.write(ctx, self._values(ctx.step + ctx.step_increment))
 
     # ------------------------------------------------------------------ what it measures
 
@@ -198,7 +204,7 @@ class RuntimeMonitor(VitalsCallback):
         seconds, steps = self._prev_rate["seconds"], self._prev_rate["steps"]
         if self._rate_anchor is not None:
             seconds += train_now - self._rate_anchor
-            steps += self._steps_this_process - self.warmup_steps
+            steps += self._rate_steps
         return seconds, steps
 
     def _values(self, steps_done: int) -> dict[str, Any]:
@@ -246,7 +252,11 @@ class RuntimeMonitor(VitalsCallback):
         consumed = state_dict.get("consumed", {})
         self._consumed = {k: float(consumed.get(k, 0.0)) for k in self._consumed}
         self._pending = dict.fromkeys(self._pending, 0.0)
+        # Micro-batches of a step in progress at the restore belong to the abandoned timeline
+        # (the restored run replays that step): not counted into the next step.
+        self._counter.reset()
         # This process starts its own clock and its own warm-up.
         self._clock = self._clock.fresh()
         self._steps_this_process = 0
         self._rate_anchor = None
+        self._rate_steps = 0

@@ -429,3 +429,5 @@ class ThroughputMonitor(VitalsCallback):
         self._clock = self._clock.fresh()
         self._last_end = None
         self._steps_this_process = 0
+        # micro-batches of a step in progress at the restore: the restored run replays it
+        self._counter.reset()
