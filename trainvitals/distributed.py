@@ -480,8 +480,13 @@ class ProcessGroups:
     context-parallel ranks together (the ranks that see different tokens), defaulting to ``dp``
     when there is no context parallelism. ``ep`` is a subgroup of ``dp_cp`` (Megatron-LM's and
     torchtitan's layout: expert-parallel ranks route different tokens to each other's experts),
-    so sums of tokens over ``dp_cp`` include every expert-parallel rank. A single process means
-    every group is ``None``.
+    so sums of tokens over ``dp_cp`` include every expert-parallel rank. ``edp`` (expert data
+    parallel, Megatron-LM's expert-data-parallel group ``expt_dp``) holds the ranks that hold the same
+    experts but see different tokens: when ``dp_cp`` is larger than ``ep`` (a ``("dp", "ep")``
+    mesh of shape ``(2, 2)``: four token streams, each ``ep`` group of two routes only its own
+    two streams' tokens to its experts), an expert's tokens are spread over ``edp``. ``None``
+    (the default) means trivial, right when ``ep`` spans all of ``dp_cp``. A single process
+    means every group is ``None``.
 
     Example::
 
@@ -495,6 +500,7 @@ class ProcessGroups:
     ep: Any = None
     cp: Any = None
     dp_cp: Any = None
+    edp: Any = None
 
     def __post_init__(self) -> None:
         if self.dp_cp is None and self.cp is None:
@@ -527,7 +533,9 @@ class ProcessGroups:
         ``dp_shard`` (HSDP) the data-parallel group is their flattened product. An ``ep`` dim of
         its own is part of it too: its ranks see different tokens (each routes its own batch to
         the experts of all), so a mesh ``("dp", "ep")`` of shape ``(2, 2)`` has four
-        data-parallel ranks and ``ep`` groups of two. A mesh with unnamed or unknown dims raises
+        data-parallel ranks and ``ep`` groups of two. With an ``ep`` dim, ``edp`` is the
+        flattened data-parallel and ``cp`` dims other than ``ep`` (the ranks holding the same
+        experts; ``None`` when there are none). A mesh with unnamed or unknown dims raises
         ``ValueError`` naming them.
         """
         names = tuple(mesh.mesh_dim_names or ())
@@ -555,7 +563,15 @@ class ProcessGroups:
         dp = _flat_group(mesh, dp_dims)
         cp = group("cp")
         dp_cp = _flat_group(mesh, [*dp_dims, roles["cp"]]) if cp is not None else dp
-        return cls(dp=dp, tp=group("tp"), pp=group("pp"), ep=group("ep"), cp=cp, dp_cp=dp_cp)
+        # expert data parallel: every token-stream dim but ep (an ep group routes only its own
+        # streams' tokens, so the copies of its experts along these dims see different tokens)
+        edp = None
+        if "ep" in roles:
+            edp_dims = [d for d in dp_dims if d != roles["ep"]]
+            edp = _flat_group(mesh, [*edp_dims, roles["cp"]] if cp is not None else edp_dims)
+        return cls(
+            dp=dp, tp=group("tp"), pp=group("pp"), ep=group("ep"), cp=cp, dp_cp=dp_cp, edp=edp
+        )
 
     @classmethod
     def from_accelerator(cls, accelerator: Any) -> ProcessGroups:

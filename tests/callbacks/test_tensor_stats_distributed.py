@@ -249,6 +249,133 @@ def test_expert_parallel_names_carry_global_expert_index(tmp_path: Path) -> None
     _check({"tensors": {n: acts[n] for n in outs}}, outs, "expert activations")
 
 
+# -------------------------------------------------- experts on a ("dp", "ep") mesh: edp merge
+
+E, T = 4, 16  # experts in all (2 per EP rank), tokens per rank
+
+
+def _route(stream: int) -> torch.Tensor:
+    """The global expert of each token of a token stream (one stream per rank), uneven."""
+    return torch.randint(0, E, (T,), generator=torch.Generator().manual_seed(200 + stream))
+
+
+def _stream(stream: int) -> torch.Tensor:
+    return 3 + torch.randn(T, 8, generator=torch.Generator().manual_seed(100 + stream))
+
+
+def _expert(g: int) -> nn.Linear:
+    """Global expert ``g``, the same on every rank that holds it (replicated over "dp")."""
+    torch.manual_seed(10 + g)
+    e = nn.Linear(8, 8)
+    nn.init.normal_(e.weight, mean=0.1 * g, std=1 + g)
+    return e
+
+
+class EPMoE(nn.Module):
+    """A shared Linear on this rank's tokens, then expert parallelism over ``ep``: the EP
+    group's token streams are exchanged (an all_gather standing in for the all-to-all) and
+    each local expert takes the tokens of those streams routed to it."""
+
+    def __init__(self, ep_group, ep_rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 8)
+        self.experts = nn.ModuleList([_expert(2 * ep_rank + i) for i in range(2)])
+        self.ep_group, self.ep_rank = ep_group, ep_rank
+
+    def forward(self, x: torch.Tensor, stream: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        h = self.shared(x)
+        members = dist.get_process_group_ranks(self.ep_group)
+        parts = [torch.empty_like(h) for _ in members]
+        dist.all_gather(parts, h.detach().contiguous(), group=self.ep_group)
+        tokens = torch.cat(parts).requires_grad_()
+        route = torch.cat([_route(m) for m in members])  # stream of a rank = its global rank
+        loss = _loss(h)
+        for i, e in enumerate(self.experts):
+            loss = loss + _loss(e(tokens[route == 2 * self.ep_rank + i]))
+        return loss
+
+
+def _dp_ep_body(rank: int, world_size: int, run_dir: str, hand_built: bool) -> dict:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import TensorStatsMonitor
+    from trainvitals.distributed import ProcessGroups
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    groups = ProcessGroups.from_device_mesh(mesh)
+    if hand_built:  # no edp: the monitor must say that expert sites miss tokens
+        groups = ProcessGroups(dp=groups.dp, ep=groups.ep)
+    model = EPMoE(mesh["ep"].get_group(), mesh.get_local_rank("ep"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TensorStatsMonitor(kinds=["activation", "dgrad"], kernel="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals(
+            [monitor], writer=NullWriter(), run_dir=run_dir, log_every_n_steps=1, groups=groups
+        ) as vitals:
+            vitals.attach(model, opt)
+            x = _stream(rank).requires_grad_()
+            vitals.batch(x)
+            model(x, rank).backward()
+            opt.step()
+    return {"warnings": [str(w.message) for w in caught]}
+
+
+def _all_tokens_float64() -> dict[str, dict[str, torch.Tensor]]:
+    """float64, one process: every rank's stream through the shared Linear, and every expert
+    fed all tokens routed to it from all four streams."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8).double()
+    out: dict[str, dict[str, list[torch.Tensor]]] = {"activation": {}, "dgrad": {}}
+
+    def keep(site: str, t: torch.Tensor) -> None:
+        out["activation"].setdefault(site, []).append(t.detach().reshape(-1).clone())
+        t.register_hook(lambda g: out["dgrad"].setdefault(site, []).append(g.reshape(-1)))
+
+    loss = torch.zeros((), dtype=torch.float64)
+    hs = []
+    for s in range(4):
+        x = _stream(s).double().requires_grad_()
+        h = shared(x)
+        keep("shared/input0", x)
+        keep("shared/output0", h)
+        loss = loss + _loss(h)
+        hs.append(h.detach())
+    for g in range(E):
+        tokens = torch.cat([h[_route(s) == g] for s, h in enumerate(hs)]).requires_grad_()
+        y = _expert(g).double()(tokens)
+        keep(f"experts.{g}/input0", tokens)
+        keep(f"experts.{g}/output0", y)
+        loss = loss + _loss(y)
+    loss.backward()
+    return {k: {s: torch.cat(v) for s, v in d.items()} for k, d in out.items()}
+
+
+def test_dp_ep_mesh_merges_expert_sites_over_expert_data_parallel(tmp_path: Path) -> None:
+    """("dp", "ep") of shape (2, 2): 4 token streams, each EP group routes only its own two
+    streams' tokens, and each expert is held by one rank of each EP group. Every expert's
+    activation/dgrad statistics must be those of all tokens routed to it from all 4 ranks
+    (merged over groups.edp); the shared site's those of all 4 streams (groups.dp_cp)."""
+    results = run_distributed(_dp_ep_body, world_size=4, args=(str(tmp_path), False), timeout=120)
+    lines = _lines(tmp_path)
+    want = _all_tokens_float64()
+    for kind in ("activation", "dgrad"):
+        _check(lines[kind], want[kind], kind)
+    assert not any("edp" in w for r in results for w in r["warnings"])
+
+
+def test_dp_ep_without_edp_warns_that_experts_miss_tokens(tmp_path: Path) -> None:
+    results = run_distributed(_dp_ep_body, world_size=4, args=(str(tmp_path), True), timeout=120)
+    for r in results:
+        assert sum("edp=" in w for w in r["warnings"]) == 1, r["warnings"]
+
+
 # ------------------------------------------------------------------------------ pipeline
 
 

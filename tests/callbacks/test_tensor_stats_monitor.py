@@ -415,6 +415,37 @@ def test_nonfinite_gradient_is_counted(tmp_path: Path) -> None:
     assert writer.rows[0]["tensor_stats/grad/nonfinite"] == 3
 
 
+def test_sparse_gradient_is_measured_with_its_implicit_zeros(tmp_path: Path) -> None:
+    # nn.Embedding(sparse=True) gives a sparse COO gradient with one entry per looked-up token
+    # (repeated ids): it made every parameter and gradient of the step go missing (the dense
+    # kernel cannot reshape it). Its moments are those of the dense gradient.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, D, sparse=True), nn.Linear(D, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 20, (4, 48), generator=torch.Generator().manual_seed(1))
+    with (
+        warnings.catch_warnings(),
+        Vitals(
+            [TensorStatsMonitor(kinds=["param", "grad"], kernel="eager")],
+            writer=Recorder(),
+            run_dir=tmp_path,
+            log_every_n_steps=1,
+        ) as vitals,
+    ):
+        warnings.simplefilter("error")  # no "missing from this logging step" warning
+        vitals.attach(model, opt)
+        vitals.batch(ids)
+        model(ids).pow(2).sum().backward()
+        grad = model[0].weight.grad
+        assert grad.is_sparse and not grad.is_coalesced()
+        want = {n: p.grad.to_dense().double() for n, p in model.named_parameters()}
+        params = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        opt.step()
+    lines = {r["kind"]: r for r in read_lines(tmp_path / "tensor_stats.jsonl")}
+    check_line(lines["grad"], want, "sparse grad")
+    check_line(lines["param"], params, "param next to a sparse grad")
+
+
 def test_frozen_and_replaced_parameters_are_seen_at_the_next_logging_step(tmp_path: Path) -> None:
     # the parameter list is cached between steps; freezing a layer or swapping a parameter
     # object must still change what is measured

@@ -25,7 +25,10 @@ def _ranks(group) -> list[int] | None:
 
 
 def _summary(groups: ProcessGroups) -> dict[str, list[int] | None]:
-    return {name: _ranks(getattr(groups, name)) for name in ("dp", "tp", "pp", "ep", "cp", "dp_cp")}
+    return {
+        name: _ranks(getattr(groups, name))
+        for name in ("dp", "tp", "pp", "ep", "cp", "dp_cp", "edp")
+    }
 
 
 def _mesh_body(rank: int, world_size: int) -> dict:
@@ -42,6 +45,7 @@ def _mesh_body(rank: int, world_size: int) -> dict:
         "shard_cp": ((2, 2), ("dp_shard", "cp")),
         "pp_ep": ((2, 2), ("pp", "ep")),
         "dp_ep": ((2, 2), ("dp", "ep")),
+        "ep_cp": ((2, 2), ("ep", "cp")),
         "pp_tp_long": ((2, 2), ("pipeline_parallel", "tensor_parallel")),
     }
     for key, (shape, names) in cases.items():
@@ -74,7 +78,7 @@ def test_from_device_mesh_on_four_ranks():
     col = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}  # dim-0 group of each rank
     everyone = [0, 1, 2, 3]
     for rank, res in enumerate(results):
-        none = dict.fromkeys(("dp", "tp", "pp", "ep", "cp", "dp_cp"))
+        none = dict.fromkeys(("dp", "tp", "pp", "ep", "cp", "dp_cp", "edp"))
         assert res["dp"] == {**none, "dp": everyone, "dp_cp": everyone}
         assert res["fsdp"] == res["dp"]
         expected_2d = {**none, "dp": col[rank], "tp": row[rank], "dp_cp": col[rank]}
@@ -89,11 +93,27 @@ def test_from_device_mesh_on_four_ranks():
         # expert-parallel ranks route different tokens: they are data parallel too
         ep_only = {"dp": row[rank], "ep": row[rank], "dp_cp": row[rank]}
         assert res["pp_ep"] == {**none, "pp": col[rank], **ep_only}
-        assert res["dp_ep"] == {**none, "dp": everyone, "ep": row[rank], "dp_cp": everyone}
+        # edp: the ranks holding the same experts, each seeing other token streams (the
+        # data-parallel and cp dims other than ep; trivial when ep spans all of them)
+        assert res["dp_ep"] == {
+            **none,
+            "dp": everyone,
+            "ep": row[rank],
+            "dp_cp": everyone,
+            "edp": col[rank],
+        }
+        assert res["ep_cp"] == {
+            **none,
+            "dp": col[rank],
+            "ep": col[rank],
+            "cp": row[rank],
+            "dp_cp": everyone,
+            "edp": row[rank],
+        }
         assert res["pp_tp_long"] == {**none, "pp": col[rank], "tp": row[rank]}
         assert "foo" in res["errors"]["unknown"]
         assert "mesh_dim_names" in res["errors"]["unnamed"]
-        assert res["sizes"] == {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1, "dp_cp": 2}
+        assert res["sizes"] == {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1, "dp_cp": 2, "edp": 1}
         assert res["trivial"] is False
 
 
@@ -149,7 +169,7 @@ def test_from_strategy_single_device_is_trivial():
 def test_explicit_construction_and_single_process_defaults():
     groups = ProcessGroups()
     assert groups.is_trivial
-    assert groups.sizes() == dict.fromkeys(("dp", "tp", "pp", "ep", "cp", "dp_cp"), 1)
+    assert groups.sizes() == dict.fromkeys(("dp", "tp", "pp", "ep", "cp", "dp_cp", "edp"), 1)
     assert ProcessGroups.single() == groups
     assert ProcessGroups.world().dp is None  # not distributed: no world group
     marker = object()

@@ -40,7 +40,12 @@ from trainvitals.stats.moments import (
     moments_to_rows,
     partial_moments,
 )
-from trainvitals.stats.norms import canonical_name, dedupe_named_tensors, unwrap_model
+from trainvitals.stats.norms import (
+    canonical_name,
+    dedupe_named_tensors,
+    stored_values,
+    unwrap_model,
+)
 
 __all__ = ["SCHEMA_VERSION", "TensorStatsMonitor"]
 
@@ -121,9 +126,13 @@ class TensorStatsMonitor(VitalsCallback):
     local expert index, default ``experts.<i>.``) get the global expert index
     ``ep_rank * num_local_experts + i`` when ``groups.ep`` has more than one rank, and rank 0
     gathers every expert's moments over ``groups.ep`` so the file holds all experts. Expert
-    activations are then not merged over ``dp_cp`` (each expert's tokens already come from all
-    data-parallel ranks). Under pipeline parallelism every stage's moments are gathered to
-    rank 0 over ``groups.pp`` (one object gather).
+    activations and dgrads are then merged over ``groups.edp`` instead of ``dp_cp``: an expert
+    receives the tokens of its EP group's ranks only, and the ranks holding the same experts
+    (expert data parallel, set by :meth:`ProcessGroups.from_device_mesh` for a mesh with an
+    ``ep`` dim) see the other token streams. With ``dp_cp`` larger than ``ep`` and no ``edp``
+    (a hand-built ``ProcessGroups``) the monitor warns once that expert sites cover only this
+    EP group's tokens (pass ``edp=``). Under pipeline parallelism every stage's moments are
+    gathered to rank 0 over ``groups.pp`` (one object gather).
 
     Non-finite elements are counted in ``nonfinite`` and excluded from all other moments.
     ``dgrad`` values are the gradients autograd computes, so they include a loss scale (AMP
@@ -304,6 +313,7 @@ class TensorStatsMonitor(VitalsCallback):
                 self._sites.append(site)
                 self._site_expert.append(self._is_expert(site))
         self._site_index = {s: i for i, s in enumerate(self._sites)}
+        self._warn_missing_edp(ctx)
         if ctx.global_rank == 0:
             params = [self._global_name(canonical_name(n)) for n, _ in model.named_parameters()]
             self._warn_unmatched_globs(params + every_site)
@@ -402,6 +412,14 @@ class TensorStatsMonitor(VitalsCallback):
                 [shard_groups(t, include_partial=False) for t in tensors],
             )
             everything += locals_
+        # A sparse gradient (nn.Embedding(sparse=True)) has no dense kernel: its moments are
+        # those of its stored values merged with the implicit zeros (exact, no densifying).
+        zeros: dict[int, int] = {}
+        for i, t in enumerate(everything):
+            if t.layout != torch.strided:
+                values = stored_values(t)
+                zeros[i] = t.numel() - values.numel()
+                everything[i] = values
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(everything):
             by_device.setdefault(t.device, []).append(i)
@@ -412,6 +430,13 @@ class TensorStatsMonitor(VitalsCallback):
                 parts, owner = partial_moments([everything[i] for i in idx], kernel=self.kernel)
                 sub = combine_moments(parts, owner, len(idx)).to(device)
                 moments[torch.tensor(idx, device=device)] = sub
+            if zeros:
+                at = torch.tensor(list(zeros), device=device)
+                zero_part = empty_moments(len(zeros), device=device)
+                for j, k in enumerate(zeros.values()):
+                    if k:  # k zeros: mean, M2..M4, min and max all 0
+                        zero_part[j, :7] = torch.tensor([k, 0, 0, 0, 0, 0, 0], dtype=torch.float64)
+                moments[at] = combine_moments(torch.stack([moments[at], zero_part]), dim=0)
         except Exception as exc:
             # Rank-local (say, out of memory in the kernel): send NaN rows through the step's
             # collectives like any other, so every rank stays in step and the merge leaves
@@ -603,8 +628,13 @@ class TensorStatsMonitor(VitalsCallback):
         dp_cp = ctx.groups.dp_cp
         ep_active = group_size(ctx.groups.ep) > 1
         data_groups = () if group_size(dp_cp) == 1 else (dp_cp,)
+        # An expert's tokens come from the token streams of its EP group only; the ranks
+        # holding the same experts (expert data parallel) see the other streams' tokens.
+        edp = getattr(ctx.groups, "edp", None)
+        expert_groups = () if group_size(edp) == 1 else (edp,)
         groups = [
-            self._site_groups.get((kind, i), ()) + (() if (expert and ep_active) else data_groups)
+            self._site_groups.get((kind, i), ())
+            + (expert_groups if (expert and ep_active) else data_groups)
             for i, expert in enumerate(self._site_expert)
         ]
         return _Kind(list(self._sites), moments, groups, list(self._site_expert))
@@ -743,6 +773,25 @@ class TensorStatsMonitor(VitalsCallback):
 
     def _is_expert(self, name: str) -> bool:
         return self._ep_info is not None and self.expert_pattern.search(name) is not None
+
+    def _warn_missing_edp(self, ctx: RunContext) -> None:
+        """More token streams than EP ranks and no ``edp`` group (a hand-built ProcessGroups):
+        the expert sites would hold only this EP group's tokens. Say so, once."""
+        groups = ctx.groups
+        if (
+            any(self._site_expert)
+            and any(k in self.kinds for k in ("activation", "dgrad"))
+            and group_size(getattr(groups, "edp", None)) == 1
+            and group_size(groups.dp_cp) > group_size(groups.ep) > 1
+        ):
+            self.warn_once(
+                "missing-edp",
+                f"groups.dp_cp has {group_size(groups.dp_cp)} ranks but groups.ep only "
+                f"{group_size(groups.ep)} and groups.edp is not set: expert activations and "
+                "dgrads cover only the tokens of this rank's EP group. Pass "
+                "ProcessGroups(..., edp=<the ranks holding the same experts>) or build the "
+                "groups with ProcessGroups.from_device_mesh on a mesh with an 'ep' dim",
+            )
 
     def _gather_experts(
         self,

@@ -53,6 +53,7 @@ __all__ = [
     "local_sq_norms",
     "reduce_sq_norms",
     "sharding_groups",
+    "stored_values",
     "unwrap_model",
 ]
 
@@ -163,7 +164,7 @@ def local_sq_norms(
     """
     locals_: list[torch.Tensor | None] = [None if t is None else local_tensor(t) for t in tensors]
     _resolve_partials(tensors, locals_)
-    locals_ = [None if t is None else _dense_values(t) for t in locals_]
+    locals_ = [None if t is None else stored_values(t) for t in locals_]
     if device is None:
         device = next((t.device for t in locals_ if t is not None), torch.device("cpu"))
     out = torch.zeros(len(locals_), dtype=torch.float64, device=device)
@@ -185,12 +186,12 @@ def local_sq_norms(
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
-def _dense_values(tensor: torch.Tensor) -> torch.Tensor:
-    """A strided tensor with the same sum of squares: a sparse tensor's stored values.
-
-    Sparse gradients (``nn.Embedding(sparse=True)``) have no norm kernel (the whole step's
-    norms would be NaN). A COO gradient is coalesced first: it usually repeats indices (one
-    entry per looked-up token) and the squares of the parts do not sum to the square of the sum.
+def stored_values(tensor: torch.Tensor) -> torch.Tensor:
+    """A sparse tensor's stored values, each element once, as a strided tensor (the tensor
+    itself when it is strided): the norm, and with the implicit zeros the moments, of a sparse
+    gradient (``nn.Embedding(sparse=True)``), which has no norm or moment kernel of its own.
+    A COO gradient is coalesced first: it usually repeats indices (one entry per looked-up
+    token) and the squares of the parts do not sum to the square of the sum.
     """
     if tensor.layout == torch.sparse_coo:
         return tensor.coalesce().values()
