@@ -150,6 +150,74 @@ def run_loop(
     return model, cap, writer, ref_params, ref_grads, hook_counts
 
 
+class CheckpointedNet(nn.Module):
+    """Blocks run under torch.utils.checkpoint (``reentrant`` True/False) or plainly (None)."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D)) for _ in range(2)]
+        )
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.reentrant is None:
+                h = h + block(h)
+            else:
+                h = h + checkpoint(block, h, use_reentrant=self.reentrant)
+        return h
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_every_site_once(tmp_path: Path, reentrant: bool) -> None:
+    # Non-reentrant: the re-run in backward must not count again. Reentrant: the first run has
+    # autograd off (no dgrad there); the gradient hooks go on the re-run's tensors instead.
+    import copy
+
+    torch.manual_seed(0)
+    plain = CheckpointedNet(None)
+    model = copy.deepcopy(plain)
+    model.reentrant = reentrant
+    sites = ["inp"] + [f"blocks.{i}.{j}" for i in range(2) for j in (0, 2)]
+    want: dict[tuple[str, str], list[torch.Tensor]] = {}
+
+    def keep(kind: str, site: str, t: torch.Tensor) -> None:
+        want.setdefault((kind, site), []).append(t.detach().double().reshape(-1).clone())
+
+    def capture(name: str):
+        def hook(module, args, output):
+            for suffix, t in (("input0", args[0]), ("output0", output)):
+                keep("activation", f"{name}/{suffix}", t)
+                if t.requires_grad:  # (not the model's input)
+                    t.register_hook(lambda g, s=f"{name}/{suffix}": keep("dgrad", s, g))
+
+        return hook
+
+    for name in sites:
+        plain.get_submodule(name).register_forward_hook(capture(name))
+    xs = [torch.randn(3, 5, D, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for x in xs:  # the reference: plain forwards of the same weights and inputs
+        plain(x).pow(2).mean().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TensorStatsMonitor(kinds=("activation", "dgrad"), kernel="eager")
+    with Vitals([monitor], writer=Recorder(), run_dir=tmp_path) as vitals:
+        vitals.attach(model, opt)
+        for x in xs:  # one step of two micro-batches
+            vitals.batch(x)
+            model(x).pow(2).mean().backward()
+        opt.step()
+    lines = {r["kind"]: r for r in read_lines(tmp_path / "tensor_stats.jsonl")}
+    for kind in ("activation", "dgrad"):
+        expected = {s: torch.cat(v) for (k, s), v in want.items() if k == kind}
+        assert len(expected) == 2 * len(sites) - (kind == "dgrad")  # every site (not inp/input0)
+        check_line(lines[kind], expected, f"{kind}, reentrant={reentrant}")
+
+
 def test_driver_all_kinds_match_float64_with_accumulation(tmp_path: Path) -> None:
     monitor = TensorStatsMonitor(activation_every_n_steps=2, kernel="eager")
     with pytest.warns(RuntimeWarning, match=r"layers\.0\.fc1/output0 was modified in place"):

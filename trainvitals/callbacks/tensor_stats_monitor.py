@@ -90,7 +90,8 @@ class TensorStatsMonitor(VitalsCallback):
       the device (a tensor seen at several sites is reduced once) and, for ``dgrad``, puts a
       gradient hook on the same tensors. Integer inputs
       (token ids) are skipped. Forwards re-run inside backward (activation checkpointing) are
-      not counted twice.
+      not counted twice; under a reentrant checkpoint, whose first run has autograd off, the
+      re-run is where the gradient hooks go.
     * ``before_optimizer_step`` of a param/grad logging step: the moments of every trainable
       parameter and its gradient (after AMP unscaling, before clipping), in one fused call each.
     * ``step_end``: hooks are removed; the micro-batches of the step are merged exactly; the
@@ -270,6 +271,9 @@ class TensorStatsMonitor(VitalsCallback):
         self._immediate: set[tuple[str, int]] = set()
         self._dropped: set[tuple[str, int]] = set()  # left out of the current step
         self._hooks_failed = False  # hook work raised this step: no more moments this step
+        # per site: tensors seen with autograd off that a reentrant activation checkpoint will
+        # re-run in the backward pass, where their gradient hook goes
+        self._held_back: dict[int, int] = {}
 
     # ------------------------------------------------------------------ intervals
 
@@ -463,6 +467,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._acc = {k: MomentAccumulator(n, kernel=self.kernel) for k in ("activation", "dgrad")}
         self._dropped = set()
         self._hooks_failed = False
+        self._held_back = {}
         self._hook_ctx = ctx
         for name, module in self._modules:
             idx = [self._site_index.get(self._global_name(f"{name}/{s}")) for s in _SITE_SUFFIXES]
@@ -483,16 +488,19 @@ class TensorStatsMonitor(VitalsCallback):
         want_dgrad = "dgrad" in self.kinds
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if torch._C._current_graph_task_id() != -1:
-                return  # a forward re-run inside backward (activation checkpointing)
+            # a forward re-run inside backward (activation checkpointing): only for the
+            # gradient hooks of a reentrant checkpoint's first run, which had autograd off
+            rerun = torch._C._current_graph_task_id() != -1
+            if rerun and not (want_dgrad and self._held_back):
+                return
             if self._hook_ctx is not None and self._hook_ctx.in_validation:
                 return
             try:
-                observe(args, kwargs, output)
+                observe(args, kwargs, output, rerun)
             except Exception as exc:  # never let telemetry break the user's forward
                 self._hook_failure(exc)
 
-        def observe(args: tuple, kwargs: dict, output: Any) -> None:
+        def observe(args: tuple, kwargs: dict, output: Any, rerun: bool) -> None:
             first_in = _first_float(args)
             if first_in is None and not args:
                 first_in = _first_float(tuple(kwargs.values()))
@@ -511,10 +519,19 @@ class TensorStatsMonitor(VitalsCallback):
                 elif partial_groups(x):
                     self.warn_once("partial", "skipped a Partial DTensor activation")
                     continue
+                if rerun:  # the activation was measured in the first run
+                    if self._held_back.get(site, 0) > 0 and x.requires_grad:
+                        self._held_back[site] -= 1
+                        self._handles.append(x.register_hook(self._make_grad_hook(site)))
+                    continue
                 # The gradient hook first, and even after a failure: it may hold a collective
                 # (Partial gradients) that every rank must reach.
                 if want_dgrad and x.requires_grad:
                     self._handles.append(x.register_hook(self._make_grad_hook(site)))
+                    self._held_back.pop(site, None)  # autograd on: nothing to re-run for
+                elif want_dgrad and not torch.is_grad_enabled():
+                    # maybe a reentrant checkpoint's first run: its re-run gets the hook
+                    self._held_back[site] = self._held_back.get(site, 0) + 1
                 if want_act and not self._hooks_failed:
                     self._add_parts("activation", site, x)
 
