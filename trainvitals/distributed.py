@@ -59,8 +59,8 @@ class PeerRankFailed(RuntimeError):
 @dataclass(frozen=True)
 class CollectiveCall:
     """One collective as issued by the helpers below: what :func:`replay_missing` needs to
-    issue the same collective again (``numel``: elements of the flattened buffer, without the
-    mark)."""
+    issue the same collective again (``numel``: elements of the flattened inputs, without the
+    mark and the NaN flags of MAX/MIN)."""
 
     kind: Literal["all_reduce", "all_gather", "all_gather_object"]
     group: Any
@@ -191,39 +191,72 @@ def all_reduce_coalesced(
     """All-reduce ``tensors`` over ``group`` in one collective.
 
     The tensors are flattened into one buffer of ``dtype`` (float64 by default, so sums of many
-    float32 values and integer counts up to 2**53 stay exact), reduced, and split back into
-    tensors of the original shapes, in ``dtype``. ``avg`` is a sum divided by the group size
-    (gloo has no AVG). Returns new tensors; the inputs are not modified.
+    float32 values and integer counts up to 2**53 stay exact; ``None``: the inputs' common
+    dtype, a ``ValueError`` when they differ), reduced, and split back into tensors of the
+    original shapes, in ``dtype``. ``avg`` is a sum divided by the group size (gloo has no
+    AVG) and needs a floating ``dtype``. ``max``/``min`` return NaN where any rank has NaN, as
+    ``torch.amax``/``amin`` of the stacked inputs do. Returns new tensors; the inputs are not
+    modified.
     """
     if op not in _OPS:
         raise ValueError(f"op must be one of {_OPS}, got {op!r}")
     tensors = list(tensors)
     if not tensors:
         return []
-    if dtype is None:
-        dtype = tensors[0].dtype
+    dtype = _buffer_dtype(tensors, dtype, "all_reduce_coalesced")
+    if op == "avg" and not dtype.is_floating_point:
+        # raised on every rank before the collective (an in-place division of an integer
+        # buffer raised after it, on multi-rank runs only)
+        raise ValueError(f"all_reduce_coalesced: op 'avg' needs a floating dtype, got {dtype}")
     size = group_size(group)
     if size == 1:
         # Always new tensors, as promised: callers may modify the result in place.
         return [t.detach().to(dtype=dtype, copy=True) for t in tensors]
     device = _collective_device(group, tensors[0].device)
-    parts = [t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors]
-    buffer = torch.cat([*parts, _mark(device, dtype, op)])
+    # bool and unsigned buffers cannot carry MIN's mark (-1) and would lose it (min(0, 255)
+    # is 0): they are reduced as int64, exact for their values
+    wire = dtype if op != "min" or dtype.is_floating_point or dtype.is_signed else torch.int64
+    parts = [t.detach().reshape(-1).to(device=device, dtype=wire) for t in tensors]
+    numel = sum(p.numel() for p in parts)
+    # gloo's MAX/MIN keep a NaN only when it is already in the accumulator (a NaN of the last
+    # rank is dropped: measured), so a "not measured" NaN would turn into another rank's
+    # value: carry "NaN here" per element (+1 under MAX, -1 under MIN) in the same collective
+    nan_flags = op in ("max", "min") and dtype.is_floating_point
+    if nan_flags:
+        isnan = torch.cat(parts).isnan().to(wire)
+        parts.append(isnan if op == "max" else -isnan)
+    buffer = torch.cat([*parts, _mark(device, wire, op)])
     uses = _use_count(buffer)
     dist.all_reduce(buffer, op=_torch_op("sum" if op == "avg" else op), group=group)
     _let_worker_release([(buffer, uses)])
     collective_counter["all_reduce"] += 1
-    _record(CollectiveCall("all_reduce", group, buffer.numel() - 1, dtype, op))
-    buffer = _check_mark(buffer[-1:], buffer[:-1], "all_reduce")
+    _record(CollectiveCall("all_reduce", group, numel, dtype, op))
+    values = _check_mark(buffer[-1:], buffer[:numel], "all_reduce")
+    if nan_flags:
+        values = torch.where(buffer[numel:-1] != 0, math.nan, values)
     if op == "avg":
-        buffer /= size
+        values /= size
     out = []
     offset = 0
     for t in tensors:
         n = t.numel()
-        out.append(buffer[offset : offset + n].view(t.shape).to(t.device))
+        out.append(values[offset : offset + n].view(t.shape).to(t.device, dtype))
         offset += n
     return out
+
+
+def _buffer_dtype(tensors: list[torch.Tensor], dtype: torch.dtype | None, what: str) -> torch.dtype:
+    """``dtype``, or for ``None`` the inputs' one dtype: one buffer of the first tensor's
+    dtype would silently round the others (an int64 count above 2**24 through float32)."""
+    if dtype is not None:
+        return dtype
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"{what}: dtype=None needs tensors of one dtype, got {sorted(map(str, dtypes))}; "
+            "pass the dtype of the buffer"
+        )
+    return tensors[0].dtype
 
 
 def all_gather_coalesced(
@@ -241,8 +274,7 @@ def all_gather_coalesced(
     tensors = list(tensors)
     if not tensors:
         return []
-    if dtype is None:
-        dtype = tensors[0].dtype
+    dtype = _buffer_dtype(tensors, dtype, "all_gather_coalesced")
     size = group_size(group)
     if size == 1:
         return [t.detach().to(dtype=dtype, copy=True).unsqueeze(0) for t in tensors]
@@ -265,7 +297,8 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     """Gather one picklable object from every member of ``group`` (one collective).
 
     Used before tensor collectives so that ranks agree on names and sizes instead of hanging on
-    mismatched buffers.
+    mismatched buffers. An object that cannot be pickled raises ``TypeError`` on every member,
+    after the collective (raising before it on that rank alone would leave the others waiting).
     """
     size = group_size(group)
     if size == 1:
@@ -273,7 +306,10 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     # torch.distributed.all_gather_object's protocol (sizes, then padded pickles), done here so
     # that its tensors get the release of _let_worker_release like every other collective.
     device = _collective_device(group, torch.device("cpu"))
-    payload = pickle.dumps((_replaying, obj))
+    try:
+        payload = pickle.dumps((_replaying, obj, None))
+    except Exception as exc:  # PicklingError, TypeError, AttributeError (a lambda), ...
+        payload = pickle.dumps((_replaying, None, f"{type(exc).__name__}: {exc}"))
     sizes = _gather_rows(torch.tensor([len(payload)], device=device), group, size)
     lengths: list[int] = sizes.view(-1).tolist()  # one read back, not one per rank
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
@@ -282,9 +318,15 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     collective_counter["all_gather_object"] += 1
     _record(CollectiveCall("all_gather_object", group))
     marked = [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
-    if not _replaying and any(missing for missing, _ in marked):  # on the host already
+    if not _replaying and any(missing for missing, _, _ in marked):  # on the host already
         raise _peer_failed("all_gather_object")
-    return [value for _, value in marked]
+    failed = [(r, error) for r, (_, _, error) in enumerate(marked) if error is not None]
+    if failed and not _replaying:  # a replaying rank goes on with the rest of its replay
+        r, error = failed[0]
+        raise TypeError(
+            f"all_gather_objects: the object of rank {r} of the group cannot be pickled ({error})"
+        )
+    return [value for _, value, _ in marked]
 
 
 def _gather_rows(local: torch.Tensor, group: Any, size: int) -> torch.Tensor:

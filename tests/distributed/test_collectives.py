@@ -321,3 +321,118 @@ def test_a_peer_mark_on_an_accelerator_gives_nan_instead_of_a_host_read():
     assert torch.equal(tvd._check_mark(marked, ints, "all_reduce", host=False), ints)
     with pytest.raises(tvd.PeerRankFailed):
         tvd._check_mark(marked, values, "all_gather")  # CPU flags: read, and raised
+
+
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+)
+
+
+def _typed_input(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values exact in ``dtype``; the int64 ones above 2**53 (a float64 buffer rounds them)."""
+    if dtype == torch.bool:
+        return torch.tensor([rank == 0, rank == 1, True, False])
+    if dtype == torch.int64:
+        return torch.tensor([2**53 + 1 + 2 * rank, -(2**60) - rank, rank, 7])
+    if dtype == torch.uint8:
+        return torch.tensor([rank + 1, 3 * rank, 80 - rank, 7], dtype=dtype)
+    return torch.tensor([rank + 1, -(rank + 1), 2 * rank - 1, 7], dtype=dtype)
+
+
+def _edge_cases_body(rank: int, world_size: int) -> dict:
+    group = tvd.world_group()
+    last = rank == world_size - 1
+    out: dict = {"typed": {}, "raised": {}, "errors": {}}
+    # every dtype, in its own dtype (dtype=None): same dtype out, exact values
+    for dt in _DTYPES:
+        for op in ("sum", "max", "min"):
+            got = all_reduce_coalesced([_typed_input(rank, dt)], op, group, dtype=None)[0]
+            out["typed"][f"{dt}/{op}"] = (str(got.dtype), got.tolist())
+    # NaN ("not measured") on the middle and the last rank under MAX/MIN, in float64 and float16
+    nan = float("nan")
+    x = torch.tensor([nan if rank == 0 else 1.0 + rank, nan if last else -rank, 2.0 * rank])
+    for dt in (torch.float64, torch.float16):
+        for op in ("max", "min"):
+            out[f"nan/{dt}/{op}"] = all_reduce_coalesced([x], op, group, dtype=dt)[0].double()
+    # the "missing" mark survives MIN of bool and unsigned buffers: rank 1 replays
+    for dt in (torch.bool, torch.uint8, torch.int64, torch.float32):
+        for op in ("min", "max", "sum"):
+            ones = torch.ones(3, dtype=dt)
+            with tvd.recording_collectives() as calls:
+                all_reduce_coalesced([ones], op, group, dtype=dt)
+            if rank == 1:
+                tvd.replay_missing(calls)
+                continue
+            try:
+                all_reduce_coalesced([ones], op, group, dtype=dt)
+                out["raised"][f"{dt}/{op}"] = False
+            except tvd.PeerRankFailed:
+                out["raised"][f"{dt}/{op}"] = True
+    # bad input: a clear error on every rank, before the collective
+    before = _count()
+    for key, call in {
+        "avg_int": lambda: all_reduce_coalesced([torch.tensor([rank])], "avg", group, dtype=None),
+        "avg_int64": lambda: all_reduce_coalesced([x], "avg", group, dtype=torch.int64),
+        "mixed_none": lambda: all_reduce_coalesced(
+            [torch.tensor([0.5]), torch.tensor([2**24 + 1 + 2 * rank])], "sum", group, dtype=None
+        ),
+        "mixed_none_gather": lambda: all_gather_coalesced(
+            [torch.tensor([0.5]), torch.tensor([2**24 + 1])], group, dtype=None
+        ),
+    }.items():
+        try:
+            call()
+        except ValueError as exc:
+            out["errors"][key] = str(exc)
+    out["bad_input_collectives"] = _count() - before
+    # an object one rank cannot pickle: TypeError on every rank, not a hang (kept last: without
+    # the fix the other ranks wait in this gather)
+    try:
+        all_gather_objects((lambda: 0) if rank == 1 else {"rank": rank}, group)
+    except TypeError as exc:
+        out["unpicklable"] = str(exc)
+    return out
+
+
+def test_dtypes_nan_marks_and_bad_input_on_real_ranks():
+    world_size = 3
+    results = run_distributed(_edge_cases_body, world_size, timeout=60)
+    for res in results:
+        for dt in _DTYPES:
+            stacked = torch.stack([_typed_input(r, dt) for r in range(world_size)])
+            want = {  # integers and bools as Python ints: no float rounding in the reference
+                "sum": stacked.any(0) if dt == torch.bool else stacked.sum(0, dtype=dt),
+                "max": stacked.amax(0),
+                "min": stacked.amin(0),
+            }
+            for op, value in want.items():
+                assert res["typed"][f"{dt}/{op}"] == (str(dt), value.tolist()), (dt, op)
+        nan = float("nan")
+        ranks = [
+            torch.tensor(
+                [nan if r == 0 else 1.0 + r, nan if r == world_size - 1 else -r, 2.0 * r],
+                dtype=torch.float64,
+            )
+            for r in range(world_size)
+        ]
+        for dt in (torch.float64, torch.float16):
+            stacked = torch.stack(ranks)  # torch.amax/amin propagate NaN from any row
+            for op, want in (("max", stacked.amax(0)), ("min", stacked.amin(0))):
+                got = torch.as_tensor(res[f"nan/{dt}/{op}"])
+                torch.testing.assert_close(got, want, equal_nan=True)
+    for key, raised in results[0]["raised"].items():
+        assert raised, key  # rank 0 learns that rank 1 replayed
+    assert results[1]["raised"] == {}
+    for res in results:
+        assert set(res["errors"]) == {"avg_int", "avg_int64", "mixed_none", "mixed_none_gather"}
+        assert "floating dtype" in res["errors"]["avg_int"]
+        assert "one dtype" in res["errors"]["mixed_none"]
+        assert res["bad_input_collectives"] == 0
+        assert "rank 1" in res["unpicklable"] and "pickle" in res["unpicklable"]
