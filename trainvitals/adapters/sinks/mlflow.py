@@ -39,6 +39,9 @@ class MLflowSink(Sink):
     over HTTP the same happens on the server. Treat +-``sys.float_info.max`` from MLflow as
     +-Inf.
 
+    Every ``log_batch`` is synchronous, also under ``MLFLOW_ENABLE_ASYNC_LOGGING``: a step
+    counts as delivered only once MLflow has stored it.
+
     Over HTTP, MLflow's own client retries a failed request (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
     ``MLFLOW_HTTP_REQUEST_TIMEOUT``) inside one ``log_batch`` call before the writer sees the
     failure; the writer's retry and hang detection (``sink_timeout``) come on top.
@@ -114,7 +117,14 @@ class MLflowSink(Sink):
         for i, start in enumerate(range(0, len(entities), MLFLOW_BATCH_LIMIT)):
             if i < first:
                 continue
-            self.client.log_batch(self.run_id, metrics=entities[start : start + MLFLOW_BATCH_LIMIT])
+            # synchronous=True: under MLFLOW_ENABLE_ASYNC_LOGGING (or
+            # mlflow.config.enable_async_logging) log_batch would only queue the chunk and a
+            # failed chunk would count as delivered; the writer already delivers in background.
+            self.client.log_batch(
+                self.run_id,
+                metrics=entities[start : start + MLFLOW_BATCH_LIMIT],
+                synchronous=True,
+            )
             self._resume = (metrics, i + 1)
         self._resume = (None, 0)
 
