@@ -89,6 +89,36 @@ def test_flush_does_not_wait_for_a_failing_sink_but_close_does() -> None:
     assert writer.status()["flaky"]["missed"] == 0
 
 
+class FailingOwnedSink(Sink):
+    """Fails every write; owns its backend (a run it created), which it can still close."""
+
+    name = "owned"
+
+    def __init__(self) -> None:
+        super().__init__(owned=True)
+        self.closed = 0
+
+    def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
+        raise ConnectionError("backend down")
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_close_still_closes_an_owned_sink_it_abandons_while_it_retries() -> None:
+    owned = FailingOwnedSink()
+    good = RecordingSink("good")
+    writer = FanoutWriter([owned, good], rank=0, retry_backoff=(5.0, 5.0), close_timeout=0.5)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        writer.add_scalar("a", 1.0, 0)
+        writer.close()  # gives up after 0.5 s, in the middle of a 5 s retry delay
+    assert any("sink 'owned' did not finish" in m for m in _messages(record))
+    assert owned.closed == 1  # its run is ended all the same (once)
+    assert [s for s, _, _ in good.steps] == [0]
+    assert writer.status()["owned"]["missed"] == 1
+
+
 def test_full_buffer_drops_the_oldest_steps_and_counts_them() -> None:
     flaky = FlakySink(fail_first=3)
     writer = FanoutWriter([flaky], rank=0, buffer_steps=4, retry_backoff=(0.5, 0.5))

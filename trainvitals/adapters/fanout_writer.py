@@ -468,6 +468,9 @@ class _SinkWorker:
 
 _live_writers: weakref.WeakSet[FanoutWriter] = weakref.WeakSet()
 
+#: seconds close() gives an abandoned (still failing) sink to close its own run
+_ABANDONED_CLOSE_TIMEOUT = 5.0
+
 
 @atexit.register
 def _close_live_writers() -> None:
@@ -1012,6 +1015,7 @@ class FanoutWriter:
                     default=deadline,
                 )
                 self._cond.wait(max(0.0, min(deadline, wake) - now) + 1e-3)
+            idle: list[_SinkWorker] = []
             for w in self._workers:
                 w.check_hang(now)
                 if not w.finished:
@@ -1023,9 +1027,19 @@ class FanoutWriter:
                         f"trainvitals FanoutWriter: sink {w.name!r} did not finish within "
                         f"{timeout:.0f} s of close(); abandoned with {left} undelivered steps"
                     )
+                    if w.inflight is None:  # waiting out a retry delay, not stuck in a write
+                        idle.append(w)
             self._cond.notify_all()
             total = self._dispatched
             lossy = [w for w in self._workers if w.missed]
+        # An abandoned sink that is not inside a write is still closed (an MLflow run it
+        # created would stay RUNNING, a Comet experiment it created would write no archive);
+        # its worker thread no longer calls it. Bounded: a backend's close may hang too.
+        for w in idle:
+            closer = threading.Thread(target=w.finish, name=f"trainvitals-close-{w.name}")
+            closer.daemon = True
+            closer.start()
+            closer.join(_ABANDONED_CLOSE_TIMEOUT)
         for w in lossy:
             why = ", ".join(f"{n} {reason}" for reason, n in w.missed_why.items())
             if w.disabled:
