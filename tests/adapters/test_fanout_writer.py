@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -465,3 +466,51 @@ def test_values_queued_at_exit_reach_runs_whose_backends_end_them_at_exit(tmp_pa
     rows = read_wandb_offline(tmp_path)
     assert {row["_step"]: row["loss"] for row in rows if "loss" in row} == expected
     assert read_comet_archive(tmp_path / "comet")["loss"] == expected
+
+
+def test_the_driver_hands_each_step_to_wandb_before_the_loop_logs_the_next(tmp_path) -> None:
+    # The loop logs its own metrics to the same run every step (accelerator.log(..., step=)):
+    # W&B refuses a step lower than the run's, so the driver must not leave a logged step in
+    # the writer until a later step logs (here: the next logging step, 2 steps later).
+    import wandb
+
+    from trainvitals.adapters import WandbSink
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import NormMonitor
+
+    run = wandb.init(
+        mode="offline",
+        dir=str(tmp_path),
+        project="t",
+        settings=wandb.Settings(console="off", x_disable_stats=True),
+    )
+    writer = FanoutWriter([WandbSink(run, owned=True)], rank=0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected: dict[int, float] = {}
+    with Vitals([NormMonitor()], writer=writer, log_every_n_steps=2) as vitals:
+        vitals.attach(model, opt)
+        for step in range(6):
+            x = torch.randn(8, 4)
+            vitals.batch(x)
+            model(x).pow(2).mean().backward()
+            if step % 2 == 0:
+                squares = sum(float(p.grad.double().square().sum()) for p in model.parameters())
+                expected[step] = math.sqrt(squares)
+                opt.step()
+                # delivered without a later step's values (a real step takes long enough)
+                deadline = time.monotonic() + 20
+                while writer.status()["wandb"]["delivered"] < len(expected):
+                    assert time.monotonic() < deadline, f"step {step} was not handed over"
+                    time.sleep(0.01)
+            else:
+                opt.step()
+            opt.zero_grad()
+            run.log({"loss": float(step)}, step=step)  # the loop's own metrics
+    writer.close()
+    rows = read_wandb_offline(tmp_path)
+    got = {r["_step"]: r["l2_norm/grad/global"] for r in rows if "l2_norm/grad/global" in r}
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert {r["_step"] for r in rows if "loss" in r} == set(range(6))
+    assert writer.status()["wandb"]["missed"] == 0

@@ -7,10 +7,10 @@ How a value travels
    Python float, or a reference to the one-element tensor. Nothing is copied, synchronised or
    moved. Values of the current step accumulate in one dict; a value for a key already logged
    in that step replaces the earlier one.
-2. **Step boundary**: a call with a larger step (or ``flush()``/``close()``) closes the current
-   step and puts it on a bounded queue (``queue_size`` steps). With CUDA tensors in the step, a
-   CUDA event is recorded on the current stream (a few microseconds); that is all the training
-   thread does.
+2. **Step boundary**: a call with a larger step (or ``end_step()``/``flush()``/``close()``)
+   closes the current step and puts it on a bounded queue (``queue_size`` steps). With CUDA
+   tensors in the step, a CUDA event is recorded on the current stream (a few microseconds);
+   that is all the training thread does.
 3. **Dispatcher thread**: takes a step off the queue and moves all of its tensors to the host
    in one batched transfer per (device, dtype): ``torch.stack`` on a side stream that waits for
    the recorded event, one non-blocking copy into pinned memory, one event the dispatcher (not
@@ -896,6 +896,20 @@ class FanoutWriter:
                     return False
                 self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
         return True
+
+    def end_step(self) -> None:
+        """Hand the current step's values to the sinks now, without waiting for the first
+        value of a later step, and without waiting for delivery (:meth:`flush` waits).
+
+        The ``Vitals`` driver calls it at the end of every optimizer step: a step logged only
+        every 50 steps would otherwise wait 50 steps in the writer, and a W&B run that other
+        code (``accelerator.log(..., step=)``) moves on meanwhile refuses it. Values logged
+        later for the same step are delivered as a second part of that step.
+        """
+        if not self._active or self._pid != os.getpid():
+            return
+        with self._lock:
+            self._close_step()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Deliver everything logged so far; return ``True`` when every sink has it.

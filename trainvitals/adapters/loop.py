@@ -310,6 +310,11 @@ class Vitals:
 
     def _end_step(self) -> None:
         self._each("step_end")
+        # The step's values go to the sinks now, not when a later step logs (a W&B run that
+        # the loop's own accelerator.log(step=) moved on would refuse them by then).
+        end_step = getattr(self.ctx.writer, "end_step", None)
+        if callable(end_step):
+            end_step()
         self.ctx.step += 1
         self.ctx.micro_batch = 0
         self.ctx.micro_batches_in_step = 0

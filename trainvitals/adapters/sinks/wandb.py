@@ -28,8 +28,8 @@ class WandbSink(Sink):
     warning). With ``step_metric=None`` the sink checks ``run.step`` first and reports such a
     step as missed (a warning, once) instead of letting it vanish; this happens when other code
     logs later steps to the same run before the writer delivered an earlier one: give
-    trainvitals the step axis (``step_metric``) or call ``writer.flush()`` before that code
-    logs the next step. Values logged for one step in two deliveries land in the same row.
+    trainvitals the step axis (``step_metric``), or end each step with ``writer.end_step()``
+    (the ``Vitals`` driver does) or ``writer.flush()`` before that code logs the next step. Values logged for one step in two deliveries land in the same row.
 
     Keys W&B writes itself (``_step``, ``_runtime``, ``_timestamp``, ``_wandb...``) are mapped
     by :data:`~trainvitals.adapters.sinks.base.WANDB_KEYS`. NaN and infinities are stored as
