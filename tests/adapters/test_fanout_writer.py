@@ -493,19 +493,18 @@ def test_the_driver_hands_each_step_to_wandb_before_the_loop_logs_the_next(tmp_p
         vitals.attach(model, opt)
         for step in range(6):
             x = torch.randn(8, 4)
-            vitals.batch(x)
+            vitals.batch(x)  # a new step: the last one is handed over ...
+            # ... and delivered while this step runs, without a later step's values (a real
+            # step takes long enough; here the test waits for it)
+            deadline = time.monotonic() + 20
+            while writer.status()["wandb"]["delivered"] < len(expected):
+                assert time.monotonic() < deadline, f"step {step - 1} was not handed over"
+                time.sleep(0.01)
             model(x).pow(2).mean().backward()
             if step % 2 == 0:
                 squares = sum(float(p.grad.double().square().sum()) for p in model.parameters())
                 expected[step] = math.sqrt(squares)
-                opt.step()
-                # delivered without a later step's values (a real step takes long enough)
-                deadline = time.monotonic() + 20
-                while writer.status()["wandb"]["delivered"] < len(expected):
-                    assert time.monotonic() < deadline, f"step {step} was not handed over"
-                    time.sleep(0.01)
-            else:
-                opt.step()
+            opt.step()
             opt.zero_grad()
             run.log({"loss": float(step)}, step=step)  # the loop's own metrics
     writer.close()

@@ -901,7 +901,7 @@ class FanoutWriter:
         """Hand the current step's values to the sinks now, without waiting for the first
         value of a later step, and without waiting for delivery (:meth:`flush` waits).
 
-        The ``Vitals`` driver calls it at the end of every optimizer step: a step logged only
+        The ``Vitals`` driver calls it when a new optimizer step starts: a step logged only
         every 50 steps would otherwise wait 50 steps in the writer, and a W&B run that other
         code (``accelerator.log(..., step=)``) moves on meanwhile refuses it. Values logged
         later for the same step are delivered as a second part of that step.

@@ -268,6 +268,14 @@ class Vitals:
             # (AMP's GradScaler skips steps with inf/nan gradients): that step is over.
             self._end_step()
         ctx = self.ctx
+        if ctx.micro_batches_in_step == 0:
+            # A new step: the previous step's values go to the sinks now, not when a later
+            # step logs (a W&B run that the loop's own accelerator.log(step=) moved on would
+            # refuse them by then). Here rather than at the optimizer step, so that what the
+            # loop logs after optimizer.step() still joins its step's batch.
+            end_step = getattr(ctx.writer, "end_step", None)
+            if callable(end_step):
+                end_step()
         ctx.micro_batch = ctx.micro_batches_in_step
         ctx.micro_batches_in_step += 1
         default: BatchInfo | None = None
@@ -310,11 +318,6 @@ class Vitals:
 
     def _end_step(self) -> None:
         self._each("step_end")
-        # The step's values go to the sinks now, not when a later step logs (a W&B run that
-        # the loop's own accelerator.log(step=) moved on would refuse them by then).
-        end_step = getattr(self.ctx.writer, "end_step", None)
-        if callable(end_step):
-            end_step()
         self.ctx.step += 1
         self.ctx.micro_batch = 0
         self.ctx.micro_batches_in_step = 0
