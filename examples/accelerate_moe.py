@@ -4,7 +4,10 @@ plus two optional ones: ``register_for_checkpointing`` (counters and windows sur
 block does it too).
 
     python examples/accelerate_moe.py --run-dir runs/accelerate --steps 100
-    accelerate launch --num_processes 2 --cpu examples/accelerate_moe.py   # two CPU ranks
+    torchrun --standalone --nproc_per_node 2 examples/accelerate_moe.py   # two CPU ranks (gloo)
+
+(``accelerate launch --num_processes 2 --cpu`` starts one process: with ``--cpu`` Accelerate's
+launcher ignores ``--num_processes``.)
 
 The callbacks write into the Accelerate trackers (here TensorBoard), with tensor values
 converted to numbers (Accelerate's own trackers drop tensors silently); gradients are seen
@@ -32,12 +35,20 @@ from trainvitals.moe.tiny_model import RandomTokenDataset
 from trainvitals.report import write_report
 
 
+def positive_int(text: str) -> int:
+    """An argparse type (``--accumulate 0`` ended in a ZeroDivisionError inside Accelerate)."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", default="runs/accelerate", type=Path)
-    parser.add_argument("--steps", default=100, type=int)
-    parser.add_argument("--accumulate", default=2, type=int)
-    parser.add_argument("--log-every", default=10, type=int)
+    parser.add_argument("--steps", default=100, type=positive_int)
+    parser.add_argument("--accumulate", default=2, type=positive_int)
+    parser.add_argument("--log-every", default=10, type=positive_int)
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)

@@ -63,16 +63,25 @@ def batches(corpus: torch.Tensor, batch_size: int, seq_len: int, generator: torc
         yield {"input_ids": rows[:, :-1], "labels": rows[:, 1:]}
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: 0 steps divided by zero in the schedule, 0 micro-batches "trained"
+    every step on no data; say so at the command line instead."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", default="runs/demo", type=Path)
-    parser.add_argument("--steps", default=300, type=int, help="optimizer steps")
+    parser.add_argument("--steps", default=300, type=positive_int, help="optimizer steps")
     parser.add_argument(
-        "--micro-batches", default=MICRO_BATCHES, type=int, help="gradient accumulation"
+        "--micro-batches", default=MICRO_BATCHES, type=positive_int, help="gradient accumulation"
     )
-    parser.add_argument("--batch-size", default=BATCH_SIZE, type=int)
-    parser.add_argument("--seq-len", default=SEQ_LEN, type=int)
-    parser.add_argument("--log-every", default=10, type=int)
+    parser.add_argument("--batch-size", default=BATCH_SIZE, type=positive_int)
+    parser.add_argument("--seq-len", default=SEQ_LEN, type=positive_int)
+    parser.add_argument("--log-every", default=10, type=positive_int)
     parser.add_argument("--lr", default=3e-3, type=float)
     parser.add_argument("--seed", default=0, type=int)
     args = parser.parse_args(argv)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+import json
+import re
+import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
-from trainvitals.adapters.jsonl import read_jsonl
+from trainvitals.adapters.jsonl import metric_history, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +36,10 @@ def test_demo_logs_to_every_backend(tmp_path):
     assert str(tmp_path / "metrics.jsonl") in out
 
     records = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(6))
+    # A step can span several lines: the driver hands each step to the sinks when it ends
+    # (FanoutWriter.end_step), and the demo logs train/loss after optimizer.step() (docs/writer.md).
+    steps = [r["step"] for r in records]
+    assert steps == sorted(steps) and sorted(set(steps)) == list(range(6))
     logged = {k for r in records if r["step"] == 3 for k in r["metrics"]}
     for prefix in ("train/loss", "moe/", "l2_norm/", "memory/", "throughput/", "time/"):
         assert any(k.startswith(prefix) for k in logged), prefix
@@ -45,7 +54,8 @@ def test_demo_logs_to_every_backend(tmp_path):
     experiment = client.get_experiment_by_name("trainvitals-demo")
     (run,) = client.search_runs([experiment.experiment_id])
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    by_step = {r["step"]: r["metrics"]["train/loss"] for r in records}
+    by_step = dict(metric_history(records, "train/loss"))
+    assert sorted(by_step) == list(range(6))
     assert {m.step: m.value for m in history} == pytest.approx(by_step)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -78,3 +88,138 @@ def test_lightning_example(tmp_path):
     assert str(report) in out
     text = report.read_text()
     assert 'data-key="l2_norm/grad/global"' in text and 'data-kind="grad"' in text
+
+
+@pytest.mark.parametrize(
+    ("script", "option"),
+    [
+        ("demo.py", "--steps"),
+        ("demo.py", "--micro-batches"),
+        ("demo.py", "--log-every"),
+        ("accelerate_moe.py", "--accumulate"),
+    ],
+)
+def test_examples_refuse_non_positive_counts(script, option, tmp_path):
+    # --steps 0 divided by zero in demo.py's schedule; --micro-batches 0 "trained" 300 steps
+    # on no data and exited 0; --accumulate 0 divided by zero inside Accelerate.
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / script),
+            "--run-dir",
+            str(tmp_path),
+            option,
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]  # argparse's usage error
+    assert f"argument {option}: must be a positive integer" in done.stderr
+
+
+def _two_rank_command() -> list[str]:
+    """The two-rank command line of examples/accelerate_moe.py's docstring, as argv."""
+    doc = ast.get_docstring(ast.parse((ROOT / "examples" / "accelerate_moe.py").read_text()))
+    (line,) = [ln for ln in doc.splitlines() if "# two CPU ranks" in ln]
+    argv = shlex.split(line.split("#")[0])
+    launchers = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.accelerate_cli"],
+    }
+    return launchers[argv[0]] + argv[1:]
+
+
+@pytest.mark.slow
+def test_accelerate_example_two_rank_command_runs_two_ranks(tmp_path):
+    # The docstring said `accelerate launch --num_processes 2 --cpu`, which starts ONE process
+    # (Accelerate's launcher ignores --num_processes with --cpu): time/batches came out 2, not 4.
+    pytest.importorskip("accelerate")
+    argv = _two_rank_command()
+    done = subprocess.run(
+        [*argv, "--run-dir", str(tmp_path), "--steps", "2", "--log-every", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = tmp_path.rglob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    ranks, accumulate, batch_size = 2, 2, 8  # the command's ranks, the script's defaults
+    batches = {e.step: e.value for e in accumulator.Scalars("time/batches")}
+    samples = {e.step: e.value for e in accumulator.Scalars("time/samples")}
+    # consumed counts are summed over the data-parallel ranks: (step + 1) steps of each rank
+    assert batches == {s: (s + 1) * ranks * accumulate for s in (0, 1)}
+    assert samples == {s: (s + 1) * ranks * accumulate * batch_size for s in (0, 1)}
+
+
+# What a reader of docs/*.md brings to a snippet: a model, its optimizer, a loader of dict
+# batches. Library names must come from the snippet's own imports.
+_TINY = dict(
+    vocab_size=32, hidden_size=16, num_layers=2, num_experts=4, top_k=2, ffn_hidden_size=16
+)
+_BATCHES, _BATCH_SIZE, _SEQ_LEN = 3, 4, 8
+
+
+def _python_blocks(page: str) -> list[str]:
+    text = (ROOT / "docs" / page).read_text()
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+
+
+def _run_doc_page(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Run a page's python blocks in order in one namespace, as a reader would; a Lightning
+    trainer a block builds is fitted for two steps on the tiny MoE model."""
+    from trainvitals.moe.tiny_model import RandomTokenDataset, TinyMoELightningModule, TinyMoELM
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    data = RandomTokenDataset(
+        num_samples=_BATCHES * _BATCH_SIZE, seq_len=_SEQ_LEN, vocab_size=_TINY["vocab_size"], seed=0
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=_BATCH_SIZE)
+    model = TinyMoELM(**_TINY)
+    namespace = {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.01),
+        "loader": loader,
+    }
+    blocks = _python_blocks(page)
+    assert blocks
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/{page} python block {i}", "exec"), namespace)
+        trainer = namespace.pop("trainer", None)
+        if trainer is not None:
+            trainer.fit_loop.epoch_loop.max_steps = 2  # the snippets set no horizon
+            trainer.fit(TinyMoELightningModule(lr=0.01, **_TINY), loader)
+    return namespace
+
+
+@pytest.mark.parametrize("page", ["load_balance.md", "norms.md", "tensor_stats.md"])
+def test_doc_snippets_run_as_written(page, tmp_path, monkeypatch):
+    # load_balance.md and tensor_stats.md used `lightning` and `Vitals` without importing them;
+    # norms.md's per_param glob "lm_head.weight" matched no parameter of a LightningModule that
+    # holds its network as self.model (a ValueError at run start) and its loop called
+    # model(batch) on a dict batch; tensor_stats.md's exclude "lm_head/*" matched nothing there
+    # (warned, and the logits were measured).
+    pytest.importorskip("lightning")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        namespace = _run_doc_page(page, tmp_path, monkeypatch)
+    unmatched = [
+        str(w.message) for w in caught if "match" in str(w.message) and "glob" in str(w.message)
+    ]
+    assert not unmatched
+    vitals = namespace.get("vitals")
+    if vitals is not None:  # the page's loop saw every optimizer step of the loader
+        assert vitals.step == _BATCHES
+    if page == "tensor_stats.md":
+        (stats,) = tmp_path.rglob("tensor_stats.jsonl")
+        names = {n for line in stats.read_text().splitlines() for n in json.loads(line)["tensors"]}
+        assert any(n.endswith("/output0") for n in names)  # activations were measured
+        assert not [n for n in names if "lm_head/" in n]  # but not the logits
