@@ -4,6 +4,7 @@ AMP-skipped steps, batch counts, state, the default JSONL writer, bad input, fai
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -267,6 +268,42 @@ def test_bad_input_types():
         vitals.attach("model", None)
     with pytest.raises(TypeError, match="Optimizer"):
         vitals.attach(torch.nn.Linear(2, 2), object())
+    with pytest.raises(TypeError, match="list of callbacks"):
+        Vitals(Recorder(), writer=RecordingWriter())
+    for bad in ("100", 10.5, True):
+        with pytest.raises(TypeError, match="max_steps"):
+            Vitals([], writer=RecordingWriter(), max_steps=bad)
+
+
+def test_attach_twice_raises_and_batch_after_close_is_ignored():
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, opt)
+    with pytest.raises(RuntimeError, match="attach"):
+        vitals.attach(model, opt)  # e.g. before and after accelerator.prepare()
+    x = torch.randn(2, 4)
+    vitals.batch(x)
+    model(x).sum().backward()
+    opt.step()
+    vitals.close()
+    with pytest.warns(RuntimeWarning, match="after close"):
+        vitals.batch(x)
+    vitals.batch(x)  # warned once
+    assert [e[:2] for e in rec.events if e[0] in ("mb", "end")] == [("mb", 0), ("end", 0)]
+    assert vitals.step == 1
+
+
+def test_an_instance_starting_a_second_run_at_step_0_warns():
+    rec = Recorder()
+    for run in range(2):
+        model, opt = _model_opt()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with Vitals([rec], writer=RecordingWriter()) as vitals:
+                vitals.attach(model, opt)
+                vitals.batch(torch.randn(2, 4))
+        reused = [w for w in record if "already ran" in str(w.message)]
+        assert len(reused) == run  # the second run only
 
 
 def test_failing_callback_is_disabled_and_training_continues(monkeypatch):

@@ -98,8 +98,16 @@ class Vitals:
             raise TypeError(f"log_every_n_steps must be an int, got {log_every_n_steps!r}")
         if log_every_n_steps <= 0:
             raise ValueError(f"log_every_n_steps must be positive, got {log_every_n_steps}")
-        if max_steps is not None and max_steps <= 0:
-            raise ValueError(f"max_steps must be positive or None, got {max_steps}")
+        if max_steps is not None:
+            if isinstance(max_steps, bool) or not isinstance(max_steps, int):
+                raise TypeError(f"max_steps must be an int or None, got {max_steps!r}")
+            if max_steps <= 0:
+                raise ValueError(f"max_steps must be positive or None, got {max_steps}")
+        if not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
+            raise TypeError(
+                "Vitals needs a list of callbacks, e.g. Vitals([NormMonitor()]), got "
+                f"{type(callbacks).__name__}"
+            )
         self.callbacks = list(callbacks)
         keys = [cb.state_key for cb in self.callbacks]
         if len(set(keys)) != len(keys):
@@ -143,6 +151,7 @@ class Vitals:
         self._scalers: list[Any] = []
         self._batch_announced = False
         self._closed = False
+        self._warned_closed = False
 
     # ------------------------------------------------------------------ wiring
 
@@ -156,6 +165,12 @@ class Vitals:
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
+        if self._handles or self._closed:
+            # a second set of hooks would count every micro-batch and step twice
+            raise RuntimeError(
+                "Vitals.attach() was called already (or the driver is closed); attach once, "
+                "after accelerator.prepare()"
+            )
         if scaler is not None and not callable(getattr(scaler, "unscale_", None)):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
@@ -246,6 +261,11 @@ class Vitals:
         Calls inside :meth:`validating` are ignored (validation batches are not training).
         """
         if self.ctx.in_validation:
+            return
+        if self._closed:  # the run has ended: no callback may see more of it
+            if not self._warned_closed:
+                self._warned_closed = True
+                warnings.warn("Vitals.batch() after close(): ignored", RuntimeWarning, stacklevel=2)
             return
         self._batch_announced = True
         self._micro_batch(batch, batch_size, num_tokens)

@@ -100,6 +100,7 @@ class VitalsCallback:
         self._warned: set[str] = set()
         # the collectives of the last successful call per collective_key (several ranks only)
         self._collective_schemas: dict[Hashable, tuple[CollectiveCall, ...]] = {}
+        self._runs_started = 0
         # Lightning adapter state
         self._pl_last_global_step: int | None = None
 
@@ -194,6 +195,18 @@ class VitalsCallback:
         if self._disabled:
             return
         self._ctx = ctx
+        if hook == "run_start":
+            self._runs_started += 1
+            if self._runs_started > 1 and ctx.step == 0:
+                # One instance in a second run from step 0 (a new Trainer, a new Vitals): its
+                # counters, windows and estimates go on from the first run.
+                self._warn_first(
+                    "reused",
+                    f"{type(self).__name__}: this instance already ran and starts a new run "
+                    "at step 0; its counters, windows and estimates continue from the "
+                    "earlier run. Create new callback instances for each run",
+                    stacklevel=3,
+                )
         several = ctx.world_size > 1
         key = self._collective_key_or_none(hook, ctx) if several else None
         # (one process: no collectives to record)
