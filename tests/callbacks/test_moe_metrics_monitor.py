@@ -202,6 +202,26 @@ def test_validation_records_do_not_mix_into_training_values():
     )
 
 
+def test_a_model_without_recording_routers_warns_once_that_nothing_is_written():
+    from trainvitals.adapters.loop import Vitals
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    vitals = Vitals([MoEMetricsMonitor()], writer=writer, log_every_n_steps=1)
+    with pytest.warns(RuntimeWarning, match="nothing was recorded up to step 0") as record:
+        vitals.attach(model, opt)
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            vitals.batch(x)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        vitals.close()
+    assert sum("nothing was recorded" in str(w.message) for w in record) == 1
+    assert not writer.rows
+
+
 def test_monitor_rejects_bad_arguments():
     with pytest.raises(ValueError, match="num_layers"):
         MoEMetricsMonitor(num_layers=0)

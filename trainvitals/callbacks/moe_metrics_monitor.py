@@ -200,6 +200,16 @@ class MoEMetricsMonitor(VitalsCallback):
         self.last_losses = losses
         self._pending_micro_batches = 0
         self._pending_steps = 0
+        if not self.last_log_string and ctx.global_rank == 0:
+            # (every rank reported nothing: the report gathers the names over all ranks)
+            self.warn_once(
+                "nothing",
+                f"nothing was recorded up to step {step}, so nothing is written: no router "
+                "records into the MoE metrics tracker (trainvitals.moe.TopKRouter with its "
+                "layer_number and num_layers set, or your router calling "
+                "get_moe_metrics_tracker().record(...)); for expert loads of other routers "
+                "use LoadBalanceMonitor",
+            )
 
     # ------------------------------------------------------------------ state
 
