@@ -76,7 +76,7 @@ def _run_query(args: argparse.Namespace) -> int:
         reason, not_stats = _why_empty(args)
         if not_stats:
             raise ValueError(reason)
-    text = _format(rows, args.format)
+    text = _format(rows, args.format, stat)
     if args.output:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)  # as `trainvitals report -o` does
@@ -131,10 +131,15 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     return "no matching tensors", False
 
 
-def _format(rows: list[dict[str, Any]], fmt: str) -> str:
+def _format(rows: list[dict[str, Any]], fmt: str, stat: str | list[str]) -> str:
     if fmt == "json":
         return json.dumps(rows, indent=1) + "\n"
-    columns = list(rows[0]) if rows else ["step", "kind", "group", "tensors"]
+    if rows:
+        columns = list(rows[0])
+    else:  # the header alone, with the columns asked for (a CSV reader still finds them)
+        from trainvitals.stats.moments import DERIVED
+
+        columns = ["step", "kind", "group", "tensors", *(DERIVED if stat == "all" else stat)]
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")

@@ -355,7 +355,11 @@ def test_cli_says_why_a_query_is_empty(tmp_path: Path, capsys: pytest.CaptureFix
         assert main(["query", str(tmp_path), *extra]) == 0
         captured = capsys.readouterr()
         assert reason in captured.err, (extra, captured.err)
-        assert captured.out.split() == ["step", "kind", "group", "tensors"]
+        # the header alone, with the column of the stat asked for (kurtosis by default)
+        assert captured.out.split() == ["step", "kind", "group", "tensors", "kurtosis"]
+    args = ["--group", "decoder.*", "--stat", "mean,std", "--format", "csv"]
+    assert main(["query", str(tmp_path), *args]) == 0
+    assert capsys.readouterr().out == "step,kind,group,tensors,mean,std\n"
     assert main(["query", str(tmp_path), "--steps", "5"]) == 0  # not empty: no message
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out.splitlines()[1].split()[:3] == ["5", "grad", "*"]
