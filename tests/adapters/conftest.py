@@ -188,6 +188,18 @@ def _wandb_records(path: str) -> Any:
             parts = b""
 
 
+def offline_wandb_run(run_dir: str | os.PathLike[str], project: str = "tv") -> Any:
+    """A W&B run in offline mode under ``run_dir``, quiet and without system stats."""
+    import wandb
+
+    return wandb.init(
+        mode="offline",
+        dir=str(run_dir),
+        project=project,
+        settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+    )
+
+
 def read_wandb_offline(
     wandb_dir: str | os.PathLike[str], timeout: float = 60.0
 ) -> list[dict[str, float]]:

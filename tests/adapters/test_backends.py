@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.adapters.conftest import (
+    offline_wandb_run,
     read_comet_archive,
     read_mlflow,
     read_tensorboard,
@@ -122,14 +123,8 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         mp.setenv("WANDB_CACHE_DIR", str(tmp / "wandb-cache"))
         mp.setenv("WANDB_CONFIG_DIR", str(tmp / "wandb-config"))
         mp.setenv("COMET_API_KEY", "dummy-offline-key")
-        import wandb
 
-        run = wandb.init(
-            mode="offline",
-            dir=str(tmp),
-            project="trainvitals-test",
-            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
-        )
+        run = offline_wandb_run(tmp, "trainvitals-test")
         sinks = {
             "tb32": TensorBoardSink(tmp / "tb32"),
             "tb64": TensorBoardSink(tmp / "tb64", double_precision=True, name="tb64"),

@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.adapters.conftest import RecordingSink, read_comet_archive, read_wandb_offline
+from tests.adapters.conftest import (
+    RecordingSink,
+    offline_wandb_run,
+    read_comet_archive,
+    read_wandb_offline,
+)
 from trainvitals.adapters import FanoutWriter, JsonlSink, TensorBoardSink, read_jsonl
 
 
@@ -472,18 +477,12 @@ def test_the_driver_hands_each_step_to_wandb_before_the_loop_logs_the_next(tmp_p
     # The loop logs its own metrics to the same run every step (accelerator.log(..., step=)):
     # W&B refuses a step lower than the run's, so the driver must not leave a logged step in
     # the writer until a later step logs (here: the next logging step, 2 steps later).
-    import wandb
 
     from trainvitals.adapters import WandbSink
     from trainvitals.adapters.loop import Vitals
     from trainvitals.callbacks import NormMonitor
 
-    run = wandb.init(
-        mode="offline",
-        dir=str(tmp_path),
-        project="t",
-        settings=wandb.Settings(console="off", x_disable_stats=True),
-    )
+    run = offline_wandb_run(tmp_path, "t")
     writer = FanoutWriter([WandbSink(run, owned=True)], rank=0)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)

@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.adapters.conftest import read_mlflow, read_tensorboard, read_wandb_offline
+from tests.adapters.conftest import (
+    offline_wandb_run,
+    read_mlflow,
+    read_tensorboard,
+    read_wandb_offline,
+)
 from trainvitals.adapters import (
     CometSink,
     FanoutWriter,
@@ -181,14 +186,8 @@ def test_from_lightning_maps_comet_and_wandb_loggers_by_class_name() -> None:
 
 
 def test_wandb_sink_with_lightnings_step_metric_shares_the_run(tmp_path) -> None:
-    import wandb
 
-    run = wandb.init(
-        mode="offline",
-        dir=str(tmp_path),
-        project="tv",
-        settings=wandb.Settings(console="off", x_disable_stats=True),
-    )
+    run = offline_wandb_run(tmp_path, "tv")
     try:
         with FanoutWriter([WandbSink(run, step_metric="trainer/global_step")], rank=0) as w:
             run.log({"user/loss": 1.0, "trainer/global_step": 0})  # the logger's own row
@@ -203,14 +202,8 @@ def test_wandb_sink_with_lightnings_step_metric_shares_the_run(tmp_path) -> None
 
 
 def test_wandb_sink_reports_a_step_the_run_has_passed(tmp_path) -> None:
-    import wandb
 
-    run = wandb.init(
-        mode="offline",
-        dir=str(tmp_path),
-        project="tv",
-        settings=wandb.Settings(console="off", x_disable_stats=True),
-    )
+    run = offline_wandb_run(tmp_path, "tv")
     try:
         writer = FanoutWriter([WandbSink(run)], rank=0)
         writer.add_scalar("vitals/x", 1.0, 2)
