@@ -40,3 +40,22 @@ def test_mlflow_async_logging_env_does_not_turn_a_failed_step_into_a_delivered_o
             writer.add_scalars({k: i / 7 + step for i, k in enumerate(keys)}, step)
     got = read_mlflow(MlflowClient(uri), run_id, [keys[0], keys[1000]])
     assert got == {k: {s: int(k[1:]) / 7 + s for s in range(2)} for k in (keys[0], keys[1000])}
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_a_run_the_sink_created_ends_failed_after_an_exception(tmp_path, crash: bool) -> None:
+    # MLflow's convention (and its UI filter): a run that ended with an exception is FAILED
+    from mlflow.tracking import MlflowClient
+
+    sink = MLflowSink(run_dir=tmp_path)
+    try:
+        with FanoutWriter([sink], rank=0) as writer:
+            writer.add_scalar("loss", 1.0, 0)
+            if crash:
+                raise RuntimeError("the training loop raised")
+    except RuntimeError:
+        pass
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(sink.run_id)
+    assert run.info.status == ("FAILED" if crash else "FINISHED")
+    assert [m.value for m in client.get_metric_history(sink.run_id, "loss")] == [1.0]

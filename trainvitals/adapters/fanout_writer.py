@@ -961,20 +961,25 @@ class FanoutWriter:
                 w.check_hang(now)
             return all(not w.disabled and w.idle_through(target) for w in self._workers)
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, failed: bool = False) -> None:
         """Deliver what is queued, close the sinks this writer owns, stop the threads.
 
         Waits up to ``timeout`` seconds (default: ``close_timeout``) for the sinks to drain,
         retrying failing sinks on their backoff schedule; a sink still busy after that is
         abandoned and its undelivered steps are counted as missed. Sinks built on objects the
         caller passed in (a ``SummaryWriter``, an MLflow client and run, a Comet experiment, a
-        W&B run) are flushed, not closed. Never raises because of a sink; warns once, at the
-        end, for every sink that missed steps. Calling it again does nothing.
+        W&B run) are flushed, not closed. ``failed=True`` (the run ended with an exception; the
+        ``Vitals`` driver and ``with writer:`` pass it) ends the runs the sinks created as
+        failed (MLflow ``FAILED``, W&B exit code 1). Never raises because of a sink; warns once,
+        at the end, for every sink that missed steps. Calling it again does nothing.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            if failed:
+                for s in self.sinks:
+                    s.run_failed = True
             if self._active and self._pid == os.getpid():
                 try:
                     self._close_step()
@@ -1098,5 +1103,5 @@ class FanoutWriter:
     def __enter__(self) -> FanoutWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close(failed=exc_type is not None)

@@ -418,7 +418,7 @@ class Vitals:
         self._scalers.clear()
         writer = self.ctx.writer
         if self._owns_writer:
-            writer.close()
+            writer.close(failed=exception is not None)
         else:
             writer.flush()
 

@@ -250,6 +250,9 @@ class Sink:
             writer call after the step's values reached the host), for backends that the
             training thread also uses without locking (Lightning's ``CSVLogger``).
         key_rule: the :class:`KeyRule` of the backend, or ``None`` when it takes every key.
+        run_failed: set by the writer before :meth:`close` when the run ended with an
+            exception (``FanoutWriter.close(failed=True)``): a sink ending a run it created
+            marks it failed.
 
     Example (a sink printing each step)::
 
@@ -263,6 +266,7 @@ class Sink:
     name: str = "sink"
     thread_safe: bool = True
     key_rule: KeyRule | None = None
+    run_failed: bool = False
 
     def __init__(self, *, name: str | None = None, owned: bool = True) -> None:
         if name is not None:

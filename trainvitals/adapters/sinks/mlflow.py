@@ -26,8 +26,9 @@ class MLflowSink(Sink):
       URI defaults to MLflow's own default). The run is left open.
     * ``MLflowSink(run_dir="runs/demo")`` or ``MLflowSink(tracking_uri=...)``: the sink creates
       a run (in ``experiment_name``, named ``run_name``) in the store, by default
-      ``sqlite:///<run_dir>/mlflow.db``, on its first delivery, and ends it (``FINISHED``) when
-      the writer closes. Its id is :attr:`run_id` from then on.
+      ``sqlite:///<run_dir>/mlflow.db``, on its first delivery, and ends it when the writer
+      closes (``FINISHED``, or ``FAILED`` after an exception: ``close(failed=True)``). Its id
+      is :attr:`run_id` from then on.
 
     A step of N metrics is sent as ceil(N / 1000) ``log_batch`` calls (MLflow's limit per call).
     A retried step resumes after the last chunk that went through (and MLflow's SQL store
@@ -130,4 +131,4 @@ class MLflowSink(Sink):
 
     def close(self) -> None:
         if self.owned and self.client is not None and self.run_id is not None:
-            self.client.set_terminated(self.run_id, "FINISHED")
+            self.client.set_terminated(self.run_id, "FAILED" if self.run_failed else "FINISHED")

@@ -72,4 +72,7 @@ class WandbSink(Sink):
 
     def close(self) -> None:
         if self.owned:
-            self.run.finish()
+            if self.run_failed:
+                self.run.finish(exit_code=1)
+            else:
+                self.run.finish()
