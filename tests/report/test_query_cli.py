@@ -434,9 +434,14 @@ def test_records_without_step_or_tensors_are_skipped_not_a_traceback(tmp_path: P
     data = write_run(tmp_path, [0, 4])
     path = tmp_path / "tensor_stats.jsonl"
     good = path.read_text().splitlines()
+    short = json.loads(good[0])
+    short["step"] = 3
+    name = next(iter(short["tensors"]))
+    short["tensors"][name] = short["tensors"][name][:-2]  # a vector cut short
     broken = [
         json.dumps({"version": 1, "step": 2, "kind": "grad"}),
         json.dumps({"version": 1, "step": "3", "kind": "grad", "tensors": {}}),
+        json.dumps(short),
     ]
     path.write_text("\n".join([good[0], *broken, good[1]]) + "\n")
     with warnings.catch_warnings(record=True) as caught:
@@ -445,6 +450,7 @@ def test_records_without_step_or_tensors_are_skipped_not_a_traceback(tmp_path: P
     messages = [str(w.message) for w in caught]
     assert any("line 2 has no 'tensors'" in m for m in messages), messages
     assert any("line 3 has no integer 'step'" in m for m in messages), messages
+    assert any("line 4 has a moment vector that does not match" in m for m in messages), messages
     assert [r["step"] for r in rows] == [0, 4]
     for r in rows:
         check_row(r, torch.cat([t.reshape(-1) for t in data[r["step"]].values()]), ["kurtosis"])

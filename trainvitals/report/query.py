@@ -89,9 +89,18 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
             if not isinstance(step, int) or isinstance(step, bool):
                 skip(f"line {i} has no integer 'step'")
                 continue
-            if not isinstance(rec.get("tensors"), dict):
+            tensors = rec.get("tensors")
+            if not isinstance(tensors, dict):
                 # (the readers index rec["tensors"]: a KeyError traceback out of the CLI before)
                 skip(f"line {i} has no 'tensors' object")
+                continue
+            fields = rec.get("fields", FIELDS)
+            width = len(fields) if isinstance(fields, list | tuple) else -1
+            if not set(FIELDS) <= set(fields if width >= 0 else ()) or any(
+                type(v) is not list or len(v) != width for v in tensors.values()
+            ):
+                # (the merge indexes every vector by the fields: an IndexError before)
+                skip(f"line {i} has a moment vector that does not match its 'fields'")
                 continue
             yield rec
     if skipped > MAX_LINE_WARNINGS:
