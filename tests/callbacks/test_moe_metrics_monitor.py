@@ -5,6 +5,7 @@ FanoutWriter, against float64 router losses recomputed here from the routers' in
 from __future__ import annotations
 
 import glob
+import warnings
 
 import pytest
 import torch
@@ -220,6 +221,44 @@ def test_a_model_without_recording_routers_warns_once_that_nothing_is_written():
         vitals.close()
     assert sum("nothing was recorded" in str(w.message) for w in record) == 1
     assert not writer.rows
+
+
+def test_a_router_recording_only_a_loss_writes_it_without_the_nothing_warning():
+    # losses go to total_loss_dict, not to the console string: still "something recorded"
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.moe import get_moe_metrics_tracker
+
+    class LossOnlyRouter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            logits = self.gate(x)
+            loss = logits.softmax(-1).mean(0).square().sum() * 2
+            get_moe_metrics_tracker().record("load_balancing_loss", loss.detach(), 1, 1)
+            return logits
+
+    model = LossOnlyRouter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    expected = {}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with Vitals([MoEMetricsMonitor()], writer=writer, log_every_n_steps=1) as vitals:
+            vitals.attach(model, opt)
+            for step in range(2):
+                x = torch.randn(3, 4)
+                vitals.batch(x)
+                logits = model(x)
+                probs = logits.detach().double().softmax(-1)
+                expected[step] = float(probs.mean(0).square().sum() * 2)
+                logits.sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert not [w for w in record if "nothing was recorded" in str(w.message)]
+    for step, value in expected.items():
+        assert writer.rows[step]["moe/load_balancing_loss"] == pytest.approx(value, rel=1e-6)
 
 
 def test_monitor_rejects_bad_arguments():

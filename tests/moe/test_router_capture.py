@@ -378,7 +378,7 @@ class _TopKBlock(nn.Module):
 class _Checkpointed(nn.Module):
     """Blocks run under torch.utils.checkpoint (or plainly, ``reentrant=None``)."""
 
-    def __init__(self, blocks: list[nn.Module], reentrant: bool | None) -> None:
+    def __init__(self, blocks: list[nn.Module], reentrant: bool | str | None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(blocks)
         self.reentrant = reentrant
@@ -389,19 +389,24 @@ class _Checkpointed(nn.Module):
         for block in self.layers:
             if self.reentrant is None:
                 x = block(x)
+            elif self.reentrant == "nested":
+                inner = lambda t, b=block: checkpoint(b, t, use_reentrant=True)  # noqa: E731
+                x = checkpoint(inner, x, use_reentrant=True)
             else:
                 x = checkpoint(block, x, use_reentrant=self.reentrant)
         return x
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("no_grad_between", [False, True])
+@pytest.mark.parametrize("reentrant", [False, True, "nested"])
 @pytest.mark.parametrize("kind", ["topk_router", "torchtitan"])
 def test_each_forward_counted_once_under_either_activation_checkpointing(
-    kind: str, reentrant: bool
+    kind: str, reentrant: bool | str, no_grad_between: bool
 ) -> None:
     # Non-reentrant checkpointing re-runs a forward with autograd on in the backward pass; the
     # reentrant kind runs the first forward with autograd off (like evaluation) and re-runs
-    # it in the backward pass: in both, each training forward must count exactly once.
+    # it in the backward pass: in both, each training forward must count exactly once, also
+    # with a training-mode no_grad forward (generation) between a forward and its backward.
     torch.manual_seed(0)
     blocks: list[nn.Module] = [
         _TopKBlock() if kind == "topk_router" else TitanMoE() for _ in range(3)
@@ -421,7 +426,11 @@ def test_each_forward_counted_once_under_either_activation_checkpointing(
     xs = [torch.randn(10, 8, requires_grad=True) for _ in range(2)]
     for x in xs:  # two micro-batches
         reference(x).pow(2).mean().backward()
-        model(x).pow(2).mean().backward()
+        out = model(x)
+        if no_grad_between:
+            with torch.no_grad():
+                model(torch.randn(10, 8))
+        out.pow(2).mean().backward()
     with torch.no_grad():  # a training-mode forward without backward (e.g. generation)
         model(torch.randn(10, 8))
     expected = []

@@ -212,7 +212,17 @@ def test_forward_without_tokens_routes_nothing_and_records_nothing(fresh_tracker
     assert all(math.isfinite(v) for v in recorded.values())
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(
+    ("mode", "twice", "no_grad_between"),
+    [
+        ("non-reentrant", False, False),
+        ("reentrant", False, False),
+        ("nested reentrant", False, False),
+        ("non-reentrant", True, False),  # the router twice per forward, different token counts
+        ("non-reentrant", False, True),  # a no_grad forward between a forward and its backward
+        ("reentrant", False, True),
+    ],
+)
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -221,11 +231,33 @@ def test_forward_without_tokens_routes_nothing_and_records_nothing(fresh_tracker
         dict(aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1, expert_bias=True),
     ],
 )
-def test_activation_checkpointing_records_and_counts_each_forward_once(reentrant, kwargs):
+def test_activation_checkpointing_records_and_counts_each_forward_once(
+    mode, twice, no_grad_between, kwargs
+):
     # A non-reentrant checkpoint re-runs the forward in the backward pass (Megatron-LM then
-    # records its losses twice); a reentrant one runs it first with autograd off. Either way
-    # the tracker, the token counts and the gradients must be those of plain forwards.
+    # records its losses twice); a reentrant one runs it first with autograd off (a nested one
+    # also runs the inner first run with autograd off inside the outer re-run). Either way the
+    # tracker, the token counts and the gradients must be those of plain forwards.
     from torch.utils.checkpoint import checkpoint
+
+    def region(router):
+        def run(t):
+            probs = router(t)[0]
+            if twice:  # a second call on fewer tokens (its own global_aux_loss total)
+                probs = probs.sum() + router(t[:1, :3])[0].sum() * 0.5
+            return probs
+
+        return run
+
+    def forward(router, x, checkpointed):
+        run = region(router)
+        if not checkpointed:
+            return run(x)
+        if mode == "nested reentrant":
+            return checkpoint(
+                lambda t: checkpoint(run, t, use_reentrant=True), x, use_reentrant=True
+            )
+        return checkpoint(run, x, use_reentrant=mode == "reentrant")
 
     results = []
     for checkpointed in (False, True):
@@ -236,11 +268,12 @@ def test_activation_checkpointing_records_and_counts_each_forward_once(reentrant
         torch.manual_seed(1)
         for _ in range(2):  # two micro-batches
             x = torch.randn(2, 5, H, requires_grad=True)
-            if checkpointed:
-                probs = checkpoint(lambda t, r=router: r(t)[0], x, use_reentrant=reentrant)
-            else:
-                probs = router(x)[0]
-            (probs * torch.arange(E, dtype=probs.dtype)).sum().backward()
+            out = forward(router, x, checkpointed)
+            if no_grad_between:  # e.g. a generation step in training mode
+                with torch.no_grad():
+                    router(torch.randn(2, 5, H))
+            weights = torch.arange(E, dtype=out.dtype) if out.ndim else 1.0
+            (out * weights).sum().backward()
         counts = [
             getattr(router, name).clone()
             for name in ("local_tokens_per_expert", "global_tokens_per_expert")
@@ -256,6 +289,20 @@ def test_activation_checkpointing_records_and_counts_each_forward_once(reentrant
     for got, want in zip(ckpt_counts, plain_counts, strict=True):
         assert want.sum() > 0
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_router_compiles_to_one_graph_in_training():
+    # the activation-checkpoint bookkeeping must not break torch.compile's graph
+    import torch._dynamo
+
+    router = make_router(aux_loss_type="aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.1)
+    torch._dynamo.reset()
+    compiled = torch.compile(router, fullgraph=True, backend="eager")  # raises on a break
+    x = torch.randn(6, H)
+    probs, routing_map = compiled(x)
+    want_probs, want_map = router(x)
+    torch.testing.assert_close(probs, want_probs)
+    assert torch.equal(routing_map, want_map)
 
 
 # ---------------------------------------------------------------------- global aux loss (2 ranks)

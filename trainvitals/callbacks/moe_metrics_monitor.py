@@ -200,8 +200,9 @@ class MoEMetricsMonitor(VitalsCallback):
         self.last_losses = losses
         self._pending_micro_batches = 0
         self._pending_steps = 0
-        if not self.last_log_string and ctx.global_rank == 0:
-            # (every rank reported nothing: the report gathers the names over all ranks)
+        if not self.last_log_string and not losses and ctx.global_rank == 0:
+            # Nothing written on any rank (the report gathers the names over all ranks): the
+            # console string leaves out the losses, which go to total_loss_dict instead.
             self.warn_once(
                 "nothing",
                 f"nothing was recorded up to step {step}, so nothing is written: no router "

@@ -272,8 +272,11 @@ class TensorStatsMonitor(VitalsCallback):
         self._dropped: set[tuple[str, int]] = set()  # left out of the current step
         self._hooks_failed = False  # hook work raised this step: no more moments this step
         # per site: tensors seen with autograd off that a reentrant activation checkpoint will
-        # re-run in the backward pass, where their gradient hook goes
+        # re-run in the backward pass, where their gradient hook goes; and the sites seen with
+        # autograd on (or a tensor needing a gradient) outside the backward pass, which no
+        # reentrant checkpoint hides (their no_grad forwards, e.g. generation, re-run nothing)
         self._held_back: dict[int, int] = {}
+        self._grad_sites: set[int] = set()
 
     # ------------------------------------------------------------------ intervals
 
@@ -526,11 +529,18 @@ class TensorStatsMonitor(VitalsCallback):
                     continue
                 # The gradient hook first, and even after a failure: it may hold a collective
                 # (Partial gradients) that every rank must reach.
+                grad_on = torch.is_grad_enabled()
+                if grad_on or x.requires_grad:
+                    self._grad_sites.add(site)
+                elif site in self._grad_sites:
+                    # a no_grad forward of a site that trains with autograd on (generation, a
+                    # teacher pass): not part of the training step, and re-run by nothing
+                    continue
                 if want_dgrad and x.requires_grad:
                     self._handles.append(x.register_hook(self._make_grad_hook(site)))
-                    self._held_back.pop(site, None)  # autograd on: nothing to re-run for
-                elif want_dgrad and not torch.is_grad_enabled():
-                    # maybe a reentrant checkpoint's first run: its re-run gets the hook
+                    self._held_back.pop(site, None)  # hooked here: nothing to re-run for
+                elif want_dgrad and not grad_on and site not in self._grad_sites:
+                    # a reentrant checkpoint's first run: its re-run gets the hook
                     self._held_back[site] = self._held_back.get(site, 0) + 1
                 if want_act and not self._hooks_failed:
                     self._add_parts("activation", site, x)

@@ -58,8 +58,9 @@ checkpointing runs a forward twice, and which run to count depends on its kind:
 * reentrant (``use_reentrant=True``, DeepSpeed's): the first run has autograd off, like an
   evaluation forward, and is held back; the re-run during the backward pass then counts, once
   per held-back run of the same router. A training-mode forward under ``no_grad`` that no
-  backward re-runs (a generation step, a teacher) is never counted; a forward with autograd on
-  outside the backward pass drops the router's held-back runs.
+  backward re-runs (a generation step, a teacher) is never counted: once a router has run with
+  autograd on outside the backward pass, its ``no_grad`` forwards are not held back at all,
+  and such a forward drops its held-back runs.
 
 Layer numbers come from the module name: the first integer component, so
 ``model.layers.10.mlp.gate`` is layer 10 and ``module.decoder.layers.3.mlp.router`` layer 3.
@@ -440,6 +441,9 @@ class RouterCapture:
         # per router: forwards run with autograd off in training mode and not counted, which
         # a reentrant activation checkpoint re-runs (and we count) in the backward pass
         self._held_back = [0] * len(self.routers)
+        # per router: ran with autograd on outside the backward pass (so it is not under a
+        # reentrant checkpoint, and a no_grad forward of it is re-run by nothing)
+        self._grad_forward_seen = [False] * len(self.routers)
         self._taking: dict[int, bool] = {}  # torchtitan: the pre-hook's decision for the hook
         # Deferred counting (TopKRouter): a counted forward only keeps a reference to its
         # routing map and aux-loss tensor, each with its version counter (to detect a later
@@ -496,10 +500,12 @@ class RouterCapture:
         in_backward = torch._C._current_graph_task_id() != -1
         grad = torch.is_grad_enabled()
         if grad and not in_backward:  # an ordinary forward, or a non-reentrant first run
+            self._grad_forward_seen[i] = True
             self._held_back[i] = 0
             return True
         if not in_backward:  # autograd off: a reentrant checkpoint's first run, or no training
-            self._held_back[i] += 1
+            if not self._grad_forward_seen[i]:
+                self._held_back[i] += 1
             return False
         if grad and self._held_back[i] > 0:  # the reentrant re-run of a held-back run
             self._held_back[i] -= 1

@@ -47,9 +47,11 @@ checkpoint (``use_reentrant=False``) re-runs the forward in the backward pass (d
 gradient from the counts of the first run, without recording, counting or all-reducing again
 (Megatron-LM records the re-run too, doubling its logged losses under recompute). A reentrant
 checkpoint runs the first forward with autograd off (no loss, nothing recorded) and the re-run
-is the one that records. With several micro-batches of one router in flight (a pipeline
-schedule that runs the next forward before this backward), a ``global_aux_loss`` re-run sees
-the counts of the later forwards too.
+is the one that records (also nested, and with ``no_grad`` forwards of a router that runs
+with autograd on elsewhere, which are re-run by nothing). A ``global_aux_loss`` re-run takes
+the token counts and total of its own first run (first runs queued, re-runs take them in
+order: several calls per forward and pipeline schedules with forwards in flight are exact).
+Under ``torch.compile`` the recompute stays inside the compiled backward.
 
 Not handled: sequence/tensor-parallel splitting of the tokens inside the router (Megatron's
 ``tp_cp`` reductions).
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -255,12 +258,17 @@ class TopKRouter(nn.Module):
             persistent=False,
         )
         self.global_aux_micro_batches = 0
-        # activation checkpointing: forwards run with autograd off in training mode (a
-        # reentrant checkpoint's first run, re-run for real in the backward pass); whether the
-        # forward running now records and counts; the last global token count (for re-runs)
+        # Activation checkpointing (see _is_first_run): forwards run with autograd off in
+        # training mode that a reentrant checkpoint re-runs for real in the backward pass;
+        # whether this router ever ran with autograd on outside it (then it is not under a
+        # reentrant checkpoint); whether the forward running now records and counts, and may
+        # be re-run by a non-reentrant checkpoint; the global_aux_loss (total, mean tokens) of
+        # each such forward, oldest first, for its re-run (re-runs come in forward order)
         self._held_back = 0
+        self._grad_forward_seen = False
         self._first_run = True
-        self._global_total: torch.Tensor | None = None
+        self._may_rerun = False
+        self._rerun_global: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=256)
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
@@ -302,7 +310,11 @@ class TopKRouter(nn.Module):
             raise ValueError("seq_aux_loss needs a batch-first input [batch, seq, hidden_size]")
         training = self.training and torch.is_grad_enabled()
         if self.training:
-            self._first_run = self._is_first_run()
+            if torch.compiler.is_compiling():
+                # a compiled region recomputes inside its own backward, never through Python
+                self._first_run, self._may_rerun = True, False
+            else:
+                self._first_run = self._is_first_run()
         x = hidden.reshape(-1, self.hidden_size)
         # No token (an empty micro-batch or rank): nothing to balance, and the losses divide
         # by the token count (ZeroDivisionError, or NaN recorded into the step's sums). Except
@@ -332,19 +344,33 @@ class TopKRouter(nn.Module):
         return probs, routing_map
 
     def _is_first_run(self) -> bool:
-        """Whether this training-mode forward is its first run with autograd on (records and
-        counts), rather than a non-reentrant activation checkpoint's re-run of one."""
+        """Whether this training-mode forward is the one of its run that records and counts,
+        rather than a non-reentrant activation checkpoint's re-run of a forward that did.
+
+        Outside the backward pass with autograd on: yes (and a non-reentrant checkpoint may
+        re-run it). With autograd off there (nothing is recorded then): a reentrant
+        checkpoint's first run, held back, whose re-run in the backward pass records, unless
+        this router has run with autograd on outside the backward pass (a ``no_grad`` forward
+        of it, e.g. generation between a forward and its backward, is re-run by nothing). In
+        the backward pass with autograd on (``_current_graph_task_id() != -1``): the re-run
+        of a held-back run records; any other is a non-reentrant re-run. With autograd off in
+        the backward pass (an inner checkpoint's first run during an outer re-run): nothing.
+        """
         in_backward = torch._C._current_graph_task_id() != -1
+        grad = torch.is_grad_enabled()
+        self._may_rerun = False
         if not in_backward:
-            if torch.is_grad_enabled():
+            if grad:
+                self._grad_forward_seen = True
                 self._held_back = 0
-            else:  # maybe a reentrant checkpoint's first run: its re-run will be the real one
+                self._may_rerun = True
+            elif not self._grad_forward_seen:
                 self._held_back += 1
             return True
-        if self._held_back > 0:  # the reentrant re-run of a run made with autograd off
+        if grad and self._held_back > 0:
             self._held_back -= 1
             return True
-        return False  # a non-reentrant re-run: its first run recorded and counted already
+        return False
 
     # ------------------------------------------------------------------ routing
 
@@ -465,17 +491,19 @@ class TopKRouter(nn.Module):
                     stacklevel=3,
                 )
             assert self.global_tokens_per_expert is not None
-            if self._first_run or self._global_total is None:
+            if self._first_run or not self._rerun_global:
                 count = torch.tensor([float(num_tokens)], device=scores.device)
                 tokens, total = all_reduce_coalesced(
                     [chosen.detach().sum(dim=0).to(torch.float64), count], "sum", group
                 )
-                self.global_tokens_per_expert += tokens.to(self.global_tokens_per_expert.device)
-                self.global_aux_micro_batches += 1
-                self._global_total = total
-            else:  # a checkpoint's re-run: the same loss from the first run's counts
-                total = self._global_total
-            mean_tokens = self.global_tokens_per_expert / self.global_aux_micro_batches
+                if self._first_run:
+                    self.global_tokens_per_expert += tokens.to(self.global_tokens_per_expert.device)
+                    self.global_aux_micro_batches += 1
+                mean_tokens = self.global_tokens_per_expert / max(self.global_aux_micro_batches, 1)
+                if self._may_rerun:
+                    self._rerun_global.append((total, mean_tokens))
+            else:  # a non-reentrant re-run: the same loss as its first run, from its counts
+                total, mean_tokens = self._rerun_global.popleft()
             loss = (scores.sum(dim=0) * mean_tokens.to(scores.dtype)).sum() * (
                 num_experts / (k * total.to(scores.dtype).square())
             )
@@ -511,6 +539,7 @@ class TopKRouter(nn.Module):
         if self.global_tokens_per_expert is not None:
             self.global_tokens_per_expert.zero_()
         self.global_aux_micro_batches = 0
+        self._rerun_global.clear()
 
     def update_expert_bias(self, group: Any = None) -> None:
         """Aux-loss-free balancing step (call after each optimizer step): sum the loads over
