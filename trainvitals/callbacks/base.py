@@ -49,7 +49,6 @@ construction or at run start, on every rank, before any collective.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
@@ -86,43 +85,12 @@ class VitalsCallback:
             ``FanoutWriter.from_lightning(trainer)`` (one per trainer, shared by all callbacks;
             a JSONL file ``metrics.jsonl`` in the run folder when the trainer has no logger),
             under the driver the driver's writer.
-
-    One instance serves one run at a time. An instance that starts a second run at step 0 (a
-    new ``Trainer`` or ``Vitals`` given the same callback objects) starts it fresh, as if
-    built again with the same arguments: counters, windows and estimates do not carry over
-    from the earlier run (a run that continues, or resumes from a checkpoint, keeps them).
     """
 
     # Callbacks that count samples/tokens set these; declared here so that the driver's per
     # micro-batch look-up finds None instead of going through ``__getattr__`` and an exception.
     batch_size_fn: Any = None
     num_tokens_fn: Any = None
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is None:
-            return
-
-        @functools.wraps(init)
-        def __init__(self: VitalsCallback, *args: Any, **kw: Any) -> None:
-            # the arguments of the outermost constructor call: a new run from step 0 rebuilds
-            # the instance's state from them (_start_fresh)
-            if "_init_args" not in self.__dict__:
-                self._init_args = (args, kw)
-            init(self, *args, **kw)
-
-        cls.__init__ = __init__  # type: ignore[method-assign]
-
-    def _start_fresh(self) -> None:
-        """Rebuild this instance's state as its constructor made it (same arguments)."""
-        init_args = self.__dict__.get("_init_args")
-        if init_args is None:  # (a subclass without its own __init__)
-            init_args = ((), {})
-        args, kw = init_args
-        keep = {k: self.__dict__[k] for k in _KEPT_ACROSS_RUNS if k in self.__dict__}
-        type(self).__init__(self, *args, **kw)
-        self.__dict__.update(keep)
 
     def __init__(self, *, log_every_n_steps: int | None = None, writer: Any = None) -> None:
         self.log_every_n_steps = _positive_int_or_none("log_every_n_steps", log_every_n_steps)
@@ -224,15 +192,21 @@ class VitalsCallback:
         return (hook, self.should_log(ctx))
 
     def _dispatch(self, hook: str, ctx: RunContext, *args: Any) -> None:
-        if hook == "run_start":
-            if self._runs_started and ctx.step == 0:
-                # One instance in a second run from step 0 (a new Trainer, a new Vitals): its
-                # counters, windows and estimates would go on from the earlier run.
-                self._start_fresh()
-            self._runs_started += 1
         if self._disabled:
             return
         self._ctx = ctx
+        if hook == "run_start":
+            self._runs_started += 1
+            if self._runs_started > 1 and ctx.step == 0:
+                # One instance in a second run from step 0 (a new Trainer, a new Vitals): its
+                # counters, windows and estimates go on from the first run.
+                self._warn_first(
+                    "reused",
+                    f"{type(self).__name__}: this instance already ran and starts a new run "
+                    "at step 0; its counters, windows and estimates continue from the "
+                    "earlier run. Create new callback instances for each run",
+                    stacklevel=3,
+                )
         several = ctx.world_size > 1
         key = self._collective_key_or_none(hook, ctx) if several else None
         # (one process: no collectives to record)
@@ -464,11 +438,6 @@ class VitalsCallback:
 
 def _noop(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-# kept when an instance starts a new run fresh: how many runs it started, the constructor's
-# arguments, and the Lightning adapter's step tracking (set before run_start is dispatched)
-_KEPT_ACROSS_RUNS = ("_runs_started", "_init_args", "_pl_last_global_step")
 
 
 def _lightning_writer(trainer: Any, run_dir: Path) -> Any:
