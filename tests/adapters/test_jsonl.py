@@ -135,6 +135,48 @@ def test_resuming_keeps_earlier_lines_in_order_wherever_the_dropped_ones_are(tmp
         assert got == [*kept, (first, 30.0)], rewritten
 
 
+def test_a_new_run_moves_the_earlier_file_aside_and_keeps_foreign_lines(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _log_run(path, range(3), lambda s: 1.0 + s)
+    with pytest.warns(RuntimeWarning, match=r"held an earlier run; moved it to metrics\.jsonl\.1"):
+        _log_run(path, range(2), lambda s: 10.0 + s)  # a new run, from step 0
+    assert [r["metrics"]["loss"] for r in read_jsonl(path)] == [10.0, 11.0]
+    earlier = tmp_path / "metrics.jsonl.1"
+    assert [r["metrics"]["loss"] for r in read_jsonl(earlier)] == [1.0, 2.0, 3.0]
+    # a resume (first step > 0) keeps lines that are not records, whatever they hold
+    note = json.dumps({"note": "written by another tool", "step": 9})
+    with open(path, "a") as f:
+        f.write(note + "\n")
+    with pytest.warns(RuntimeWarning, match=r"dropped 1 line"):
+        _log_run(path, [1], lambda s: 20.0)
+    lines = path.read_text().splitlines()
+    assert note in lines
+    assert [(r["step"], r["metrics"]["loss"]) for r in read_jsonl(path)] == [(0, 10.0), (1, 20.0)]
+
+
+def test_a_path_that_is_not_a_regular_file_is_appended_to_without_reading_it(tmp_path) -> None:
+    import os
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[str] = []
+
+    def read() -> None:
+        with open(fifo) as f:
+            got.extend(f.read().splitlines())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writer = FanoutWriter([JsonlSink(fifo)], rank=0, close_timeout=10)
+    for step in range(3):
+        writer.add_scalar("a", float(step), step + 5)  # a resumed step: no reading, no drop
+    writer.close()
+    reader.join(10)
+    assert [json.loads(line)["step"] for line in got] == [5, 6, 7]
+    assert writer.status()["jsonl"]["missed"] == 0
+
+
 def test_metric_history_merges_lines_of_one_step(tmp_path) -> None:
     path = tmp_path / "m.jsonl"
     with FanoutWriter([JsonlSink(path)], rank=0) as writer:

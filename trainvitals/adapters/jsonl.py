@@ -16,10 +16,11 @@ delivered::
 The same step can appear on more than one line (values logged for a step after a ``flush()``);
 :func:`metric_history` merges them. A process killed while writing leaves a last line without
 its newline: :func:`read_jsonl` skips it and warns. A resumed run appends to the file of the run
-it resumes: before its first line, :class:`~trainvitals.adapters.JsonlSink` drops every line of a
-step at or after the first step it writes (the resumed run logs those steps again; lines the
-interrupted run wrote past its checkpoint would otherwise stay, as values of a timeline that no
-longer exists) and a last line cut by a crash.
+it resumes: before its first line, :class:`~trainvitals.adapters.JsonlSink` drops every record
+of a step at or after the first step it writes (the resumed run logs those steps again; lines
+the interrupted run wrote past its checkpoint would otherwise stay, as values of a timeline that
+no longer exists) and a last line cut by a crash. A new run (first step 0) moves an earlier
+run's file aside (``metrics.jsonl.1``, ...) instead.
 
 Example::
 
@@ -148,13 +149,21 @@ _STEP_PREFIX = re.compile(rb'\{"step":(\d+),"time":')
 
 
 def drop_steps_from(path: str | os.PathLike[str], first_step: int) -> int:
-    """Make ``path`` ready for appending lines from ``first_step`` on: drop every line of a step
-    ``>= first_step``, every line that does not parse (a line cut by a crash) and blank lines,
-    and end the file with a newline. Returns how many non-blank lines were dropped.
+    """Make ``path`` ready for appending records from ``first_step`` on: drop every record of a
+    step ``>= first_step`` and a last line cut by a crash (no newline, does not parse); keep
+    every other line, also lines that are not records; end the file with a newline. Returns
+    how many lines were dropped.
 
-    The file is cut short when the dropped lines are all at its end (the usual case: lines are
-    in step order), else rewritten through a temporary file and ``os.replace``.
+    The file is cut short when the dropped lines are all at its end (the usual case: records
+    are in step order), else rewritten through a temporary file and ``os.replace``.
     """
+
+    def dropped_line(raw: bytes) -> bool:
+        step = _line_step(raw)
+        if step is not None:
+            return step >= first_step
+        return not raw.endswith(b"\n") and bool(raw.strip())  # cut by a crash
+
     kept_end = 0  # byte offset just past the last kept line
     dropped = 0
     rewrite = False  # a kept line follows a dropped one
@@ -163,18 +172,16 @@ def drop_steps_from(path: str | os.PathLike[str], first_step: int) -> int:
         offset = 0
         for raw in f:
             offset += len(raw)
-            step = _line_step(raw)
-            if step is not None and step < first_step:
+            if dropped_line(raw):
+                dropped += 1
+            else:
                 rewrite = rewrite or kept_end != offset - len(raw)
                 kept_end, last = offset, raw
-            elif raw.strip():
-                dropped += 1
     if rewrite:
         tmp = f"{os.fspath(path)}.tmp"
         with open(path, "rb") as src, open(tmp, "wb") as dst:
             for raw in src:
-                step = _line_step(raw)
-                if step is not None and step < first_step:
+                if not dropped_line(raw):
                     dst.write(raw if raw.endswith(b"\n") else raw + b"\n")
         os.replace(tmp, path)
         return dropped

@@ -25,12 +25,15 @@ class JsonlSink(Sink):
     ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
 
     Appending to an existing file (a resumed run): before its first line the sink drops every
-    line of a step at or after the first step it writes, with a warning saying how many. A run
-    resumed from a checkpoint logs those steps again, and the lines the interrupted run wrote
-    after its checkpoint would otherwise stay in the file, values of steps the resumed run has
-    not reached (yet) or logged twice. A last line cut by a crash is dropped too (see
-    :func:`~trainvitals.adapters.jsonl.drop_steps_from`). So give each writer of a run its own
-    file: a second writer appending at a step the first one already wrote replaces its lines.
+    record of a step at or after the first step it writes, with a warning saying how many. A
+    run resumed from a checkpoint logs those steps again, and the lines the interrupted run
+    wrote after its checkpoint would otherwise stay in the file, values of steps the resumed
+    run has not reached (yet) or logged twice. A last line cut by a crash is dropped too (see
+    :func:`~trainvitals.adapters.jsonl.drop_steps_from`); other lines are kept. A run whose
+    first step is 0 is a new run: the earlier file is moved aside (``metrics.jsonl.1``, ...,
+    with a warning) and a new one started. So give each writer of a run its own file: a second
+    writer appending at a step the first one already wrote replaces its lines. A path that is
+    not a regular file (a pipe, ``/dev/stdout``) is appended to as it is.
 
     Example::
 
@@ -52,17 +55,26 @@ class JsonlSink(Sink):
 
     def _open_from(self, first_step: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            dropped = drop_steps_from(self.path, first_step)
-            if dropped:
-                message = (
-                    f"JsonlSink: {self.path}: dropped {dropped} line(s) of steps >= {first_step} "
-                    "(this run logs them again: a resumed run) or cut by a crash"
-                )
-                try:
-                    warnings.warn(message, RuntimeWarning, stacklevel=2)
-                except Exception:  # warnings turned into errors must not fail the write
-                    logging.getLogger(__name__).warning(message)
+        message = None
+        # Only a regular file holding lines: a pipe, a terminal or /dev/stdout is appended to
+        # as it is (reading it would block).
+        if self.path.is_file() and self.path.stat().st_size > 0:
+            if first_step == 0:  # a new run, not a resume: keep the earlier run's file
+                kept = _free_name(self.path)
+                os.replace(self.path, kept)
+                message = f"JsonlSink: {self.path} held an earlier run; moved it to {kept.name}"
+            else:
+                dropped = drop_steps_from(self.path, first_step)
+                if dropped:
+                    message = (
+                        f"JsonlSink: {self.path}: dropped {dropped} line(s) of steps >= "
+                        f"{first_step} (this run logs them again: a resumed run) or cut by a crash"
+                    )
+        if message is not None:
+            try:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            except Exception:  # warnings turned into errors must not fail the write
+                logging.getLogger(__name__).warning(message)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
@@ -89,3 +101,11 @@ class JsonlSink(Sink):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _free_name(path: Path) -> Path:
+    """``path`` with the first free numeric suffix: ``metrics.jsonl.1``, ``.2``, ..."""
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    return path.with_name(f"{path.name}.{n}")
