@@ -179,6 +179,14 @@ def test_grad_scaler_unscaling_shows_gradients_of_skipped_steps_too():
             assert want > 1e-2  # so that the clipped norm (1e-3) could not pass
             assert got == pytest.approx(want, rel=1e-5)
     assert "unscale_" not in vars(scaler)  # close() gave the scaler its own method back
+    # two drivers on one scaler: the one closing first leaves the other's wrapper in place
+    first = Vitals([Recorder("a")], writer=RecordingWriter()).attach(*_model_opt(), scaler=scaler)
+    wrapper = vars(scaler)["unscale_"]
+    second = Vitals([Recorder("b")], writer=RecordingWriter()).attach(*_model_opt(), scaler=scaler)
+    second.close()
+    assert vars(scaler)["unscale_"] is wrapper
+    first.close()
+    assert "unscale_" not in vars(scaler)
 
 
 def test_scaler_must_unscale():
@@ -270,6 +278,9 @@ def test_bad_input_types():
         vitals.attach(torch.nn.Linear(2, 2), object())
     with pytest.raises(TypeError, match="list of callbacks"):
         Vitals(Recorder(), writer=RecordingWriter())
+    one, two = Recorder("one"), Recorder("two")
+    assert Vitals(iter([one, two]), writer=RecordingWriter()).callbacks == [one, two]
+    assert Vitals({"a": one}.values(), writer=RecordingWriter()).callbacks == [one]
     for bad in ("100", 10.5, True):
         with pytest.raises(TypeError, match="max_steps"):
             Vitals([], writer=RecordingWriter(), max_steps=bad)

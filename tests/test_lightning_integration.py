@@ -6,6 +6,7 @@ JSONL fallback when the trainer has no logger. A fake clock moved inside ``train
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -213,6 +214,43 @@ def test_values_written_before_a_crash_are_in_the_file_when_fit_raises(tmp_path)
     records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
     assert sorted(records) == [0, 1, 2]
     assert records[2]["time/samples"] == 2 * 3
+
+
+def test_a_fit_retried_from_an_earlier_checkpoint_writes_its_steps_again(tmp_path):
+    # crash at step 4, retry on the same trainer from the checkpoint of step 2: the leftover
+    # writer (last step 3) would refuse steps 2 and 3 and disable the callbacks
+    import lightning.pytorch as pl
+
+    from trainvitals.adapters import read_jsonl
+
+    clock = FakeClock()
+    crash = {"at": 4}
+    module = _module(pl, clock, 2, 20)
+    step = module.training_step
+
+    def training_step(batch, batch_idx):
+        if module.trainer.global_step == crash["at"]:
+            raise RuntimeError("crash at step 4")
+        return step(batch, batch_idx)
+
+    module.training_step = training_step
+    runtime = RuntimeMonitor(clock=clock, max_steps=6)
+    trainer = _trainer(pl, [runtime], tmp_path, max_steps=2)
+    trainer.fit(module)
+    ckpt = tmp_path / "step2.ckpt"
+    trainer.save_checkpoint(ckpt)
+    trainer = _trainer(pl, [runtime], tmp_path, max_steps=6)
+    with pytest.raises(RuntimeError, match="crash"):
+        trainer.fit(module, ckpt_path=ckpt)
+    crash["at"] = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, ckpt_path=ckpt)
+    assert not [w for w in caught if "lower than step" in str(w.message)]
+    assert not runtime._disabled
+    records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert sorted(records) == list(range(6))
+    assert records[5]["time/samples"] == 2 * 6
 
 
 # ---------------------------------------------------------------------------- DDP

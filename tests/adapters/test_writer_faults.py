@@ -119,6 +119,41 @@ def test_close_still_closes_an_owned_sink_it_abandons_while_it_retries() -> None
     assert writer.status()["owned"]["missed"] == 1
 
 
+class SlowClosingSink(Sink):
+    name = "slow"
+
+    def __init__(self) -> None:
+        super().__init__(owned=True)
+        self.closes = 0
+
+    def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closes += 1
+        time.sleep(1.5)
+
+
+def test_close_never_closes_a_sink_twice_while_its_own_close_is_running() -> None:
+    slow = SlowClosingSink()
+    writer = FanoutWriter([slow], rank=0, close_timeout=0.5)
+    writer.add_scalar("a", 1.0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        writer.close()  # gives up while the sink's own close runs on its worker thread
+    time.sleep(2.0)
+    assert slow.closes == 1
+
+
+def test_the_exit_hook_is_not_registered_again_for_every_writer() -> None:
+    hooks = threading._threading_atexits  # (CPython's list; its entries wrap the hooks)
+    FanoutWriter([RecordingSink()], rank=0).close()
+    before = len(hooks)
+    for _ in range(20):
+        FanoutWriter([RecordingSink()], rank=0).close()
+    assert len(hooks) == before
+
+
 def test_full_buffer_drops_the_oldest_steps_and_counts_them() -> None:
     flaky = FlakySink(fail_first=3)
     writer = FanoutWriter([flaky], rank=0, buffer_steps=4, retry_backoff=(0.5, 0.5))

@@ -288,6 +288,7 @@ class _SinkWorker:
         self.closing = False
         self.abandoned = False
         self.finished = False
+        self.finishing = False  # finish() has started (on some thread): never call it twice
         self.reported: set[str] = set()  # which one-time warnings were given
         self.thread: threading.Thread | None = None
 
@@ -452,6 +453,10 @@ class _SinkWorker:
 
     def finish(self) -> None:
         """Close the sink (it flushes; it closes what it owns) and mark the worker finished."""
+        with self.cond:
+            if self.finishing:
+                return
+            self.finishing = True
         try:
             self.sink.close()
         except Exception as e:
@@ -487,6 +492,10 @@ def _close_live_writers_first() -> None:
     _close_live_writers()
 
 
+# how many threading exit hooks there were right after ours was last registered
+_exit_hook_position = [0]
+
+
 def _register_exit_hook() -> None:
     """Have the live writers closed at exit before the exit hooks of the backends registered
     so far. Those end their runs: W&B's ``atexit`` hook tears its service down (a later
@@ -498,8 +507,13 @@ def _register_exit_hook() -> None:
     register = getattr(threading, "_register_atexit", None)
     if register is None:  # pragma: no cover - CPython has it since 3.9
         return
+    registered = getattr(threading, "_threading_atexits", None)  # (entries wrap the hooks)
+    if registered is not None and len(registered) == _exit_hook_position[0] > 0:
+        return  # ours is still the last registered (the first to run): nothing since
     with contextlib.suppress(RuntimeError):  # raised once the interpreter is shutting down
         register(_close_live_writers_first)
+        if registered is not None:
+            _exit_hook_position[0] = len(registered)
 
 
 class FanoutWriter:
@@ -1046,7 +1060,7 @@ class FanoutWriter:
                         f"trainvitals FanoutWriter: sink {w.name!r} did not finish within "
                         f"{timeout:.0f} s of close(); abandoned with {left} undelivered steps"
                     )
-                    if w.inflight is None:  # waiting out a retry delay, not stuck in a write
+                    if w.inflight is None and not w.finishing:  # in a retry delay
                         idle.append(w)
             self._cond.notify_all()
             total = self._dispatched

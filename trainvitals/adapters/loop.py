@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,7 @@ class Vitals:
                 raise TypeError(f"max_steps must be an int or None, got {max_steps!r}")
             if max_steps <= 0:
                 raise ValueError(f"max_steps must be positive or None, got {max_steps}")
-        if not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
+        if isinstance(callbacks, str) or not isinstance(callbacks, Iterable):
             raise TypeError(
                 "Vitals needs a list of callbacks, e.g. Vitals([NormMonitor()]), got "
                 f"{type(callbacks).__name__}"
@@ -206,8 +206,9 @@ class Vitals:
             if attached <= self._unscaled and getattr(accelerator, "sync_gradients", True):
                 self.gradients_ready()
 
+        previous = vars(scaler).get("unscale_")  # another driver's wrapper, if any
         scaler.unscale_ = unscale_
-        self._scalers.append(scaler)
+        self._scalers.append((scaler, unscale_, previous))
 
     def _wrap_accelerator_clip(self) -> None:
         # Accelerate unscales AMP gradients in unscale_gradients(), which its clip_grad_norm_ and
@@ -413,8 +414,12 @@ class Vitals:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for scaler in self._scalers:  # the class's own unscale_ again
-            vars(scaler).pop("unscale_", None)
+        for scaler, wrapper, previous in self._scalers:
+            if vars(scaler).get("unscale_") is wrapper:  # (not another driver's wrapper)
+                if previous is None:
+                    del scaler.unscale_  # the class's own unscale_ again
+                else:
+                    scaler.unscale_ = previous
         self._scalers.clear()
         writer = self.ctx.writer
         if self._owns_writer:

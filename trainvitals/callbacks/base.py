@@ -322,6 +322,13 @@ class VitalsCallback:
         # on the same trainer (a retry from a checkpoint) builds its own at on_train_start.
         if getattr(trainer, "_trainvitals_ctx", None) is not None:
             trainer._trainvitals_ctx = None
+            # and its writer, which refuses the lower steps of a retry from an earlier
+            # checkpoint (a new one is made at first use; the JSONL resume rule drops the
+            # crashed fit's lines past the checkpoint)
+            writer = getattr(trainer, _WRITER_ATTR, None)
+            if writer is not None:
+                setattr(trainer, _WRITER_ATTR, None)
+                writer.close()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         writer = getattr(trainer, _WRITER_ATTR, None)
@@ -409,8 +416,8 @@ class VitalsCallback:
         if ctx is not None:
             self._dispatch("exception_raised", ctx, exception)
             # The run may end here; deliver what was written so far now, not at exit (the
-            # writer stays open: a retried fit on the same trainer goes on with it).
-            # (a flush failure must not hide the exception being raised)
+            # writer stays open until the process ends, or a retried fit on the same trainer
+            # closes it in setup; a flush failure must not hide the exception being raised)
             with contextlib.suppress(Exception):
                 ctx.writer.flush()
 

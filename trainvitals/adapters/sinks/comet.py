@@ -23,9 +23,10 @@ class CometSink(Sink):
         experiment_kwargs: extra keyword arguments for that ``OfflineExperiment``.
         name: the sink's name in warnings.
 
-    Keys are passed unchanged up to 100 characters; a longer key is cut with a hash by
-    :data:`~trainvitals.adapters.sinks.base.COMET_KEYS` (Comet would cut it to a plain prefix
-    itself, merging long keys that start alike into one metric). Comet serialises NaN and
+    Keys are mapped by :data:`~trainvitals.adapters.sinks.base.COMET_KEYS`: unchanged up to
+    100 characters (``_x`` followed by two hex digits is escaped as ``_x5fx..``, as by every
+    key rule, so that mapped keys stay distinct); a longer key is cut with a hash (Comet would
+    cut it to a plain prefix itself, merging long keys that start alike into one metric). Comet serialises NaN and
     infinities as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` in its messages
     (``messages.json`` of the offline archive); finite values as JSON numbers.
 
