@@ -100,6 +100,7 @@ from torch import nn
 
 from trainvitals._strict import strict as _strict
 from trainvitals.distributed import group_size, local_tensor
+from trainvitals.moe._checkpointing import CheckpointRuns
 
 __all__ = [
     "HF_ROUTER_CLASSES",
@@ -438,12 +439,8 @@ class RouterCapture:
         self._ones: dict[torch.device, torch.Tensor] = {}
         self._snapshots: dict[int, torch.Tensor] = {}
         self._broken: set[int] = set()
-        # per router: forwards run with autograd off in training mode and not counted, which
-        # a reentrant activation checkpoint re-runs (and we count) in the backward pass
-        self._held_back = [0] * len(self.routers)
-        # per router: ran with autograd on outside the backward pass (so it is not under a
-        # reentrant checkpoint, and a no_grad forward of it is re-run by nothing)
-        self._grad_forward_seen = [False] * len(self.routers)
+        # per router: which of its forwards to count under activation checkpointing
+        self._runs = [CheckpointRuns() for _ in self.routers]
         self._taking: dict[int, bool] = {}  # torchtitan: the pre-hook's decision for the hook
         # Deferred counting (TopKRouter): a counted forward only keeps a reference to its
         # routing map and aux-loss tensor, each with its version counter (to detect a later
@@ -494,29 +491,11 @@ class RouterCapture:
         self._handles.clear()
         self._snapshots.clear()
 
-    def _counts_now(self, i: int) -> bool:
-        """Whether this training-mode forward of router ``i`` is the one to count (see the
-        module docstring on activation checkpointing); called once per forward."""
-        in_backward = torch._C._current_graph_task_id() != -1
-        grad = torch.is_grad_enabled()
-        if grad and not in_backward:  # an ordinary forward, or a non-reentrant first run
-            self._grad_forward_seen[i] = True
-            self._held_back[i] = 0
-            return True
-        if not in_backward:  # autograd off: a reentrant checkpoint's first run, or no training
-            if not self._grad_forward_seen[i]:
-                self._held_back[i] += 1
-            return False
-        if grad and self._held_back[i] > 0:  # the reentrant re-run of a held-back run
-            self._held_back[i] -= 1
-            return True
-        return False  # a non-reentrant re-run: its first run was counted
-
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, inputs: Any) -> None:
             if not self.enabled or i in self._broken or not module.training:
                 return
-            taking = self._taking[i] = self._counts_now(i)
+            taking = self._taking[i] = self._runs[i].counts()
             if not taking:
                 return
             buffer = _torchtitan_buffer(module)
@@ -535,7 +514,7 @@ class RouterCapture:
             # the cheapest test first (False on steps that are not logged)
             if not self.enabled or i in self._broken or not module.training:
                 return
-            if not (self._taking.pop(i, False) if decided_before else self._counts_now(i)):
+            if not (self._taking.pop(i, False) if decided_before else self._runs[i].counts()):
                 return
             try:
                 if topk:
@@ -902,7 +881,8 @@ class RouterCapture:
             self._dirty = False
         self._aux_count = [0] * len(self.routers)
         self._snapshots.clear()
-        self._held_back = [0] * len(self.routers)
+        for runs in self._runs:  # (a held-back run of this step is not re-run any more)
+            runs.held_back = 0
         self._taking.clear()
         self._pending_maps.clear()
         self._pending_aux.clear()

@@ -71,6 +71,7 @@ from torch import nn
 
 from trainvitals.distributed import all_reduce_coalesced, group_size, is_distributed, world_group
 from trainvitals.moe._aux_loss import attach_aux_loss
+from trainvitals.moe._checkpointing import CheckpointRuns
 from trainvitals.moe.tracker import get_moe_metrics_tracker
 
 __all__ = ["TopKRouter", "reset_global_tokens", "update_expert_biases"]
@@ -258,14 +259,11 @@ class TopKRouter(nn.Module):
             persistent=False,
         )
         self.global_aux_micro_batches = 0
-        # Activation checkpointing (see _is_first_run): forwards run with autograd off in
-        # training mode that a reentrant checkpoint re-runs for real in the backward pass;
-        # whether this router ever ran with autograd on outside it (then it is not under a
-        # reentrant checkpoint); whether the forward running now records and counts, and may
-        # be re-run by a non-reentrant checkpoint; the global_aux_loss (total, mean tokens) of
-        # each such forward, oldest first, for its re-run (re-runs come in forward order)
-        self._held_back = 0
-        self._grad_forward_seen = False
+        # Activation checkpointing (CheckpointRuns): whether the forward running now records
+        # and counts, and may be re-run by a non-reentrant checkpoint; the global_aux_loss
+        # (total, mean tokens) of each such forward, oldest first, for its re-run (re-runs come
+        # in forward order)
+        self._runs = CheckpointRuns()
         self._first_run = True
         self._may_rerun = False
         self._rerun_global: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=256)
@@ -314,7 +312,8 @@ class TopKRouter(nn.Module):
                 # a compiled region recomputes inside its own backward, never through Python
                 self._first_run, self._may_rerun = True, False
             else:
-                self._first_run = self._is_first_run()
+                self._first_run = self._runs.counts()
+                self._may_rerun = self._runs.may_rerun
         x = hidden.reshape(-1, self.hidden_size)
         # No token (an empty micro-batch or rank): nothing to balance, and the losses divide
         # by the token count (ZeroDivisionError, or NaN recorded into the step's sums). Except
@@ -342,35 +341,6 @@ class TopKRouter(nn.Module):
             with torch.no_grad():
                 self.local_tokens_per_expert += kept.sum(dim=0)
         return probs, routing_map
-
-    def _is_first_run(self) -> bool:
-        """Whether this training-mode forward is the one of its run that records and counts,
-        rather than a non-reentrant activation checkpoint's re-run of a forward that did.
-
-        Outside the backward pass with autograd on: yes (and a non-reentrant checkpoint may
-        re-run it). With autograd off there (nothing is recorded then): a reentrant
-        checkpoint's first run, held back, whose re-run in the backward pass records, unless
-        this router has run with autograd on outside the backward pass (a ``no_grad`` forward
-        of it, e.g. generation between a forward and its backward, is re-run by nothing). In
-        the backward pass with autograd on (``_current_graph_task_id() != -1``): the re-run
-        of a held-back run records; any other is a non-reentrant re-run. With autograd off in
-        the backward pass (an inner checkpoint's first run during an outer re-run): nothing.
-        """
-        in_backward = torch._C._current_graph_task_id() != -1
-        grad = torch.is_grad_enabled()
-        self._may_rerun = False
-        if not in_backward:
-            if grad:
-                self._grad_forward_seen = True
-                self._held_back = 0
-                self._may_rerun = True
-            elif not self._grad_forward_seen:
-                self._held_back += 1
-            return True
-        if grad and self._held_back > 0:
-            self._held_back -= 1
-            return True
-        return False
 
     # ------------------------------------------------------------------ routing
 
