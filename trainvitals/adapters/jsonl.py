@@ -165,23 +165,23 @@ def drop_steps_from(path: str | os.PathLike[str], first_step: int) -> int:
         return not raw.endswith(b"\n") and bool(raw.strip())  # cut by a crash
 
     kept_end = 0  # byte offset just past the last kept line
-    dropped = 0
+    drop: list[bool] = []  # per line
     rewrite = False  # a kept line follows a dropped one
     last = b""
     with open(path, "rb") as f:
         offset = 0
         for raw in f:
             offset += len(raw)
-            if dropped_line(raw):
-                dropped += 1
-            else:
+            drop.append(dropped_line(raw))
+            if not drop[-1]:
                 rewrite = rewrite or kept_end != offset - len(raw)
                 kept_end, last = offset, raw
+    dropped = sum(drop)
     if rewrite:
         tmp = f"{os.fspath(path)}.tmp"
         with open(path, "rb") as src, open(tmp, "wb") as dst:
-            for raw in src:
-                if not dropped_line(raw):
+            for raw, gone in zip(src, drop, strict=True):
+                if not gone:
                     dst.write(raw if raw.endswith(b"\n") else raw + b"\n")
         os.replace(tmp, path)
         return dropped

@@ -340,6 +340,10 @@ class Vitals:
     def _end_step(self) -> None:
         self._each("step_end")
         self.ctx.step += 1
+        self._start_step()
+
+    def _start_step(self) -> None:
+        """The step in ``ctx.step`` starts from its first micro-batch: nothing of it seen yet."""
         self.ctx.micro_batch = 0
         self.ctx.micro_batches_in_step = 0
         self._grads_seen_for_step = False
@@ -388,10 +392,7 @@ class Vitals:
         self.ctx.step = int(state_dict.get("step", 0))
         # A restore while a step is in progress (a rollback) replays that step from its start:
         # the micro-batches and gradients seen since belong to the abandoned timeline.
-        self.ctx.micro_batch = 0
-        self.ctx.micro_batches_in_step = 0
-        self._grads_seen_for_step = False
-        self._unscaled.clear()
+        self._start_step()
         states = state_dict["callbacks"]
         for cb in self.callbacks:
             if cb.state_key in states:

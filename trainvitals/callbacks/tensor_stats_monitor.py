@@ -439,10 +439,11 @@ class TensorStatsMonitor(VitalsCallback):
                 moments[torch.tensor(idx, device=device)] = sub
             if zeros:
                 at = torch.tensor(list(zeros), device=device)
+                counts = torch.tensor(list(zeros.values()), dtype=torch.float64, device=device)
                 zero_part = empty_moments(len(zeros), device=device)
-                for j, k in enumerate(zeros.values()):
-                    if k:  # k zeros: mean, M2..M4, min and max all 0
-                        zero_part[j, :7] = torch.tensor([k, 0, 0, 0, 0, 0, 0], dtype=torch.float64)
+                some = counts > 0  # k zeros: count k; mean, M2..M4, min and max all 0
+                zero_part[some, :7] = 0.0
+                zero_part[some, 0] = counts[some]
                 moments[at] = combine_moments(torch.stack([moments[at], zero_part]), dim=0)
         except Exception as exc:
             # Rank-local (say, out of memory in the kernel): send NaN rows through the step's
@@ -657,7 +658,7 @@ class TensorStatsMonitor(VitalsCallback):
         data_groups = () if group_size(dp_cp) == 1 else (dp_cp,)
         # An expert's tokens come from the token streams of its EP group only; the ranks
         # holding the same experts (expert data parallel) see the other streams' tokens.
-        edp = getattr(ctx.groups, "edp", None)
+        edp = ctx.groups.edp
         expert_groups = () if group_size(edp) == 1 else (edp,)
         groups = [
             self._site_groups.get((kind, i), ())
@@ -808,7 +809,7 @@ class TensorStatsMonitor(VitalsCallback):
         if (
             any(self._site_expert)
             and any(k in self.kinds for k in ("activation", "dgrad"))
-            and group_size(getattr(groups, "edp", None)) == 1
+            and group_size(groups.edp) == 1
             and group_size(groups.dp_cp) > group_size(groups.ep) > 1
         ):
             self.warn_once(

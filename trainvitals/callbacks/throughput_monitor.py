@@ -230,9 +230,9 @@ class ThroughputMonitor(VitalsCallback):
         )
         self._peak = self.peak_flops
         if self._peak is None and self._cuda is not None:
-            self._peak = peak_flops(device_name_of(device) or "", self.precision)
+            name = device_name_of(device) or ""
+            self._peak = peak_flops(name, self.precision)
             if self._peak is None:
-                name = device_name_of(device) or ""
                 # the device may be known, only not at this precision (V100 at bf16)
                 known = chip_name(name) is not None
                 what = f"{name!r} at precision={self.precision!r}" if known else repr(name)

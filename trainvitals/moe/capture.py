@@ -130,8 +130,9 @@ HF_ROUTER_CLASSES: frozenset[str] = frozenset(
 _HF_SOFTMAX_AUX: frozenset[str] = frozenset(HF_ROUTER_CLASSES - {"DeepseekV3TopkRouter"})
 _HF_GENERIC = re.compile(r"Top[kK]Router$")
 _TORCHTITAN_BUFFERS = ("tokens_per_expert_E", "tokens_per_expert")
-# The integer components of a dotted module name; the first is the layer number in keys.
-LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+# The integer components of a dotted module name; the first is the layer number in keys. A
+# tensor name `<module>/input0` (tensor statistics) ends its module name with '/'.
+LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?=[./]|$)")
 # Deferred routing maps held before they are counted early (elements, i.e. bytes of bool):
 # bounds the memory a long gradient accumulation of large maps can hold until the step ends.
 _MAX_PENDING_NUMEL = 1 << 25

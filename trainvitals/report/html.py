@@ -54,6 +54,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
     KINDS,
     StepChunks,
@@ -74,10 +75,6 @@ DEFAULT_MAX_POINTS = 600
 MAX_LINES = 10
 TENSOR_STATS_FILE = "tensor_stats.jsonl"
 _DIGITS = re.compile(r"\d+")
-# The layer of a tensor: its first integer name component. The module name of a site ends at
-# '/' (`layers.0/input0`, `0/output0` in an nn.Sequential), so '/' ends a component too (the
-# moe.capture pattern, for module names only, left such activations and dgrads out of every layer).
-_LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?=[./]|$)")
 # Sections in this order first (the rest alphabetically): what a trainer looks at first.
 _AREA_ORDER = ("train", "l2_norm", "moe", "load_balance", "tensor_stats", "throughput", "time")
 _PALETTE = (
@@ -528,7 +525,7 @@ class _KindStats:
         everything = matcher(None)
         for r in merge_records(records, self.kind, _CHART_MERGE, everything, None, False):
             out[r["step"]].merged = {s: _stat(r, s) for s in _TENSOR_STATS}
-        for r in merge_records(records, self.kind, _LAYER_STATS, everything, _LAYER_NUMBER, False):
+        for r in merge_records(records, self.kind, _LAYER_STATS, everything, LAYER_NUMBER, False):
             out[r["step"]].layers[r["group"]] = {s: _stat(r, s) for s in _LAYER_STATS}
         return out
 
@@ -606,7 +603,7 @@ def _tensor_sections(
         ]
         layer_rows = [
             [r["group"], *(_cell(r, c) for c in cols)]
-            for r in merge_records(last, kind, stats, everything, _LAYER_NUMBER, False)
+            for r in merge_records(last, kind, stats, everything, LAYER_NUMBER, False)
         ]
         tensor_rows = [
             [r["group"], *(_cell(r, c) for c in cols[1:])]

@@ -26,9 +26,10 @@ class CometSink(Sink):
     Keys are mapped by :data:`~trainvitals.adapters.sinks.base.COMET_KEYS`: unchanged up to
     100 characters (``_x`` followed by two hex digits is escaped as ``_x5fx..``, as by every
     key rule, so that mapped keys stay distinct); a longer key is cut with a hash (Comet would
-    cut it to a plain prefix itself, merging long keys that start alike into one metric). Comet serialises NaN and
-    infinities as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` in its messages
-    (``messages.json`` of the offline archive); finite values as JSON numbers.
+    cut it to a plain prefix itself, merging long keys that start alike into one metric).
+    Comet serialises NaN and infinities as the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"`` in its messages (``messages.json`` of the offline archive); finite values
+    as JSON numbers.
 
     Example::
 

@@ -54,7 +54,7 @@ class JsonlSink(Sink):
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def _open_from(self, first_step: int) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.open()
         message = None
         # Only a regular file holding lines: a pipe, a terminal or /dev/stdout is appended to
         # as it is (reading it would block).
