@@ -398,3 +398,31 @@ def test_report_writes_through_tensorboard_style_add_scalars_every_time() -> Non
         ("moe/z_loss", 3.0, 1),
         ("moe/z_loss", 4.0, 2),
     ]
+
+
+def test_percentile_keys_name_each_quantile_exactly_and_never_collide():
+    # int(q * 100) (Megatron's name) truncates the float product: 0.29 -> p28, and 0.999 would
+    # overwrite 0.99 as p99. Each quantile gets its own key and value (linear interpolation over
+    # the positive layers, as numpy's default quantile).
+    tracker = MoEMetricsTracker()
+    values = [0.3, 1.7, 0.9, 2.4, 1.1, 0.2, 3.5]
+    for layer, v in enumerate(values, start=1):
+        tracker.record("load_balancing_loss", torch.tensor(v), layer, len(values))
+    qs = [0.29, 0.5, 0.99, 0.999]
+    writer = Recorder()
+    tracker.report(1.0, 0, writer, percentiles={"load_balancing_loss": qs})
+    row = writer.rows[0]
+    recorded = np.array(values, dtype=np.float32).astype(np.float64)  # as the tensors hold them
+    expected_keys = ["p29", "p50", "p99", "p99.9"]
+    for q, suffix in zip(qs, expected_keys, strict=True):
+        key = f"moe/load_balancing_loss_{suffix}"
+        assert row[key] == pytest.approx(float(np.quantile(recorded, q)), rel=1e-12), key
+    assert row["moe/load_balancing_loss_p99.9"] > row["moe/load_balancing_loss_p99"]
+
+
+def test_percentiles_sharing_a_key_raise_and_repeats_are_dropped():
+    from trainvitals.moe.tracker import _check_percentiles
+
+    assert _check_percentiles({"x": [0.5, 0.5, 0.9]}) == {"x": [0.5, 0.9]}
+    with pytest.raises(ValueError, match="share a key"):
+        _check_percentiles({"x": [0.5, 0.5 + 1e-14]})

@@ -84,7 +84,8 @@ class MoEMetricsMonitor(VitalsCallback):
     ``moe/z_loss``                            mean logsumexp(logits)^2 (before its coeff)       logit^2
     ``moe/dropped_token_fraction``            fraction of top-k selections dropped by the       1
                                               capacity limit, mean over MoE layers
-    ``moe/{name}_p{int(q*100)}``              quantile q over the layers with non-zero value    as name
+    ``moe/{name}_p{100q}``                    quantile q over the layers with non-zero value    as name
+                                              (``_p50`` for 0.5, ``_p99.9`` for 0.999)
     ``moe/{name}_layer_{i}``                  the value of layer ``i`` (0-based module index,   as name
                                               ``layers.{i}``), with ``per_layer_logging``
     ========================================  ================================================  ======

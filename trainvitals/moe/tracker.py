@@ -32,7 +32,8 @@ key                                 meaning
 ``moe/{name}``                      mean over the MoE layers of the per-layer value, times
                                     ``loss_scale`` (Megatron writes the bare ``{name}``; the
                                     ``moe/`` prefix follows the project's ``area/metric`` keys)
-``moe/{name}_p{int(q*100)}``        quantile ``q`` over the layers with a non-zero value
+``moe/{name}_p{100q}``              quantile ``q`` over the layers with a non-zero value (``_p50``
+                                    for 0.5, ``_p99.9`` for 0.999; :func:`percentile_key`)
 ``moe/{name}_layer_{i}``            the value of layer slot ``i`` (0-based, so the module
                                     ``layers.{i}`` of the model), with ``per_layer_logging``;
                                     only MoE layers when ``moe_layer_freq`` is given
@@ -429,7 +430,7 @@ class MoEMetricsTracker:
         if out is None:
             if len(self._pct_keys) > 1024:
                 self._pct_keys.clear()
-            out = self._pct_keys[cache_key] = [f"{name}_p{int(q * 100)}" for q in qs]
+            out = self._pct_keys[cache_key] = [percentile_key(name, q) for q in qs]
         return out
 
     def _prefixed(self, key: str) -> str:
@@ -576,6 +577,19 @@ def _moe_layer_mask(num_layers: int, freq: int | list[int] | None, mtp: int) -> 
     return mask + [True] * mtp
 
 
+def percentile_key(name: str, q: float) -> str:
+    """The key suffix of quantile ``q`` of metric ``name``: ``{name}_p{percent}``.
+
+    A whole percent is written as an integer, as Megatron-LM does (``0.5`` -> ``_p50``,
+    ``0.95`` -> ``_p95``); any other as its shortest decimal (``0.999`` -> ``_p99.9``).
+    Megatron writes ``int(q * 100)``, which truncates the float product: ``0.29`` becomes
+    ``_p28`` and ``0.999`` collides with ``0.99`` as ``_p99``."""
+    percent = round(q * 100.0, 9)  # drop the product's rounding (0.29 * 100 = 28.999999999999996)
+    if percent == int(percent):
+        return f"{name}_p{int(percent)}"
+    return f"{name}_p{percent!r}"
+
+
 def _check_percentiles(percentiles: Mapping[str, Sequence[float]] | None) -> dict[str, list[float]]:
     if percentiles is None:
         return {}
@@ -591,7 +605,14 @@ def _check_percentiles(percentiles: Mapping[str, Sequence[float]] | None) -> dic
             isinstance(q, int | float) and not isinstance(q, bool) and 0.0 <= q <= 1.0 for q in qs
         ):
             raise ValueError(f"percentiles[{name!r}] must be quantiles in [0, 1], got {qs!r}")
-        out[name] = [float(q) for q in qs]
+        unique = list(dict.fromkeys(float(q) for q in qs))  # a repeated quantile once
+        keys = [percentile_key(name, q) for q in unique]
+        if len(set(keys)) != len(keys):
+            raise ValueError(
+                f"percentiles[{name!r}] has quantiles that share a key ({keys}); they differ by "
+                "less than 1e-11"
+            )
+        out[name] = unique
     return out
 
 
