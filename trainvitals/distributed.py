@@ -214,8 +214,10 @@ def all_reduce_coalesced(
         return [t.detach().to(dtype=dtype, copy=True) for t in tensors]
     device = _collective_device(group, tensors[0].device)
     # bool and unsigned buffers cannot carry MIN's mark (-1) and would lose it (min(0, 255)
-    # is 0): they are reduced as int64, exact for their values
-    wire = dtype if op != "min" or dtype.is_floating_point or dtype.is_signed else torch.int64
+    # is 0), and an 8-bit SUM of the marks wraps to 0 at 256 replaying ranks: those are reduced
+    # as int64, exact for their values (cast back, a sum wraps as the dtype's own sum would)
+    narrow = dtype.itemsize == 1 or (op == "min" and not dtype.is_signed)
+    wire = torch.int64 if narrow and not dtype.is_floating_point else dtype
     parts = [t.detach().reshape(-1).to(device=device, dtype=wire) for t in tensors]
     numel = sum(p.numel() for p in parts)
     # gloo's MAX/MIN keep a NaN only when it is already in the accumulator (a NaN of the last

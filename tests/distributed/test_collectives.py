@@ -375,6 +375,25 @@ def _edge_cases_body(rank: int, world_size: int) -> dict:
                 out["raised"][f"{dt}/{op}"] = False
             except tvd.PeerRankFailed:
                 out["raised"][f"{dt}/{op}"] = True
+    # an 8-bit SUM of the marks must not wrap to 0: ranks 1 and 2 replay with a mark of 128
+    # each (standing for 256 replaying ranks), rank 0 must still learn of it
+    real_mark = tvd._mark
+    for dt in (torch.uint8, torch.int8):
+        ones = torch.ones(3, dtype=dt)
+        with tvd.recording_collectives() as calls:
+            all_reduce_coalesced([ones], "sum", group, dtype=dt)
+        if rank > 0:
+            tvd._mark = lambda device, dtype, op="sum": 128 * real_mark(device, dtype, op)
+            try:
+                tvd.replay_missing(calls)
+            finally:
+                tvd._mark = real_mark
+            continue
+        try:
+            all_reduce_coalesced([ones], "sum", group, dtype=dt)
+            out["raised"][f"wrap/{dt}"] = False
+        except tvd.PeerRankFailed:
+            out["raised"][f"wrap/{dt}"] = True
     # bad input: a clear error on every rank, before the collective
     before = _count()
     for key, call in {
