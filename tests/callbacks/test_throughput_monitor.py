@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any
 
 import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.scripts.vitals_testing import FakeClock, RecordingWriter
+from tests.scripts.vitals_testing import FakeClock, RecordingWriter, batch_size, dt, fake_loop
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
 from trainvitals.distributed import collective_counter
@@ -17,50 +18,26 @@ from trainvitals.distributed import collective_counter
 SEQ = 5
 
 
-def _dt(step: int, mb: int) -> float:
-    """Seconds the fake clock moves during micro-batch ``mb`` of ``step``."""
-    return 0.25 * (1 + (3 * step + mb) % 4)
-
-
-def _bs(step: int, mb: int, rank: int = 0) -> int:
-    return 2 + (step + mb) % 3 + 3 * rank
+_dt = dt  # seconds the fake clock moves during a micro-batch of fake_loop
+_bs = batch_size  # samples of a micro-batch of fake_loop
 
 
 def _loop(
     monitor: ThroughputMonitor,
     clock: FakeClock,
     *,
-    steps: range,
-    acc: int = 2,
-    log_every: int = 2,
-    val_every: int = 3,
-    rank: int = 0,
-    state: dict | None = None,
     counts_per_step: list | None = None,
+    **loop_args: Any,
 ) -> tuple[RecordingWriter, Vitals]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    writer = RecordingWriter()
-    vitals = Vitals([monitor], writer=writer, log_every_n_steps=log_every).attach(model, opt)
-    if state is not None:
-        vitals.load_state_dict(state)
-    for step in steps:
-        for mb in range(acc):
-            bs = _bs(step, mb, rank)
-            batch = {"input_ids": torch.zeros(bs, SEQ, dtype=torch.long), "x": torch.randn(bs, 3)}
-            vitals.batch(batch)
-            clock.t += _dt(step, mb)
-            model(batch["x"]).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if counts_per_step is not None:
+    """:func:`fake_loop` with the monitor alone (sequences of ``SEQ`` tokens), optionally
+    recording the all-reduce count after every optimizer step."""
+    on_step = None
+    if counts_per_step is not None:
+
+        def on_step(step: int) -> None:
             counts_per_step.append(collective_counter["all_reduce"])
-        if (step + 1) % val_every == 0:
-            with vitals.validating():
-                clock.t += 100.0  # validation: never training time
-    vitals.close()
-    return writer, vitals
+
+    return fake_loop([monitor], clock, seq=SEQ, on_step=on_step, **loop_args)
 
 
 def _expected(step: int, *, window: int, warmup: int, acc: int = 2, ranks=(0,)) -> dict:
