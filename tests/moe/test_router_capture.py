@@ -270,6 +270,207 @@ def test_activation_checkpoint_rerun_not_counted() -> None:
     torch.testing.assert_close(counts[1], counts[0], rtol=0, atol=0)
 
 
+# ---------------------------------------------------------------------- HF padding left out
+
+# Two micro-batches of 2 sequences: the second sequence of the first is right-padded, the first
+# of the second left-padded (and the two have different lengths).
+PADDED_MASKS = (
+    torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]),
+    torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]]),
+)
+
+
+def _masked_expectation(
+    recorder: IndexRecorder, masks: list[torch.Tensor], num_experts: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From the routers' own indices and logits (recorded by the test's hook) and the masks of
+    the forwards: per layer, the bincount over the non-padding tokens of every forward, the
+    mean over forwards of E / (k T_valid) * sum_i count_i * mean_valid_softmax_i (float64), and
+    the mean over forwards of Hugging Face's load_balancing_loss_func term / k."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    counts, aux, hf_aux = [], [], []
+    for layer in sorted(recorder.by_layer):
+        forwards = list(zip(recorder.by_layer[layer], recorder.logits[layer], masks, strict=True))
+        row = np.zeros(num_experts)
+        values, hf_values = [], []
+        for idx, logits, mask in forwards:
+            valid = mask.reshape(-1).numpy() != 0  # router token b * S + s is mask[b, s]
+            _, k = idx.shape
+            layer_counts = np.bincount(idx[valid].reshape(-1), minlength=num_experts)
+            row += layer_counts
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            t_valid = valid.sum()
+            values.append(num_experts / (k * t_valid) * (layer_counts * p[valid].mean(0)).sum())
+            hf = load_balancing_loss_func(
+                (torch.from_numpy(logits).float(),), num_experts, k, attention_mask=mask
+            )
+            hf_values.append(float(hf) / k)
+        counts.append(row)
+        aux.append(np.mean(values))
+        hf_aux.append(np.mean(hf_values))
+    return np.stack(counts), np.array(aux), np.array(hf_aux)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe"])
+def test_hf_padding_tokens_are_not_counted(family: str) -> None:
+    model, router_cls, layers, num_experts = build(family)
+    capture = RouterCapture(model)
+    recorder = IndexRecorder(model, router_cls)
+    gen = torch.Generator().manual_seed(5)
+    model.train()
+    for n, mask in enumerate(PADDED_MASKS):
+        x = torch.randint(0, VOCAB, mask.shape, generator=gen)
+        recorder.recording = True
+        if n == 0:  # the mask by keyword
+            out = model(x, attention_mask=mask).logits
+        else:  # as the second positional argument, to the inner model only (its sole hook)
+            out = model.model(x, mask).last_hidden_state
+        recorder.recording = False
+        out.float().pow(2).mean().backward()
+    expected, aux, hf_aux = _masked_expectation(recorder, list(PADDED_MASKS), num_experts)
+    everything = recorder.counts(num_experts)
+    assert (expected.sum(1) < everything.sum(1)).all()  # the padding is really left out
+    top_k = model.config.num_experts_per_tok
+    assert (expected.sum(1) == top_k * sum(int(m.sum()) for m in PADDED_MASKS)).all()
+    np.testing.assert_array_equal(capture.loads().numpy(), expected)
+    aux_sum, aux_count = capture.aux_losses()
+    np.testing.assert_array_equal(aux_count.numpy(), [2] * len(layers))
+    np.testing.assert_allclose((aux_sum / aux_count).numpy(), aux, rtol=1e-5)
+    # Hugging Face's own masked term of the layer is top_k times ours
+    np.testing.assert_allclose(hf_aux, aux, rtol=1e-5)
+
+
+def test_hf_padding_left_out_under_reentrant_checkpointing() -> None:
+    # The counted run is the re-run in the backward pass: it is matched with its forward's mask.
+    model, router_cls, _, num_experts = build("mixtral")
+    reference, _, _, _ = build("mixtral")
+    reference.load_state_dict(model.state_dict())
+    model.activation_checkpointing_enable({"use_reentrant": True})
+    capture = RouterCapture(model)
+    recorder = IndexRecorder(reference, router_cls)
+    recorder.recording = True
+    model.train()
+    reference.train()
+    gen = torch.Generator().manual_seed(6)
+    for mask in PADDED_MASKS:
+        x = torch.randint(0, VOCAB, mask.shape, generator=gen)
+        reference(x, attention_mask=mask)
+        model(x, attention_mask=mask).logits.float().pow(2).mean().backward()
+    expected, aux, _ = _masked_expectation(recorder, list(PADDED_MASKS), num_experts)
+    np.testing.assert_array_equal(capture.loads().numpy(), expected)
+    aux_sum, aux_count = capture.aux_losses()
+    np.testing.assert_allclose((aux_sum / aux_count).numpy(), aux, rtol=1e-5)
+
+
+def test_hf_without_mask_or_all_ones_counts_every_token() -> None:
+    model, router_cls, _, num_experts = build("mixtral")
+    capture = RouterCapture(model)
+    recorder = IndexRecorder(model, router_cls)
+    model.train()
+    x = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    model(x, attention_mask=PADDED_MASKS[0]).logits.sum().backward()
+    assert capture.loads().sum() < 2 * 2 * 12  # padding left out (layers x k x tokens)
+    capture.reset()
+    recorder.recording = True
+    # no mask (clears the previous forward's), None, all ones
+    model(x).logits.sum().backward()
+    model(x, attention_mask=None).logits.sum().backward()
+    model(x, attention_mask=torch.ones(2, 6, dtype=torch.long)).logits.sum().backward()
+    np.testing.assert_array_equal(capture.loads().numpy(), recorder.counts(num_experts))
+    assert (capture.loads().sum(1) == 2 * 3 * 12).all()
+    aux_sum, aux_count = capture.aux_losses()
+    np.testing.assert_allclose(
+        (aux_sum / aux_count).numpy(), recorder.switch_aux(num_experts), rtol=1e-5
+    )
+
+
+def test_hf_mask_of_another_size_counts_every_token_and_warns_once() -> None:
+    # With a KV cache the mask covers the cached tokens too: [B, past + S] for B * S routed.
+    import warnings
+
+    model, router_cls, layers, num_experts = build("mixtral")
+    capture = RouterCapture(model)
+    recorder = IndexRecorder(model, router_cls)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():  # the cache of a 5-token prefix (an evaluation forward: not counted)
+        model.eval()
+        first = model(torch.randint(0, VOCAB, (2, 5), generator=gen), use_cache=True)
+    model.train()
+    recorder.recording = True
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(
+                torch.randint(0, VOCAB, (2, 3), generator=gen),
+                attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]] * 2),
+                past_key_values=copy.deepcopy(first.past_key_values),
+                use_cache=True,
+            )
+        mismatch = [w for w in caught if "attention mask has 16" in str(w.message)]
+        # one warning per router, on the first such forward only
+        assert len(mismatch) == (len(layers) if _ == 0 else 0), [str(w.message) for w in caught]
+    np.testing.assert_array_equal(capture.loads().numpy(), recorder.counts(num_experts))
+    assert (capture.loads().sum(1) == 2 * 2 * 6).all()
+
+
+def test_hf_padding_needs_no_host_synchronisation() -> None:
+    # The operations that read a device value back to the host (.item(), nonzero for boolean
+    # indexing, masked_select): none is added by the capture on a padded forward.
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    syncing = {"_local_scalar_dense", "nonzero", "masked_select", "item", "boolean index"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.__name__.split(".")[0]
+            if name == "index" and any(
+                isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in args[1]
+            ):
+                name = "boolean index"  # sizes its output from the mask: a sync on CUDA
+            self.names[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    model, _, _, _ = build("mixtral")
+    capture = RouterCapture(model)
+    model.train()
+    x = torch.randint(0, VOCAB, (2, 6))
+    runs = []
+    for enabled in (False, True):
+        capture.enabled = enabled
+        with Ops() as ops:
+            model(x, attention_mask=PADDED_MASKS[0])
+        runs.append(ops.names)
+    added = runs[1] - runs[0]
+    assert added["masked_fill"] == 2  # the padding was sent to the overflow column, per layer
+    assert not syncing & set(added), added
+    assert capture.loads().sum() == 2 * 2 * 10
+
+
+def test_hf_mask_hooks_removed_with_the_capture() -> None:
+    model, _, _, _ = build("mixtral")
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    capture = RouterCapture(model)
+    # the outer and the inner transformers model record the mask
+    assert [m for m in model.modules() if m._forward_pre_hooks] == [model, model.model]
+    capture.remove()
+    assert not any(
+        m._forward_pre_hooks or m._forward_pre_hooks_with_kwargs for m in model.modules()
+    )
+    model.train()
+    model(torch.randint(0, VOCAB, (2, 6)), attention_mask=PADDED_MASKS[0]).logits.sum().backward()
+    assert capture.loads().sum() == 0 and capture._attention_mask is None
+    capture.attach()  # and they come back with the router hooks
+    assert [m for m in model.modules() if m._forward_pre_hooks] == [model, model.model]
+
+
 # ---------------------------------------------------------------------- torchtitan stand-in
 
 

@@ -33,10 +33,18 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             any ``transformers`` module whose class name ends in ``TopKRouter`` /
                             ``TopkRouter`` with ``num_experts`` and ``top_k``): output
                             ``(router_logits [N, E], scores [N, k], indices [N, k])``; the counts
-                            are a scatter-add of the router's own ``indices``. For the softmax
-                            families (all six but DeepSeek-V3) the layer's aux loss is the Switch
-                            loss from ``router_logits`` and those counts, normalised to 1.0 at
-                            perfect balance (Hugging Face's per-layer term / ``top_k``)
+                            are a scatter-add of the router's own ``indices``, without padding:
+                            a pre-hook on the transformers models that contain the routers
+                            records their forward's 2-d ``attention_mask`` ``[B, S]``, and the
+                            tokens where it is 0 (token ``b * S + s`` of the router's
+                            ``N = B * S``) go to the overflow column; without a 2-d mask, or
+                            when its size is not ``N`` (a KV cache, a model that removes padding
+                            itself; warned once per router), every token is counted. For the
+                            softmax families (all six but DeepSeek-V3) the layer's aux loss is
+                            the Switch loss from ``router_logits`` and those counts over the same
+                            tokens, normalised to 1.0 at perfect balance (Hugging Face's
+                            per-layer ``load_balancing_loss_func`` term with the attention mask,
+                            / ``top_k``)
 torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (torchtitan 0.3) or
                             ``tokens_per_expert`` (older): torchtitan adds each training forward's
                             counts to it and its optimizer step PRE-hook ``_update_expert_bias``
@@ -61,6 +69,14 @@ checkpointing runs a forward twice, and which run to count depends on its kind:
   backward re-runs (a generation step, a teacher) is never counted: once a router has run with
   autograd on outside the backward pass, its ``no_grad`` forwards are not held back at all,
   and such a forward drops its held-back runs.
+
+The attention mask a Hugging Face router's tokens are matched with is that of the latest
+training-mode forward of its model. For a reentrant re-run that is the mask of the forward being
+re-run when each micro-batch's forward and backward come in order (gradient accumulation); a
+schedule that interleaves forwards and backwards of different micro-batches through the same
+model (a pipeline schedule, a training-mode forward between a forward and its backward) could
+pair a re-run with another micro-batch's mask: only a mask of another size is detected (every
+token is then counted).
 
 Layer numbers come from the module name: the first integer component, so
 ``model.layers.10.mlp.gate`` is layer 10 and ``module.decoder.layers.3.mlp.router`` layer 3.
@@ -89,6 +105,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -306,6 +323,45 @@ def _int_attr(module: nn.Module, attr: str) -> int | None:
     return None
 
 
+def _is_hf_pretrained_model(module: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (looked up along the MRO, as FSDP2 swaps the class;
+    by name, so that transformers is never imported here)."""
+    return hasattr(module, "config") and any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+        for c in type(module).__mro__
+    )
+
+
+def _attention_mask_position(module: nn.Module) -> int | None:
+    """The position of ``attention_mask`` among the positional parameters of the module's
+    ``forward`` (``forward(input_ids, attention_mask, ...)``: 1), ``None`` when it has none."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for pos, p in enumerate(parameters):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return None
+        if p.name == "attention_mask":
+            return pos
+    return None
+
+
+def _hf_mask_sources(model: nn.Module, routers: list[RouterInfo]) -> list[nn.Module]:
+    """The transformers models (``PreTrainedModel``) that contain a Hugging Face router: the
+    modules whose forward receives the attention mask (outer and inner, e.g. ``...ForCausalLM``
+    and its ``.model``)."""
+    names = [r.name for r in routers if r.kind == "hf"]
+    if not names:
+        return []
+    return [
+        module
+        for name, module in model.named_modules()
+        if any(name == "" or n.startswith(name + ".") for n in names)
+        and _is_hf_pretrained_model(module)
+    ]
+
+
 def find_routers(model: nn.Module, extractors: Iterable[Any] | None = None) -> list[RouterInfo]:
     """The routers of ``model``, ordered numerically by layer, with unique layer labels.
 
@@ -453,6 +509,13 @@ class RouterCapture:
         self._row_indices: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
         self._eager: set[int] = set()  # routers whose map was changed in place: count at once
         self._invalid: set[int] = set()  # rows whose counts of this step are unknown
+        # Hugging Face routers see no attention mask: it is taken from the forward of the
+        # transformers models that contain them, to leave padding tokens out (_hf_valid_tokens).
+        self._mask_sources = _hf_mask_sources(model, self.routers)
+        self._attention_mask: torch.Tensor | None = None  # [B, S] of the last model forward
+        # derived from it once per device: (padding [B*S, 1] bool, valid [B*S], valid count)
+        self._valid_tokens: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._mask_mismatch_warned: set[int] = set()
         if attach:
             self.attach()
 
@@ -484,6 +547,12 @@ class RouterCapture:
             if r.kind == "torchtitan":
                 self._handles.append(r.module.register_forward_pre_hook(self._make_pre_hook(i)))
             self._handles.append(r.module.register_forward_hook(self._make_hook(i)))
+        for module in self._mask_sources:
+            self._handles.append(
+                module.register_forward_pre_hook(
+                    self._make_mask_pre_hook(_attention_mask_position(module)), with_kwargs=True
+                )
+            )
 
     def remove(self) -> None:
         """Remove every hook; the accumulated counts stay readable."""
@@ -491,6 +560,67 @@ class RouterCapture:
             handle.remove()
         self._handles.clear()
         self._snapshots.clear()
+        self._record_attention_mask(None)
+
+    def _make_mask_pre_hook(self, position: int | None) -> Callable[..., None]:
+        """A pre-hook on a transformers model that records its forward's 2-d attention mask
+        (``attention_mask=`` or the positional argument at ``position``); any other (none, a 4-d
+        mask) clears it, so the routers count every token."""
+
+        def mask_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self.enabled or not module.training:
+                return
+            if "attention_mask" in kwargs:
+                mask = kwargs["attention_mask"]
+            elif position is not None and len(args) > position:
+                mask = args[position]
+            else:
+                mask = None
+            self._record_attention_mask(mask)
+
+        return mask_pre_hook
+
+    def _record_attention_mask(self, mask: Any) -> None:
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            self._attention_mask = local_tensor(mask).detach()
+        else:
+            self._attention_mask = None
+        self._valid_tokens.clear()
+
+    def _hf_valid_tokens(
+        self, i: int, num_tokens: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(padding [N, 1] bool, valid [N] float32, number of valid tokens)`` for a Hugging
+        Face router's ``N`` tokens, from the recorded attention mask, on ``device``; ``None``
+        (count every token) without a mask or when its size is not the router's token count.
+
+        The router sees the hidden states flattened row-major, ``[B, S, H] -> [B * S, H]``, so
+        token ``b * S + s`` is ``mask[b, s]``. Device kernels only: no host synchronisation."""
+        mask = self._attention_mask
+        if mask is None:
+            return None
+        if mask.numel() != num_tokens:
+            if i not in self._mask_mismatch_warned:
+                self._mask_mismatch_warned.add(i)
+                warnings.warn(
+                    f"trainvitals router capture: {self.routers[i].name!r} routed {num_tokens} "
+                    f"tokens but the model's attention mask has {mask.numel()} "
+                    f"(shape {tuple(mask.shape)}; e.g. a KV cache, or a model that removes "
+                    "padding before its routers), so padding cannot be told apart: every token "
+                    "it routes is counted",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        derived = self._valid_tokens.get(device)
+        if derived is None:
+            flat = mask.reshape(-1)
+            if flat.device != device:
+                flat = flat.to(device, non_blocking=True)
+            padding = (flat == 0).unsqueeze(-1)
+            valid = (flat != 0).float()
+            derived = self._valid_tokens[device] = (padding, valid, valid.sum().clamp(min=1.0))
+        return derived
 
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, inputs: Any) -> None:
@@ -556,9 +686,15 @@ class RouterCapture:
                     i, "expected (router_logits [N, E], scores [N, k], indices [N, k] integer)"
                 )
                 return
-            counts = self._add_indices(i, local_tensor(indices))
+            indices = local_tensor(indices)
+            valid = self._hf_valid_tokens(i, indices.shape[0], indices.device)
+            if valid is not None:
+                # padding tokens go to the overflow column (never reported)
+                indices = indices.masked_fill(valid[0], r.num_experts)
+            counts = self._add_indices(i, indices)
             if r.has_aux_loss and logits.ndim == 2:
-                self._add_aux(i, _switch_aux_loss(local_tensor(logits), counts, indices.shape[-1]))
+                aux = _switch_aux_loss(local_tensor(logits), counts, indices.shape[-1], valid)
+                self._add_aux(i, aux)
         elif r.kind == "topk_router":
             self._count_topk_router(i, module, output)
         elif r.kind == "torchtitan":
@@ -913,15 +1049,31 @@ def _as_aux_tensor(aux: Any) -> torch.Tensor:
     return aux
 
 
-def _switch_aux_loss(logits: torch.Tensor, counts: torch.Tensor | None, top_k: int) -> Any:
+def _switch_aux_loss(
+    logits: torch.Tensor,
+    counts: torch.Tensor | None,
+    top_k: int,
+    valid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> Any:
     """The Switch load-balancing loss of one layer and forward, before its coefficient, with
     Megatron's normalisation (1.0 at perfect balance): ``E / (k T) * sum_i tokens_i * P_i``,
-    ``P_i`` the mean softmax probability of expert ``i``. Hugging Face's
-    ``load_balancing_loss_func`` term of the layer is ``top_k`` times this (it divides the
-    counts by ``T``, not ``T * k``) and counts padding tokens only without an attention mask;
-    here every token is counted."""
+    ``P_i`` the mean softmax probability of expert ``i``, over the ``T`` tokens that are not
+    padding when ``valid`` (from :meth:`RouterCapture._hf_valid_tokens`) is given (``counts``
+    then count only those; a forward with no such token gives 0, where Hugging Face divides
+    0 by 0), else over every token. Hugging Face's ``load_balancing_loss_func`` term of the
+    layer is ``top_k`` times this (it divides the counts by ``T``, not ``T * k``)."""
     if counts is None or logits.shape[0] == 0:
         return None
     num_tokens, num_experts = logits.shape
-    probs = logits.detach().float().softmax(dim=-1).mean(dim=0)
-    return (counts.to(probs.dtype) * probs).sum() * (num_experts / (num_tokens * top_k))
+    probs = logits.detach().float().softmax(dim=-1)
+    if valid is None:
+        mean_probs = probs.mean(dim=0)
+        return (counts.to(mean_probs.dtype) * mean_probs).sum() * (
+            num_experts / (num_tokens * top_k)
+        )
+    # transformers 5.x models/mixtral/modeling_mixtral.py::load_balancing_loss_func with an
+    # attention mask: top-k counts and router probabilities summed over the tokens whose mask
+    # is 1, both divided by their number (a device tensor here: no host synchronisation).
+    _, weights, num_valid = valid
+    mean_probs = (weights.unsqueeze(-1) * probs).sum(dim=0) / num_valid
+    return (counts.to(mean_probs.dtype) * mean_probs).sum() * num_experts / (num_valid * top_k)
