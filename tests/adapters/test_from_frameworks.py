@@ -185,6 +185,46 @@ def test_from_lightning_maps_comet_and_wandb_loggers_by_class_name() -> None:
     writer.close()
 
 
+def test_from_lightning_keys_carry_each_loggers_prefix_as_its_own_log_metrics(tmp_path) -> None:
+    # A logger's prefix= is applied by its log_metrics; the sinks that write to its backend
+    # directly must name our keys the same way. Reference: the names the loggers themselves
+    # give a key, logged through their own log_metrics into the same backends.
+    from lightning.pytorch import loggers
+    from mlflow import MlflowClient
+
+    tb = loggers.TensorBoardLogger(str(tmp_path), name="tb", prefix="exp")
+    mlf = loggers.MLFlowLogger(
+        experiment_name="p", tracking_uri=f"sqlite:///{tmp_path}/ml.db", prefix="exp"
+    )
+    csv_logger = loggers.CSVLogger(str(tmp_path), name="csv", prefix="exp")
+    logged: dict[str, list[str]] = {"comet": [], "wandb": []}
+    comet_experiment = SimpleNamespace(
+        log_metrics=lambda metrics, step=None: logged["comet"].extend(metrics)
+    )
+    wandb_run = SimpleNamespace(log=lambda data, **k: logged["wandb"].extend(data))
+    # Lightning's CometLogger passes prefix to comet_ml, which joins it with "_"
+    # (comet_ml Experiment.__internal_api__log_metrics__); WandbLogger uses "-"
+    comet = type("CometLogger", (), {"experiment": comet_experiment, "_prefix": "exp"})()
+    wandb_logger = type(
+        "WandbLogger", (), {"experiment": wandb_run, "_prefix": "exp", "LOGGER_JOIN_CHAR": "-"}
+    )()
+    trainer = SimpleNamespace(global_rank=0, loggers=[tb, mlf, csv_logger, comet, wandb_logger])
+    for logger in (tb, mlf, csv_logger):
+        logger.log_metrics({"own/x": 1.0}, step=0)
+    with FanoutWriter.from_lightning(trainer) as writer:
+        writer.add_scalar("vitals/x", 2.0, 1)
+    csv_logger.save()
+
+    assert set(read_tensorboard(tb.log_dir)) == {"exp-own/x", "exp-vitals/x"}
+    history = MlflowClient(f"sqlite:///{tmp_path}/ml.db").get_run(mlf.run_id).data.metrics
+    assert set(history) == {"exp-own/x", "exp-vitals/x"}
+    with open(Path(csv_logger.log_dir) / "metrics.csv", newline="") as f:
+        header = next(csv.reader(f))
+    assert {"exp-own/x", "exp-vitals/x"} <= set(header)
+    assert logged["comet"] == ["exp_vitals/x"]
+    assert logged["wandb"] == ["exp-vitals/x", "trainer/global_step"]
+
+
 def test_wandb_sink_with_lightnings_step_metric_shares_the_run(tmp_path) -> None:
 
     run = offline_wandb_run(tmp_path, "tv")

@@ -51,21 +51,36 @@ def lightning_sinks(
     sinks: list[Sink] = []
     for logger in loggers:
         names = _class_names(logger)
+        sink: Sink
         if "TensorBoardLogger" in names:
-            sinks.append(TensorBoardSink(logger.experiment))
+            sink = TensorBoardSink(logger.experiment)
         elif "MLFlowLogger" in names:
             client = logger.experiment  # creates the experiment and run if needed
-            sinks.append(MLflowSink(client, logger.run_id))
+            sink = MLflowSink(client, logger.run_id)
         elif "CometLogger" in names:
-            sinks.append(CometSink(logger.experiment))
+            sink = CometSink(logger.experiment)
         elif "WandbLogger" in names:
-            sinks.append(WandbSink(logger.experiment, step_metric=LIGHTNING_WANDB_STEP))
-        else:  # CSVLogger and any other logger: its own log_metrics, once per step
+            sink = WandbSink(logger.experiment, step_metric=LIGHTNING_WANDB_STEP)
+        else:  # CSVLogger and any other logger: its own log_metrics (and prefix), once per step
             sinks.append(LightningLoggerSink(logger))
+            continue
+        sink.key_prefix = _logger_key_prefix(logger, comet="CometLogger" in names)
+        sinks.append(sink)
     if not sinks:
         assert default_jsonl is not None
         sinks.append(JsonlSink(default_jsonl))
     return sinks
+
+
+def _logger_key_prefix(logger: Any, *, comet: bool) -> str:
+    """What a Lightning logger's ``log_metrics`` puts before each key, for the sinks that write
+    to its backend directly: ``prefix`` and ``LOGGER_JOIN_CHAR`` (``"-"``), as Lightning's
+    ``_add_prefix``; Comet's own ``prefix=`` argument, which ``CometLogger`` passes on, joins
+    with ``"_"``."""
+    prefix = getattr(logger, "_prefix", None)
+    if not isinstance(prefix, str) or not prefix:
+        return ""
+    return prefix + ("_" if comet else str(getattr(logger, "LOGGER_JOIN_CHAR", "-")))
 
 
 def accelerator_sinks(

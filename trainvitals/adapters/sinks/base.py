@@ -253,6 +253,9 @@ class Sink:
         run_failed: set by the writer before :meth:`close` when the run ended with an
             exception (``FanoutWriter.close(failed=True)``): a sink ending a run it created
             marks it failed.
+        key_prefix: put before every key, ahead of the key rule (``""``: none). Set by
+            :meth:`FanoutWriter.from_lightning` to a logger's ``prefix=`` and separator, which
+            the logger applies in its own ``log_metrics`` only.
 
     Example (a sink printing each step)::
 
@@ -267,6 +270,7 @@ class Sink:
     thread_safe: bool = True
     key_rule: KeyRule | None = None
     run_failed: bool = False
+    key_prefix: str = ""
 
     def __init__(self, *, name: str | None = None, owned: bool = True) -> None:
         if name is not None:
@@ -278,9 +282,15 @@ class Sink:
 
     def map_key(self, key: str) -> str:
         """The name ``key`` is written under in this sink's backend."""
+        if self.key_prefix:
+            key = self.key_prefix + key
         return key if self.key_rule is None else self.key_rule.map(key)
 
     def map_metrics(self, metrics: Mapping[str, float]) -> Mapping[str, float]:
+        """``metrics`` under the names of :meth:`map_key`."""
+        if self.key_prefix:
+            prefix = self.key_prefix
+            metrics = {prefix + k: v for k, v in metrics.items()}
         return metrics if self.key_rule is None else self.key_rule.map_metrics(metrics)
 
     def open(self) -> None:

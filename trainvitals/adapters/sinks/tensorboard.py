@@ -83,6 +83,7 @@ class TensorBoardSink(Sink):
         if self.writer is None:
             self.open()
         writer = self.writer
+        metrics = self.map_metrics(metrics)  # the key prefix only: TensorBoard takes any tag
         file_writer = _torch_file_writer(writer)
         if file_writer is not None:
             file_writer.add_summary(self._summary(metrics), step, wall_time)
