@@ -213,3 +213,35 @@ def test_iter_jsonl_yields_the_records_of_read_jsonl_one_at_a_time(tmp_path) -> 
     assert [str(w.message) for w in caught_again] == text
     with pytest.raises(ValueError, match="do not parse"):
         list(iter_jsonl(path, strict=True))
+
+
+def test_resume_after_a_crash_in_a_file_with_windows_line_endings(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    # steps 0..150 written elsewhere with CRLF, a blank line, then a crash cut inside "é"
+    earlier = [{"step": s, "time": 1.0, "metrics": {"κλ/é": s / 7}} for s in range(151)]
+    text = "".join(json.dumps(r) + "\r\n" for r in earlier) + "\r\n"
+    cut = '{"step":151,"time":1.0,"metrics":{"é'.encode()[:-1]
+    path.write_bytes(text.encode() + cut)
+    # resumed from the checkpoint of step 100, twice (the first resumed run dies at step 120)
+    with pytest.warns(RuntimeWarning, match=r"dropped 52 line\(s\) of steps >= 100"):
+        _log_run(path, range(100, 121), lambda s: 1000.0 + s)
+    with pytest.warns(RuntimeWarning, match=r"dropped 11 line\(s\) of steps >= 110"):
+        _log_run(path, range(110, 116), lambda s: 2000.0 + s)
+    records = read_jsonl(path, strict=True)
+    want = [(s, s / 7) for s in range(100)]
+    want += [(s, 1000.0 + s) for s in range(100, 110)] + [(s, 2000.0 + s) for s in range(110, 116)]
+    got = [(r["step"], r["metrics"].get("κλ/é", r["metrics"].get("loss"))) for r in records]
+    assert got == want
+
+
+def test_every_new_run_keeps_each_earlier_file(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    for run in range(4):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _log_run(path, range(2), lambda s, run=run: 10.0 * run + s)
+    # metrics.jsonl.1 is the oldest run; no earlier run is overwritten
+    names = ["metrics.jsonl.1", "metrics.jsonl.2", "metrics.jsonl.3", path.name]
+    for run, name in enumerate(names):
+        losses = [r["metrics"]["loss"] for r in read_jsonl(tmp_path / name)]
+        assert losses == [10.0 * run, 10.0 * run + 1], name

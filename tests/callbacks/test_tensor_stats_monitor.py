@@ -686,3 +686,63 @@ def test_a_glob_matching_no_tensor_is_warned_once(tmp_path: Path) -> None:
     assert "exclude glob 'lm_head/*'" in messages[1]
     names = set(read_lines(tmp_path / "tensor_stats.jsonl")[-1]["tensors"])
     assert "head/input0" in names and "head/output0" not in names  # the others did their job
+
+
+def test_a_new_run_from_step_0_moves_the_earlier_runs_file_aside(tmp_path: Path) -> None:
+    # Two new runs in one run_dir (the driver's default run_dir is fixed): each earlier run's
+    # file is kept whole, as JsonlSink keeps metrics.jsonl, not emptied by the step-0 resume rule.
+    path = tmp_path / "tensor_stats.jsonl"
+    runs = []
+    for _ in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            two_plain_steps(tmp_path, TensorStatsMonitor(kernel="eager"), Recorder())
+        runs.append(path.read_bytes())
+        assert [(r["step"], r["kind"]) for r in read_lines(path)] == [
+            (s, k) for s in range(2) for k in ("param", "grad", "activation", "dgrad")
+        ]
+        moved = [str(w.message) for w in caught if "held an earlier run" in str(w.message)]
+        kept = f"tensor_stats.jsonl.{len(runs) - 1}"
+        want = f"TensorStatsMonitor: {path} held an earlier run; moved it to {kept}"
+        assert moved == ([want] if len(runs) > 1 else [])
+    assert (tmp_path / "tensor_stats.jsonl.1").read_bytes() == runs[0]
+    assert (tmp_path / "tensor_stats.jsonl.2").read_bytes() == runs[1]
+
+
+def test_resume_reads_a_large_file_line_by_line(tmp_path: Path) -> None:
+    import tracemalloc
+
+    from trainvitals.callbacks.tensor_stats_monitor import _prepare_jsonl
+
+    def line(step: int) -> bytes:
+        tensors = {f"layers.{i}.weight": [float(step + i)] * len(FIELDS) for i in range(400)}
+        record = {
+            "version": 1,
+            "step": step,
+            "kind": "param",
+            "time": 1.0,
+            "fields": list(FIELDS),
+            "tensors": tensors,
+        }
+        return json.dumps(record, separators=(",", ":")).encode() + b"\n"
+
+    lines = [line(s) for s in range(8)]  # about 27 kB each
+    cut = '{"version":1,"step":8,"kind":"param","tensors":{"é'.encode()[:-1]  # mid-character
+    path = tmp_path / "tensor_stats.jsonl"
+    with open(path, "wb") as f:
+        for _ in range(40):  # 8.7 MB of steps 0..7 repeated, then a crash mid-line
+            f.writelines(lines)
+        f.write(cut)
+    size = path.stat().st_size
+    # expected: every line of steps < 5 in file order, the cut tail gone (independent filter)
+    want = b"".join(raw for _ in range(40) for raw in lines if json.loads(raw)["step"] < 5)
+    tracemalloc.start()
+    try:
+        with pytest.warns(RuntimeWarning, match=f"dropped {40 * 3 + 1} line"):
+            _prepare_jsonl(path, first_step=5)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert path.read_bytes() == want
+    # a few lines at a time, not the file (a run's tensor_stats.jsonl can be gigabytes)
+    assert peak < 8 * len(lines[0]) < size / 10, (peak, size)

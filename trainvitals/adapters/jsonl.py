@@ -35,7 +35,8 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypedDict
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "encode_metrics",
     "iter_jsonl",
     "metric_history",
+    "move_aside",
     "read_jsonl",
 ]
 
@@ -148,18 +150,27 @@ def _iter_jsonl(path: str | os.PathLike[str], strict: bool) -> Iterator[JsonlRec
 _STEP_PREFIX = re.compile(rb'\{"step":(\d+),"time":')
 
 
-def drop_steps_from(path: str | os.PathLike[str], first_step: int) -> int:
+def drop_steps_from(
+    path: str | os.PathLike[str],
+    first_step: int,
+    *,
+    line_step: Callable[[bytes], int | None] | None = None,
+) -> int:
     """Make ``path`` ready for appending records from ``first_step`` on: drop every record of a
     step ``>= first_step`` and a last line cut by a crash (no newline, does not parse); keep
     every other line, also lines that are not records; end the file with a newline. Returns
     how many lines were dropped.
 
-    The file is cut short when the dropped lines are all at its end (the usual case: records
-    are in step order), else rewritten through a temporary file and ``os.replace``.
+    ``line_step`` gives the step of a record line (the raw bytes, newline included) and
+    ``None`` for any other line; the default reads the records of this module's schema. The
+    file is read line by line; it is cut short when the dropped lines are all at its end (the
+    usual case: records are in step order), else rewritten through a temporary file and
+    ``os.replace``.
     """
+    step_of = _line_step if line_step is None else line_step
 
     def dropped_line(raw: bytes) -> bool:
-        step = _line_step(raw)
+        step = step_of(raw)
         if step is not None:
             return step >= first_step
         return not raw.endswith(b"\n") and bool(raw.strip())  # cut by a crash
@@ -191,6 +202,18 @@ def drop_steps_from(path: str | os.PathLike[str], first_step: int) -> int:
         with open(path, "ab") as f:
             f.write(b"\n")
     return dropped
+
+
+def move_aside(path: str | os.PathLike[str]) -> Path:
+    """Rename ``path`` to the first free ``<name>.1``, ``<name>.2``, ... and return the new
+    path: an earlier run's file is kept, never overwritten."""
+    path = Path(path)
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    kept = path.with_name(f"{path.name}.{n}")
+    os.replace(path, kept)
+    return kept
 
 
 def _line_step(raw: bytes) -> int | None:

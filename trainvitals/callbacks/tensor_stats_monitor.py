@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from trainvitals.adapters.context import BatchInfo, RunContext
+from trainvitals.adapters.jsonl import drop_steps_from, move_aside
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import (
     all_gather_coalesced,
@@ -963,39 +964,38 @@ def _merge_over_groups(kinds: list[_Kind]) -> None:
 
 
 def _prepare_jsonl(path: Path, first_step: int) -> None:
-    """Make ``path`` safe to append to from ``first_step`` on: drop a last line cut by a crash
-    and every line of a step >= ``first_step`` (a resumed run re-logs those steps)."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return
-    with open(path, "rb") as f:
-        data = f.read()
-    keep: list[bytes] = []
-    dropped = 0
-    for raw in data.split(b"\n"):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw)
-            step = int(rec["step"])
-        except (ValueError, KeyError, TypeError):
-            dropped += 1
-            continue
-        if step >= first_step:
-            dropped += 1
-            continue
-        keep.append(raw)
-    if dropped:
-        warnings.warn(
+    """Make ``path`` safe to append to from ``first_step`` on, by JsonlSink's rule: a new run
+    (step 0) moves an earlier run's file aside (``tensor_stats.jsonl.1``, ...); a resumed run
+    drops a last line cut by a crash and every line of a step >= ``first_step`` (it re-logs
+    those steps), reading the file line by line (it can hold gigabytes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file() or path.stat().st_size == 0:
+        return  # nothing to keep; a pipe is appended to without reading it
+    if first_step == 0:
+        kept = move_aside(path)
+        message = f"TensorStatsMonitor: {path} held an earlier run; moved it to {kept.name}"
+    else:
+        dropped = drop_steps_from(path, first_step, line_step=_line_step)
+        if not dropped:
+            return
+        message = (
             f"TensorStatsMonitor: {path}: dropped {dropped} line(s) (cut by a crash, or of steps "
-            f">= {first_step} that this resumed run logs again)",
-            RuntimeWarning,
-            stacklevel=3,
+            f">= {first_step} that this resumed run logs again)"
         )
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(b"".join(line + b"\n" for line in keep))
-        os.replace(tmp, path)
-    elif data and not data.endswith(b"\n"):
-        with open(path, "ab") as f:
-            f.write(b"\n")
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+# the start of a line as _emit writes it (compact separators, "version" then "step")
+_STEP_PREFIX = re.compile(rb'\{"version":\d+,"step":(\d+),')
+
+
+def _line_step(raw: bytes) -> int | None:
+    """The step of a complete line of this file; ``None`` for a cut or foreign line."""
+    m = _STEP_PREFIX.match(raw)
+    if m is not None and raw.endswith(b"}\n"):  # as _emit writes it: skip the full parse
+        return int(m.group(1))
+    try:
+        step = json.loads(raw)["step"]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+    return step if type(step) is int else None

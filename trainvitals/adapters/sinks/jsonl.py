@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
-from trainvitals.adapters.jsonl import drop_steps_from, encode_metrics
+from trainvitals.adapters.jsonl import drop_steps_from, encode_metrics, move_aside
 from trainvitals.adapters.sinks.base import Sink
 
 __all__ = ["JsonlSink"]
@@ -60,8 +60,7 @@ class JsonlSink(Sink):
         # as it is (reading it would block).
         if self.path.is_file() and self.path.stat().st_size > 0:
             if first_step == 0:  # a new run, not a resume: keep the earlier run's file
-                kept = _free_name(self.path)
-                os.replace(self.path, kept)
+                kept = move_aside(self.path)
                 message = f"JsonlSink: {self.path} held an earlier run; moved it to {kept.name}"
             else:
                 dropped = drop_steps_from(self.path, first_step)
@@ -101,11 +100,3 @@ class JsonlSink(Sink):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def _free_name(path: Path) -> Path:
-    """``path`` with the first free numeric suffix: ``metrics.jsonl.1``, ``.2``, ..."""
-    n = 1
-    while path.with_name(f"{path.name}.{n}").exists():
-        n += 1
-    return path.with_name(f"{path.name}.{n}")
