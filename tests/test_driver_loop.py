@@ -399,3 +399,192 @@ def test_attach_unwraps_optimizer_subclass_wrappers():
     vitals.close()
     assert vitals.ctx.optimizers == [opt]
     assert [e for e in rec.events if e[0] == "end"] == [("end", 0, 1)]
+
+
+def _global_grad_norm(model: torch.nn.Module, divide_by: float = 1.0) -> float:
+    """float64 norm of every gradient of ``model``, divided by ``divide_by`` (a loss scale)."""
+    return float(torch.stack([p.grad.double().norm() for p in model.parameters()]).norm()) / (
+        divide_by
+    )
+
+
+def test_several_optimizers_sharing_a_scaler_never_show_scaled_gradients():
+    # torch.amp's multi-optimizer pattern, scaler.step(opt0); scaler.step(opt1): opt0 steps
+    # (its pre-hook runs) while opt1's gradients are still multiplied by the loss scale.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [first, second], scaler=scaler)
+    expected = []
+    for explicit in (False, True):
+        x = torch.randn(2, 4) * 10
+        vitals.batch(x)
+        scaler.scale(model(x).pow(2).mean()).backward()
+        expected.append(_global_grad_norm(model, scaler.get_scale()))
+        if explicit:  # every optimizer unscaled first: the gradients are seen, unclipped
+            scaler.unscale_(first)
+            scaler.unscale_(second)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.step(first)
+            scaler.step(second)
+        scaler.update()
+        first.zero_grad()
+        second.zero_grad()
+        assert any("still scaled" in str(w.message) for w in caught) == (not explicit)
+    # a scaler that is off (bf16/fp32 with GradScaler(enabled=False)) never scaled anything
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    model_off = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in model_off]
+    rec_off = Recorder("off")
+    vitals_off = Vitals([rec_off], writer=RecordingWriter()).attach(model_off, opts, scaler=off)
+    x = torch.randn(2, 4) * 10
+    vitals_off.batch(x)
+    model_off(x).pow(2).mean().backward()
+    want_off = _global_grad_norm(model_off)
+    off.unscale_(opts[0])  # the loop unscales (a no-op) the optimizer it clips, then clips
+    torch.nn.utils.clip_grad_norm_(model_off.parameters(), max_norm=1e-3)
+    for opt in opts:
+        off.step(opt)
+    vitals.close()
+    vitals_off.close()
+    assert min(expected) > 1e-2  # so that neither a clipped norm (1e-3) could pass
+    assert rec.grad_norms == [pytest.approx(expected[1], rel=1e-5)]
+    assert [e for e in rec.events if e[0] in ("grads", "end")] == [
+        ("end", 0, 1),
+        ("grads", 1),
+        ("end", 1, 1),
+    ]
+    assert rec_off.grad_norms == [pytest.approx(want_off, rel=1e-5)] and want_off > 1e-2
+
+
+def test_step_skipped_by_the_scaler_is_in_a_checkpoint_taken_before_the_next_batch(tmp_path):
+    # An fp16 loop's checkpoint right after an inf/nan step: the loop counted that step, and so
+    # must the saved driver state (its index and its samples), or the resumed run is one behind.
+    def run(vitals: Vitals, model, opt, scaler, sizes: list[int], skip: int | None) -> None:
+        for i, size in enumerate(sizes):
+            x = torch.randn(size, 4)
+            vitals.batch(x)
+            loss = model(x).pow(2).mean() * (math.inf if i == skip else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+    sizes = [2, 3, 4]  # step 2 is skipped (inf loss), then a checkpoint
+    model, opt = _model_opt()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    rec = Recorder()
+    monitor = RuntimeMonitor(max_steps=10)
+    vitals = Vitals([rec, monitor], writer=RecordingWriter(), log_every_n_steps=1)
+    vitals.attach(model, opt, scaler=scaler)
+    run(vitals, model, opt, scaler, sizes, skip=2)
+    state = vitals.state_dict()
+    vitals.close()
+    assert state["step"] == len(sizes)
+    assert [e for e in rec.events if e[0] == "end"] == [("end", s, 1) for s in range(3)]
+
+    model, opt = _model_opt()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    writer = RecordingWriter()
+    resumed = Vitals(
+        [Recorder(), RuntimeMonitor(max_steps=10)], writer=writer, log_every_n_steps=1
+    ).attach(model, opt, scaler=scaler)
+    resumed.load_state_dict(state)
+    run(resumed, model, opt, scaler, [7], skip=None)
+    resumed.close()
+    assert sorted(writer.rows) == [3]
+    assert writer.rows[3]["time/samples"] == sum(sizes) + 7
+    assert writer.rows[3]["time/batches"] == len(sizes) + 1
+
+
+def test_a_second_forward_of_an_announced_micro_batch_is_not_another_micro_batch():
+    # R-Drop, adversarial training (FGM): two forwards per micro-batch after vitals.batch().
+    model, opt = _model_opt()
+    rec = Recorder()
+    writer = RecordingWriter()
+    monitor = RuntimeMonitor(max_steps=10)
+    vitals = Vitals([rec, monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+    sizes = [(3, 5), (2, 4)]  # (samples of micro-batch 0, of micro-batch 1) per step
+    for step_sizes in sizes:
+        for size in step_sizes:
+            x = torch.randn(size, 4)
+            vitals.batch(x)
+            model(x).sum().backward()
+            model(x + 0.01).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    mbs = [e for e in rec.events if e[0] == "mb"]
+    assert [(e[1], e[2], e[3]) for e in mbs] == [(0, 0, 3), (0, 1, 5), (1, 0, 2), (1, 1, 4)]
+    assert [e for e in rec.events if e[0] == "end"] == [("end", 0, 2), ("end", 1, 2)]
+    assert writer.key("time/samples") == {0: 8.0, 1: 14.0}
+    assert writer.key("time/batches") == {0: 2.0, 1: 4.0}
+    # a loop that never calls batch(): each training forward is one micro-batch
+    model, opt = _model_opt()
+    silent = Recorder("silent")
+    vitals = Vitals([silent], writer=RecordingWriter()).attach(model, opt)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    vitals.close()
+    assert [e for e in silent.events if e[0] in ("mb", "end")] == [
+        ("mb", 0, 0, None, None),
+        ("mb", 0, 1, None, None),
+        ("end", 0, 2),
+    ]
+
+
+def test_close_gives_accelerator_unscale_gradients_back():
+    # After close() the callbacks have had run_end: a later clip (a second training phase with
+    # a new driver on the same accelerator) must not reach them.
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(*_model_opt())
+    rec = Recorder()
+    vitals = Vitals([rec], accelerator=accelerator, writer=RecordingWriter()).attach(model, opt)
+    x = torch.randn(2, 4)
+    vitals.batch(x)
+    accelerator.backward(model(x).sum())
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    vitals.close()
+    assert "unscale_gradients" not in vars(accelerator)
+    accelerator.backward(model(x).sum())
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    vitals.clip_grad_norm_(model.parameters(), 1.0)
+    assert rec.events[-3:] == [("grads", 0), ("end", 0, 1), ("run_end",)]
+
+
+@pytest.mark.filterwarnings("ignore:JsonlSink.*dropped:RuntimeWarning")  # abandoned steps 1, 2
+def test_rollback_to_an_earlier_step_replays_it_in_the_default_writer(tmp_path, monkeypatch):
+    # In-process rollback (load the last checkpoint after a loss spike): the driver's own
+    # writer refuses steps lower than those it was given; the replayed steps must be written.
+    from trainvitals.adapters import read_jsonl
+
+    monkeypatch.setenv("TRAINVITALS_STRICT", "1")
+    model, opt = _model_opt()
+    monitor = RuntimeMonitor(max_steps=10)
+    vitals = Vitals([monitor], run_dir=tmp_path, log_every_n_steps=1).attach(model, opt)
+    sizes = [2, 3, 4, 5, 6]  # steps 0, 1, 2, then back to after step 0: 1, 2 again
+    state = None
+    for i, size in enumerate(sizes):
+        if i == 3:
+            vitals.load_state_dict(state)
+        x = torch.randn(size, 4)
+        vitals.batch(x)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 0:
+            state = vitals.state_dict()
+    vitals.close()
+    rows = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert sorted(rows) == [0, 1, 2]
+    assert [rows[s]["time/samples"] for s in (0, 1, 2)] == [2, 2 + 5, 2 + 5 + 6]

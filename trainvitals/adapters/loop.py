@@ -19,14 +19,20 @@ the pre-hook, or earlier, right after AMP unscaling and before clipping: when th
 with ``accelerator.clip_grad_norm_`` or :meth:`Vitals.clip_grad_norm_`, and whenever a
 ``GradScaler`` unscales (``attach(..., scaler=scaler)``; Accelerate's own scaler is found by
 itself). A step whose gradients were observed but that the optimizer skipped (``GradScaler`` on
-inf/nan gradients) ends at the next :meth:`Vitals.batch` call, so its micro-batches are not
-counted into the next step. Without the scaler attached, ``GradScaler.step`` skips such a step
-before the optimizer's hooks run: the callbacks never see its (non-finite) gradients.
+inf/nan gradients) ends at the scaler's ``update()`` (else at the next :meth:`Vitals.batch`
+call), so its micro-batches are not counted into the next step. Without the scaler attached,
+``GradScaler.step`` skips such a step before the optimizer's hooks run: the callbacks never see
+its (non-finite) gradients. Several optimizers sharing one scaler: the gradients are shown once
+every attached optimizer's are unscaled (``scaler.unscale_(opt)`` for each, or
+``accelerator.clip_grad_norm_``); a step that starts stepping them earlier shows none, with a
+warning, rather than gradients still multiplied by the loss scale.
 
 ``vitals.batch()`` tells the callbacks a micro-batch starts and how big it is. A loop that does
 not call it still works: each training-mode forward of the attached model (with autograd on,
 outside :meth:`Vitals.validating`) counts as one micro-batch of unknown size, so samples and
-tokens are not counted. Call ``batch()`` before the forward, never after it.
+tokens are not counted. Once the loop calls ``batch()``, forwards are not counted at all (a
+micro-batch may run several: R-Drop, adversarial training). Call ``batch()`` before the
+forward, never after it.
 
 The driver's ``state_dict``/``load_state_dict`` hold its step counter and every callback's
 state, so ``accelerator.register_for_checkpointing(vitals)`` (or saving ``vitals.state_dict()``
@@ -117,17 +123,7 @@ class Vitals:
             accumulate_grad_batches = int(getattr(accelerator, "gradient_accumulation_steps", 1))
         self._owns_writer = writer is None
         if writer is None:
-            from trainvitals.adapters import FanoutWriter
-
-            if accelerator is not None:
-                # Its trackers, or metrics.jsonl in the run folder when it has none.
-                writer = FanoutWriter.from_accelerator(
-                    accelerator, default_jsonl=run_dir / "metrics.jsonl"
-                )
-            else:
-                from trainvitals.adapters import JsonlSink
-
-                writer = FanoutWriter([JsonlSink(run_dir / "metrics.jsonl")])
+            writer = _default_writer(accelerator, run_dir)
         if groups is None:
             groups = (
                 ProcessGroups.from_accelerator(accelerator)
@@ -148,8 +144,11 @@ class Vitals:
         self._started = False
         self._grads_seen_for_step = False
         self._unscaled: set[int] = set()
-        self._scalers: list[Any] = []
-        self._batch_announced = False
+        self._attached: set[int] = set()
+        # (object, attribute, our wrapper, what the instance held before): undone by close()
+        self._patches: list[tuple[Any, str, Any, Any]] = []
+        self._loop_calls_batch = False
+        self._warned_scaled = False
         self._closed = False
         self._warned_closed = False
 
@@ -177,6 +176,7 @@ class Vitals:
         inner = [_inner_optimizer(o) for o in optimizers]
         self.ctx.model = model
         self.ctx.optimizers = inner
+        self._attached = {id(o) for o in inner}
         # The first optimizer defines the step; the others are usually stepped in the same
         # iteration (several param groups split over optimizers).
         self._handles.append(inner[0].register_step_pre_hook(self._on_pre_step))
@@ -195,20 +195,40 @@ class Vitals:
         # skips optimizer.step() on inf/nan gradients (torch.amp.GradScaler.step): an instance
         # attribute catches both the explicit and the implicit call, before any skip.
         original = scaler.unscale_
-        attached = {id(o) for o in self.ctx.optimizers}
+        original_update = scaler.update
         accelerator = self._accelerator
 
         def unscale_(optimizer: Any) -> None:
             original(optimizer)
-            self._unscaled.add(id(_inner_optimizer(optimizer)))
+            if callable(getattr(scaler, "is_enabled", None)) and not scaler.is_enabled():
+                self._unscaled |= self._attached  # a disabled scaler never scaled anything
+            else:
+                self._unscaled.add(id(_inner_optimizer(optimizer)))
             # Once every attached optimizer's gradients are unscaled (several optimizers share
             # one scaler), and, under Accelerate, only when the optimizer will step.
-            if attached <= self._unscaled and getattr(accelerator, "sync_gradients", True):
+            if self._attached <= self._unscaled and getattr(accelerator, "sync_gradients", True):
                 self.gradients_ready()
 
-        previous = vars(scaler).get("unscale_")  # another driver's wrapper, if any
-        scaler.unscale_ = unscale_
-        self._scalers.append((scaler, unscale_, previous))
+        def update(*args: Any, **kwargs: Any) -> None:
+            original_update(*args, **kwargs)
+            # update() follows the step(s) of the iteration (torch.amp.GradScaler docs; Accelerate
+            # calls it in AcceleratedOptimizer.step): a step whose gradients were seen and that is
+            # still open was skipped. End it now, so that a checkpoint or close() taken before
+            # the next batch counts it, as the loop's own step counter does.
+            if self._grads_seen_for_step and not self._closed:
+                self._end_step()
+            # and, as the scaler itself does, forget what was unscaled: an optimizer stepped
+            # after the step ended (scaler.step(opt1)) is scaled again in the next iteration
+            self._unscaled.clear()
+
+        self._patch(scaler, "unscale_", unscale_)
+        self._patch(scaler, "update", update)
+
+    def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
+        # an instance attribute over the class's method; what the instance held before (another
+        # driver's wrapper) is put back by close()
+        self._patches.append((obj, name, wrapper, vars(obj).get(name)))
+        setattr(obj, name, wrapper)
 
     def _wrap_accelerator_clip(self) -> None:
         # Accelerate unscales AMP gradients in unscale_gradients(), which its clip_grad_norm_ and
@@ -224,7 +244,7 @@ class Vitals:
             if getattr(accelerator, "sync_gradients", True):
                 self.gradients_ready()
 
-        accelerator.unscale_gradients = unscale_gradients
+        self._patch(accelerator, "unscale_gradients", unscale_gradients)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` that lets the callbacks see the unclipped gradients
@@ -268,15 +288,15 @@ class Vitals:
                 self._warned_closed = True
                 warnings.warn("Vitals.batch() after close(): ignored", RuntimeWarning, stacklevel=2)
             return
-        self._batch_announced = True
+        self._loop_calls_batch = True
         self._micro_batch(batch, batch_size, num_tokens)
 
     def _on_model_forward(self, module: torch.nn.Module, args: Any) -> None:
-        # A training forward of the attached model that batch() did not announce: count it as
-        # a micro-batch with unknown sizes, so a loop without batch() calls still gets every
-        # step, step 0 included, from its first forward on.
-        if self._batch_announced:
-            self._batch_announced = False
+        # A loop without batch() calls: count each training forward of the attached model as a
+        # micro-batch with unknown sizes, so it still gets every step, step 0 included, from its
+        # first forward on. A loop that calls batch() counts its micro-batches itself: a second
+        # forward of one micro-batch is not another one.
+        if self._loop_calls_batch:
             return
         if self.ctx.in_validation or not module.training or not torch.is_grad_enabled():
             return
@@ -324,13 +344,28 @@ class Vitals:
 
         Called by the driver's optimizer pre-hook when nothing called it earlier in the step.
         """
-        if self._grads_seen_for_step:
+        if self._grads_seen_for_step or self._closed:  # (closed: the run has ended)
             return
         self._start()
         self._grads_seen_for_step = True
         self._each("before_optimizer_step")
 
     def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._unscaled and not self._attached <= self._unscaled:
+            # The scaler unscaled this optimizer but another attached one still holds gradients
+            # multiplied by the loss scale (scaler.step(opt0); scaler.step(opt1), as in the
+            # torch.amp examples): no gradients rather than wrong ones at this step.
+            if not self._warned_scaled:
+                self._warned_scaled = True
+                warnings.warn(
+                    "trainvitals Vitals: an optimizer stepped while another attached optimizer's "
+                    "gradients were still scaled by the GradScaler; gradients are not shown to "
+                    "the callbacks at such steps. Call scaler.unscale_(opt) for every optimizer "
+                    "before the first step (warned once)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return
         self.gradients_ready()
 
     def _on_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -389,7 +424,14 @@ class Vitals:
         self._apply_state(state_dict)
 
     def _apply_state(self, state_dict: dict[str, Any]) -> None:
-        self.ctx.step = int(state_dict.get("step", 0))
+        step = int(state_dict.get("step", 0))
+        if self._owns_writer and step < self.ctx.step and not self._closed:
+            # A rollback to an earlier step: the writer refuses steps lower than those it was
+            # given, so every callback's next write would fail. A fresh one replays the steps;
+            # its JSONL sink drops the abandoned timeline's lines from the first step it writes.
+            self.ctx.writer.close()
+            self.ctx.writer = _default_writer(self._accelerator, self.ctx.run_dir)
+        self.ctx.step = step
         # A restore while a step is in progress (a rollback) replays that step from its start:
         # the micro-batches and gradients seen since belong to the abandoned timeline.
         self._start_step()
@@ -415,13 +457,13 @@ class Vitals:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for scaler, wrapper, previous in self._scalers:
-            if vars(scaler).get("unscale_") is wrapper:  # (not another driver's wrapper)
+        for obj, name, wrapper, previous in reversed(self._patches):
+            if vars(obj).get(name) is wrapper:  # (not another driver's wrapper)
                 if previous is None:
-                    del scaler.unscale_  # the class's own unscale_ again
+                    delattr(obj, name)  # the class's own method again
                 else:
-                    scaler.unscale_ = previous
-        self._scalers.clear()
+                    setattr(obj, name, previous)
+        self._patches.clear()
         writer = self.ctx.writer
         if self._owns_writer:
             writer.close(failed=exception is not None)
@@ -433,6 +475,17 @@ class Vitals:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.close(exc)
+
+
+def _default_writer(accelerator: Any, run_dir: Path) -> Any:
+    from trainvitals.adapters import FanoutWriter
+
+    if accelerator is not None:
+        # Its trackers, or metrics.jsonl in the run folder when it has none.
+        return FanoutWriter.from_accelerator(accelerator, default_jsonl=run_dir / "metrics.jsonl")
+    from trainvitals.adapters import JsonlSink
+
+    return FanoutWriter([JsonlSink(run_dir / "metrics.jsonl")])
 
 
 def _default_groups() -> ProcessGroups:
