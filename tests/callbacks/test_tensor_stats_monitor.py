@@ -746,3 +746,43 @@ def test_resume_reads_a_large_file_line_by_line(tmp_path: Path) -> None:
     assert path.read_bytes() == want
     # a few lines at a time, not the file (a run's tensor_stats.jsonl can be gigabytes)
     assert peak < 8 * len(lines[0]) < size / 10, (peak, size)
+
+
+def test_an_append_cut_part_way_leaves_the_next_record_intact(tmp_path: Path, monkeypatch) -> None:
+    # A full disk cuts an append mid-line; with several ranks the callback keeps running, so its
+    # next line must start on a line of its own (readers skip the cut one), not be glued to it.
+    import builtins
+
+    from trainvitals.report import read_tensor_stats
+
+    monitor = TensorStatsMonitor()
+    monitor._path = tmp_path / "tensor_stats.jsonl"
+
+    def record(step: int) -> str:
+        return json.dumps({"version": 1, "step": step, "kind": "param", "tensors": {}})
+
+    monitor._append_lines([record(0)])
+    real_open = builtins.open
+
+    class DiskFull:
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def __enter__(self) -> DiskFull:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.f.close()
+
+        def write(self, text: str) -> int:
+            self.f.write(text[: len(text) // 2])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: DiskFull(real_open(*a, **k)))
+    with pytest.raises(OSError):
+        monitor._append_lines([record(1)])
+    monkeypatch.setattr(builtins, "open", real_open)
+    monitor._append_lines([record(2)])
+    with pytest.warns(RuntimeWarning, match="unreadable line"):
+        steps = [r["step"] for r in read_tensor_stats(monitor._path)]
+    assert steps == [0, 2]

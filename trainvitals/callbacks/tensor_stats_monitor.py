@@ -246,6 +246,7 @@ class TensorStatsMonitor(VitalsCallback):
         self.summaries = bool(summaries)
         # run state
         self._path: Path | None = None
+        self._cut_line = False  # a failed append may have left part of a line in the file
         self._sites: list[str] = []  # "<module>/input0", "<module>/output0" in model order
         self._site_expert: list[bool] = []
         self._site_index: dict[str, int] = {}
@@ -733,11 +734,22 @@ class TensorStatsMonitor(VitalsCallback):
             self._logged_steps[k] = ctx.step
             if self.summaries:
                 scalars.update(self._summaries(k, names[k], h))
-        assert self._path is not None
-        with open(self._path, "a", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+        self._append_lines(lines)
         if scalars:
             self.write(ctx, scalars)
+
+    def _append_lines(self, lines: list[str]) -> None:
+        """Append ``lines`` to the file. After an append that failed part-way (a full disk; with
+        several ranks the callback keeps running) the next one starts on a new line, so the cut
+        line stays alone (readers skip it) instead of swallowing the next record."""
+        assert self._path is not None
+        text = "\n".join(lines) + "\n"
+        if self._cut_line:
+            text = "\n" + text
+        self._cut_line = True
+        with open(self._path, "a", encoding="utf-8") as f:
+            f.write(text)
+        self._cut_line = False
 
     def _summaries(self, kind: str, names: list[str], moments: torch.Tensor) -> dict[str, float]:
         prefix = f"tensor_stats/{kind}"
