@@ -343,6 +343,124 @@ def test_state_of_other_expert_count_loaded_mid_run_keeps_logging() -> None:
     assert [writer.rows[s]["moe/dead_experts_persistent"] for s in (1, 2)] == [0, 2]
 
 
+def test_not_measured_step_keeps_dead_streaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A logging step whose loads come back NaN (on accelerators, what the reduction gives
+    every rank when a peer rank's callback failed: trainvitals.distributed._check_mark) is no
+    evidence about dead experts: the streaks are kept, as for a layer that routed nothing."""
+    from trainvitals.moe.capture import RouterCapture
+
+    not_measured = {1}
+    read_host = RouterCapture.read_host
+    calls: list[int] = []
+
+    def read_host_nan_at_some_steps(self: RouterCapture) -> Any:
+        rows, aux_sum, aux_count = read_host(self)
+        calls.append(len(calls))  # one read per logging step (every step logs here)
+        if calls[-1] in not_measured:
+            nan = float("nan")
+            rows = [[nan] * len(r) for r in rows]
+            aux_sum, aux_count = [nan] * len(aux_sum), [nan] * len(aux_count)
+        return rows, aux_sum, aux_count
+
+    monkeypatch.setattr(RouterCapture, "read_host", read_host_nan_at_some_steps)
+    patience, steps = 2, 4
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    monitor = LoadBalanceMonitor(
+        dead_expert_patience=patience, extractors=[(FixedGate, _gate_counts)]
+    )
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(steps):
+            vitals.batch()
+            model(torch.randn(6, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+    vitals.close()
+    # Independent: both layers get loads [2, 2, 2, 0] (token t -> expert t % 3) on measured
+    # steps; a step not measured leaves the streaks as they are.
+    streaks = np.zeros((2, 4), dtype=int)
+    for step in range(steps):
+        if step not in not_measured:
+            loads = np.bincount(np.arange(6) % 3, minlength=4)
+            streaks = np.where(loads == 0, streaks + 1, 0)
+        expected = int((streaks >= patience).sum())
+        assert writer.rows[step]["moe/dead_experts_persistent"] == expected, step
+    # the step not measured wrote nothing but the count (no NaN, no stale value)
+    assert set(writer.rows[1]) == {"moe/dead_experts_persistent"}
+
+
+class AuxGate(nn.Module):
+    """A router whose counts and aux loss in its next forwards are set by the test."""
+
+    num_experts = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(2, 1)
+        self.counts = torch.zeros(4)
+        self.aux: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w(x)
+
+
+def _aux_gate_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    return module.counts.clone(), module.aux
+
+
+def test_nan_aux_loss_is_written_not_hidden_by_the_other_layers() -> None:
+    """A layer whose aux loss is NaN (a diverged router) shows as NaN, and the aggregates are
+    those of numpy over the layers that report an aux loss (NaN then), not the aggregates
+    of the other layers; a layer that reports none is left out."""
+    nan = float("nan")
+    # aux loss per step, layer and micro-batch; None: the layer reports no aux loss
+    aux_losses = [
+        [[1.0, 1.25], [nan, 1.5], [None, None]],  # layer 1 diverges in one micro-batch
+        [[1.0, 1.125], [1.5, 2.0], [None, None]],
+    ]
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.ModuleDict({"gate": AuxGate()}) for _ in range(3)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    monitor = LoadBalanceMonitor(mode="detailed", extractors=[(AuxGate, _aux_gate_output)])
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+    x = torch.randn(3, 2)
+    for per_layer in aux_losses:
+        for micro_batch in range(2):
+            vitals.batch()
+            loss = torch.zeros(())
+            for block, values in zip(model.layers, per_layer, strict=True):
+                gate = block["gate"]
+                gate.counts = torch.tensor([1.0, 2.0, 3.0, 4.0])
+                value = values[micro_batch]
+                gate.aux = None if value is None else torch.tensor(value, dtype=torch.float64)
+                loss = loss + gate(x).sum()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    for step, per_layer in enumerate(aux_losses):
+        row = writer.rows[step]
+        # independent: numpy means over the micro-batches, then over the reporting layers
+        layers = {str(i): np.mean(v) for i, v in enumerate(per_layer) if v[0] is not None}
+        values = np.array(list(layers.values()))
+        expected = {f"moe/layer_{label}/aux_loss": v for label, v in layers.items()}
+        expected |= {
+            "moe/aux_loss_mean": np.mean(values),
+            "moe/aux_loss_median": np.median(values),
+            "moe/aux_loss_min": np.min(values),
+            "moe/aux_loss_max": np.max(values),
+        }
+        for key, value in expected.items():
+            assert key in row, (step, key)
+            np.testing.assert_allclose(row[key], value, rtol=1e-12, err_msg=f"{step} {key}")
+        assert "moe/layer_2/aux_loss" not in row
+    assert np.isnan(writer.rows[0]["moe/aux_loss_mean"])
+
+
 def test_no_router_and_bad_arguments() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -60,8 +60,10 @@ class LoadBalanceMonitor(VitalsCallback):
     CV uses the population standard deviation (NeMo Automodel uses ``n - 1``; multiply ours by
     ``sqrt(E / (E - 1))`` to compare). Quantiles interpolate linearly. Layers that routed no
     tokens in the step get no per-layer keys and are left out of the aggregates (their
-    statistics would be undefined, not "balanced"). ``<l>`` in keys is the layer number from
-    the module name (``model.layers.10.mlp.gate`` -> 10), ordered numerically.
+    statistics would be undefined, not "balanced"). A layer's aux loss that is NaN or infinite
+    (a diverged router) is written as it is, and a NaN makes the ``moe/aux_loss_*`` aggregates
+    NaN; layers that report no aux loss are left out of them. ``<l>`` in keys is the layer
+    number from the module name (``model.layers.10.mlp.gate`` -> 10), ordered numerically.
 
     With pipeline parallelism (``ctx.groups.pp`` of more than one rank) the stages agree on
     their layers once at run start, and each logging step adds one SUM over the pipeline group,
@@ -89,7 +91,8 @@ class LoadBalanceMonitor(VitalsCallback):
         # or, in a plain loop:
         vitals = Vitals([LoadBalanceMonitor()], log_every_n_steps=10).attach(model, optimizer)
 
-    Keys written (on logging steps; "load" = token-to-expert assignments, a token routed to
+    Keys written (on logging steps, each describing that step alone: the steps between two
+    logging steps are not counted; "load" = token-to-expert assignments, a token routed to
     ``k`` experts counts ``k`` times; utilization = load / (layer's load / E)):
 
     =================================================  ===============================================  =====
@@ -272,15 +275,27 @@ class LoadBalanceMonitor(VitalsCallback):
     def _values(
         self, rows: list[list[float]], aux_sum: list[float], aux_count: list[float]
     ) -> dict[str, float]:
-        """The finite values of one report, by key (Python floats), in a fixed key order."""
+        """The values of one report, by key (Python floats): the finite load statistics and
+        the aux losses of the layers that reported one (NaN and inf included)."""
         keys = self._key_cache()
         stats = load_balance_stats_lists(rows, top_k=self.top_k)
-        aux = [s / c if c > 0 else math.nan for s, c in zip(aux_sum, aux_count, strict=True)]
+        # A layer's aux loss is known when some forward reported one (count > 0; a NaN count
+        # is a step not measured). A known value is written as it is, NaN or inf included (a
+        # diverged router must show, as in MoEMetricsTracker), and a NaN among them makes the
+        # aggregates NaN rather than the aggregates of the other layers; only layers with no
+        # value are left out.
+        aux = [s / c if c > 0 else None for s, c in zip(aux_sum, aux_count, strict=True)]
+        aux_values: dict[str, float] = {}
+        known = [a for a in aux if a is not None]
+        if keys.aux_aggregates and known:
+            aggregated = (
+                [math.nan] * len(AGGREGATES)
+                if any(a != a for a in known)
+                else aggregate_across_layers_lists(known)
+            )
+            aux_values.update(zip(keys.aux_aggregates, aggregated, strict=True))
         names: list[str] = list(keys.aggregates)
         numbers: list[float] = [v for row in stats.aggregates[: len(_AGGREGATED)] for v in row]
-        if keys.aux_aggregates:
-            names += keys.aux_aggregates
-            numbers += aggregate_across_layers_lists(aux)
         names += keys.utilization_quantiles
         numbers += stats.utilization_quantiles
         expert_keys = keys.expert
@@ -292,13 +307,14 @@ class LoadBalanceMonitor(VitalsCallback):
             names += keys.per_layer
             numbers += [v for metric in stats.per_layer for v in metric]
             for (aux_key, token_keys), row, aux_value in zip(keys.layer, rows, aux, strict=True):
-                if aux_key is not None:
-                    names.append(aux_key)
-                    numbers.append(aux_value)
+                if aux_key is not None and aux_value is not None:
+                    aux_values[aux_key] = aux_value
                 if any(row):
                     names += token_keys
                     numbers += row
-        return {k: v for k, v in zip(names, numbers, strict=True) if math.isfinite(v)}
+        values = {k: v for k, v in zip(names, numbers, strict=True) if math.isfinite(v)}
+        values.update(aux_values)
+        return values
 
     def _key_cache(self) -> _Keys:
         """The key strings of the current layout, built once per layout (not per step)."""
@@ -351,7 +367,10 @@ class LoadBalanceMonitor(VitalsCallback):
             if streak is None or len(streak) != num_experts:
                 # new layer, or a state loaded after run_start from a model with other experts
                 streak = self._dead_streak[label] = [0] * num_experts
-            if any(row):  # else the layer routed nothing this step: no evidence either way
+            # Only a layer that routed tokens is evidence: one that routed nothing this step,
+            # or whose loads are NaN ("not measured": a peer rank's callback failed, on
+            # accelerators), keeps its streaks.
+            if sum(row) > 0:
                 for e, load in enumerate(row):
                     streak[e] = streak[e] + 1 if load == 0 else 0
                     if streak[e] == patience:
