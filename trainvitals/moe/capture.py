@@ -1060,7 +1060,8 @@ def _switch_aux_loss(
     ``P_i`` the mean softmax probability of expert ``i``, over the ``T`` tokens that are not
     padding when ``valid`` (from :meth:`RouterCapture._hf_valid_tokens`) is given (``counts``
     then count only those; a forward with no such token gives 0, where Hugging Face divides
-    0 by 0), else over every token. Hugging Face's ``load_balancing_loss_func`` term of the
+    0 by 0, and still counts as a forward in the layer's mean over micro-batches: knowing it
+    has no token would take a host read), else over every token. Hugging Face's ``load_balancing_loss_func`` term of the
     layer is ``top_k`` times this (it divides the counts by ``T``, not ``T * k``)."""
     if counts is None or logits.shape[0] == 0:
         return None
