@@ -547,7 +547,14 @@ class ProcessGroups:
     edp: Any = None
 
     def __post_init__(self) -> None:
-        if self.dp_cp is None and self.cp is None:
+        if self.dp_cp is None:
+            if group_size(self.cp) > 1:
+                # the ranks that see different tokens span dp x cp, a group only the caller can
+                # build (on every rank): without it, token sums would cover one rank's tokens
+                raise ValueError(
+                    "ProcessGroups: cp (context parallel) of more than one rank needs dp_cp, the "
+                    "data x context parallel group (ProcessGroups.from_device_mesh builds it)"
+                )
             self.dp_cp = self.dp
 
     @property

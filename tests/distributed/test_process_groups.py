@@ -63,6 +63,12 @@ def _mesh_body(rank: int, world_size: int) -> dict:
             ProcessGroups.from_device_mesh(bad)
         except ValueError as exc:
             errors[key] = str(exc)
+    # a context-parallel group of two ranks without dp_cp: token sums would miss the cp peers
+    cp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    try:
+        ProcessGroups(dp=cp_mesh.get_group("dp"), cp=cp_mesh.get_group("cp"))
+    except ValueError as exc:
+        errors["cp_without_dp_cp"] = str(exc)
     out["errors"] = errors
     groups = ProcessGroups.from_device_mesh(
         init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -113,6 +119,7 @@ def test_from_device_mesh_on_four_ranks():
         assert res["pp_tp_long"] == {**none, "pp": col[rank], "tp": row[rank]}
         assert "foo" in res["errors"]["unknown"]
         assert "mesh_dim_names" in res["errors"]["unnamed"]
+        assert "dp_cp" in res["errors"]["cp_without_dp_cp"]
         assert res["sizes"] == {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1, "dp_cp": 2, "edp": 1}
         assert res["trivial"] is False
 
@@ -174,7 +181,8 @@ def test_explicit_construction_and_single_process_defaults():
     assert ProcessGroups.world().dp is None  # not distributed: no world group
     marker = object()
     assert ProcessGroups(dp=marker).dp_cp is marker  # dp_cp defaults to dp without cp
-    assert ProcessGroups(dp=marker, cp=object()).dp_cp is None
+    # a cp of one rank (here: not distributed) is trivial, so dp_cp is dp
+    assert ProcessGroups(dp=marker, cp=object()).dp_cp is marker
 
 
 def test_from_accelerator_without_mesh_single_process():
