@@ -243,3 +243,64 @@ def test_restore_mid_step_drops_the_abandoned_micro_batches():
     row = writer.rows[1]
     assert row["time/samples"] == sum(sizes[0]) + sum(sizes[1])
     assert row["time/batches"] == len(sizes[0]) + len(sizes[1])
+
+
+@pytest.mark.parametrize("optimizers", [1, 2])
+def test_lightning_manual_optimization_with_max_epochs_only(tmp_path, optimizers):
+    """The epochs x batches horizon counts one optimizer step per batch. A module stepping two
+    optimizers per batch advances global_step (the step axis) by two: that horizon then ran
+    out halfway (remaining time 0 with half the run left). With one step per batch it holds."""
+    import warnings
+
+    import lightning.pytorch as pl
+    from torch import nn
+
+    clock = FakeClock()
+    writer = RecordingWriter()
+    epochs, batches, seconds_per_batch = 2, 6, 1.0
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.layers = nn.ModuleList(nn.Linear(3, 1) for _ in range(optimizers))
+
+        def training_step(self, batch, batch_idx):
+            clock.t += seconds_per_batch
+            opts = self.optimizers()
+            for opt, layer in zip(opts if optimizers > 1 else [opts], self.layers, strict=True):
+                opt.zero_grad()
+                self.manual_backward(layer(batch).pow(2).mean())
+                opt.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(m.parameters(), lr=0.01) for m in self.layers]
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(2 * batches, 3), batch_size=2)
+
+    trainer = pl.Trainer(
+        callbacks=[RuntimeMonitor(clock=clock, writer=writer)],
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        log_every_n_steps=1,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Manual())
+    assert trainer.global_step == optimizers * epochs * batches
+    remaining = writer.key("time/remaining_hours")
+    if optimizers == 1:
+        # batches (= steps) left after step s, at 1 s each (the warm-up step 0 has no rate)
+        assert remaining == {
+            s: pytest.approx((epochs * batches - s - 1) * seconds_per_batch / 3600, abs=1e-15)
+            for s in range(1, epochs * batches)
+        }
+    else:
+        assert remaining == {}  # no horizon in optimizer steps: no estimate, not a wrong one
+        assert any("manual optimization" in str(w.message) for w in caught)

@@ -516,3 +516,170 @@ def test_dp_tp_mesh_counts_tensor_parallel_peers_once():
         assert row["time/samples"] == true
         # logging steps 0 and 2: runtime and throughput 2 x (dp + world) each
         assert result["all_reduce"] == 8
+
+
+def _tensor_parallel_measured_flops_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from trainvitals.distributed import ProcessGroups
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock = FakeClock()
+    monitor = ThroughputMonitor(
+        window_size=2, clock=clock, measure_flops=True, peak_flops=1e3, log_every_n_steps=1
+    )
+    writer = RecordingWriter()
+    vitals = Vitals([monitor], writer=writer, groups=ProcessGroups.from_device_mesh(mesh))
+    vitals.attach(model, opt)
+    torch.manual_seed(1)  # the same batches on both tensor-parallel peers
+    for b in (6, 3, 5):
+        x = torch.randn(b, 8)
+        vitals.batch(x)
+        clock.t += 1.0
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    return {"measured": monitor.state_dict()["measured"], "row": writer.rows[2]}
+
+
+@pytest.mark.timeout(180)
+def test_measured_flops_under_tensor_parallelism_count_each_rank_its_shard():
+    """FlopCounterMode counts an op on DTensors at their global shape, so each tensor-parallel
+    rank counted the whole model and the global FLOP/s and MFU were tp times too high. Each
+    rank's count must be its shard's: here half the model (both layers split in two)."""
+    results = run_distributed(_tensor_parallel_measured_flops_body, world_size=2, timeout=150)
+    # per sample, whole model (as in test_measured_flops_match_analytic_count)
+    whole = 2 * (8 * 16 + 16 * 4) + 2 * 2 * 16 * 4 + 2 * 8 * 16
+    for result in results:
+        assert result["measured"] == ["samples", pytest.approx(whole / 2)]
+        row = result["row"]
+        # one data stream (steps 1 and 2: 3 + 5 samples in 2 s) through one whole model
+        assert row["throughput/flops_per_sec"] == pytest.approx(whole * (3 + 5) / 2.0)
+        assert row["throughput/device/flops_per_sec"] == pytest.approx(whole / 2 * (3 + 5) / 2.0)
+        assert row["throughput/mfu"] == pytest.approx(whole * (3 + 5) / 2.0 / (2 * 1e3))
+
+
+@pytest.mark.parametrize(
+    ("trainer_precision", "matmul_precision", "peak"),
+    [
+        ("32-true", "highest", 67e12),  # H100 SXM FP32 (no tensor cores)
+        ("32-true", "high", 494.7e12),  # TF32 tensor cores
+        ("bf16-mixed", "highest", 989.4e12),
+    ],
+)
+def test_mfu_peak_follows_the_lightning_precision(
+    monkeypatch, tmp_path, trainer_precision, matmul_precision, peak
+):
+    """Without ``precision=``, the peak is the one of the run's precision, as in Lightning's
+    ThroughputMonitor: a 32-true run divided by the bf16 peak reported an MFU 15x too low."""
+    import lightning.pytorch as pl
+
+    import trainvitals.callbacks.throughput_monitor as tm
+    from trainvitals.adapters.context import RunContext
+
+    monkeypatch.setattr(RunContext, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(tm, "device_name_of", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul_precision)
+    clock = FakeClock()
+    writer = RecordingWriter()
+    seq, bs, fpt = 4, 2, 1e9
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 4)
+
+        def training_step(self, batch, batch_idx):
+            clock.t += 0.5
+            return self.emb(batch["input_ids"]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            data = [{"input_ids": torch.randint(0, 8, (seq,))} for _ in range(4 * bs)]
+            return torch.utils.data.DataLoader(data, batch_size=bs)
+
+    monitor = ThroughputMonitor(window_size=2, clock=clock, flops_per_token=fpt, writer=writer)
+    trainer = pl.Trainer(
+        callbacks=[monitor],
+        max_steps=3,
+        precision=trainer_precision,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        log_every_n_steps=1,
+    )
+    try:
+        trainer.fit(Tiny())
+    finally:
+        torch.set_float32_matmul_precision(before)
+    tokens_per_sec = bs * seq / 0.5
+    assert writer.rows[2]["throughput/mfu"] == pytest.approx(fpt * tokens_per_sec / peak)
+
+
+def test_measured_flops_count_every_optimizer_of_a_manual_optimization_step(tmp_path):
+    """Lightning's manual optimization stepping two optimizers per batch (a GAN): the measured
+    step must hold both forward/backward passes, not stop at the first optimizer's step.
+    Per sample, layer a Linear(3, 4) counts forward 2*3*4 and weight gradient 2*3*4 (its input
+    needs no gradient), layer b Linear(3, 2) 2*3*2 twice."""
+    import lightning.pytorch as pl
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    clock = FakeClock()
+    writer = RecordingWriter()
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, batch_idx):
+            clock.t += 1.0
+            for opt, layer in zip(self.optimizers(), (self.a, self.b), strict=True):
+                opt.zero_grad()
+                self.manual_backward(layer(batch).pow(2).mean())
+                opt.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(m.parameters(), lr=0.01) for m in (self.a, self.b)]
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(12, 3), batch_size=2)
+
+    monitor = ThroughputMonitor(
+        window_size=2, clock=clock, measure_flops=True, peak_flops=1e3, writer=writer
+    )
+    trainer = pl.Trainer(
+        callbacks=[monitor],
+        max_steps=6,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        log_every_n_steps=1,
+    )
+    trainer.fit(TwoOptimizers())
+    per_sample = 2 * (2 * 3 * 4) + 2 * (2 * 3 * 2)
+    assert monitor.state_dict()["measured"] == ["samples", pytest.approx(per_sample)]
+    assert _get_current_dispatch_mode() is None
+    # global step 4 (the third batch): batches 1 and 2 in the window, 2 samples per second
+    assert writer.rows[4]["throughput/flops_per_sec"] == pytest.approx(per_sample * 2.0)

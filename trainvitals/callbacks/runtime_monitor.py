@@ -36,8 +36,9 @@ class RuntimeMonitor(VitalsCallback):
     ``warmup_steps`` steps of each process (compilation and warm-up). The remaining time is
     that rate times the optimizer steps left to the training horizon: ``max_steps`` given here,
     else the run's ``max_steps``, else ``max_epochs * ceil(num_training_batches /
-    accumulate_grad_batches)`` (the smaller of the two when both are known). Validation time is
-    not in the estimate (it is reported apart). Consumed batches, samples and tokens are summed
+    accumulate_grad_batches)`` (the smaller of the two when both are known; under Lightning's
+    manual optimization the latter only while every batch steps exactly once). Validation time
+    is not in the estimate (it is reported apart). Consumed batches, samples and tokens are summed
     over the ranks that see different data in one collective on each logging step (samples
     and batches over data-parallel ranks, tokens over data- and context-parallel ranks).
 
@@ -119,6 +120,7 @@ class RuntimeMonitor(VitalsCallback):
         self._counter = StepCounter()
         self._groups = ProcessGroups()
         self._horizon: int | None = None
+        self._epoch_horizon_unchecked = False
         self._steps_this_process = 0
         self._rate_anchor: float | None = None  # train-clock reading where the rate starts
         # Steps (in ctx.step units) of this process since the anchor: Lightning's global_step
@@ -146,6 +148,14 @@ class RuntimeMonitor(VitalsCallback):
             num_training_batches=ctx.num_training_batches,
             accumulate_grad_batches=ctx.accumulate_grad_batches,
         )
+        # The epochs x batches horizon counts one optimizer step per accumulated batch. Under
+        # Lightning's manual optimization the module steps its optimizers itself (two per batch,
+        # or one every few batches): checked at each step_end, see _check_epoch_horizon.
+        self._epoch_horizon_unchecked = (
+            self.max_steps is None
+            and ctx.max_epochs is not None
+            and not getattr(ctx.model, "automatic_optimization", True)
+        )
         if self._horizon is None:
             self.warn_once(
                 "horizon",
@@ -169,6 +179,8 @@ class RuntimeMonitor(VitalsCallback):
         log = self.should_log(ctx)
         if log:
             self._clock.sync()
+        if self._epoch_horizon_unchecked:
+            self._check_epoch_horizon(ctx)
         self._clock.start()  # no-op unless no micro-batch was reported
         train_now = self._clock.train_seconds()
         self._steps_this_process += 1
@@ -186,6 +198,24 @@ class RuntimeMonitor(VitalsCallback):
             self.write(ctx, self._values(ctx.step + ctx.step_increment))
 
     # ------------------------------------------------------------------ what it measures
+
+    def _check_epoch_horizon(self, ctx: RunContext) -> None:
+        """Under manual optimization, keep the epochs x batches horizon only while each batch
+        steps exactly once: a batch stepping two optimizers advances ``ctx.step`` (Lightning's
+        ``global_step``) by two, and one step every few batches by a fraction, so that horizon
+        in steps would be off by that factor (remaining time 0 halfway through a run)."""
+        if ctx.step_increment == 1 and ctx.micro_batches_in_step <= 1:
+            return
+        self._epoch_horizon_unchecked = False
+        by_steps = ctx.max_steps  # the run's max_steps alone is still in ctx.step units
+        if by_steps is None:
+            self.warn_once(
+                "manual_horizon",
+                "manual optimization does not step once per batch, so the horizon of "
+                "max_epochs x batches is not known in optimizer steps: time/remaining is not "
+                "written; pass max_steps=",
+            )
+        self._horizon = by_steps
 
     def _sync_consumed(self) -> None:
         """Add every rank's counts since the last sync to the global counts (one collective)."""

@@ -57,6 +57,26 @@ def reduce_counts(matrix: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
     return out
 
 
+def _run_precision(ctx: RunContext) -> str | None:
+    """The :data:`PRECISIONS` column of the run's matmuls: under Lightning its trainer's
+    ``precision`` (as Lightning's own ``ThroughputMonitor`` picks its peak from the precision
+    plugin: fp32 matmuls count as tf32 unless ``torch.get_float32_matmul_precision()`` is
+    "highest"); ``None`` when it has no column (``64-true``); elsewhere ``bf16``."""
+    trainer_precision = getattr(ctx.trainer, "precision", None) if ctx.trainer else None
+    if not isinstance(trainer_precision, str):
+        return "bf16"
+    name = trainer_precision.lower()
+    if name.startswith("bf16"):
+        return "bf16"
+    if name.startswith("16"):
+        return "fp16"
+    if name.startswith("32"):
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    if name.startswith("transformer-engine"):
+        return "fp8"
+    return None
+
+
 class ThroughputMonitor(VitalsCallback):
     """Training throughput over a rolling window of optimizer steps, global and per device.
 
@@ -82,9 +102,10 @@ class ThroughputMonitor(VitalsCallback):
     Flops: give ``flops_per_token`` or ``flops_per_sample`` (forward + backward flops of the
     whole model per token or sample, e.g. ``6 * n_params`` per token for a dense transformer),
     or set ``measure_flops=True`` to count the first optimizer step of the run with
-    ``torch.utils.flop_counter.FlopCounterMode`` (forward and backward of its micro-batches, on
-    this rank's model as it runs: the whole model under DDP/FSDP, the local shard under tensor
-    parallelism; it slows that one step; not under ``torch.compile``); the count is divided by
+    ``torch.utils.flop_counter.FlopCounterMode`` (forward and backward of its micro-batches, up
+    to the step's last ``before_optimizer_step``, on this rank's model as it runs: the whole
+    model under DDP/FSDP, the local shard under tensor parallelism, DTensor included; it slows
+    that one step; not under ``torch.compile``); the count is divided by
     the step's tokens (else samples, else batches) and kept in the checkpoint. MFU needs the
     device's dense peak FLOP/s: ``peak_flops`` (per device) or the table in
     :mod:`trainvitals.stats.flops` for the CUDA device at ``precision``; on CPU, without
@@ -102,7 +123,10 @@ class ThroughputMonitor(VitalsCallback):
         measure_flops: measure the flops of the first step with ``FlopCounterMode``.
         peak_flops: dense peak FLOP/s of one device (overrides the table).
         precision: the table column for the peak: one of ``fp32``, ``tf32``, ``bf16``,
-            ``fp16``, ``fp8``.
+            ``fp16``, ``fp8``. Default: the run's precision under Lightning (``bf16-*`` is
+            ``bf16``, ``16-*`` ``fp16``, ``transformer-engine`` ``fp8``, ``32-true`` ``fp32``
+            or, when ``torch.get_float32_matmul_precision()`` is not ``"highest"``, ``tf32``;
+            ``64-true`` has no peak), else ``bf16``.
         clock: a callable returning seconds (default ``time.perf_counter``), for tests.
         log_every_n_steps: interval in optimizer steps (default: the run's).
         writer: where values go (default: the run's writer).
@@ -162,7 +186,7 @@ class ThroughputMonitor(VitalsCallback):
         flops_per_sample: float | None = None,
         measure_flops: bool = False,
         peak_flops: float | None = None,
-        precision: str = "bf16",
+        precision: str | None = None,
         clock: Callable[[], float] | None = None,
         log_every_n_steps: int | None = None,
         writer: Any = None,
@@ -195,8 +219,8 @@ class ThroughputMonitor(VitalsCallback):
             raise ValueError(
                 f"give at most one of flops_per_token, flops_per_sample, measure_flops; got {given}"
             )
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision is not None and precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")
         self.window_size = window_size
         self.warmup_steps = warmup_steps
         self.batch_size_fn = batch_size_fn
@@ -214,6 +238,7 @@ class ThroughputMonitor(VitalsCallback):
         self._totals = {"steps": 0, "batches": 0, "samples": 0.0, "tokens": 0.0}
         self._measured: tuple[str, float] | None = None  # (unit, flops per unit), measured
         self._session: FlopCounterSession | None = None
+        self._flops_before_optimizer: int | None = None  # the session's count at the last one
         self._groups = ProcessGroups()
         self._peak: float | None = None
         self._mp = {"tokens": 1, "samples": 1}
@@ -231,11 +256,13 @@ class ThroughputMonitor(VitalsCallback):
         self._peak = self.peak_flops
         if self._peak is None and self._cuda is not None:
             name = device_name_of(device) or ""
-            self._peak = peak_flops(name, self.precision)
+            precision = self.precision or _run_precision(ctx)
+            self._peak = None if precision is None else peak_flops(name, precision)
             if self._peak is None:
                 # the device may be known, only not at this precision (V100 at bf16)
                 known = chip_name(name) is not None
-                what = f"{name!r} at precision={self.precision!r}" if known else repr(name)
+                run_precision = precision or getattr(ctx.trainer, "precision", None)
+                what = f"{name!r} at precision={run_precision!r}" if known else repr(name)
                 self.warn_once("peak", f"no peak FLOP/s known for {what}; pass peak_flops= for MFU")
         world = ctx.world_size
         # Devices that share one token (sample) stream and split its model flops between them.
@@ -254,7 +281,11 @@ class ThroughputMonitor(VitalsCallback):
         self._counter.add(batch.batch_size, batch.num_tokens)
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
-        self._finish_flop_measurement()
+        if self._session is not None and self._session.active:
+            # The step's forward and backward so far, without the optimizer's own math. The
+            # mode stays on until step_end: under Lightning's manual optimization a batch may
+            # step several optimizers (a GAN), each after its own forward and backward.
+            self._flops_before_optimizer = self._session.flops()
 
     def validation_start(self, ctx: RunContext) -> None:
         self._clock.pause()  # waits for the device's queued work first (sync_fn)
@@ -297,9 +328,12 @@ class ThroughputMonitor(VitalsCallback):
 
     def _finish_flop_measurement(self) -> None:
         session, self._session = self._session, None
+        before_optimizer, self._flops_before_optimizer = self._flops_before_optimizer, None
         if session is None or not session.active:
             return
         flops = session.stop()
+        if flops is not None and before_optimizer is not None:
+            flops = before_optimizer
         c = self._counter
         if flops is None:
             self.warn_once(

@@ -26,6 +26,7 @@ Sources (datasheets, dense = sparse / 2):
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -162,17 +163,22 @@ class FlopCounterSession:
     micro-batches) without wrapping the user's code. :meth:`stop` returns the count, or ``None``
     when the mode could not be left cleanly (another dispatch mode entered after ours is still
     active, e.g. under ``torch.compile``); it then leaves the mode stack as it is.
+
+    The count is the work this device runs (:func:`device_flop_counter`): DTensor (tensor- or
+    sequence-parallel) layers count their local shards, not the whole layer.
     """
 
     def __init__(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        self._mode = FlopCounterMode(display=False)
+        self._mode = device_flop_counter()
         self.active = False
 
     def start(self) -> None:
         self._mode.__enter__()
         self.active = True
+
+    def flops(self) -> int:
+        """The flops counted so far (the mode stays on)."""
+        return int(self._mode.get_total_flops())
 
     def stop(self) -> int | None:
         if not self.active:
@@ -184,6 +190,87 @@ class FlopCounterSession:
         self.active = False
         self._mode.__exit__(None, None, None)
         return int(self._mode.get_total_flops())
+
+
+def device_flop_counter() -> Any:
+    """A ``FlopCounterMode`` that counts the work this device runs.
+
+    The stock mode sees an op on DTensors before DTensor does and counts it at the DTensor's
+    global shape: under tensor parallelism every rank would count the whole layer (measured:
+    a ``ColwiseParallel``/``RowwiseParallel`` MLP on 2 ranks counts the unsharded model's flops
+    on each). This one lets DTensor run the op and counts the local ops it issues instead, and
+    leaves out ops on fake or meta tensors (DTensor's sharding propagation runs each op once at
+    the global shape on fake tensors), which do no work on a device.
+    """
+    from torch.utils import flop_counter
+
+    layered = getattr(flop_counter, "_FlopCounterMode", None)
+    if layered is None:
+        # torch versions where FlopCounterMode is itself the dispatch mode
+        class _Counter(_DeviceWorkOnly, flop_counter.FlopCounterMode):
+            pass
+
+        return _Counter(display=False)
+
+    class _Mode(_DeviceWorkOnly, layered):
+        pass
+
+    class _LayeredCounter(flop_counter.FlopCounterMode):
+        def __enter__(self) -> Any:
+            super().__enter__()
+            # swap the stock dispatch mode just pushed (the top of the stack) for ours
+            self.mode.__exit__(None, None, None)
+            self.mode = _Mode(self)
+            self.mode.__enter__()
+            return self
+
+    return _LayeredCounter(display=False)
+
+
+class _DeviceWorkOnly:
+    """``__torch_dispatch__`` filter of :func:`device_flop_counter` (a mixin before the mode)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        dtensor = _dtensor_type()
+        if dtensor is not None and any(issubclass(t, dtensor) for t in types):
+            # DTensor runs the op; the local ops it issues come back to this mode
+            return NotImplemented
+        if _on_fake_or_meta(args, kwargs):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        try:  # its name before torch 2.5
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
+
+
+@functools.cache
+def _fake_tensor_type() -> type | tuple[()]:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:
+        return ()
+    return FakeTensor
+
+
+def _on_fake_or_meta(args: Any, kwargs: Any) -> bool:
+    from torch.utils._pytree import tree_leaves
+
+    fake = _fake_tensor_type()
+    return any(
+        isinstance(x, torch.Tensor) and (x.is_meta or isinstance(x, fake))
+        for x in tree_leaves((args, kwargs or {}))
+    )
 
 
 def device_name_of(device: torch.device) -> str | None:
