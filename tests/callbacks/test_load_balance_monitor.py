@@ -15,6 +15,7 @@ from torch import nn
 
 from tests.helpers.dist import run_distributed
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
+from tests.scripts.vitals_testing import quiet_trainer
 from tests.stats.test_load_balance_stats import _reference
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
@@ -563,8 +564,7 @@ def _lightning_body(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=2)
     writer = Recorder()
     module = Lit()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world_size,
         strategy="ddp",
         max_steps=4,
@@ -572,10 +572,6 @@ def _lightning_body(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         log_every_n_steps=1,
         limit_val_batches=2,
         callbacks=[LoadBalanceMonitor(mode="detailed", top_k=2, writer=writer)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=out_dir,
     )
     trainer.fit(module, loader, loader)

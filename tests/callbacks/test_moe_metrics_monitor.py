@@ -12,6 +12,7 @@ import torch
 
 from tests.helpers.dist import run_distributed
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
+from tests.scripts.vitals_testing import quiet_trainer
 from trainvitals.callbacks import MoEMetricsMonitor
 from trainvitals.moe import (
     MoEMetricsTracker,
@@ -276,7 +277,7 @@ def test_monitor_rejects_bad_arguments():
 
 
 def test_lightning_with_gradient_accumulation_and_the_real_writer(tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("lightning.pytorch")
     from trainvitals.adapters.jsonl import metric_history, read_jsonl
     from trainvitals.moe.tiny_model import TinyMoELightningModule
 
@@ -285,17 +286,12 @@ def test_lightning_with_gradient_accumulation_and_the_real_writer(tmp_path):
     captured = capture_router_inputs(module)
     loader = torch.utils.data.DataLoader(RandomTokenDataset(12, 8, VOCAB, seed=3), batch_size=2)
     monitor = MoEMetricsMonitor(percentiles={"load_balancing_loss": [0.5]}, moe_layer_freq=PATTERN)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_steps=3,
         accumulate_grad_batches=2,
         log_every_n_steps=1,
         callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
-        accelerator="cpu",
         devices=1,
         limit_val_batches=0,
     )
@@ -319,7 +315,6 @@ def test_lightning_with_gradient_accumulation_and_the_real_writer(tmp_path):
 
 def _lightning_ddp(rank: int, world_size: int, out_dir: str) -> dict:
     """Lightning DDP on the 2 ranks, accumulate_grad_batches=2, 2 optimizer steps."""
-    import lightning.pytorch as pl
 
     from trainvitals.moe.tiny_model import TinyMoELightningModule
 
@@ -330,18 +325,13 @@ def _lightning_ddp(rank: int, world_size: int, out_dir: str) -> dict:
     # 16 samples, DistributedSampler: 8 per rank = 4 micro-batches of 2 = 2 optimizer steps
     loader = torch.utils.data.DataLoader(RandomTokenDataset(16, 8, VOCAB, seed=3), batch_size=2)
     writer = Recorder()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world_size,
         strategy="ddp",
         max_steps=2,
         accumulate_grad_batches=2,
         log_every_n_steps=1,
         callbacks=[MoEMetricsMonitor(writer=writer)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=out_dir,
         limit_val_batches=0,
     )

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.scripts.vitals_testing import FakeClock, RecordingWriter, batch_size, dt, fake_loop
+from tests.scripts.vitals_testing import (
+    FakeClock,
+    RecordingWriter,
+    batch_size,
+    dt,
+    fake_loop,
+    quiet_trainer,
+)
 from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
 from trainvitals.distributed import collective_counter
 from trainvitals.stats.runtime import training_horizon
@@ -279,14 +286,9 @@ def test_lightning_manual_optimization_with_max_epochs_only(tmp_path, optimizers
         def train_dataloader(self):
             return torch.utils.data.DataLoader(torch.randn(2 * batches, 3), batch_size=2)
 
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         callbacks=[RuntimeMonitor(clock=clock, writer=writer)],
         max_epochs=epochs,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(tmp_path),
         log_every_n_steps=1,
     )

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
+from tests.scripts.vitals_testing import quiet_trainer
 from tests.stats.test_moments import assert_matches, reference
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import TensorStatsMonitor
@@ -439,17 +440,13 @@ def test_lightning_values_and_hooks(tmp_path: Path, package: str) -> None:
     module.cap = Capture(module.net)
     base = sum(len(m._forward_hooks) for m in module.modules())
     monitor = TensorStatsMonitor(kinds=["grad", "activation"], kernel="eager")
-    trainer = lightning.Trainer(
+    trainer = quiet_trainer(
+        package,
         max_steps=4,
         accumulate_grad_batches=2,
         log_every_n_steps=2,
         callbacks=[monitor],
         default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
     )
     trainer.fit(module, torch.utils.data.DataLoader(batches(8), batch_size=None))
     path = Path(trainer.default_root_dir) / "tensor_stats.jsonl"

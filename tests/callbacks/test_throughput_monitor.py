@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.scripts.vitals_testing import FakeClock, RecordingWriter, batch_size, dt, fake_loop
+from tests.scripts.vitals_testing import (
+    FakeClock,
+    RecordingWriter,
+    batch_size,
+    dt,
+    fake_loop,
+    quiet_trainer,
+)
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
 from trainvitals.distributed import collective_counter
@@ -613,15 +620,10 @@ def test_mfu_peak_follows_the_lightning_precision(
             return torch.utils.data.DataLoader(data, batch_size=bs)
 
     monitor = ThroughputMonitor(window_size=2, clock=clock, flops_per_token=fpt, writer=writer)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         callbacks=[monitor],
         max_steps=3,
         precision=trainer_precision,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(tmp_path),
         log_every_n_steps=1,
     )
@@ -666,14 +668,9 @@ def test_measured_flops_count_every_optimizer_of_a_manual_optimization_step(tmp_
     monitor = ThroughputMonitor(
         window_size=2, clock=clock, measure_flops=True, peak_flops=1e3, writer=writer
     )
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         callbacks=[monitor],
         max_steps=6,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(tmp_path),
         log_every_n_steps=1,
     )

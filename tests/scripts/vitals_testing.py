@@ -116,3 +116,21 @@ def fake_loop(
                     clock.t += val_seconds
     vitals.close()
     return writer, vitals
+
+
+def quiet_trainer(package: str = "lightning.pytorch", **kwargs: Any) -> Any:
+    """A ``Trainer`` of ``package`` (``lightning.pytorch`` or ``pytorch_lightning``) on CPU
+    without logger, checkpoints, progress bar or model summary (each can be overridden); every
+    other argument as given."""
+    import importlib
+
+    pl = importlib.import_module(package)
+
+    defaults = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(**{**defaults, **kwargs})
