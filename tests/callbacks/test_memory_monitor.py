@@ -3,6 +3,11 @@ the device faked), reductions over ranks in one collective, snapshots, bad input
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import psutil
 import pytest
 import torch
@@ -209,3 +214,31 @@ def test_cpu_without_host_readings_warns_that_nothing_is_written():
     with pytest.warns(RuntimeWarning, match="nothing to measure"):
         writer, _ = fake_loop([MemoryMonitor(host=False)], None, steps=range(2))
     assert all(not row for row in writer.rows.values())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux exec semantics")
+def test_peak_rss_of_a_launched_worker_is_its_own_not_its_launchers():
+    # A launcher peaks at >= 1 GB, frees it, then starts a worker by fork+exec (as subprocess,
+    # torch.multiprocessing "spawn" and Lightning's launcher do). Linux carries ru_maxrss over
+    # exec, so reading it gave the worker the launcher's peak.
+    worker = (
+        "import json; from trainvitals.stats.memory import host_memory_readings as h; "
+        "print(json.dumps(h()))"
+    )
+    launcher = (
+        "import resource, subprocess, sys\n"
+        "big = bytearray(1 << 30)\n"
+        "for i in range(0, len(big), 4096): big[i] = 1\n"
+        "del big\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)\n"
+        f"subprocess.run([sys.executable, '-c', {worker!r}], check=True)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", launcher], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    launcher_peak = float(out[0])
+    readings = json.loads(out[1])
+    # The worker never held more than its imports (torch: ~0.25 GB) beyond its final RSS.
+    assert launcher_peak >= readings["rss_gb"] + 0.75  # the test can tell them apart
+    assert readings["rss_gb"] <= readings["peak_rss_gb"] <= readings["rss_gb"] + 0.5

@@ -515,3 +515,85 @@ def test_state_dict_waits_for_flags_still_in_flight():
         "first_nonfinite_names": expected,
         "nonfinite_logging_steps": 1,
     }
+
+
+# ------------------------------------------------------------------ complex parameters
+
+
+def test_local_sq_norms_of_complex_tensors_count_the_imaginary_parts():
+    # |z|**2 = re**2 + im**2: a cast to a real dtype dropped the imaginary part (about half
+    # the sum of squares of a random tensor).
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(9000, dtype=torch.complex64, generator=g)
+    tensors = [
+        torch.randn(100, dtype=torch.complex64, generator=g),  # normed whole
+        big,  # normed by rows
+        torch.randn(120, 80, dtype=torch.complex64, generator=g).t(),  # not contiguous
+        big.conj(),  # a lazily conjugated view
+        torch.randn(50, dtype=torch.complex128, generator=g),
+    ]
+    got = local_sq_norms(tensors)
+    for value, t in zip(got.tolist(), tensors, strict=True):
+        ref = float((t.real.double().pow(2) + t.imag.double().pow(2)).sum())
+        assert value == pytest.approx(ref, rel=1e-6)
+
+
+def test_complex_parameter_norms_equal_float64_reference():
+    torch.manual_seed(0)
+    model = nn.Linear(6, 5, dtype=torch.complex64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = RecordingWriter()
+    x = torch.randn(3, 6, dtype=torch.complex64)
+    with Vitals([NormMonitor(per_param="weight")], writer=writer, log_every_n_steps=1) as v:
+        v.attach(model, opt)
+        v.batch(x)
+        model(x).abs().pow(2).sum().backward()
+        params = [p.detach().to(torch.complex128) for p in model.parameters()]
+        grads = [p.grad.to(torch.complex128) for p in model.parameters()]
+        p_ref = math.sqrt(sum(float(p.abs().pow(2).sum()) for p in params))
+        g_ref = math.sqrt(sum(float(g.abs().pow(2).sum()) for g in grads))
+        w_ref = float(grads[0].abs().pow(2).sum().sqrt())
+        opt.step()
+    row = writer.steps[0]
+    assert row["l2_norm/param/global"] == pytest.approx(p_ref, rel=REL)
+    assert row["l2_norm/grad/global"] == pytest.approx(g_ref, rel=REL)
+    assert row["l2_norm/grad/weight"] == pytest.approx(w_ref, rel=REL)
+
+
+# ------------------------------------------------------------------ requires_grad changes
+
+
+def test_parameters_unfrozen_after_run_start_count_from_then_on():
+    # Lightning's BackboneFinetuning freezes before training and unfreezes at a later epoch:
+    # the trainable set is the one of the step being measured, not the one at run start.
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.up.requires_grad_(False)  # frozen at run start
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = RecordingWriter()
+    monitor = NormMonitor(per_param=["up.*", "down.weight"])
+    refs = {}
+    with Vitals([monitor], writer=writer, log_every_n_steps=1) as vitals:
+        vitals.attach(model, opt)
+        for step, ids in enumerate(_batches(4)):
+            if step == 2:
+                model.up.requires_grad_(True)  # unfrozen
+            if step == 3:
+                model.down.requires_grad_(False)  # frozen again
+                model.down.weight.grad = model.down.bias.grad = None
+            vitals.batch(ids)
+            lm_loss(model, ids).backward()
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            refs[step] = float64_norms(trainable)
+            refs[step, "up.weight"] = None if step < 2 else float(model.up.weight.grad.norm())
+            opt.step()
+            opt.zero_grad()
+    for step in range(4):
+        row = writer.steps[step]
+        assert row["l2_norm/param/global"] == pytest.approx(refs[step][0], rel=REL)
+        assert row["l2_norm/grad/global"] == pytest.approx(refs[step][1], rel=REL)
+        if refs[step, "up.weight"] is None:
+            assert "l2_norm/grad/up.weight" not in row
+        else:
+            assert row["l2_norm/grad/up.weight"] == pytest.approx(refs[step, "up.weight"], rel=REL)
+        assert ("l2_norm/grad/down.weight" in row) == (step < 3)

@@ -32,7 +32,7 @@ class MemoryMonitor(VitalsCallback):
     the previous logging step with ``peak_since_last_log=True`` (then the allocator's peak
     counters are reset after each reading: do not combine with other code that relies on
     them). ``memory/peak_rss_gb`` is always since the process started: the OS's peak
-    (``ru_maxrss``) cannot be reset. Nothing here is checkpoint state: a resumed process starts
+    (``VmHWM`` on Linux, ``ru_maxrss`` elsewhere) cannot be reset. Nothing here is checkpoint state: a resumed process starts
     its own peaks.
 
     Allocator history (CUDA only): ``record_history=True`` starts

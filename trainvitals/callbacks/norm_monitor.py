@@ -53,7 +53,8 @@ class NormMonitor(VitalsCallback):
     count once. Non-logging steps cost nothing: no computation, no sync, no collective.
 
     The parameter norm is taken at the same moment, i.e. of the weights the step's gradients
-    were computed with (before the update). Only parameters with ``requires_grad`` count.
+    were computed with (before the update). Only parameters with ``requires_grad`` at that
+    step count (parameters frozen or unfrozen during training drop out or join).
     With pipeline parallelism (``groups.pp`` non-trivial) the totals are summed over the
     pipeline stages in one more collective; per-parameter keys then come from rank 0's stage.
 
@@ -125,6 +126,8 @@ class NormMonitor(VitalsCallback):
                 f"max_nonfinite_names must be a positive int, got {max_nonfinite_names!r}"
             )
         self.max_nonfinite_names = max_nonfinite_names
+        self._named: list[tuple[str, torch.nn.Parameter]] = []  # every parameter, frozen too
+        self._trainable: tuple[bool, ...] | None = None  # requires_grad of each, at last look
         self._tracked: list[_Tracked] = []
         self._selected: list[int] = []
         self._unsupported = False
@@ -137,8 +140,8 @@ class NormMonitor(VitalsCallback):
     # ------------------------------------------------------------------ hooks
 
     def run_start(self, ctx: RunContext) -> None:
-        """Find the trainable parameters (deduplicated, canonical names) and the per-parameter
-        selection; a glob matching nothing raises here, before any collective."""
+        """Find the parameters (canonical names) and check the per-parameter globs; a glob
+        matching no parameter raises here, before any collective."""
         if ctx.model is None:
             raise ValueError("NormMonitor needs the model: attach it (vitals.attach(model, opt))")
         model = unwrap_model(ctx.model)
@@ -149,27 +152,26 @@ class NormMonitor(VitalsCallback):
             self._tracked = []
             self._unsupported = True
             return
-        named = [
-            (canonical_name(n), p)
-            for n, p in model.named_parameters(remove_duplicate=False)
-            if p.requires_grad
+        self._named = [
+            (canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)
         ]
-        self._tracked = [
-            _Tracked(name, p, sharding_groups(p)) for name, p in dedupe_named_tensors(named)
-        ]
-        self._selected = self._select(ctx)
+        self._check_globs(ctx)
+        self._trainable = None
+        self._track_trainable()
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
         """On logging steps: norms of the parameters and of the complete gradients."""
         if not self.should_log(ctx) or self._unsupported:
             return
         pipeline = group_size(ctx.groups.pp) > 1
+        # The pending flags index the tracked list: name them before it may change.
+        self._report_pending(block=True)
+        self._track_trainable()
         if not self._tracked and not pipeline:
             return
         # A pipeline stage without trainable parameters (a frozen stage) still takes part in
         # the totals' collective over the stages, with zeros: skipping it would leave the other
         # stages waiting in that all-reduce.
-        self._report_pending(block=True)
         tracked = self._tracked
         n = len(tracked)
         grads = [t.param.grad for t in tracked]
@@ -243,28 +245,37 @@ class NormMonitor(VitalsCallback):
 
     # ------------------------------------------------------------------ internals
 
-    def _select(self, ctx: RunContext) -> list[int]:
-        if not self.per_param:
-            return []
-        names = [t.name for t in self._tracked]
-        selected: set[int] = set()
-        unmatched = []
-        for glob in self.per_param:
-            hits = [i for i, name in enumerate(names) if fnmatch.fnmatchcase(name, glob)]
-            if not hits:
-                unmatched.append(glob)
-            selected.update(hits)
+    def _track_trainable(self) -> None:
+        """Track the parameters that require a gradient now (deduplicated) and select the
+        per-parameter ones. Training can freeze or unfreeze parameters after run start (Lightning's
+        ``BackboneFinetuning``); every rank changes the same ones at the same step, so the
+        collectives stay alike. A look at host attributes, on logging steps only."""
+        trainable = tuple(p.requires_grad for _, p in self._named)
+        if trainable == self._trainable:
+            return
+        self._trainable = trainable
+        named = [(n, p) for (n, p), t in zip(self._named, trainable, strict=True) if t]
+        self._tracked = [
+            _Tracked(name, p, sharding_groups(p)) for name, p in dedupe_named_tensors(named)
+        ]
+        self._selected = [
+            i
+            for i, t in enumerate(self._tracked)
+            if any(fnmatch.fnmatchcase(t.name, glob) for glob in self.per_param)
+        ]
+
+    def _check_globs(self, ctx: RunContext) -> None:
+        # Against every parameter, frozen ones too (they may be unfrozen later); a tied
+        # parameter has its first name only, the one its keys would use.
+        names = [name for name, _ in dedupe_named_tensors(self._named)]
+        unmatched = [g for g in self.per_param if not any(fnmatch.fnmatchcase(n, g) for n in names)]
         if unmatched:
-            message = (
-                f"per_param globs {unmatched} match no trainable parameter; "
-                f"names look like {names[:5]}"
-            )
+            message = f"per_param globs {unmatched} match no parameter; names look like {names[:5]}"
             if group_size(ctx.groups.pp) > 1:
                 # Another pipeline stage may hold them; raising on one stage would hang the others.
                 self.warn_once("unmatched", message)
             else:
                 raise ValueError(f"NormMonitor: {message}")
-        return sorted(selected)
 
     def _report_pending(self, *, block: bool) -> None:
         pending = self._pending

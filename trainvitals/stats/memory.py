@@ -7,6 +7,7 @@ Megatron-Bridge's ``report_memory`` do); counts stay counts.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -52,26 +53,40 @@ def cuda_memory_readings(device: torch.device | int | None = None) -> dict[str, 
     return out
 
 
-def _peak_rss_bytes() -> int | None:
+def _peak_rss_bytes(pid: int) -> int | None:
+    # Linux: the high-water mark of the process's own address space (VmHWM, since its last
+    # exec). Not ru_maxrss there: the kernel carries it over exec, so a worker started by
+    # fork+exec (subprocess, torch.multiprocessing "spawn", Lightning's launcher) reports its
+    # launcher's peak when that was higher (measured: 1.5 GB for a 14 MB child).
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    if sys.platform == "linux" or pid != os.getpid():
+        return None
     try:
         import resource
     except ImportError:  # Windows
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
+    # macOS reports bytes, the BSDs KiB.
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 def host_memory_readings(process: Any = None) -> dict[str, float]:
-    """This process's resident set size and its peak since the process started, in GB.
+    """The process's resident set size and its peak since the process started, in GB.
 
-    ``rss_gb`` from ``psutil`` (``memory_info().rss``); ``peak_rss_gb`` from
-    ``getrusage(RUSAGE_SELF).ru_maxrss`` (``peak_wset`` on Windows), never below ``rss_gb``.
+    ``rss_gb`` from ``psutil`` (``memory_info().rss``); ``peak_rss_gb`` from ``VmHWM`` of
+    ``/proc/<pid>/status`` on Linux, ``getrusage(RUSAGE_SELF).ru_maxrss`` on other POSIX
+    systems and ``peak_wset`` on Windows, never below ``rss_gb``.
     """
     import psutil
 
     process = process or psutil.Process()
     info = process.memory_info()
     rss = int(info.rss)
-    peak = getattr(info, "peak_wset", None) or _peak_rss_bytes() or rss
+    peak = getattr(info, "peak_wset", None) or _peak_rss_bytes(process.pid) or rss
     return {"rss_gb": rss / BYTES_PER_GB, "peak_rss_gb": max(peak, rss) / BYTES_PER_GB}

@@ -162,9 +162,11 @@ def local_sq_norms(
     sum: such tensors are first summed elementwise over their partial groups (one collective per
     distinct group, only when some tensor is ``Partial``; every rank has the same placements).
     """
-    locals_: list[torch.Tensor | None] = [None if t is None else local_tensor(t) for t in tensors]
+    locals_: list[torch.Tensor | None] = [
+        None if t is None else _real_view(local_tensor(t)) for t in tensors
+    ]
     _resolve_partials(tensors, locals_)
-    locals_ = [None if t is None else stored_values(t) for t in locals_]
+    locals_ = [None if t is None else _real_view(stored_values(t)) for t in locals_]
     if device is None:
         device = next((t.device for t in locals_ if t is not None), torch.device("cpu"))
     out = torch.zeros(len(locals_), dtype=torch.float64, device=device)
@@ -197,6 +199,15 @@ def stored_values(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.coalesce().values()
     if tensor.layout in _COMPRESSED:
         return tensor.values()
+    return tensor
+
+
+def _real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A strided complex tensor as real numbers (``[..., 2]``: real and imaginary parts), whose
+    sum of squares is the complex one's (``|z|**2 = re**2 + im**2``); other tensors as they are.
+    Without it the conversion to float32 below drops the imaginary parts."""
+    if tensor.is_complex() and tensor.layout == torch.strided:
+        return torch.view_as_real(tensor.resolve_conj())
     return tensor
 
 
