@@ -271,3 +271,29 @@ def test_driver_batch_call_is_not_counted_twice_by_the_forward():
         ("micro_batch", 0, 1, 4),
         ("step_end", 0, 2),
     ]
+
+
+def _raising_batch_size_fn(batch):
+    return batch.num_samples  # written for another batch type: AttributeError
+
+
+def test_a_failing_batch_size_fn_leaves_that_count_out_and_training_goes_on(monkeypatch):
+    """A user's ``batch_size_fn`` runs outside the hooks' guard (on the way to
+    ``micro_batch_start``): when it raises, the samples are not reported, the other counts
+    are, and training goes on (before: the exception ended the run)."""
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+    writer = Recorder()
+    monitor = RuntimeMonitor(log_every_n_steps=1, batch_size_fn=_raising_batch_size_fn)
+    with (
+        pytest.warns(RuntimeWarning, match="batch_size_fn raised AttributeError"),
+        Vitals([monitor], writer=writer) as vitals,
+    ):
+        _train(vitals, 3)
+    assert writer.key("time/batches") == {0: 2.0, 1: 4.0, 2: 6.0}
+    assert writer.key("time/samples") == {}
+    assert not monitor._disabled
+
+    monkeypatch.setenv("TRAINVITALS_STRICT", "1")
+    monitor = RuntimeMonitor(log_every_n_steps=1, batch_size_fn=_raising_batch_size_fn)
+    with pytest.raises(AttributeError), Vitals([monitor], writer=Recorder()) as vitals:
+        _train(vitals, 1)

@@ -490,3 +490,164 @@ def test_retry_after_a_crashed_fit_on_the_same_trainer(tmp_path):
         row = rows.rows[step]
         assert row["time/batches"] == acc * (step + 1)
         assert row["time/samples"] == acc * bs * (step + 1)
+
+
+# ---------------------------------------------------------------------------- Lightning specifics
+
+
+def test_two_instances_of_one_callback_keep_their_own_checkpoint_state(tmp_path):
+    """Two NormMonitors with different settings: Lightning keeps one state per ``state_key``
+    and refuses two stateful callbacks sharing one, so they are named (before: ``state_key``
+    could not be set, so no Trainer could hold both). Each counts its logging steps with a
+    non-finite gradient; a resume continues each count from its own state."""
+    import lightning.pytorch as pl
+
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    def module():
+        m = _module(pl, FakeClock(), 2, 20)
+        m.bad = nn.Parameter(torch.zeros(1))  # its gradient is NaN at every step
+        step = m.training_step
+
+        def training_step(batch, batch_idx):
+            return step(batch, batch_idx) + (m.bad * float("nan")).sum()
+
+        m.training_step = training_step
+        return m
+
+    def monitors():
+        every_step = NormMonitor(per_param="emb.*", log_every_n_steps=1, writer=RecordingWriter())
+        every_step.state_key = "norms_every_step"
+        every_other = NormMonitor(per_param="head.*", log_every_n_steps=2, writer=RecordingWriter())
+        every_other.state_key = "norms_every_other_step"
+        return [every_step, every_other]
+
+    def nonfinite_logging_steps(steps: range, every: int) -> int:
+        return sum(s % every == 0 for s in steps)
+
+    first = monitors()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the monitors' warnings about the NaN gradient
+        trainer = _trainer(pl, first, tmp_path, max_steps=5)
+        trained = module()
+        trainer.fit(trained)
+        assert "on_train_batch_start" not in vars(trained)  # no wrapper of ours left behind
+        ckpt = tmp_path / "two.ckpt"
+        trainer.save_checkpoint(ckpt)
+        saved = torch.load(ckpt, weights_only=False)["callbacks"]
+        assert saved["norms_every_step"]["nonfinite_logging_steps"] == nonfinite_logging_steps(
+            range(5), 1
+        )
+        assert saved["norms_every_other_step"][
+            "nonfinite_logging_steps"
+        ] == nonfinite_logging_steps(range(5), 2)
+
+        second = monitors()
+        trainer = _trainer(pl, second, tmp_path, max_steps=8)
+        trainer.fit(module(), ckpt_path=ckpt)
+        for monitor, every in zip(second, (1, 2), strict=True):
+            assert monitor.nonfinite_logging_steps == nonfinite_logging_steps(range(8), every)
+            assert monitor.first_nonfinite_step == 0
+    with pytest.raises(TypeError, match="state_key"):
+        first[0].state_key = None
+
+
+def test_a_batch_skipped_by_on_train_batch_start_returning_minus_one_is_not_counted(tmp_path):
+    """Lightning calls the callbacks' on_train_batch_start before the module's; a module that
+    returns -1 skips the rest of the epoch, that batch included. The skipped batch is not a
+    micro-batch: here in the middle of an accumulation window, whose gradient (batch 2 of
+    epoch 0) goes into the first step of epoch 1."""
+    import lightning.pytorch as pl
+
+    from trainvitals.callbacks.base import VitalsCallback
+
+    class StepEnds(VitalsCallback):
+        def __init__(self) -> None:
+            super().__init__(writer=RecordingWriter())
+            self.micro_batches: dict[int, int] = {}
+
+        def step_end(self, ctx):
+            self.micro_batches[ctx.step] = ctx.micro_batches_in_step
+
+    bs, acc = 3, 2
+    clock = FakeClock()
+    module = _module(pl, clock, bs, 6)
+    trained: dict[int, list[int]] = {}  # optimizer step -> sizes of the batches trained in it
+    step = module.training_step
+
+    def training_step(batch, batch_idx):
+        trained.setdefault(module.trainer.global_step, []).append(len(batch["input_ids"]))
+        return step(batch, batch_idx)
+
+    def on_train_batch_start(batch, batch_idx):
+        return -1 if (module.current_epoch, batch_idx) == (0, 3) else None
+
+    module.training_step = training_step
+    module.on_train_batch_start = on_train_batch_start
+    rows, ends = RecordingWriter(), StepEnds()
+    options = {"accumulate_grad_batches": acc, "limit_val_batches": 0, "num_sanity_val_steps": 0}
+    trainer = _trainer(pl, [RuntimeMonitor(clock=clock, writer=rows), ends], tmp_path,
+                       max_epochs=2, **options)  # fmt: skip
+    trainer.fit(module)
+    assert trainer.global_step == len(trained) == 4
+    assert len(trained[1]) == 3  # batch 2 of epoch 0, batches 0 and 1 of epoch 1
+    assert ends.micro_batches == {s: len(sizes) for s, sizes in trained.items()}
+    for s in trained:
+        assert rows.rows[s]["time/batches"] == sum(len(trained[t]) for t in range(s + 1))
+        assert rows.rows[s]["time/samples"] == sum(sum(trained[t]) for t in range(s + 1))
+    assert module.on_train_batch_start is on_train_batch_start  # the module's own hook again
+
+
+def test_trainer_log_every_n_steps_zero_asks_for_the_callbacks_interval(tmp_path):
+    """``Trainer(log_every_n_steps=0)`` (also what ``barebones=True`` sets) turns Lightning's
+    logging off; a callback taking its interval from the trainer must say so at run start
+    (before: a modulo by zero at the first step, which disabled the callback)."""
+    import lightning.pytorch as pl
+
+    clock = FakeClock()
+    trainer = _trainer(pl, [RuntimeMonitor(clock=clock)], tmp_path, max_steps=2,
+                       log_every_n_steps=0)  # fmt: skip
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        trainer.fit(_module(pl, clock, 2, 10))
+
+    rows = RecordingWriter()
+    monitor = RuntimeMonitor(clock=clock, writer=rows, log_every_n_steps=2)
+    trainer = pl.Trainer(
+        callbacks=[monitor], barebones=True, accelerator="cpu", devices=1, max_steps=5,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(_module(pl, clock, 2, 10))
+    assert sorted(rows.rows) == [0, 2, 4]
+    assert rows.rows[4]["time/samples"] == 2 * 5
+
+
+def test_batch_size_of_a_batch_with_a_scalar_before_its_tensors():
+    from trainvitals.adapters.context import infer_batch_size, infer_num_tokens
+
+    batch = {"temperature": torch.tensor(0.7), "input_ids": torch.zeros(4, SEQ, dtype=torch.long)}
+    assert infer_batch_size(batch) == 4
+    assert infer_num_tokens(batch) == 4 * SEQ
+    assert infer_batch_size((torch.tensor(3), [torch.ones(5, 2)])) == 5
+    assert infer_batch_size(torch.tensor(1.0)) is None
+
+
+def test_a_module_with_lightnings_own_batch_start_is_left_untouched(tmp_path):
+    """Only a module whose on_train_batch_start is its own (it may return -1) gets the gate;
+    Lightning's default returns None, so the module object stays as the user built it (no
+    instance attribute, which e.g. would not pickle)."""
+    import lightning.pytorch as pl
+
+    clock = FakeClock()
+    module = _module(pl, clock, 2, 4)
+    seen: list[bool] = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append("on_train_batch_start" in vars(pl_module))
+
+    rows = RecordingWriter()
+    trainer = _trainer(pl, [RuntimeMonitor(clock=clock, writer=rows), Probe()], tmp_path,
+                       max_steps=3, limit_val_batches=0)  # fmt: skip
+    trainer.fit(module)
+    assert seen == [False, False, False]
+    assert rows.rows[2]["time/batches"] == 3  # every batch still counted

@@ -75,11 +75,10 @@ class RunContext:
 
 
 def infer_batch_size(batch: Any) -> int | None:
-    """Samples in a batch: the first dim of the first tensor found (dicts, lists, tuples)."""
+    """Samples in a batch: the first dim of the first tensor with a dim found (dicts, lists,
+    tuples); a 0-d tensor before it (a scalar setting) has no batch dim."""
     tensor = _first_tensor(batch)
-    if tensor is None or tensor.ndim == 0:
-        return None
-    return int(tensor.shape[0])
+    return None if tensor is None else int(tensor.shape[0])
 
 
 def infer_num_tokens(batch: Any) -> int | None:
@@ -97,7 +96,7 @@ def infer_num_tokens(batch: Any) -> int | None:
 
 def _first_tensor(obj: Any, integer_2d: bool = False) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
-        if not integer_2d or (obj.ndim >= 2 and not obj.is_floating_point()):
+        if obj.ndim >= 1 and (not integer_2d or (obj.ndim >= 2 and not obj.is_floating_point())):
             return obj
         return None
     values = obj.values() if isinstance(obj, Mapping) else obj

@@ -49,6 +49,7 @@ construction or at run start, on every rank, before any collective.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
@@ -177,8 +178,18 @@ class VitalsCallback:
 
     @property
     def state_key(self) -> str:
-        """Key of this callback's state in checkpoints (Lightning and the driver)."""
-        return type(self).__qualname__
+        """Key of this callback's state in checkpoints (Lightning and the driver): the class
+        name, unless assigned. Two instances of one class in one run need keys of their own
+        (``monitor.state_key = "norms_per_layer"``): Lightning refuses two stateful callbacks
+        with one key, and so does the driver."""
+        named = getattr(self, "_state_key", None)
+        return type(self).__qualname__ if named is None else named
+
+    @state_key.setter
+    def state_key(self, value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"state_key must be a non-empty str, got {value!r}")
+        self._state_key = value
 
     # ------------------------------------------------------------------ dispatch with guard
 
@@ -320,7 +331,8 @@ class VitalsCallback:
         # A fit that raised never reached teardown (Lightning calls on_exception instead): its
         # context still holds that fit's model, optimizers and micro-batch counts. A later fit
         # on the same trainer (a retry from a checkpoint) builds its own at on_train_start.
-        if getattr(trainer, "_trainvitals_ctx", None) is not None:
+        if (ctx := getattr(trainer, "_trainvitals_ctx", None)) is not None:
+            _remove_batch_start_gate(ctx)
             trainer._trainvitals_ctx = None
             # and its writer, which refuses the lower steps of a retry from an earlier
             # checkpoint (a new one is made at first use; the JSONL resume rule drops the
@@ -337,11 +349,23 @@ class VitalsCallback:
             # same trainer builds a fresh context and writer.
             setattr(trainer, _WRITER_ATTR, None)
             writer.close()
-        if getattr(trainer, "_trainvitals_ctx", None) is not None:
+        if (ctx := getattr(trainer, "_trainvitals_ctx", None)) is not None:
+            _remove_batch_start_gate(ctx)
             trainer._trainvitals_ctx = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.log_every_n_steps is None and not trainer.log_every_n_steps:
+            # Lightning's 0 (also set by barebones=True) turns its own logging off; an interval
+            # of 0 steps means nothing here. A configuration error, raised on every rank.
+            raise ValueError(
+                f"{type(self).__name__}: Trainer(log_every_n_steps="
+                f"{trainer.log_every_n_steps!r}) turns Lightning's logging off, and this "
+                "callback takes its interval from the trainer; pass log_every_n_steps= (a "
+                "positive int) to the callback"
+            )
         ctx = self._pl_context(trainer, pl_module)
+        if getattr(ctx, "_pl_gate", None) is None and _overrides_batch_start(pl_module):
+            ctx._pl_gate = _BatchStartGate(pl_module)
         self._pl_last_global_step = trainer.global_step
         ctx.step = trainer.global_step
         self._dispatch("run_start", ctx)
@@ -350,6 +374,16 @@ class VitalsCallback:
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         ctx = self._pl_context(trainer, pl_module)
+        start = functools.partial(self._pl_micro_batch_start, ctx, trainer, batch, batch_idx)
+        gate = getattr(ctx, "_pl_gate", None)
+        if gate is not None and gate.module is pl_module:
+            gate.pending.append(start)  # run once the module's own hook has kept the batch
+        else:
+            start()
+
+    def _pl_micro_batch_start(
+        self, ctx: RunContext, trainer: Any, batch: Any, batch_idx: int
+    ) -> None:
         ctx.step = trainer.global_step
         batch_key = (trainer.global_step, batch_idx)
         previous = getattr(ctx, "_pl_batch_key", None)
@@ -364,22 +398,36 @@ class VitalsCallback:
         self._dispatch("micro_batch_start", ctx, self._batch_info(batch))
 
     def _batch_info(self, batch: Any) -> BatchInfo:
-        bs_fn: Callable[[Any], int | None] = (
-            getattr(self, "batch_size_fn", None) or infer_batch_size
+        return BatchInfo(
+            batch=batch,
+            batch_size=self._batch_count(batch, "batch_size_fn", infer_batch_size),
+            num_tokens=self._batch_count(batch, "num_tokens_fn", infer_num_tokens),
         )
-        tok_fn: Callable[[Any], int | None] = (
-            getattr(self, "num_tokens_fn", None) or infer_num_tokens
-        )
-        return BatchInfo(batch=batch, batch_size=bs_fn(batch), num_tokens=tok_fn(batch))
+
+    def _batch_count(
+        self, batch: Any, attr: str, default: Callable[[Any], int | None]
+    ) -> int | None:
+        """``batch_size_fn``/``num_tokens_fn`` (the user's) of ``batch``; None (a count not
+        reported) when it raises, which must not end the run: it runs outside the guard."""
+        fn: Callable[[Any], int | None] = getattr(self, attr, None) or default
+        try:
+            return fn(batch)
+        except Exception as exc:
+            self.tolerate_failure(
+                attr, attr, exc, "counts of such batches are missing (not reported)"
+            )
+            return None
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         ctx = self._pl_context(trainer, pl_module)
+        _release_batch_start_gate(ctx)
         self._dispatch("before_optimizer_step", ctx)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         ctx = self._pl_context(trainer, pl_module)
+        _release_batch_start_gate(ctx)
         last = self._pl_last_global_step
         if last is not None and trainer.global_step > last:
             # One optimizer step finished (the step index is the one before the increment).
@@ -414,6 +462,7 @@ class VitalsCallback:
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         ctx = getattr(trainer, "_trainvitals_ctx", None)
         if ctx is not None:
+            _remove_batch_start_gate(ctx)  # this fit is over; the module is the user's again
             self._dispatch("exception_raised", ctx, exception)
             # The run may end here; deliver what was written so far now, not at exit (the
             # writer stays open until the process ends, or a retried fit on the same trainer
@@ -445,6 +494,73 @@ class VitalsCallback:
 
 def _noop(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+class _BatchStartGate:
+    """Holds the trainvitals callbacks' ``on_train_batch_start`` until the LightningModule's own
+    has answered. Lightning calls the callbacks' hook first and the module's after it, and a
+    module returning -1 skips the rest of the epoch, that batch included
+    (``_TrainingEpochLoop.advance``): that batch is not trained on, so no callback may count it.
+    The module's hook is wrapped for the fit (an instance attribute, removed at its end)."""
+
+    def __init__(self, pl_module: Any) -> None:
+        self.module = pl_module
+        self.pending: list[Callable[[], None]] = []
+        self._own = vars(pl_module).get("on_train_batch_start", _ABSENT)  # put back at removal
+        original = pl_module.on_train_batch_start
+
+        def on_train_batch_start(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+            response = original(batch, batch_idx, *args, **kwargs)
+            if response == -1:  # Lightning's own test (should_skip_rest_of_epoch)
+                self.pending.clear()
+            else:
+                self.release()
+            return response
+
+        self.hook = on_train_batch_start
+        pl_module.on_train_batch_start = on_train_batch_start
+
+    def release(self) -> None:
+        pending, self.pending = self.pending, []
+        for start in pending:
+            start()
+
+    def remove(self) -> None:
+        self.pending.clear()
+        if vars(self.module).get("on_train_batch_start") is self.hook:
+            if self._own is _ABSENT:
+                del self.module.on_train_batch_start
+            else:
+                self.module.on_train_batch_start = self._own
+
+
+_ABSENT = object()
+
+
+def _overrides_batch_start(pl_module: Any) -> bool:
+    """Whether the module's ``on_train_batch_start`` is its own (it may return -1); Lightning's
+    default returns None, and then the module is left untouched."""
+    if "on_train_batch_start" in vars(pl_module):
+        return True
+    for cls in type(pl_module).__mro__:
+        if "on_train_batch_start" in vars(cls):
+            return not cls.__module__.startswith(("lightning.", "pytorch_lightning."))
+    return False
+
+
+def _release_batch_start_gate(ctx: RunContext) -> None:
+    """Run micro-batch starts still held: the module's hook did not run through the gate (a
+    wrapper of its own replaced it), so the batch was not skipped."""
+    gate = getattr(ctx, "_pl_gate", None)
+    if gate is not None and gate.pending:
+        gate.release()
+
+
+def _remove_batch_start_gate(ctx: RunContext) -> None:
+    gate = getattr(ctx, "_pl_gate", None)
+    if gate is not None:
+        ctx._pl_gate = None
+        gate.remove()
 
 
 def _lightning_writer(trainer: Any, run_dir: Path) -> Any:
