@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tests.helpers.dist import run_distributed
-from tests.scripts.vitals_testing import FakeClock, RecordingWriter
+from tests.scripts.vitals_testing import FakeClock, RecordingWriter, manual_optimization_module
 from trainvitals.callbacks.memory_monitor import MemoryMonitor
 from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
 from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
@@ -392,29 +392,15 @@ def test_manual_optimization_two_optimizers_remaining_time_in_global_steps(tmp_p
     clock = FakeClock()
     writer = RecordingWriter()
 
-    class TwoOptimizers(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
-            self.a, self.b = nn.Linear(3, 1), nn.Linear(3, 1)
+    def tick(batch_idx: int) -> None:
+        clock.t += step_seconds(batch_idx)
 
-        def training_step(self, batch, batch_idx):
-            clock.t += step_seconds(batch_idx)
-            for opt, layer in zip(self.optimizers(), (self.a, self.b), strict=True):
-                opt.zero_grad()
-                self.manual_backward(layer(batch).pow(2).mean())
-                opt.step()
-
-        def configure_optimizers(self):
-            return [torch.optim.SGD(m.parameters(), lr=0.01) for m in (self.a, self.b)]
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.randn(40, 3), batch_size=2)
+    module = manual_optimization_module([nn.Linear(3, 1), nn.Linear(3, 1)], 40, on_batch=tick)
 
     max_steps = 12  # 6 batches
     monitor = RuntimeMonitor(clock=clock, writer=writer, warmup_steps=1)
     trainer = _trainer(pl, [monitor], tmp_path, max_steps=max_steps)
-    trainer.fit(TwoOptimizers())
+    trainer.fit(module)
     assert trainer.global_step == max_steps
     assert sorted(writer.rows) == [0, 2, 4, 6, 8, 10]
     for step, row in writer.rows.items():

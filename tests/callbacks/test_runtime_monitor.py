@@ -15,6 +15,7 @@ from tests.scripts.vitals_testing import (
     batch_size,
     dt,
     fake_loop,
+    manual_optimization_module,
     quiet_trainer,
 )
 from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
@@ -259,33 +260,17 @@ def test_lightning_manual_optimization_with_max_epochs_only(tmp_path, optimizers
     out halfway (remaining time 0 with half the run left). With one step per batch it holds."""
     import warnings
 
-    import lightning.pytorch as pl
     from torch import nn
 
     clock = FakeClock()
     writer = RecordingWriter()
     epochs, batches, seconds_per_batch = 2, 6, 1.0
 
-    class Manual(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
-            self.layers = nn.ModuleList(nn.Linear(3, 1) for _ in range(optimizers))
+    def tick(batch_idx: int) -> None:
+        clock.t += seconds_per_batch
 
-        def training_step(self, batch, batch_idx):
-            clock.t += seconds_per_batch
-            opts = self.optimizers()
-            for opt, layer in zip(opts if optimizers > 1 else [opts], self.layers, strict=True):
-                opt.zero_grad()
-                self.manual_backward(layer(batch).pow(2).mean())
-                opt.step()
-
-        def configure_optimizers(self):
-            return [torch.optim.SGD(m.parameters(), lr=0.01) for m in self.layers]
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.randn(2 * batches, 3), batch_size=2)
-
+    layers = [nn.Linear(3, 1) for _ in range(optimizers)]
+    module = manual_optimization_module(layers, 2 * batches, on_batch=tick)
     trainer = quiet_trainer(
         callbacks=[RuntimeMonitor(clock=clock, writer=writer)],
         max_epochs=epochs,
@@ -294,7 +279,7 @@ def test_lightning_manual_optimization_with_max_epochs_only(tmp_path, optimizers
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(Manual())
+        trainer.fit(module)
     assert trainer.global_step == optimizers * epochs * batches
     remaining = writer.key("time/remaining_hours")
     if optimizers == 1:

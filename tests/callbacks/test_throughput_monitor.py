@@ -16,6 +16,7 @@ from tests.scripts.vitals_testing import (
     batch_size,
     dt,
     fake_loop,
+    manual_optimization_module,
     quiet_trainer,
 )
 from trainvitals.adapters.loop import Vitals
@@ -640,31 +641,17 @@ def test_measured_flops_count_every_optimizer_of_a_manual_optimization_step(tmp_
     step must hold both forward/backward passes, not stop at the first optimizer's step.
     Per sample, layer a Linear(3, 4) counts forward 2*3*4 and weight gradient 2*3*4 (its input
     needs no gradient), layer b Linear(3, 2) 2*3*2 twice."""
-    import lightning.pytorch as pl
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     clock = FakeClock()
     writer = RecordingWriter()
 
-    class TwoOptimizers(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
-            self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(3, 2)
+    def tick(batch_idx: int) -> None:
+        clock.t += 1.0
 
-        def training_step(self, batch, batch_idx):
-            clock.t += 1.0
-            for opt, layer in zip(self.optimizers(), (self.a, self.b), strict=True):
-                opt.zero_grad()
-                self.manual_backward(layer(batch).pow(2).mean())
-                opt.step()
-
-        def configure_optimizers(self):
-            return [torch.optim.SGD(m.parameters(), lr=0.01) for m in (self.a, self.b)]
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.randn(12, 3), batch_size=2)
-
+    module = manual_optimization_module(
+        [torch.nn.Linear(3, 4), torch.nn.Linear(3, 2)], 12, on_batch=tick
+    )
     monitor = ThroughputMonitor(
         window_size=2, clock=clock, measure_flops=True, peak_flops=1e3, writer=writer
     )
@@ -674,7 +661,7 @@ def test_measured_flops_count_every_optimizer_of_a_manual_optimization_step(tmp_
         default_root_dir=str(tmp_path),
         log_every_n_steps=1,
     )
-    trainer.fit(TwoOptimizers())
+    trainer.fit(module)
     per_sample = 2 * (2 * 3 * 4) + 2 * (2 * 3 * 2)
     assert monitor.state_dict()["measured"] == ["samples", pytest.approx(per_sample)]
     assert _get_current_dispatch_mode() is None

@@ -134,3 +134,43 @@ def quiet_trainer(package: str = "lightning.pytorch", **kwargs: Any) -> Any:
         "enable_model_summary": False,
     }
     return pl.Trainer(**{**defaults, **kwargs})
+
+
+def manual_optimization_module(
+    layers: list[torch.nn.Module],
+    samples: int,
+    *,
+    on_batch: Any = None,
+    package: str = "lightning.pytorch",
+) -> Any:
+    """A LightningModule under manual optimization: one SGD optimizer per layer, each stepped
+    once per batch after its own forward and backward (a GAN's shape), on ``samples`` random
+    inputs of 3 features in batches of 2; ``on_batch(batch_idx)`` runs first in each step."""
+    import importlib
+
+    pl = importlib.import_module(package)
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.layers = torch.nn.ModuleList(layers)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            if on_batch is not None:
+                on_batch(batch_idx)
+            optimizers = self.optimizers()
+            if not isinstance(optimizers, list):
+                optimizers = [optimizers]
+            for opt, layer in zip(optimizers, self.layers, strict=True):
+                opt.zero_grad()
+                self.manual_backward(layer(batch).pow(2).mean())
+                opt.step()
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(m.parameters(), lr=0.01) for m in self.layers]
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.randn(samples, 3), batch_size=2)
+
+    return Manual()
