@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from trainvitals._patching import AttributePatch
 from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
 from trainvitals.distributed import ProcessGroups
 
@@ -145,8 +146,7 @@ class Vitals:
         self._grads_seen_for_step = False
         self._unscaled: set[int] = set()
         self._attached: set[int] = set()
-        # (object, attribute, our wrapper, what the instance held before): undone by close()
-        self._patches: list[tuple[Any, str, Any, Any]] = []
+        self._patches: list[AttributePatch] = []  # our wrappers, undone by close()
         self._loop_calls_batch = False
         self._warned_scaled = False
         self._closed = False
@@ -221,14 +221,10 @@ class Vitals:
             # after the step ended (scaler.step(opt1)) is scaled again in the next iteration
             self._unscaled.clear()
 
-        self._patch(scaler, "unscale_", unscale_)
-        self._patch(scaler, "update", update)
-
-    def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
-        # an instance attribute over the class's method; what the instance held before (another
-        # driver's wrapper) is put back by close()
-        self._patches.append((obj, name, wrapper, vars(obj).get(name)))
-        setattr(obj, name, wrapper)
+        self._patches += [
+            AttributePatch(scaler, "unscale_", unscale_),
+            AttributePatch(scaler, "update", update),
+        ]
 
     def _wrap_accelerator_clip(self) -> None:
         # Accelerate unscales AMP gradients in unscale_gradients(), which its clip_grad_norm_ and
@@ -244,7 +240,7 @@ class Vitals:
             if getattr(accelerator, "sync_gradients", True):
                 self.gradients_ready()
 
-        self._patch(accelerator, "unscale_gradients", unscale_gradients)
+        self._patches.append(AttributePatch(accelerator, "unscale_gradients", unscale_gradients))
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` that lets the callbacks see the unclipped gradients
@@ -457,12 +453,8 @@ class Vitals:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for obj, name, wrapper, previous in reversed(self._patches):
-            if vars(obj).get(name) is wrapper:  # (not another driver's wrapper)
-                if previous is None:
-                    delattr(obj, name)  # the class's own method again
-                else:
-                    setattr(obj, name, previous)
+        for patch in reversed(self._patches):  # (another driver's later wrapper is kept)
+            patch.undo()
         self._patches.clear()
         writer = self.ctx.writer
         if self._owns_writer:

@@ -55,6 +55,7 @@ from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainvitals._patching import AttributePatch
 from trainvitals._strict import strict as _strict
 from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
 from trainvitals.distributed import (
@@ -506,7 +507,6 @@ class _BatchStartGate:
     def __init__(self, pl_module: Any) -> None:
         self.module = pl_module
         self.pending: list[Callable[[], None]] = []
-        self._own = vars(pl_module).get("on_train_batch_start", _ABSENT)  # put back at removal
         original = pl_module.on_train_batch_start
 
         def on_train_batch_start(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -517,8 +517,7 @@ class _BatchStartGate:
                 self.release()
             return response
 
-        self.hook = on_train_batch_start
-        pl_module.on_train_batch_start = on_train_batch_start
+        self._patch = AttributePatch(pl_module, "on_train_batch_start", on_train_batch_start)
 
     def release(self) -> None:
         pending, self.pending = self.pending, []
@@ -527,14 +526,7 @@ class _BatchStartGate:
 
     def remove(self) -> None:
         self.pending.clear()
-        if vars(self.module).get("on_train_batch_start") is self.hook:
-            if self._own is _ABSENT:
-                del self.module.on_train_batch_start
-            else:
-                self.module.on_train_batch_start = self._own
-
-
-_ABSENT = object()
+        self._patch.undo()  # the module's own hook again
 
 
 def _overrides_batch_start(pl_module: Any) -> bool:
