@@ -1061,20 +1061,21 @@ def _switch_aux_loss(
     padding when ``valid`` (from :meth:`RouterCapture._hf_valid_tokens`) is given (``counts``
     then count only those; a forward with no such token gives 0, where Hugging Face divides
     0 by 0, and still counts as a forward in the layer's mean over micro-batches: knowing it
-    has no token would take a host read), else over every token. Hugging Face's ``load_balancing_loss_func`` term of the
-    layer is ``top_k`` times this (it divides the counts by ``T``, not ``T * k``)."""
+    has no token would take a host read), else over every token. Hugging Face's
+    ``load_balancing_loss_func`` term of the layer is ``top_k`` times this (it divides the
+    counts by ``T``, not ``T * k``)."""
     if counts is None or logits.shape[0] == 0:
         return None
     num_tokens, num_experts = logits.shape
     probs = logits.detach().float().softmax(dim=-1)
     if valid is None:
         mean_probs = probs.mean(dim=0)
-        return (counts.to(mean_probs.dtype) * mean_probs).sum() * (
-            num_experts / (num_tokens * top_k)
-        )
-    # transformers 5.x models/mixtral/modeling_mixtral.py::load_balancing_loss_func with an
-    # attention mask: top-k counts and router probabilities summed over the tokens whose mask
-    # is 1, both divided by their number (a device tensor here: no host synchronisation).
-    _, weights, num_valid = valid
-    mean_probs = (weights.unsqueeze(-1) * probs).sum(dim=0) / num_valid
-    return (counts.to(mean_probs.dtype) * mean_probs).sum() * num_experts / (num_valid * top_k)
+        scale: Any = num_experts / (num_tokens * top_k)
+    else:
+        # transformers 5.x models/mixtral/modeling_mixtral.py::load_balancing_loss_func with an
+        # attention mask: top-k counts and router probabilities summed over the tokens whose
+        # mask is 1, both divided by their number (a device tensor: no host synchronisation).
+        _, weights, num_valid = valid
+        mean_probs = (weights.unsqueeze(-1) * probs).sum(dim=0) / num_valid
+        scale = num_experts / (num_valid * top_k)
+    return (counts.to(mean_probs.dtype) * mean_probs).sum() * scale

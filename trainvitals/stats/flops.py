@@ -189,7 +189,7 @@ class FlopCounterSession:
             return None
         self.active = False
         self._mode.__exit__(None, None, None)
-        return int(self._mode.get_total_flops())
+        return self.flops()
 
 
 def device_flop_counter() -> Any:
