@@ -230,11 +230,13 @@ class Gated(nn.Module):
         return sum(b["gate"](x)[0].sum() for b in self.layers)
 
 
-def _run_gated(monitor: LoadBalanceMonitor, steps: int, writer: Recorder) -> list[int]:
+def _run_gated(
+    monitor: LoadBalanceMonitor, steps: int, writer: Recorder, log_every: int = 2
+) -> list[int]:
     """Run ``steps`` steps; return the steps at which a dead-expert warning was raised."""
     model = Gated()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    vitals = Vitals([monitor], writer=writer, log_every_n_steps=2).attach(model, opt)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=log_every).attach(model, opt)
     warned = []
     for step in range(steps):
         vitals.batch()
@@ -365,21 +367,11 @@ def test_not_measured_step_keeps_dead_streaks(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(RouterCapture, "read_host", read_host_nan_at_some_steps)
     patience, steps = 2, 4
-    model = Gated()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = Recorder()
     monitor = LoadBalanceMonitor(
         dead_expert_patience=patience, extractors=[(FixedGate, _gate_counts)]
     )
-    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for _ in range(steps):
-            vitals.batch()
-            model(torch.randn(6, 2)).backward()
-            opt.step()
-            opt.zero_grad()
-    vitals.close()
+    _run_gated(monitor, steps, writer, log_every=1)
     # Independent: both layers get loads [2, 2, 2, 0] (token t -> expert t % 3) on measured
     # steps; a step not measured leaves the streaks as they are.
     streaks = np.zeros((2, 4), dtype=int)
