@@ -396,6 +396,10 @@ class LoadBalanceMonitor(VitalsCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         streaks = state_dict.get("dead_streak", {}) if isinstance(state_dict, dict) else {}
         self._dead_streak = {str(k): [int(x) for x in v] for k, v in streaks.items()}
+        if self.capture is not None:
+            # A restore in the middle of a step (a rollback) replays that step from its start:
+            # what was counted since the last step end belongs to the abandoned timeline.
+            self.capture.reset()
 
 
 @dataclass
