@@ -588,3 +588,128 @@ def test_rollback_to_an_earlier_step_replays_it_in_the_default_writer(tmp_path, 
     rows = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
     assert sorted(rows) == [0, 1, 2]
     assert [rows[s]["time/samples"] for s in (0, 1, 2)] == [2, 2 + 5, 2 + 5 + 6]
+
+
+def test_validating_after_close_reaches_no_callback_and_warns_once():
+    # An evaluation after the run ended (a final eval after vitals.close()): the callbacks had
+    # run_end; a validation_start/end then would pause and resume clocks of a finished run.
+    model, opt = _model_opt()
+    rec = Recorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, opt)
+    vitals.batch(torch.randn(2, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    vitals.close()
+    events_at_close = list(rec.events)
+    ran = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with vitals.validating():
+                ran.append(vitals.ctx.in_validation)
+    assert ran == [False, False]  # the block itself runs, as evaluation, unchanged
+    assert rec.events == events_at_close and rec.events[-1] == ("run_end",)
+    closed = [w for w in caught if "validating() after close()" in str(w.message)]
+    assert len(closed) == 1 and closed[0].filename == __file__
+    # closed inside the block: run_end was the callbacks' last hook, no validation_end after it
+    model, opt = _model_opt()
+    inner = Recorder("inner")
+    vitals = Vitals([inner], writer=RecordingWriter()).attach(model, opt)
+    vitals.batch(torch.randn(2, 4))
+    with vitals.validating():
+        vitals.close()
+    assert [e[0] for e in inner.events] == ["run_start", "mb", "val_start", "run_end"]
+
+
+def test_a_callback_disabled_in_one_run_runs_again_in_the_next(monkeypatch):
+    # The guard disables a failing callback for the rest of ITS run; a new run with the same
+    # instance (a retried or second training phase) is a new run: it runs, and warns again.
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+
+    class FailsOnce(VitalsCallback):
+        def __init__(self) -> None:
+            super().__init__(log_every_n_steps=1)
+            self.fail_at: set[tuple[int, int]] = set()
+            self.ends: list[tuple[int, int]] = []
+            self.run = -1
+
+        def run_start(self, ctx):
+            self.run += 1
+
+        def step_end(self, ctx):
+            if (self.run, ctx.step) in self.fail_at:
+                raise RuntimeError("telemetry bug")
+            self.ends.append((self.run, ctx.step))
+
+    callback = FailsOnce()
+    callback.fail_at = {(0, 1), (1, 2)}
+    messages = []
+    for _ in range(2):
+        model, opt = _model_opt()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # Python's own once-per-location filter
+            with Vitals([callback], writer=RecordingWriter()) as vitals:
+                vitals.attach(model, opt)
+                for _ in range(4):
+                    vitals.batch(torch.randn(2, 4))
+                    model(torch.randn(2, 4)).sum().backward()
+                    opt.step()
+        messages += [str(w.message) for w in caught if "disabled" in str(w.message)]
+    # run 0: steps 0 then disabled at 1; run 1: enabled again, steps 0, 1, disabled at 2
+    assert callback.ends == [(0, 0), (1, 0), (1, 1)]
+    assert len(messages) == 2 and "run 2 of this instance" in messages[1]
+
+
+def test_rollback_with_a_given_writer_drops_the_refused_steps_and_keeps_the_callback(tmp_path):
+    # A FanoutWriter given to Vitals refuses steps lower than those it holds and cannot be
+    # rewound: after an in-process rollback, the replayed steps below the step the rollback
+    # left on are dropped from it (one warning), and the callback goes on writing the later
+    # steps with the restored counters, instead of being disabled by the guard.
+    from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
+
+    model, opt = _model_opt()
+    monitor = RuntimeMonitor(max_steps=10)
+    writer = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")], background=False)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+    sizes = [2, 3, 4, 5, 6, 7, 8]  # steps 0, 1, 2; back to after step 0; 1, 2, 3, 4
+    state = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, size in enumerate(sizes):
+            if i == 3:
+                vitals.load_state_dict(state)
+            x = torch.randn(size, 4)
+            vitals.batch(x)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 0:
+                state = vitals.state_dict()
+        vitals.close()
+    writer.close()
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "disabled" in m]
+    assert len([m for m in messages if "dropped from that writer" in m]) == 1
+    assert not monitor._disabled
+    rows = [
+        (r["step"], r["metrics"]["time/samples"]) for r in read_jsonl(tmp_path / "metrics.jsonl")
+    ]
+    # the first timeline's 0, 1, 2 stay (the writer cannot take them back); 3 and 4 count the
+    # restored timeline: step 0 (2 samples) then 5, 6, 7, 8
+    assert rows == [(0, 2), (1, 5), (2, 9), (3, 2 + 5 + 6 + 7), (4, 2 + 5 + 6 + 7 + 8)]
+    # a writer that takes any step (SummaryWriter-like) is left alone: it gets the replay too
+    model, opt = _model_opt()
+    permissive = RecordingWriter()
+    vitals = Vitals([RuntimeMonitor(max_steps=10)], writer=permissive, log_every_n_steps=1)
+    vitals.attach(model, opt)
+    for i, size in enumerate(sizes):
+        if i == 3:
+            vitals.load_state_dict(state)
+        x = torch.randn(size, 4)
+        vitals.batch(x)
+        model(x).sum().backward()
+        opt.step()
+        if i == 0:
+            state = vitals.state_dict()
+    vitals.close()
+    assert permissive.key("time/samples") == {0: 2, 1: 7, 2: 13, 3: 20, 4: 28}

@@ -637,3 +637,106 @@ def test_a_module_with_lightnings_own_batch_start_is_left_untouched(tmp_path):
     trainer.fit(module)
     assert seen == [False, False, False]
     assert rows.rows[2]["time/batches"] == 3  # every batch still counted
+
+
+def _crash_at(module, crash: dict):
+    """``module.training_step`` raising while ``trainer.global_step == crash["at"]``."""
+    step = module.training_step
+
+    def training_step(batch, batch_idx):
+        if module.trainer.global_step == crash["at"]:
+            raise RuntimeError(f"crash at step {crash['at']}")
+        return step(batch, batch_idx)
+
+    module.training_step = training_step
+    return module
+
+
+def test_a_callbacks_own_writer_is_flushed_when_fit_raises(tmp_path):
+    # A callback given its own writer: when fit raises, the values it was given so far must
+    # reach its sinks then, not only when (if) the process exits normally.
+    import lightning.pytorch as pl
+
+    from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
+
+    clock = FakeClock()
+    module = _crash_at(_module(pl, clock, 2, 10), {"at": 3})
+    own = FanoutWriter([JsonlSink(tmp_path / "own.jsonl")])
+    monitor = RuntimeMonitor(clock=clock, max_steps=6, writer=own)
+    trainer = _trainer(pl, [monitor], tmp_path, max_steps=6)
+    with pytest.raises(RuntimeError, match="crash"):
+        trainer.fit(module)
+    records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "own.jsonl")}
+    own.close()
+    assert sorted(records) == [0, 1, 2]
+    assert [records[s]["time/samples"] for s in (0, 1, 2)] == [2, 4, 6]
+
+
+def test_a_callback_disabled_in_one_fit_runs_again_in_the_next_fit(tmp_path, monkeypatch):
+    # The guard disables a failing callback for the rest of that fit; the next fit with the
+    # same instance (a second fine-tuning fit, a retry) is a new run: it runs again, and a new
+    # failure there is reported again.
+    import lightning.pytorch as pl
+
+    from trainvitals.callbacks.base import VitalsCallback
+
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+
+    class FailsAt(VitalsCallback):
+        def __init__(self) -> None:
+            super().__init__(writer=RecordingWriter())
+            self.fail_at: int | None = None
+            self.ends: list[int] = []
+
+        def step_end(self, ctx):
+            if ctx.step == self.fail_at:
+                raise RuntimeError("telemetry bug")
+            self.ends.append(ctx.step)
+
+    callback = FailsAt()
+    clock = FakeClock()
+    messages = []
+    for fit, fail_at in enumerate((1, 4)):
+        callback.fail_at = fail_at
+        callback.ends.clear()
+        trainer = _trainer(pl, [callback], tmp_path, max_steps=3 + 3 * fit)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # Python's own once-per-location filter
+            trainer.fit(_module(pl, clock, 2, 10))
+        messages += [str(w.message) for w in caught if "disabled" in str(w.message)]
+        assert callback.ends == ([0] if fit == 0 else [0, 1, 2, 3])
+    assert len(messages) == 2
+
+
+def test_retry_from_an_earlier_checkpoint_with_a_callbacks_own_writer(tmp_path):
+    # The callback's own FanoutWriter outlives the crashed fit and holds its steps 0-3; it
+    # refuses lower steps. The retry from the step-2 checkpoint must not fail the callback
+    # (strict mode: it would raise), drops the replayed steps 2, 3 from that writer with one
+    # warning, and writes steps 4, 5 of the retried run.
+    import lightning.pytorch as pl
+
+    from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
+
+    clock = FakeClock()
+    crash = {"at": None}
+    module = _crash_at(_module(pl, clock, 2, 20), crash)
+    own = FanoutWriter([JsonlSink(tmp_path / "own.jsonl")])
+    runtime = RuntimeMonitor(clock=clock, max_steps=6, writer=own)
+    trainer = _trainer(pl, [runtime], tmp_path, max_steps=2)
+    trainer.fit(module)
+    ckpt = tmp_path / "step2.ckpt"
+    trainer.save_checkpoint(ckpt)
+    trainer = _trainer(pl, [runtime], tmp_path, max_steps=6)
+    crash["at"] = 4
+    with pytest.raises(RuntimeError, match="crash"):
+        trainer.fit(module, ckpt_path=ckpt)
+    crash["at"] = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, ckpt_path=ckpt)
+    own.close()
+    assert len([w for w in caught if "dropped from that writer" in str(w.message)]) == 1
+    records = [
+        (r["step"], r["metrics"]["time/samples"]) for r in read_jsonl(tmp_path / "own.jsonl")
+    ]
+    assert records == [(s, 2 * (s + 1)) for s in range(6)]  # each step once, in order

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,14 @@ import torch
 
 from trainvitals.distributed import ProcessGroups, global_rank, group_size, world_group
 
-__all__ = ["BatchInfo", "RunContext", "infer_batch_size", "infer_num_tokens"]
+__all__ = [
+    "BatchInfo",
+    "ReplayWriter",
+    "RunContext",
+    "infer_batch_size",
+    "infer_num_tokens",
+    "needs_replay_floor",
+]
 
 
 @dataclass
@@ -38,6 +46,10 @@ class RunContext:
     ``step_increment`` how far the step in progress advances ``step``: 1, except under
     Lightning's manual optimization with several optimizers stepped per batch, where
     ``trainer.global_step`` (and so ``step``) counts every ``optimizer.step()``.
+    ``replay_floor``: set when the run went back to an earlier step (a rollback to a
+    checkpoint in the same process): the first step that the writers which outlived the
+    rollback have not seen yet (see :class:`ReplayWriter`); those are the callbacks' own
+    ``writer=`` and, when ``replay_run_writer``, ``writer`` (a writer given to the driver).
     """
 
     writer: Any
@@ -57,6 +69,9 @@ class RunContext:
     micro_batches_in_step: int = 0
     step_increment: int = 1
     in_validation: bool = False
+    replay_floor: int | None = None
+    replay_run_writer: bool = False
+    replay_warned: bool = False
 
     @property
     def global_rank(self) -> int:
@@ -72,6 +87,65 @@ class RunContext:
             for p in self.model.parameters():
                 return p.device
         return torch.device("cpu")
+
+
+class ReplayWriter:
+    """A :class:`~trainvitals.adapters.FanoutWriter` that outlived a rollback
+    (``Vitals(writer=...)``, a callback's own ``writer=``): values of steps below ``floor`` are
+    dropped, with one warning per run (``ctx``); every other call goes through unchanged.
+
+    Such a writer already holds the abandoned timeline's steps up to ``floor - 1``. It refuses
+    a step lower than one it was given (``ValueError``, which would disable the callback) and
+    has no way to go back; the step it still holds open would take the replayed values and
+    mix the two timelines (one step old, the next replayed). So it keeps the old timeline
+    below the floor and gets the restored one from the floor on. A writer that takes any step
+    (``SummaryWriter``) is not wrapped: it gets the replayed steps (:func:`needs_replay_floor`).
+    """
+
+    def __init__(self, writer: Any, floor: int, ctx: RunContext) -> None:
+        self.writer = writer
+        self._floor = floor
+        self._ctx = ctx
+
+    def add_scalar(
+        self, name: str, value: Any, step: Any = None, *args: Any, **kwargs: Any
+    ) -> None:
+        if not self._dropped(step if step is not None else kwargs.get("global_step")):
+            self.writer.add_scalar(name, value, step, *args, **kwargs)
+
+    def add_scalars(self, mapping: Any, step: Any = None, *args: Any, **kwargs: Any) -> None:
+        # (SummaryWriter's form add_scalars(main_tag, {tag: value}, global_step): step third)
+        at = args[0] if isinstance(mapping, str) and args else step
+        if not self._dropped(at if at is not None else kwargs.get("global_step")):
+            self.writer.add_scalars(mapping, step, *args, **kwargs)
+
+    def _dropped(self, step: Any) -> bool:
+        floor = self._floor
+        if not isinstance(step, int) or step >= floor:
+            return False
+        if not self._ctx.replay_warned:
+            self._ctx.replay_warned = True
+            warnings.warn(
+                "trainvitals: the run went back to an earlier step (a restore from a "
+                f"checkpoint) and a writer given to it (writer=) already holds steps up to "
+                f"{floor - 1}; the replayed steps below {floor} are dropped from that writer "
+                "(it cannot take back what it was given), steps from "
+                f"{floor} on are written. Let Vitals make its own writer (no writer=), or give "
+                "the resumed run a new writer, to have them written (warned once)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.writer, name)  # flush, close, end_step, ...
+
+
+def needs_replay_floor(writer: Any) -> bool:
+    """Whether ``writer`` refuses steps lower than those it was given (a ``FanoutWriter``)."""
+    from trainvitals.adapters.fanout_writer import FanoutWriter
+
+    return isinstance(writer, FanoutWriter)
 
 
 def infer_batch_size(batch: Any) -> int | None:

@@ -78,7 +78,12 @@ class Vitals:
         callbacks: the callbacks to run, e.g. ``[NormMonitor(), MemoryMonitor()]``.
         writer: where values go; default: ``FanoutWriter.from_accelerator(accelerator)`` when an
             accelerator is given and it has trackers, else a JSONL file ``metrics.jsonl`` in
-            ``run_dir``.
+            ``run_dir``. A rollback in the same process (:meth:`load_state_dict` of an earlier
+            step) replaces the default writer, so the replayed steps are written again. A
+            ``FanoutWriter`` given here (or to a callback) is kept and cannot go back (it
+            refuses steps lower than those it was given): the replayed steps below the step
+            the rollback left are not written to it (one warning), and it gets the restored
+            run's values from that step on. A writer that takes any step gets them all.
         accelerator: an ``accelerate.Accelerator``; gives the writer, the process groups and the
             gradient-accumulation steps.
         groups: the :class:`ProcessGroups`; default from the accelerator, else the world group
@@ -150,7 +155,7 @@ class Vitals:
         self._loop_calls_batch = False
         self._warned_scaled = False
         self._closed = False
-        self._warned_closed = False
+        self._warned_closed: set[str] = set()  # calls after close() already warned about
 
     # ------------------------------------------------------------------ wiring
 
@@ -280,9 +285,7 @@ class Vitals:
         if self.ctx.in_validation:
             return
         if self._closed:  # the run has ended: no callback may see more of it
-            if not self._warned_closed:
-                self._warned_closed = True
-                warnings.warn("Vitals.batch() after close(): ignored", RuntimeWarning, stacklevel=2)
+            self._warn_closed("batch()")
             return
         self._loop_calls_batch = True
         self._micro_batch(batch, batch_size, num_tokens)
@@ -386,14 +389,30 @@ class Vitals:
 
         with vitals.validating():
             evaluate(model)
+
+        After :meth:`close` it only runs the block: the callbacks have had their last hook.
         """
+        if self._closed:
+            self._warn_closed("validating()")
+            yield
+            return
         self.ctx.in_validation = True
         self._each("validation_start")
         try:
             yield
         finally:
             self.ctx.in_validation = False
-            self._each("validation_end")
+            if not self._closed:  # (closed inside the block: run_end was their last hook)
+                self._each("validation_end")
+
+    def _warn_closed(self, call: str) -> None:
+        if call not in self._warned_closed:
+            self._warned_closed.add(call)
+            # stacklevel: the caller of batch() (validating(): contextlib's __enter__ between)
+            stacklevel = 3 if call == "batch()" else 4
+            warnings.warn(
+                f"Vitals.{call} after close(): ignored", RuntimeWarning, stacklevel=stacklevel
+            )
 
     # ------------------------------------------------------------------ state
 
@@ -421,12 +440,20 @@ class Vitals:
 
     def _apply_state(self, state_dict: dict[str, Any]) -> None:
         step = int(state_dict.get("step", 0))
-        if self._owns_writer and step < self.ctx.step and not self._closed:
-            # A rollback to an earlier step: the writer refuses steps lower than those it was
-            # given, so every callback's next write would fail. A fresh one replays the steps;
-            # its JSONL sink drops the abandoned timeline's lines from the first step it writes.
-            self.ctx.writer.close()
-            self.ctx.writer = _default_writer(self._accelerator, self.ctx.run_dir)
+        if step < self.ctx.step and not self._closed:
+            # A rollback to an earlier step: a FanoutWriter refuses steps lower than those it
+            # was given, so every callback's next write would fail. Our own writer is replaced
+            # by a fresh one that takes the replayed steps (its JSONL sink drops the abandoned
+            # timeline's lines from the first step it writes). A FanoutWriter given to us (or
+            # to a callback) cannot be replaced nor rewound (it has no such call): the
+            # replayed steps below the step we were at are dropped from it with a warning
+            # (ReplayWriter), the later ones are written.
+            if self._owns_writer:
+                self.ctx.writer.close()
+                self.ctx.writer = _default_writer(self._accelerator, self.ctx.run_dir)
+            else:
+                self.ctx.replay_run_writer = True
+            self.ctx.replay_floor = max(self.ctx.replay_floor or 0, self.ctx.step)
         self.ctx.step = step
         # A restore while a step is in progress (a rollback) replays that step from its start:
         # the micro-batches and gradients seen since belong to the abandoned timeline.

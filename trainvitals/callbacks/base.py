@@ -27,10 +27,12 @@ The same instance is a Lightning callback: :class:`VitalsCallback` defines every
 ``pytorch_lightning`` Trainers without importing either) and translates them to the hooks above.
 
 A callback that raises inside a training hook never ends the run: it is reported once with a
-warning and, in a single process, disabled. With several ranks it keeps running instead (its
-values for the failing step are missing), because disabling it on the rank that failed would
-leave the other ranks waiting in its next collective. A hook that fails part-way, after some
-of its collectives and before the others, has the rest issued for it with a "missing" mark
+warning and, in a single process, disabled for the rest of that run; a later run with the same
+instance (another ``trainer.fit``, a retried fit, a new driver) runs it again. With several
+ranks it keeps running instead (its values for the failing step are missing), because
+disabling it on the rank that failed would leave the other ranks waiting in its next
+collective. A hook that fails part-way, after some of its collectives and before the others,
+has the rest issued for it with a "missing" mark
 (:func:`trainvitals.distributed.replay_missing`): the same collectives as the last call of the
 same hook with the same :meth:`VitalsCallback.collective_key`. The other ranks then leave the
 step's values out too (:class:`~trainvitals.distributed.PeerRankFailed`; NaN results on
@@ -57,7 +59,14 @@ from typing import Any
 
 from trainvitals._patching import AttributePatch
 from trainvitals._strict import strict as _strict
-from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
+from trainvitals.adapters.context import (
+    BatchInfo,
+    ReplayWriter,
+    RunContext,
+    infer_batch_size,
+    infer_num_tokens,
+    needs_replay_floor,
+)
 from trainvitals.distributed import (
     CollectiveCall,
     PeerRankFailed,
@@ -86,7 +95,11 @@ class VitalsCallback:
         writer: where values go. ``None`` takes the run's writer: under Lightning
             ``FanoutWriter.from_lightning(trainer)`` (one per trainer, shared by all callbacks;
             a JSONL file ``metrics.jsonl`` in the run folder when the trainer has no logger),
-            under the driver the driver's writer.
+            under the driver the driver's writer. A ``FanoutWriter`` given here outlives
+            rollbacks and later runs of this instance: when a run goes back below the highest
+            step the callback reached (a restore from an earlier checkpoint, a second run
+            from step 0), the steps below that one are dropped from it with a warning, since
+            it refuses steps lower than those it was given.
     """
 
     # Callbacks that count samples/tokens set these; declared here so that the driver's per
@@ -103,6 +116,10 @@ class VitalsCallback:
         # the collectives of the last successful call per collective_key (several ranks only)
         self._collective_schemas: dict[Hashable, tuple[CollectiveCall, ...]] = {}
         self._runs_started = 0
+        # the highest step this instance was called at, over all its runs; and the floor of
+        # its own writer= when a later run starts below it (RunContext.replay_floor)
+        self._highest_step = -1
+        self._replay_floor: int | None = None
         # Lightning adapter state
         self._pl_last_global_step: int | None = None
 
@@ -150,12 +167,21 @@ class VitalsCallback:
 
     def writer(self, ctx: RunContext) -> Any:
         if self._writer_override is not None:
-            return self._writer_override
-        if ctx.writer is None and ctx.trainer is not None:
-            # Under Lightning the run's writer is made on first use, so callbacks that all
-            # bring their own writer never need the default one.
-            ctx.writer = _lightning_writer(ctx.trainer, ctx.run_dir)
-        return ctx.writer
+            writer = self._writer_override
+            floors = (ctx.replay_floor, self._replay_floor)
+        else:
+            if ctx.writer is None and ctx.trainer is not None:
+                # Under Lightning the run's writer is made on first use, so callbacks that all
+                # bring their own writer never need the default one.
+                ctx.writer = _lightning_writer(ctx.trainer, ctx.run_dir)
+            writer = ctx.writer
+            floors = (ctx.replay_floor if ctx.replay_run_writer else None,)
+        floor = max((f for f in floors if f is not None), default=None)
+        if floor is not None and needs_replay_floor(writer):
+            # The run went back to an earlier step and this writer holds the abandoned steps,
+            # refusing lower ones: it gets the restored timeline from where those stopped.
+            return ReplayWriter(writer, floor, ctx)
+        return writer
 
     def write(self, ctx: RunContext, values: Mapping[str, Any], step: int | None = None) -> None:
         """Hand ``values`` (numbers or 0-d tensors, not modified afterwards) to the writer."""
@@ -204,6 +230,10 @@ class VitalsCallback:
         return (hook, self.should_log(ctx))
 
     def _dispatch(self, hook: str, ctx: RunContext, *args: Any) -> None:
+        if hook == "run_start":
+            self._start_new_run(ctx)
+        if ctx.step > self._highest_step:
+            self._highest_step = ctx.step
         if self._disabled:
             return
         self._ctx = ctx
@@ -272,13 +302,29 @@ class VitalsCallback:
                 )
             return
         self._disabled = True
+        # (the run's number makes a second run's message new to Python's once-per-location
+        # warning filter, which would otherwise hide the same failure in a later fit)
+        run = f" (run {self._runs_started} of this instance)" if self._runs_started > 1 else ""
         warnings.warn(
             f"trainvitals: {type(self).__name__}.{hook} raised {type(failure).__name__}: "
-            f"{failure}; the callback is disabled for the rest of the run (training "
+            f"{failure}; the callback is disabled for the rest of the run{run} (training "
             "continues). Set TRAINVITALS_STRICT=1 to raise instead.",
             RuntimeWarning,
             stacklevel=2,
         )
+
+    def _start_new_run(self, ctx: RunContext) -> None:
+        """A new run (a new ``trainer.fit``, a retried fit, a new driver) starts: what the
+        guard concluded about the previous one no longer holds. A callback it disabled runs
+        again, and warns again if it fails again; the recorded collectives belong to the
+        earlier run's process groups, so none is replayed into this one. When an earlier run
+        got further than this one starts (a retry from an earlier checkpoint, a second run
+        from step 0), the callback's own ``writer=`` holds those steps: see ``writer()``."""
+        if ctx.step < self._highest_step:
+            self._replay_floor = max(self._replay_floor or 0, self._highest_step)
+        self._disabled = False
+        self._collective_schemas.clear()
+        self._warned = {key for key in self._warned if not key.startswith("guard:")}
 
     def _collective_key_or_none(self, hook: str, ctx: RunContext) -> Hashable | None:
         """:meth:`collective_key`, or None (nothing recorded, nothing completed) when it raises:
@@ -467,9 +513,12 @@ class VitalsCallback:
             self._dispatch("exception_raised", ctx, exception)
             # The run may end here; deliver what was written so far now, not at exit (the
             # writer stays open until the process ends, or a retried fit on the same trainer
-            # closes it in setup; a flush failure must not hide the exception being raised)
-            with contextlib.suppress(Exception):
-                ctx.writer.flush()
+            # closes it in setup; a flush failure must not hide the exception being raised).
+            # This callback's own writer too: nothing else flushes it before the process ends.
+            writer = self._writer_override if self._writer_override is not None else ctx.writer
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    writer.flush()
 
     # Lightning's checkpoint hooks: state_dict/load_state_dict above are what it calls.
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
