@@ -667,3 +667,47 @@ def test_measured_flops_count_every_optimizer_of_a_manual_optimization_step(tmp_
     assert _get_current_dispatch_mode() is None
     # global step 4 (the third batch): batches 1 and 2 in the window, 2 samples per second
     assert writer.rows[4]["throughput/flops_per_sec"] == pytest.approx(per_sample * 2.0)
+
+
+def test_measured_flops_leave_out_validation_inside_the_first_step(tmp_path):
+    """Validation every 2 batches under accumulation of 3 runs inside the first optimizer step,
+    the one measured: its forward passes are not the step's training flops. Per sample, the
+    Linear(3, 1) counts forward 2*3*1 and weight gradient 2*3*1 (its input needs no gradient);
+    validation's forwards (20 samples, several times the step's 6) were counted into it."""
+    import lightning.pytorch as pl
+
+    clock = FakeClock()
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            clock.t += 1.0
+            return self.layer(batch).pow(2).mean()
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.layer(batch)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.randn(18, 3), batch_size=2)
+
+        def val_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.randn(20, 3), batch_size=2)
+
+    monitor = ThroughputMonitor(window_size=2, clock=clock, measure_flops=True)
+    trainer = quiet_trainer(
+        callbacks=[monitor],
+        max_steps=2,
+        accumulate_grad_batches=3,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(Tiny())
+    assert monitor.state_dict()["measured"] == ["samples", pytest.approx(2 * 3 + 2 * 3)]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import astuple
 from functools import partial
 from typing import Any
 
@@ -85,16 +85,16 @@ class ThroughputMonitor(VitalsCallback):
     from a clock that stops during validation, and the step enters a window of the last
     ``window_size`` steps. On a logging step the window's counts are summed over the ranks that
     see different data, one SUM collective per process group (samples and batches over the
-    data-parallel group, tokens over data- and context-parallel ranks, flops over all ranks;
-    one collective in all under DDP/FSDP), so the global figures are measured, not rank 0 times the world size: a
-    rank that processed more tokens counts as such. Per-device figures are this rank's own
-    (rank 0's in the written values). Non-logging steps read the clock and add a few Python
-    numbers: no sync, no transfer, no collective. On CUDA the logging step synchronises the
-    device once before reading the clock, so the window ends when the GPU's work ends. Window
-    boundaries that fall on non-logging steps are read without a sync; with ``window_size`` a
-    multiple of the logging interval (the defaults 100 and 50) every boundary is synchronised.
-    The start and end of validation synchronise too (outside training steps), so that queued
-    training work is counted as training and validation work is not.
+    data-parallel group, tokens over data- and context-parallel ranks, flops over all ranks; one
+    collective in all under DDP/FSDP), so the global figures are measured, not rank 0 times the
+    world size: a rank that processed more tokens counts as such. Per-device figures are this
+    rank's own (rank 0's in the written values). Non-logging steps read the clock and add a few
+    Python numbers: no sync, no transfer, no collective. On CUDA the logging step synchronises
+    the device once before reading the clock, so the window ends when the GPU's work ends.
+    Window boundaries that fall on non-logging steps are read without a sync; with
+    ``window_size`` a multiple of the logging interval (the defaults 100 and 50) every boundary
+    is synchronised. The start and end of validation synchronise too (outside training steps),
+    so that queued training work is counted as training and validation work is not.
 
     The first ``warmup_steps`` steps of each process (compilation, allocator and data-loader
     warm-up) are not put in the window, so with the default nothing is written at step 0.
@@ -103,12 +103,16 @@ class ThroughputMonitor(VitalsCallback):
     whole model per token or sample, e.g. ``6 * n_params`` per token for a dense transformer),
     or set ``measure_flops=True`` to count the first optimizer step of the run with
     ``torch.utils.flop_counter.FlopCounterMode`` (forward and backward of its micro-batches, up
-    to the step's last ``before_optimizer_step``, on this rank's model as it runs: the whole
-    model under DDP/FSDP, the local shard under tensor parallelism, DTensor included; it slows
-    that one step; not under ``torch.compile``); the count is divided by
-    the step's tokens (else samples, else batches) and kept in the checkpoint. MFU needs the
-    device's dense peak FLOP/s: ``peak_flops`` (per device) or the table in
-    :mod:`trainvitals.stats.flops` for the CUDA device at ``precision``; on CPU, without
+    to the step's last ``before_optimizer_step``, validation inside the step left out, on this
+    rank's model as it runs: the whole model under DDP/FSDP, the local shard under tensor
+    parallelism, DTensor included; it slows that one step; not under ``torch.compile``); the
+    count is divided by the step's tokens (else samples, else batches) and kept in the
+    checkpoint. The global flops are, given per token (sample), the model's flops times the
+    tokens (samples) of all data streams, so ranks that see no tokens (pipeline stages past the
+    first) need not report any; measured, every rank's own count summed over all ranks, left out
+    (not written low) while some rank lacks the count its flops scale with in a step of the
+    window. MFU needs the device's dense peak FLOP/s: ``peak_flops`` (per device) or the table
+    in :mod:`trainvitals.stats.flops` for the CUDA device at ``precision``; on CPU, without
     ``peak_flops``, no MFU key is written.
 
     Args:
@@ -116,8 +120,11 @@ class ThroughputMonitor(VitalsCallback):
         warmup_steps: steps after each (re)start left out of the window.
         batch_size_fn: ``batch -> samples`` (default: the first dim of the first tensor).
         num_tokens_fn: ``batch -> tokens`` (default: ``input_ids.numel()`` or the element count
-            of the first 2-d integer tensor). Under the driver, explicit
-            ``vitals.batch(batch_size=..., num_tokens=...)`` values win.
+            of the first 2-d integer tensor, padding included). Under the driver, explicit
+            ``vitals.batch(batch_size=..., num_tokens=...)`` values win. With ``measure_flops``
+            the first step's flops are spread over the tokens counted here: counting only real
+            tokens, later steps with another share of padding are off by the ratio of the
+            shares (give ``flops_per_token`` instead).
         flops_per_token: model flops (forward + backward) per token.
         flops_per_sample: model flops (forward + backward) per sample.
         measure_flops: measure the flops of the first step with ``FlopCounterMode``.
@@ -143,20 +150,24 @@ class ThroughputMonitor(VitalsCallback):
     ``throughput/device/samples_per_sec``  this rank's samples per second                             samples/s
     ``throughput/device/tokens_per_sec``   this rank's tokens per second                              tokens/s
     ``throughput/seconds_per_step``        mean training wall time per optimizer step in the window   s
-    ``throughput/flops_per_sec``           flops of all ranks per second (flops known)                FLOP/s
+    ``throughput/flops_per_sec``           model flops of all ranks' work per second (flops known)    FLOP/s
     ``throughput/device/flops_per_sec``    this device's flops per second (flops known)               FLOP/s
     ``throughput/mfu``                     ``flops_per_sec / (world_size * peak)`` (peak known)       fraction
     ``throughput/device/mfu``              ``device/flops_per_sec / peak`` (peak known)               fraction
     =====================================  =========================================================  =========
 
     Rates are counts summed over the window divided by the window's training time (validation
-    excluded). A rate whose count some rank could not provide (a batch without a tensor, no
-    ``input_ids``) is not written. Names follow Composer's ``SpeedMonitor`` and Megatron-Bridge's
-    ``report_throughput``; ``throughput/mfu`` (global) and ``throughput/seconds_per_step`` are
-    ours, and our global rates are sums over the ranks where theirs are rank 0 times the world
-    size (Lightning's ``ThroughputMonitor``). ``throughput/device/*`` are this rank's own counts
-    (Composer's meaning); Megatron-Bridge's are the global rates divided by the world size,
-    which differs under tensor or context parallelism (peers share their samples).
+    excluded). An optimizer step is one ``optimizer.step()`` as Lightning's ``global_step`` and
+    ``max_steps`` count them: under manual optimization a batch stepping two optimizers (a GAN)
+    is two steps, and ``seconds_per_step`` half its time, as ``time/seconds_per_step`` of
+    :class:`RuntimeMonitor`. A rate whose count some rank could not provide (a batch without a
+    tensor, no ``input_ids``) is not written. Names follow Composer's ``SpeedMonitor`` and
+    Megatron-Bridge's ``report_throughput``; ``throughput/mfu`` (global) and
+    ``throughput/seconds_per_step`` are ours, and our global rates are sums over the ranks where
+    theirs are rank 0 times the world size (Lightning's ``ThroughputMonitor``).
+    ``throughput/device/*`` are this rank's own counts (Composer's meaning); Megatron-Bridge's
+    are the global rates divided by the world size, which differs under tensor or context
+    parallelism (peers share their samples).
 
     Example::
 
@@ -239,6 +250,10 @@ class ThroughputMonitor(VitalsCallback):
         self._measured: tuple[str, float] | None = None  # (unit, flops per unit), measured
         self._session: FlopCounterSession | None = None
         self._flops_before_optimizer: int | None = None  # the session's count at the last one
+        # Flops the session counted during validation inside the measured step (validation
+        # every few batches under gradient accumulation), and its count when validation began.
+        self._validation_flops = 0
+        self._flops_at_validation_start: int | None = None
         self._groups = ProcessGroups()
         self._peak: float | None = None
         self._mp = {"tokens": 1, "samples": 1}
@@ -285,13 +300,19 @@ class ThroughputMonitor(VitalsCallback):
             # The step's forward and backward so far, without the optimizer's own math. The
             # mode stays on until step_end: under Lightning's manual optimization a batch may
             # step several optimizers (a GAN), each after its own forward and backward.
-            self._flops_before_optimizer = self._session.flops()
+            self._flops_before_optimizer = self._session.flops() - self._validation_flops
 
     def validation_start(self, ctx: RunContext) -> None:
         self._clock.pause()  # waits for the device's queued work first (sync_fn)
+        if self._session is not None and self._session.active:
+            self._flops_at_validation_start = self._session.flops()
 
     def validation_end(self, ctx: RunContext) -> None:
         self._clock.resume()
+        start, self._flops_at_validation_start = self._flops_at_validation_start, None
+        if start is not None and self._session is not None and self._session.active:
+            # validation's forward passes are not the step's training work
+            self._validation_flops += self._session.flops() - start
 
     def step_end(self, ctx: RunContext) -> None:
         log = self.should_log(ctx)
@@ -302,8 +323,9 @@ class ThroughputMonitor(VitalsCallback):
         now = self._clock.train_seconds()
         seconds = now - (self._last_end or 0.0)
         self._last_end = now
-        counts = self._counter
-        record = counts.take(seconds)
+        # ctx.step_increment: optimizer steps of this step_end (several when one batch steps
+        # several optimizers under Lightning's manual optimization)
+        record = self._counter.take(seconds, steps=ctx.step_increment)
         record.flops = self._device_flops(record)
         self._count_totals(record)
         self._steps_this_process += 1
@@ -329,11 +351,13 @@ class ThroughputMonitor(VitalsCallback):
     def _finish_flop_measurement(self) -> None:
         session, self._session = self._session, None
         before_optimizer, self._flops_before_optimizer = self._flops_before_optimizer, None
+        validation_flops, self._validation_flops = self._validation_flops, 0
+        self._flops_at_validation_start = None
         if session is None or not session.active:
             return
         flops = session.stop()
-        if flops is not None and before_optimizer is not None:
-            flops = before_optimizer
+        if flops is not None:
+            flops = before_optimizer if before_optimizer is not None else flops - validation_flops
         c = self._counter
         if flops is None:
             self.warn_once(
@@ -362,29 +386,44 @@ class ThroughputMonitor(VitalsCallback):
                 self._measured = (unit, flops / float(count))
                 return
 
-    def _device_flops(self, record: Any) -> Any:
-        """This device's flops in the step, or 0 when unknown."""
+    def _flops_unit(self) -> tuple[str, float] | None:
+        """``(unit, flops)``: the count (``tokens``, ``samples`` or ``batches``) this device's
+        flops scale with and its flops per unit of it; ``None`` when no flops are known."""
         if self.flops_per_token is not None:
-            return record.tokens * (self.flops_per_token / self._mp["tokens"])
+            return "tokens", self.flops_per_token / self._mp["tokens"]
         if self.flops_per_sample is not None:
-            return record.samples * (self.flops_per_sample / self._mp["samples"])
-        if self._measured is not None:
-            unit, per_unit = self._measured
-            return getattr(record, unit) * per_unit
-        return 0.0
+            return "samples", self.flops_per_sample / self._mp["samples"]
+        return self._measured
 
-    def _flops_missing_field(self) -> str | None:
-        if self.flops_per_token is not None:
-            return "tokens_missing"
-        if self.flops_per_sample is not None:
-            return "samples_missing"
-        if self._measured is not None:
-            return {
-                "tokens": "tokens_missing",
-                "samples": "samples_missing",
-                "batches": "batches_missing",
-            }[self._measured[0]]
-        return None
+    def _device_flops(self, record: Any) -> Any:
+        """This device's flops in the step: 0 when no flops are known, NaN when they are but
+        this rank lacks the step's count they scale with. A rank reporting no tokens (a later
+        pipeline stage) would otherwise add 0 to the sum over all ranks, which is summed over
+        ranks other than those whose missing counts rank 0 sees: a low sum, not flagged."""
+        unit = self._flops_unit()
+        if unit is None:
+            return 0.0
+        name, per_unit = unit
+        if getattr(record, f"{name}_missing"):
+            return math.nan
+        return getattr(record, name) * per_unit
+
+    def _global_flops(self, g: dict[str, float]) -> float | None:
+        """Flops of all ranks in the window (``g``: its counts summed over ranks), or ``None``
+        when some count is missing. Given per token (sample), the model's flops per token times
+        the tokens of every data stream: exact however the model is split over devices, and
+        not reliant on ranks that see no data (pipeline stages past the first) reporting
+        tokens. Measured (each rank its own part of the model): the sum of every rank's."""
+        unit = self._flops_unit()
+        if unit is None:
+            return None
+        name = unit[0]
+        if g[f"{name}_missing"]:
+            return None
+        model_flops = self.flops_per_token or self.flops_per_sample
+        if model_flops is not None:
+            return g[name] * model_flops
+        return None if math.isnan(g["flops"]) else g["flops"]
 
     def _count_totals(self, record: Any) -> None:
         t = self._totals
@@ -394,9 +433,9 @@ class ThroughputMonitor(VitalsCallback):
         t["tokens"] = t["tokens"] + record.tokens
 
     def _rates(self, ctx: RunContext) -> dict[str, Any]:
-        local = astuple(self._window.sums())
+        local_sums = self._window.sums()
         live, restored = self._window.split_sums()
-        live_vec = to_vector(astuple(live)[1:]).unsqueeze(0)
+        live_vec = to_vector(live.counts()).unsqueeze(0)
         # Host values from here on (the collective's result is on the CPU). Reduced on every
         # logging step, the window empty (warm-up) or not: the guard completes a rank's failed
         # step_end with the collectives of the last logging step_end, which must be the same.
@@ -410,28 +449,28 @@ class ThroughputMonitor(VitalsCallback):
                 strict=True,
             )
         )
-        loc = dict(zip(COUNT_FIELDS[1:], to_vector(local[1:]).tolist(), strict=True))
-        seconds = float(local[0])
+        loc = dict(zip(COUNT_FIELDS[1:], to_vector(local_sums.counts()).tolist(), strict=True))
+        seconds = float(local_sums.seconds)
         if seconds <= 0:
             return {}
-        out: dict[str, Any] = {"throughput/seconds_per_step": seconds / len(self._window)}
+        out: dict[str, Any] = {"throughput/seconds_per_step": seconds / local_sums.steps}
         for unit in ("batches", "samples", "tokens"):
             if g[f"{unit}_missing"] == 0:
                 out[f"throughput/{unit}_per_sec"] = g[unit] / seconds
             if loc[f"{unit}_missing"] == 0:
                 out[f"throughput/device/{unit}_per_sec"] = loc[unit] / seconds
-        missing = self._flops_missing_field()
-        if missing is not None:
-            if g[missing] == 0:
-                flops_per_sec = g["flops"] / seconds
-                out["throughput/flops_per_sec"] = flops_per_sec
-                if self._peak:
-                    out["throughput/mfu"] = flops_per_sec / (ctx.world_size * self._peak)
-            if loc[missing] == 0:
-                device_flops = loc["flops"] / seconds
-                out["throughput/device/flops_per_sec"] = device_flops
-                if self._peak:
-                    out["throughput/device/mfu"] = device_flops / self._peak
+        global_flops = self._global_flops(g)
+        if global_flops is not None:
+            flops_per_sec = global_flops / seconds
+            out["throughput/flops_per_sec"] = flops_per_sec
+            if self._peak:
+                out["throughput/mfu"] = flops_per_sec / (ctx.world_size * self._peak)
+        unit = self._flops_unit()
+        if unit is not None and not loc[f"{unit[0]}_missing"] and not math.isnan(loc["flops"]):
+            device_flops = loc["flops"] / seconds
+            out["throughput/device/flops_per_sec"] = device_flops
+            if self._peak:
+                out["throughput/device/mfu"] = device_flops / self._peak
         return out
 
     # ------------------------------------------------------------------ checkpoint

@@ -26,7 +26,13 @@ class StepRecord:
     ``samples_missing``/``tokens_missing`` are 1 when some micro-batch of the step had no sample
     or token count (then the corresponding count is incomplete and no rate is reported);
     ``batches_missing`` is 1 when no micro-batch of the step was reported at all.
-    ``flops`` is the floating-point work this device did in the step (0 when unknown).
+    ``flops`` is the floating-point work this device did in the step (0 when no flops are
+    known, NaN when they are but this rank lacks the count they are derived from, so that a sum
+    over ranks says "incomplete" instead of coming out low). ``steps`` is how many optimizer
+    steps the record stands for: 1, except under Lightning's manual optimization where one
+    batch steps several optimizers and ``global_step`` (the step axis, ``max_steps``) advances
+    once per ``optimizer.step()``. It is this rank's own (every rank steps alike), never summed
+    over ranks, and last so that records saved before it existed still load (as 1 step).
     """
 
     seconds: float = 0.0
@@ -37,9 +43,16 @@ class StepRecord:
     samples_missing: int = 0
     tokens_missing: int = 0
     flops: Any = 0.0
+    steps: int = 1
+
+    def counts(self) -> tuple[Any, ...]:
+        """The values of :data:`COUNT_FIELDS` after ``seconds`` (those summed over ranks)."""
+        return tuple(getattr(self, name) for name in COUNT_FIELDS[1:])
 
 
-COUNT_FIELDS = tuple(f.name for f in fields(StepRecord))
+# ``seconds`` and the counts summed over ranks (``steps`` is neither).
+COUNT_FIELDS = tuple(f.name for f in fields(StepRecord) if f.name != "steps")
+_RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))
 
 
 class StepCounter:
@@ -68,9 +81,9 @@ class StepCounter:
         else:
             self.tokens = self.tokens + num_tokens
 
-    def take(self, seconds: float, flops: Any = 0.0) -> StepRecord:
-        """The step's record (with its duration and flops); resets the counter. A step in which
-        no micro-batch was reported has every count marked missing."""
+    def take(self, seconds: float, flops: Any = 0.0, steps: int = 1) -> StepRecord:
+        """The step's record (with its duration, flops and optimizer steps); resets the counter.
+        A step in which no micro-batch was reported has every count marked missing."""
         none_seen = int(self.batches == 0)
         record = StepRecord(
             seconds=float(seconds),
@@ -81,6 +94,7 @@ class StepCounter:
             samples_missing=max(self.samples_missing, none_seen),
             tokens_missing=max(self.tokens_missing, none_seen),
             flops=flops,
+            steps=steps,
         )
         self.reset()
         return record
@@ -118,7 +132,7 @@ class RollingWindow:
     def sums(self) -> StepRecord:
         """Field-wise sums over the window (this rank's counts)."""
         out = StepRecord()
-        for name in COUNT_FIELDS:
+        for name in _RECORD_FIELDS:
             setattr(out, name, _sum(getattr(r, name) for r in self._records))
         return out
 
@@ -127,7 +141,7 @@ class RollingWindow:
         over ranks) and the already-global sums of entries restored from a checkpoint."""
         live = StepRecord()
         live_records = [r for r, g in zip(self._records, self._globals, strict=True) if g is None]
-        for name in COUNT_FIELDS:
+        for name in _RECORD_FIELDS:
             setattr(live, name, _sum(getattr(r, name) for r in live_records))
         restored = [g for g in self._globals if g is not None]
         restored_sum = tuple(float(sum(col)) for col in zip(*restored, strict=True))
@@ -154,7 +168,7 @@ class RollingWindow:
         """Indices and counts (``[n, 7]`` float64, the :data:`COUNT_FIELDS` after ``seconds``)
         of the entries whose global sums are not known yet."""
         idx = [i for i, g in enumerate(self._globals) if g is None]
-        rows = [to_vector(astuple(self._records[i])[1:]) for i in idx]
+        rows = [to_vector(self._records[i].counts()) for i in idx]
         matrix = (
             torch.stack(rows)
             if rows
