@@ -550,6 +550,13 @@ class FanoutWriter:
     a second batch of that step. Keys must be non-empty strings, values real numbers, bools,
     numpy scalars or one-element tensors (see the module docstring for the tensor contract).
 
+    Resuming: a run restored from a checkpoint of step N calls ``resume_at(N)`` before it logs
+    anything. The sinks that keep files then drop what an earlier run of the same files wrote
+    for steps ``>= N`` (:class:`~trainvitals.adapters.JsonlSink` cuts its file; a
+    :class:`~trainvitals.adapters.TensorBoardSink` with its own log directory opens its
+    ``SummaryWriter`` with ``purge_step=N``); ``resume_at(0)`` says the run is a new one. Without
+    the call a ``JsonlSink`` guesses the resume step from the first step it writes.
+
     Example::
 
         writer = FanoutWriter([TensorBoardSink("runs/a/tb"), JsonlSink("runs/a/metrics.jsonl")])
@@ -603,6 +610,7 @@ class FanoutWriter:
         self._has_tensors = False
         self._closed = False
         self._closed_warned = False
+        self._resume_step: int | None = None
         self._seq = 0
         self._pid = os.getpid()
 
@@ -818,8 +826,12 @@ class FanoutWriter:
             _warn("trainvitals FanoutWriter: values logged after close() are dropped")
 
     def _close_step(self) -> None:
-        """Queue the current step's values (lock held)."""
+        """Queue the current step's values (lock held); deliver what training-thread sinks have
+        waiting."""
         if not self._values:
+            # Still deliver: logging every N steps, a step on the host would otherwise wait
+            # N more steps for its training-thread sinks (and be lost by a crash meanwhile).
+            self._pump_training_thread_sinks()
             return
         if self._pid != os.getpid():  # a forked child (e.g. a DataLoader worker): not ours
             self._values = {}
@@ -838,6 +850,9 @@ class FanoutWriter:
             self._enqueue(batch)
         else:
             self._dispatch(batch)
+        self._pump_training_thread_sinks()
+
+    def _pump_training_thread_sinks(self) -> None:
         for w in self._workers:
             if not w.threaded and w.pending:
                 w.pump()
@@ -911,6 +926,46 @@ class FanoutWriter:
                 self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
         return True
 
+    def resume_at(self, step: int) -> None:
+        """Say that this run resumes at ``step``, the step of the checkpoint it was restored
+        from (``0``: a new run). Call it before logging anything.
+
+        The steps ``>= step`` that an interrupted run wrote after that checkpoint belong to a
+        timeline that no longer exists. The resumed run logs some of them again, but not
+        necessarily all: after a rollback it may log at other steps (a changed interval, a
+        monitor switched off, no NaN to report this time). So the sinks that keep files drop
+        every earlier line of a step ``>= step`` before their first write, instead of only
+        those from the first step this run happens to log (see
+        :class:`~trainvitals.adapters.JsonlSink` and
+        :class:`~trainvitals.adapters.TensorBoardSink`); other sinks ignore it.
+
+        Raises ``TypeError``/``ValueError`` for a step that is not an int ``>= 0`` (on every
+        rank). Called again with another step once values were logged, it warns and does
+        nothing: the sinks may have opened their files already.
+
+        Example::
+
+            step = load_checkpoint(model, optimizer)   # the step the checkpoint was taken at
+            writer.resume_at(step)
+        """
+        step = _as_step(step)
+        with self._lock:
+            if self._step is not None or self._closed:
+                if step != self._resume_step:
+                    _warn(
+                        f"trainvitals FanoutWriter: resume_at({step}) after values were logged "
+                        "(or after close()) is ignored; call it before the first value"
+                    )
+                return
+            self._resume_step = step
+            if not self._active:
+                return
+            for s in self.sinks:
+                try:
+                    s.resume_at(step)
+                except Exception as e:  # a sink's bookkeeping must not stop the run
+                    _warn(f"trainvitals FanoutWriter: sink {s.name!r}: resume_at failed: {e!r}")
+
     def end_step(self) -> None:
         """Hand the current step's values to the sinks now, without waiting for the first
         value of a later step, and without waiting for delivery (:meth:`flush` waits).
@@ -918,7 +973,9 @@ class FanoutWriter:
         The ``Vitals`` driver calls it when a new optimizer step starts: a step logged only
         every 50 steps would otherwise wait 50 steps in the writer, and a W&B run that other
         code (``accelerator.log(..., step=)``) moves on meanwhile refuses it. Values logged
-        later for the same step are delivered as a second part of that step.
+        later for the same step are delivered as a second part of that step. Sinks called from
+        the training thread (``thread_safe = False``) get the steps that reached the host
+        meanwhile here, also when the current step logged nothing.
         """
         if not self._active or self._pid != os.getpid():
             return

@@ -17,10 +17,11 @@ The same step can appear on more than one line (values logged for a step after a
 :func:`metric_history` merges them. A process killed while writing leaves a last line without
 its newline: :func:`read_jsonl` skips it and warns. A resumed run appends to the file of the run
 it resumes: before its first line, :class:`~trainvitals.adapters.JsonlSink` drops every record
-of a step at or after the first step it writes (the resumed run logs those steps again; lines
-the interrupted run wrote past its checkpoint would otherwise stay, as values of a timeline that
-no longer exists) and a last line cut by a crash. A new run (first step 0) moves an earlier
-run's file aside (``metrics.jsonl.1``, ...) instead.
+of a step at or after the step the run resumes at (given by ``FanoutWriter.resume_at``, else
+the first step it writes; lines the interrupted run wrote past its checkpoint would otherwise
+stay, as values of a timeline that no longer exists) and a last line cut by a crash. A new run
+(resuming at step 0) moves an earlier run's file aside (``metrics.jsonl.1``, ...) instead. A
+symbolic link is followed: the file it points at is cut, rewritten or moved aside.
 
 Example::
 
@@ -34,6 +35,7 @@ import json
 import math
 import os
 import re
+import stat
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -165,9 +167,14 @@ def drop_steps_from(
     ``None`` for any other line; the default reads the records of this module's schema. The
     file is read line by line; it is cut short when the dropped lines are all at its end (the
     usual case: records are in step order), else rewritten through a temporary file and
-    ``os.replace``.
+    ``os.replace``. A symbolic link (a run directory's ``metrics.jsonl`` pointing at shared
+    storage) is followed: its target is cut or rewritten (keeping its permission bits) and the
+    link stays as it is.
     """
     step_of = _line_step if line_step is None else line_step
+    # os.replace onto the link would put a regular file in its place, cut off from the storage
+    # it points at: rewrite the target, next to it (same file system, so the replace is atomic).
+    path = os.path.realpath(path)
 
     def dropped_line(raw: bytes) -> bool:
         step = step_of(raw)
@@ -189,11 +196,12 @@ def drop_steps_from(
                 kept_end, last = offset, raw
     dropped = sum(drop)
     if rewrite:
-        tmp = f"{os.fspath(path)}.tmp"
+        tmp = f"{path}.tmp"
         with open(path, "rb") as src, open(tmp, "wb") as dst:
             for raw, gone in zip(src, drop, strict=True):
                 if not gone:
                     dst.write(raw if raw.endswith(b"\n") else raw + b"\n")
+            os.chmod(tmp, stat.S_IMODE(os.fstat(src.fileno()).st_mode))
         os.replace(tmp, path)
         return dropped
     if kept_end != offset:
@@ -206,8 +214,14 @@ def drop_steps_from(
 
 def move_aside(path: str | os.PathLike[str]) -> Path:
     """Rename ``path`` to the first free ``<name>.1``, ``<name>.2``, ... and return the new
-    path: an earlier run's file is kept, never overwritten."""
-    path = Path(path)
+    path: an earlier run's file is kept, never overwritten.
+
+    A symbolic link is followed: its target is renamed, in the target's directory, and the
+    link is left pointing at the target's name, where the next run's file is then created.
+    """
+    # Renaming the link itself would leave the next run writing a regular file in the link's
+    # place, on local disk instead of the storage the user pointed the link at.
+    path = Path(os.path.realpath(path))
     n = 1
     while path.with_name(f"{path.name}.{n}").exists():
         n += 1

@@ -233,6 +233,8 @@ class Sink:
     Subclasses implement :meth:`write` (and :meth:`open`, :meth:`flush`, :meth:`close` where
     needed). The writer calls them from one thread at a time:
 
+    * :meth:`resume_at` at most once, before anything else, when the run says which step it
+      resumes at (:meth:`FanoutWriter.resume_at`);
     * :meth:`open` once, lazily, before the first :meth:`write` (so that a sink built on a
       non-zero rank, or never written to, creates no files, runs or connections); when it
       raises, it is retried like a failed write;
@@ -295,6 +297,11 @@ class Sink:
 
     def open(self) -> None:
         """Create or connect to the backend (called once, before the first write)."""
+
+    def resume_at(self, step: int) -> None:
+        """The run resumes at ``step`` (``0``: a new run); called before :meth:`open` by
+        :meth:`FanoutWriter.resume_at`. A sink that keeps files drops what an earlier run wrote
+        for steps ``>= step``; the default does nothing."""
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         """Deliver one step: ``metrics`` maps the original keys to floats (NaN/Inf included)."""

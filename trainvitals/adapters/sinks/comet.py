@@ -23,6 +23,15 @@ class CometSink(Sink):
         experiment_kwargs: extra keyword arguments for that ``OfflineExperiment``.
         name: the sink's name in warnings.
 
+    Threads: an experiment passed in is shared with the loop's own logging, so the sink calls
+    it from the training thread (``thread_safe = False``: at the writer's next call after the
+    step reached the host). Comet's ``log_metrics(d, step=)`` sets the experiment's current
+    step and then logs each metric at whatever the current step is by then
+    (``Experiment._log_metric`` reads ``curr_step``); from another thread, a step the loop logs
+    meanwhile (Lightning's ``CometLogger``, Accelerate's tracker) would move the rest of the
+    sink's step onto the loop's step. An experiment the sink creates is its own: it is written
+    from the sink's background thread.
+
     Keys are mapped by :data:`~trainvitals.adapters.sinks.base.COMET_KEYS`: unchanged up to
     100 characters (``_x`` followed by two hex digits is escaped as ``_x5fx..``, as by every
     key rule, so that mapped keys stay distinct); a longer key is cut with a hash (Comet would
@@ -55,6 +64,7 @@ class CometSink(Sink):
                 f"CometSink needs a comet_ml Experiment, got {type(experiment).__name__}"
             )
         super().__init__(name=name, owned=experiment is None)
+        self.thread_safe = experiment is None  # see "Threads" above
         self.experiment = experiment
         self.offline_directory = (
             os.fspath(offline_directory) if offline_directory is not None else None

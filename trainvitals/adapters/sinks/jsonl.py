@@ -25,15 +25,20 @@ class JsonlSink(Sink):
     ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
 
     Appending to an existing file (a resumed run): before its first line the sink drops every
-    record of a step at or after the first step it writes, with a warning saying how many. A
-    run resumed from a checkpoint logs those steps again, and the lines the interrupted run
-    wrote after its checkpoint would otherwise stay in the file, values of steps the resumed
-    run has not reached (yet) or logged twice. A last line cut by a crash is dropped too (see
-    :func:`~trainvitals.adapters.jsonl.drop_steps_from`); other lines are kept. A run whose
-    first step is 0 is a new run: the earlier file is moved aside (``metrics.jsonl.1``, ...,
-    with a warning) and a new one started. So give each writer of a run its own file: a second
-    writer appending at a step the first one already wrote replaces its lines. A path that is
-    not a regular file (a pipe, ``/dev/stdout``) is appended to as it is.
+    record of a step at or after the step the run resumes at, with a warning saying how many.
+    That step is the one given to :meth:`FanoutWriter.resume_at` (the checkpoint's step), or,
+    when the run did not say, the first step the sink writes (or the lower of the two). The
+    lines the interrupted run wrote after its checkpoint would otherwise stay in the file,
+    values of a timeline that no longer exists; guessing from the first step written keeps
+    those of steps between the checkpoint and that first step (after a rollback the resumed run
+    need not log the same steps: another interval, no NaN to report). A last line cut by a
+    crash is dropped too (see :func:`~trainvitals.adapters.jsonl.drop_steps_from`); other lines
+    are kept. A run resuming at step 0 is a new run: the earlier file is moved aside
+    (``metrics.jsonl.1``, ..., with a warning) and a new one started. So give each writer of a
+    run its own file: a second writer appending at a step the first one already wrote replaces
+    its lines. A path that is not a regular file (a pipe, ``/dev/stdout``) is appended to as it
+    is. A symbolic link (to shared storage) is followed: its target is cut, rewritten or moved
+    aside, and the link is kept.
 
     Example::
 
@@ -48,6 +53,10 @@ class JsonlSink(Sink):
         self.path = Path(path).absolute()  # fixed now: a later chdir does not move it
         self._file: IO[str] | None = None
         self._partial = False  # a failed write may have left part of a line
+        self._resume_step: int | None = None  # from FanoutWriter.resume_at
+
+    def resume_at(self, step: int) -> None:
+        self._resume_step = step
 
     def open(self) -> None:
         # The file itself is opened by the first write, which knows the first step.
@@ -55,6 +64,9 @@ class JsonlSink(Sink):
 
     def _open_from(self, first_step: int) -> None:
         self.open()
+        if self._resume_step is not None:
+            # lines from the first written step on would be duplicated, whatever was declared
+            first_step = min(first_step, self._resume_step)
         message = None
         # Only a regular file holding lines: a pipe, a terminal or /dev/stdout is appended to
         # as it is (reading it would block).

@@ -33,6 +33,13 @@ class TensorBoardSink(Sink):
     values as one event). Other writer objects get one ``add_scalar(tag, value, step,
     walltime)`` per value, then one ``flush()``.
 
+    Resuming (:meth:`FanoutWriter.resume_at` with a step N > 0): a sink with its own log
+    directory opens its ``SummaryWriter`` with ``purge_step=N``, which makes TensorBoard hide
+    the events of steps ``>= N`` that the interrupted run wrote into that directory (its
+    ``SessionLog.START`` event); the event files themselves are kept. A ``SummaryWriter``
+    passed in was opened by its owner, who decides that (Lightning's ``TensorBoardLogger``
+    starts a new version directory per run).
+
     Keys are written unchanged (TensorBoard accepts any tag). NaN and infinities are stored as
     such (IEEE values in the event file) and read back as NaN/inf.
 
@@ -72,12 +79,17 @@ class TensorBoardSink(Sink):
             self.logdir = None
             self.writer = writer_or_logdir
         self.double_precision = double_precision
+        self._purge_step: int | None = None
+
+    def resume_at(self, step: int) -> None:
+        # step 0 is a new run: nothing of the directory's earlier runs is hidden
+        self._purge_step = step if step > 0 else None
 
     def open(self) -> None:
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(self.logdir)
+            self.writer = SummaryWriter(self.logdir, purge_step=self._purge_step)
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         if self.writer is None:
