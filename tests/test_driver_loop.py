@@ -713,3 +713,38 @@ def test_rollback_with_a_given_writer_drops_the_refused_steps_and_keeps_the_call
             state = vitals.state_dict()
     vitals.close()
     assert permissive.key("time/samples") == {0: 2, 1: 7, 2: 13, 3: 20, 4: 28}
+
+
+def test_a_resumed_run_drops_every_line_the_interrupted_run_wrote_after_its_checkpoint(tmp_path):
+    # The interrupted run logged every step; the resumed one (from the checkpoint of step 1)
+    # logs every second step, so it never writes step 1 again: the interrupted run's line of
+    # step 1 is of a timeline that no longer exists and must not stay in the file.
+    from trainvitals.adapters import read_jsonl
+
+    def run(sizes, log_every, state=None):
+        model, opt = _model_opt()
+        vitals = Vitals(
+            [RuntimeMonitor(max_steps=10)], run_dir=tmp_path, log_every_n_steps=log_every
+        ).attach(model, opt)
+        if state is not None:
+            vitals.load_state_dict(state)
+        checkpoint = None
+        for size in sizes:
+            x = torch.randn(size, 4)
+            vitals.batch(x)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if checkpoint is None:
+                checkpoint = vitals.state_dict()  # after step 0: resumes at step 1
+        vitals.close()
+        return checkpoint
+
+    checkpoint = run([2, 3, 4, 5], log_every=1)  # steps 0..3, the process then dies
+    assert checkpoint["step"] == 1
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        run([7, 8], log_every=2, state=checkpoint)  # steps 1 and 2; only 2 is logged
+    rows = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert sorted(rows) == [0, 2]
+    assert rows[0]["time/samples"] == 2  # the interrupted run's, before its checkpoint
+    assert rows[2]["time/samples"] == 2 + 7 + 8  # the resumed run's

@@ -253,6 +253,32 @@ def test_a_fit_retried_from_an_earlier_checkpoint_writes_its_steps_again(tmp_pat
     assert records[5]["time/samples"] == 2 * 6
 
 
+def test_a_fit_resumed_from_a_checkpoint_drops_the_interrupted_fits_later_lines(tmp_path):
+    # The interrupted fit logged steps 2-4 after the checkpoint of step 2; the resumed fit logs
+    # every third step only (steps 2-4: step 3), so the first step it writes is 3. The line of
+    # step 2 from the interrupted fit is of a timeline that no longer exists: dropped too.
+    import lightning.pytorch as pl
+
+    from trainvitals.adapters import read_jsonl
+
+    clock = FakeClock()
+    trainer = _trainer(pl, [RuntimeMonitor(clock=clock, max_steps=5)], tmp_path, max_steps=2)
+    trainer.fit(_module(pl, clock, 2, 20))
+    ckpt = tmp_path / "step2.ckpt"
+    trainer.save_checkpoint(ckpt)
+    trainer = _trainer(pl, [RuntimeMonitor(clock=clock, max_steps=5)], tmp_path, max_steps=5)
+    trainer.fit(_module(pl, clock, 2, 20), ckpt_path=ckpt)  # steps 2-4, then "interrupted"
+    assert sorted(r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")) == list(range(5))
+    resumed = RuntimeMonitor(clock=clock, max_steps=5, log_every_n_steps=3)
+    trainer = _trainer(pl, [resumed], tmp_path, max_steps=5)
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        trainer.fit(_module(pl, clock, 3, 20), ckpt_path=ckpt)  # batches of 3 this time
+    records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert sorted(records) == [0, 1, 3]  # (steps 2-4 logged when step % 3 == 0)
+    assert records[1]["time/samples"] == 2 * 2  # the first fit's
+    assert records[3]["time/samples"] == 2 * 2 + 3 * 2  # the resumed fit's: steps 2 and 3
+
+
 # ---------------------------------------------------------------------------- DDP
 
 

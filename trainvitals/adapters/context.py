@@ -46,6 +46,8 @@ class RunContext:
     ``step_increment`` how far the step in progress advances ``step``: 1, except under
     Lightning's manual optimization with several optimizers stepped per batch, where
     ``trainer.global_step`` (and so ``step``) counts every ``optimizer.step()``.
+    ``start_step``: the step the run started at, the checkpoint's step on a resume (the
+    writer's :meth:`~trainvitals.adapters.FanoutWriter.resume_at`).
     ``replay_floor``: set when the run went back to an earlier step (a rollback to a
     checkpoint in the same process): the first step that the writers which outlived the
     rollback have not seen yet (see :class:`ReplayWriter`); those are the callbacks' own
@@ -69,6 +71,7 @@ class RunContext:
     micro_batches_in_step: int = 0
     step_increment: int = 1
     in_validation: bool = False
+    start_step: int = 0
     replay_floor: int | None = None
     replay_run_writer: bool = False
     replay_warned: bool = False

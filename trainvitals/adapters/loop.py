@@ -83,7 +83,11 @@ class Vitals:
             ``FanoutWriter`` given here (or to a callback) is kept and cannot go back (it
             refuses steps lower than those it was given): the replayed steps below the step
             the rollback left are not written to it (one warning), and it gets the restored
-            run's values from that step on. A writer that takes any step gets them all.
+            run's values from that step on. A writer that takes any step gets them all. Our
+            own writer is told the step the run starts at (``FanoutWriter.resume_at``: 0, or
+            the step :meth:`load_state_dict` restored) before anything is logged, so its JSONL
+            file drops what an interrupted run wrote after that checkpoint; a writer given here
+            is the caller's to tell.
         accelerator: an ``accelerate.Accelerator``; gives the writer, the process groups and the
             gradient-accumulation steps.
         groups: the :class:`ProcessGroups`; default from the accelerator, else the world group
@@ -259,6 +263,11 @@ class Vitals:
         if self.ctx.model is None:
             raise RuntimeError("call vitals.attach(model, optimizer) before the first batch")
         self._started = True
+        self.ctx.start_step = self.ctx.step  # 0, or the step load_state_dict restored
+        if self._owns_writer:
+            # before anything is logged: its JSONL sink drops what an interrupted run wrote
+            # from that step on (a writer given to us is the caller's to tell)
+            self.ctx.writer.resume_at(self.ctx.step)
         self._each("run_start")
 
     def _each(self, hook: str, *args: Any) -> None:
@@ -443,14 +452,15 @@ class Vitals:
         if step < self.ctx.step and not self._closed:
             # A rollback to an earlier step: a FanoutWriter refuses steps lower than those it
             # was given, so every callback's next write would fail. Our own writer is replaced
-            # by a fresh one that takes the replayed steps (its JSONL sink drops the abandoned
-            # timeline's lines from the first step it writes). A FanoutWriter given to us (or
+            # by a fresh one that takes the replayed steps (told resume_at, its JSONL sink
+            # drops the abandoned timeline's lines from the restored step on). A FanoutWriter given to us (or
             # to a callback) cannot be replaced nor rewound (it has no such call): the
             # replayed steps below the step we were at are dropped from it with a warning
             # (ReplayWriter), the later ones are written.
             if self._owns_writer:
                 self.ctx.writer.close()
                 self.ctx.writer = _default_writer(self._accelerator, self.ctx.run_dir)
+                self.ctx.writer.resume_at(step)
             else:
                 self.ctx.replay_run_writer = True
             self.ctx.replay_floor = max(self.ctx.replay_floor or 0, self.ctx.step)

@@ -173,7 +173,7 @@ class VitalsCallback:
             if ctx.writer is None and ctx.trainer is not None:
                 # Under Lightning the run's writer is made on first use, so callbacks that all
                 # bring their own writer never need the default one.
-                ctx.writer = _lightning_writer(ctx.trainer, ctx.run_dir)
+                ctx.writer = _lightning_writer(ctx.trainer, ctx.run_dir, ctx.start_step)
             writer = ctx.writer
             floors = (ctx.replay_floor if ctx.replay_run_writer else None,)
         floor = max((f for f in floors if f is not None), default=None)
@@ -414,7 +414,7 @@ class VitalsCallback:
         if getattr(ctx, "_pl_gate", None) is None and _overrides_batch_start(pl_module):
             ctx._pl_gate = _BatchStartGate(pl_module)
         self._pl_last_global_step = trainer.global_step
-        ctx.step = trainer.global_step
+        ctx.step = ctx.start_step = trainer.global_step
         self._dispatch("run_start", ctx)
 
     def on_train_batch_start(
@@ -604,13 +604,15 @@ def _remove_batch_start_gate(ctx: RunContext) -> None:
         gate.remove()
 
 
-def _lightning_writer(trainer: Any, run_dir: Path) -> Any:
-    """The trainer's shared writer: its loggers, or ``metrics.jsonl`` in the run folder."""
+def _lightning_writer(trainer: Any, run_dir: Path, start_step: int) -> Any:
+    """The trainer's shared writer: its loggers, or ``metrics.jsonl`` in the run folder; told
+    the step the fit started at (a checkpoint's on a resume) before anything is logged."""
     writer = getattr(trainer, _WRITER_ATTR, None)
     if writer is None:
         from trainvitals.adapters import FanoutWriter
 
         writer = FanoutWriter.from_lightning(trainer, default_jsonl=run_dir / "metrics.jsonl")
+        writer.resume_at(start_step)
         setattr(trainer, _WRITER_ATTR, writer)
     return writer
 
