@@ -840,7 +840,7 @@ def test_topk_router_padding_slots_not_counted() -> None:
     np.testing.assert_array_equal(capture.loads()[0].numpy(), kept_map.sum(0).numpy())
 
 
-def test_packed_is_loads_then_aux_sums_with_host_counts() -> None:
+def test_packed_is_loads_then_aux_sums_then_aux_counts() -> None:
     from trainvitals.moe import TopKRouter
 
     torch.manual_seed(0)
@@ -848,25 +848,24 @@ def test_packed_is_loads_then_aux_sums_with_host_counts() -> None:
         [TopKRouter(8, 4, 2, aux_loss_type="aux_loss", aux_loss_coeff=0.01) for _ in range(3)]
     )
     capture = RouterCapture(model)
-    empty, counts = capture.packed()
-    assert empty.dtype == torch.float64 and empty.shape == (3 * 4 + 3,)
-    assert not empty.any() and counts == [0, 0, 0]
+    empty = capture.packed()
+    assert empty.dtype == torch.float64 and empty.shape == (3 * 4 + 3 + 3,)
+    assert not empty.any()
     for _ in range(2):  # two micro-batches
         for router in model:
             router(torch.randn(10, 8)).__getitem__(0).sum().backward()
-    values, counts = capture.packed()
+    values = capture.packed()
     aux_sum, aux_count = capture.aux_losses()
-    expected = torch.cat([capture.loads().reshape(-1), aux_sum])
+    expected = torch.cat([capture.loads().reshape(-1), aux_sum, aux_count])
     assert values.dtype == torch.float64
     assert torch.equal(values, expected)
-    assert counts == aux_count.tolist() == [2, 2, 2]
+    assert values[-3:].tolist() == aux_count.tolist() == [2, 2, 2]
     values.zero_()  # a new tensor: the counts are untouched
     assert capture.loads().sum() == 3 * 2 * 10 * 2
     capture.reset()
-    values, counts = capture.packed()
-    assert not values.any() and counts == [0, 0, 0]
+    assert not capture.packed().any()
     capture.reset()  # nothing counted since: still zeros
-    assert not capture.packed()[0].any()
+    assert not capture.packed().any()
 
 
 def _topk_routers_with_recorder(
@@ -990,3 +989,51 @@ def test_held_maps_are_counted_early_past_the_memory_bound(monkeypatch) -> None:
     exp_rows, exp_aux, exp_count = _expected(maps, aux)
     assert rows == exp_rows and counts == exp_count
     np.testing.assert_allclose(aux_sum, exp_aux, rtol=1e-12)
+
+
+def test_all_padding_micro_batch_does_not_count_in_the_logged_aux_loss() -> None:
+    """Gradient accumulation over three micro-batches, the second entirely padding: the logged
+    aux loss of each layer is the mean over the two micro-batches that have tokens (Hugging
+    Face's masked term / k, computed here by transformers' own function), not a mean over
+    three that counts the padding micro-batch's 0."""
+    from tests.scripts.vitals_testing import RecordingWriter
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
+
+    model, router_cls, layers, num_experts = build("mixtral")
+    recorder = IndexRecorder(model, router_cls)
+    masks = [PADDED_MASKS[0], torch.zeros(2, 5, dtype=torch.long), PADDED_MASKS[1]]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    writer = RecordingWriter()
+    monitor = LoadBalanceMonitor(mode="detailed")
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+    gen = torch.Generator().manual_seed(11)
+    model.train()
+    for mask in masks:
+        vitals.batch()
+        x = torch.randint(0, VOCAB, mask.shape, generator=gen)
+        recorder.recording = True
+        out = model(x, attention_mask=mask).logits
+        recorder.recording = False
+        out.float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    vitals.close()
+    # independent: only the micro-batches with a non-padding token, float64 numpy
+    kept = [n for n, m in enumerate(masks) if m.any()]
+    for layer in recorder.by_layer:
+        recorder.by_layer[layer] = [recorder.by_layer[layer][n] for n in kept]
+        recorder.logits[layer] = [recorder.logits[layer][n] for n in kept]
+    _, aux, hf_aux = _masked_expectation(recorder, [masks[n] for n in kept], num_experts)
+    np.testing.assert_allclose(hf_aux, aux, rtol=1e-5)
+    (row,) = writer.rows.values()
+    for label, expected in zip(layers, aux, strict=True):
+        np.testing.assert_allclose(row[f"moe/layer_{label}/aux_loss"], expected, rtol=1e-6)
+    np.testing.assert_allclose(row["moe/aux_loss_mean"], np.mean(aux), rtol=1e-6)
+    # the device-side read gives the same counts (the path taken with several ranks)
+    capture = RouterCapture(model)
+    model(torch.randint(0, VOCAB, (2, 5)), attention_mask=masks[1]).logits.sum().backward()
+    model(torch.randint(0, VOCAB, (2, 6)), attention_mask=masks[0]).logits.sum().backward()
+    _, aux_count = capture.aux_losses()
+    np.testing.assert_array_equal(aux_count.numpy(), [1] * len(layers))
+    assert capture.read_host()[2] == [1] * len(layers)

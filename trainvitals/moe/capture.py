@@ -44,7 +44,9 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             the Switch loss from ``router_logits`` and those counts over the same
                             tokens, normalised to 1.0 at perfect balance (Hugging Face's
                             per-layer ``load_balancing_loss_func`` term with the attention mask,
-                            / ``top_k``)
+                            / ``top_k``); a forward whose mask is all 0 (a micro-batch of
+                            padding) has no such loss and is left out of the layer's mean over
+                            micro-batches (a count kept on the device: no host read)
 torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (torchtitan 0.3) or
                             ``tokens_per_expert`` (older): torchtitan adds each training forward's
                             counts to it and its optimizer step PRE-hook ``_update_expert_bias``
@@ -158,6 +160,8 @@ _MAX_PENDING_NUMEL = 1 << 25
 _HOST_SUM_MAX = 4096
 
 Extractor = Callable[[nn.Module, Any, Any], Any]
+# A Hugging Face router's tokens against the attention mask, see RouterCapture._hf_valid_tokens
+_ValidTokens = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 Predicate = Callable[[nn.Module], bool]
 
 
@@ -490,6 +494,12 @@ class RouterCapture:
         self._dirty = False  # something was added since the last reset (a host flag)
         self._aux_sum: torch.Tensor | None = None  # [L]
         self._aux_count = [0] * len(self.routers)  # host ints: no sync to count forwards
+        # [L] forwards among those of _aux_count that had no token to average over (a Hugging
+        # Face micro-batch that is all padding): known on the device only, subtracted from the
+        # counts when they are read, so such a forward does not count in the layer's mean.
+        self._aux_empty: torch.Tensor | None = None
+        self._aux_empty_rows: list[torch.Tensor] = []
+        self._aux_empty_dirty = False  # something was added to it since the last reset
         self._rows: list[torch.Tensor] = []
         self._count_rows: list[torch.Tensor] = []
         self._aux_rows: list[torch.Tensor] = []
@@ -513,8 +523,9 @@ class RouterCapture:
         # transformers models that contain them, to leave padding tokens out (_hf_valid_tokens).
         self._mask_sources = _hf_mask_sources(model, self.routers)
         self._attention_mask: torch.Tensor | None = None  # [B, S] of the last model forward
-        # derived from it once per device: (padding [B*S, 1] bool, valid [B*S], valid count)
-        self._valid_tokens: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # derived from it once per device: (padding [B*S, 1] bool, valid [B*S], valid count
+        # clamped to 1, 1.0 when no token is valid else 0.0)
+        self._valid_tokens: dict[torch.device, _ValidTokens] = {}
         self._mask_mismatch_warned: set[int] = set()
         if attach:
             self.attach()
@@ -589,10 +600,11 @@ class RouterCapture:
 
     def _hf_valid_tokens(
         self, i: int, num_tokens: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(padding [N, 1] bool, valid [N] float32, number of valid tokens)`` for a Hugging
-        Face router's ``N`` tokens, from the recorded attention mask, on ``device``; ``None``
-        (count every token) without a mask or when its size is not the router's token count.
+    ) -> _ValidTokens | None:
+        """``(padding [N, 1] bool, valid [N] float32, number of valid tokens (at least 1),
+        1.0 when there is no valid token else 0.0)`` for a Hugging Face router's ``N`` tokens,
+        from the recorded attention mask, on ``device``; ``None`` (count every token) without a
+        mask or when its size is not the router's token count.
 
         The router sees the hidden states flattened row-major, ``[B, S, H] -> [B * S, H]``, so
         token ``b * S + s`` is ``mask[b, s]``. Device kernels only: no host synchronisation."""
@@ -619,7 +631,13 @@ class RouterCapture:
                 flat = flat.to(device, non_blocking=True)
             padding = (flat == 0).unsqueeze(-1)
             valid = (flat != 0).float()
-            derived = self._valid_tokens[device] = (padding, valid, valid.sum().clamp(min=1.0))
+            num_valid = valid.sum()
+            derived = self._valid_tokens[device] = (
+                padding,
+                valid,
+                num_valid.clamp(min=1.0),
+                (num_valid == 0).float(),
+            )
         return derived
 
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
@@ -695,6 +713,8 @@ class RouterCapture:
             if r.has_aux_loss and logits.ndim == 2:
                 aux = _switch_aux_loss(local_tensor(logits), counts, indices.shape[-1], valid)
                 self._add_aux(i, aux)
+                if aux is not None and valid is not None:
+                    self._add_aux_empty(i, valid[3])
         elif r.kind == "topk_router":
             self._count_topk_router(i, module, output)
         elif r.kind == "torchtitan":
@@ -763,6 +783,8 @@ class RouterCapture:
             dtype = torch.float32 if device.type == "mps" else torch.float64
             acc = torch.zeros(len(self.routers), self.num_experts + 1, dtype=dtype, device=device)
             self._aux_sum = torch.zeros(len(self.routers), dtype=dtype, device=device)
+            self._aux_empty = torch.zeros(len(self.routers), dtype=dtype, device=device)
+            self._aux_empty_rows = list(self._aux_empty.unbind(0))
             # Views made once, so that each forward's hook is one or two kernels, no indexing.
             self._rows = list(acc.unbind(0))
             self._count_rows = list(acc[:, : self.num_experts].unbind(0))
@@ -885,6 +907,7 @@ class RouterCapture:
         for i in self._invalid:
             self._rows[i].zero_()
             self._aux_rows[i].zero_()
+            self._aux_empty_rows[i].zero_()
             self._aux_count[i] = 0
 
     def _row_index(self, rows: list[int], device: torch.device) -> torch.Tensor:
@@ -912,6 +935,22 @@ class RouterCapture:
         self._aux_count[i] += 1
         self._dirty = True
 
+    def _add_aux_empty(self, i: int, empty: torch.Tensor) -> None:
+        """Mark the forward just counted by :meth:`_add_aux` as having had no token (``empty``
+        a device 0-d 1.0) or not (0.0): one kernel, no host synchronisation."""
+        if empty.device != self._acc_device:
+            empty = empty.to(self._acc_device, non_blocking=True)
+        self._aux_empty_rows[i].add_(empty)
+        self._aux_empty_dirty = True
+
+    def _aux_count_tensor(self, device: torch.device | None) -> torch.Tensor:
+        """The ``[L]`` float64 counts of forwards with an aux loss and a token, on ``device``."""
+        # built on the host, copied without waiting for the device
+        count = torch.tensor(self._aux_count, dtype=torch.float64).to(device, non_blocking=True)
+        if self._aux_empty_dirty and self._aux_empty is not None:
+            count = count - self._aux_empty.to(count.device, torch.float64)
+        return count
+
     # ------------------------------------------------------------------ reading
 
     def loads(self, device: torch.device | None = None) -> torch.Tensor:
@@ -930,26 +969,29 @@ class RouterCapture:
         ``[L]`` float64 tensors (their ratio is the mean over micro-batches; count 0 = unknown)."""
         self._fold()
         dev = self._acc.device if self._acc is not None else device
-        # built on the host, copied without waiting for the device
-        count = torch.tensor(self._aux_count, dtype=torch.float64).to(dev, non_blocking=True)
+        count = self._aux_count_tensor(dev)
         if self._aux_sum is None:
             return torch.zeros(len(self.routers), dtype=torch.float64, device=dev), count
         return self._aux_sum.to(torch.float64, copy=True), count
 
-    def packed(self, device: torch.device | None = None) -> tuple[torch.Tensor, list[int]]:
-        """``(values, aux_counts)``: one new float64 tensor of ``L * E + L`` values, the loads
-        of :meth:`loads` (row-major) then the aux-loss sums of :meth:`aux_losses`, made by one
-        kernel on the accumulator's device (or ``device`` when nothing was counted yet), and
-        the aux-loss counts as host ints. For a caller that reads everything in one transfer."""
+    def packed(self, device: torch.device | None = None) -> torch.Tensor:
+        """One new float64 tensor of ``L * E + 2 L`` values: the loads of :meth:`loads`
+        (row-major), then the aux-loss sums and counts of :meth:`aux_losses`, on the
+        accumulator's device (or ``device`` when nothing was counted yet). For a caller that
+        reads everything in one transfer (:func:`unpack_loads` splits it). The counts are on
+        the device because a forward with no token to average over (a Hugging Face
+        micro-batch that is all padding) is known there only."""
         self._fold()
         if self._acc is None:
             n = len(self.routers) * (self.num_experts + 1)
-            return torch.zeros(n, dtype=torch.float64, device=device), list(self._aux_count)
-        parts = [self._acc[:, : self.num_experts].reshape(-1), self._aux_sum]
-        values = torch.cat(parts)  # type: ignore[list-item]
-        if values.dtype != torch.float64:
-            values = values.to(torch.float64)
-        return values, list(self._aux_count)
+            loads_and_sums = torch.zeros(n, dtype=torch.float64, device=device)
+            return torch.cat([loads_and_sums, self._aux_count_tensor(loads_and_sums.device)])
+        parts = [
+            self._acc[:, : self.num_experts].reshape(-1).to(torch.float64),
+            self._aux_sum.to(torch.float64),  # type: ignore[union-attr]
+            self._aux_count_tensor(self._acc.device),
+        ]
+        return torch.cat(parts)
 
     def read_host(self) -> tuple[list[list[float]], list[float], list[int]]:
         """``(loads, aux_sums, aux_counts)`` since the last :meth:`reset`, on the host: ``L``
@@ -973,14 +1015,18 @@ class RouterCapture:
             or (acc is not None and any(t.device != acc.device for _, t, _ in held))
             or len({t.shape for _, t, _ in maps}) > 1
         ):
-            packed, aux_count = self.packed()
-            rows, aux_sum = unpack_loads(packed.cpu().tolist(), num_layers, e)
-            return rows, aux_sum, aux_count
+            host_values = self.packed().cpu().tolist()
+            rows, aux_sum = unpack_loads(host_values, num_layers, e)
+            counts = host_values[num_layers * (e + 1) :]
+            return rows, aux_sum, [int(c) for c in counts]
         parts: list[torch.Tensor] = []
         with_acc = self._dirty and acc is not None and self._aux_sum is not None
         if with_acc:
             # counts added in the hooks (routers counted eagerly) or folded early
             parts += [acc[:, :e].reshape(-1), self._aux_sum]  # type: ignore[list-item]
+        with_empty = self._aux_empty_dirty and self._aux_empty is not None
+        if with_empty:
+            parts.append(self._aux_empty)  # type: ignore[arg-type]
         if maps:
             ((_, stacked),) = self._stack_by_shape(maps, set())  # one shape, one device
             parts.append(stacked.sum(dim=1, dtype=torch.float64).reshape(-1))
@@ -999,13 +1045,20 @@ class RouterCapture:
         else:
             rows = [[0.0] * e for _ in range(num_layers)]
             aux_sum = [0.0] * num_layers
+        aux_count = list(self._aux_count)
+        if with_empty:
+            # forwards that had no token do not count (exact small integers in float)
+            aux_count = [
+                c - int(x) for c, x in zip(aux_count, host[pos : pos + num_layers], strict=True)
+            ]
+            pos += num_layers
         for i, _, _ in maps:
             rows[i] = [a + b for a, b in zip(rows[i], host[pos : pos + e], strict=True)]
             pos += e
         for i, _, _ in auxs:  # in forward order, as the device accumulator adds them
             aux_sum[i] += host[pos]
             pos += 1
-        return rows, aux_sum, list(self._aux_count)
+        return rows, aux_sum, aux_count
 
     def reset(self) -> None:
         """Zero the counts on the device (no synchronisation; no kernel either when nothing
@@ -1016,6 +1069,10 @@ class RouterCapture:
             if self._aux_sum is not None:
                 self._aux_sum.zero_()
             self._dirty = False
+        if self._aux_empty_dirty:
+            if self._aux_empty is not None:
+                self._aux_empty.zero_()
+            self._aux_empty_dirty = False
         self._aux_count = [0] * len(self.routers)
         self._snapshots.clear()
         for runs in self._runs:  # (a held-back run of this step is not re-run any more)
@@ -1053,17 +1110,17 @@ def _switch_aux_loss(
     logits: torch.Tensor,
     counts: torch.Tensor | None,
     top_k: int,
-    valid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    valid: _ValidTokens | None = None,
 ) -> Any:
     """The Switch load-balancing loss of one layer and forward, before its coefficient, with
     Megatron's normalisation (1.0 at perfect balance): ``E / (k T) * sum_i tokens_i * P_i``,
     ``P_i`` the mean softmax probability of expert ``i``, over the ``T`` tokens that are not
     padding when ``valid`` (from :meth:`RouterCapture._hf_valid_tokens`) is given (``counts``
     then count only those; a forward with no such token gives 0, where Hugging Face divides
-    0 by 0, and still counts as a forward in the layer's mean over micro-batches: knowing it
-    has no token would take a host read), else over every token. Hugging Face's
-    ``load_balancing_loss_func`` term of the layer is ``top_k`` times this (it divides the
-    counts by ``T``, not ``T * k``)."""
+    0 by 0, and the capture leaves it out of the layer's mean over micro-batches with a
+    device-side count, :meth:`RouterCapture._add_aux_empty`), else over every token. Hugging
+    Face's ``load_balancing_loss_func`` term of the layer is ``top_k`` times this (it divides
+    the counts by ``T``, not ``T * k``)."""
     if counts is None or logits.shape[0] == 0:
         return None
     num_tokens, num_experts = logits.shape
@@ -1075,7 +1132,7 @@ def _switch_aux_loss(
         # transformers 5.x models/mixtral/modeling_mixtral.py::load_balancing_loss_func with an
         # attention mask: top-k counts and router probabilities summed over the tokens whose
         # mask is 1, both divided by their number (a device tensor: no host synchronisation).
-        _, weights, num_valid = valid
+        _, weights, num_valid, _ = valid
         mean_probs = (weights.unsqueeze(-1) * probs).sum(dim=0) / num_valid
         scale = num_experts / (num_valid * top_k)
     return (counts.to(mean_probs.dtype) * mean_probs).sum() * scale
