@@ -204,6 +204,101 @@ def test_validation_records_do_not_mix_into_training_values():
     )
 
 
+def test_rollback_drops_the_abandoned_timelines_values_and_global_tokens():
+    """Vitals.load_state_dict mid-run (a rollback to an earlier checkpoint) replays from the
+    restored step: the router losses recorded since the last report (steps after the
+    checkpoint, and a step cut off after one micro-batch) belong to the abandoned timeline.
+    The next report is the mean over the replayed micro-batches only (float64 from the
+    routers' inputs), and the global_aux_loss token counts of the cut-off step are gone."""
+    import copy
+
+    from trainvitals.adapters.loop import Vitals
+
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    captured = capture_router_inputs(model)
+    global_router = TopKRouter(
+        HIDDEN, EXPERTS, TOPK, aux_loss_type="global_aux_loss", aux_loss_coeff=0.01
+    )
+    model.extra_router = global_router  # records nothing (no layer number): only its counts
+    writer = Recorder()
+    monitor = MoEMetricsMonitor(per_layer_logging=True, moe_layer_freq=PATTERN)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=4)
+    vitals.attach(model, opt)
+    batches = random_token_batches(40, batch_size=2, seq_len=8, vocab_size=VOCAB, seed=3)
+    micro_batches = 0  # training forwards so far (captured holds 2 routers per forward)
+
+    def micro_batch() -> None:
+        nonlocal micro_batches
+        batch = next(batches)
+        vitals.batch(batch)
+        (model(batch["input_ids"], batch["labels"]).loss / 2).backward()
+        global_router(torch.randn(4, HIDDEN))
+        micro_batches += 1
+
+    def step() -> None:
+        for _ in range(2):
+            micro_batch()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):  # steps 0 (logged), 1, 2
+        step()
+    saved = (vitals.state_dict(), copy.deepcopy(model.state_dict()), opt.state_dict())
+    step()  # step 3: abandoned
+    micro_batch()  # step 4 cut off after one micro-batch: abandoned
+    assert global_router.global_aux_micro_batches == 1
+    vitals.load_state_dict(saved[0])
+    model.load_state_dict(saved[1])
+    opt.load_state_dict(saved[2])
+    assert global_router.global_aux_micro_batches == 0
+    assert not global_router.global_tokens_per_expert.any()
+    replay_start = micro_batches
+    for _ in range(2):  # steps 3 and 4 again: step 4 logs
+        step()
+    vitals.close()
+    assert sorted(writer.rows) == [0, 4]
+    per_micro = sum(PATTERN)
+    kept = captured[replay_start * per_micro :]
+    assert len(kept) == 4 * per_micro
+    expected = expected_rows(kept, 1, {4: [0, 1, 2, 3]})[4]
+    assert set(writer.rows[4]) == set(expected)
+    for key, value in expected.items():
+        assert writer.rows[4][key] == pytest.approx(value, rel=1e-4), key
+
+
+def test_trailing_micro_batches_without_a_step_count_in_the_run_end_report():
+    """A manual accumulation loop whose loader length is not a multiple of the accumulation
+    runs its last micro-batch without an optimizer step. The run-end report covers what the
+    routers recorded since the last report, that micro-batch included, so its micro-batch
+    count includes it too: the mean over those 5 micro-batches (float64 from the routers'
+    inputs), not their sum over the 4 micro-batches of the completed steps."""
+    from trainvitals.adapters.loop import Vitals
+
+    model = tiny_model()
+    captured = capture_router_inputs(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    writer = Recorder()
+    monitor = MoEMetricsMonitor(per_layer_logging=True, moe_layer_freq=PATTERN)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=4)
+    vitals.attach(model, opt)
+    accumulation = 2
+    loader = list(random_token_batches(7, batch_size=2, seq_len=8, vocab_size=VOCAB, seed=4))
+    for i, batch in enumerate(loader):
+        vitals.batch(batch)
+        (model(batch["input_ids"], batch["labels"]).loss / accumulation).backward()
+        if (i + 1) % accumulation == 0:
+            opt.step()
+            opt.zero_grad()
+    vitals.close()  # steps 0 (logged), 1, 2 and a trailing micro-batch
+    assert sorted(writer.rows) == [0, 2]
+    per_micro = sum(PATTERN)
+    expected = expected_rows(captured[2 * per_micro :], 1, {2: [0, 1, 2, 3, 4]})[2]
+    assert set(writer.rows[2]) == set(expected)
+    for key, value in expected.items():
+        assert writer.rows[2][key] == pytest.approx(value, rel=1e-4), key
+
+
 def test_a_model_without_recording_routers_warns_once_that_nothing_is_written():
     from trainvitals.adapters.loop import Vitals
 

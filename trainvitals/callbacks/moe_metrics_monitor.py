@@ -39,7 +39,11 @@ class MoEMetricsMonitor(VitalsCallback):
       ``all_gather_object`` over the world (the ranks agree on the metric names), one
       all-reduce per group and reduction kind, one device-to-host transfer; then the tracker
       is zeroed.
-    * ``run_end``: reports the steps since the last logging step, at the last step.
+    * ``run_end``: reports the steps since the last logging step, at the last step, with any
+      micro-batches run after the last optimizer step (counted at ``micro_batch_start``).
+    * ``load_state_dict`` (a resume, or the driver's rollback to an earlier checkpoint): drops
+      what was recorded since the last report and the routers' ``global_aux_loss`` token
+      counts, which belong to the abandoned timeline; the next report covers the steps since.
 
     So a logged value is the **mean over the micro-batches of every optimizer step since the
     previous logging step** (step 0 alone at step 0): no step is lost or counted twice. With
@@ -135,6 +139,9 @@ class MoEMetricsMonitor(VitalsCallback):
         self._layer_freq: int | list[int] | None = self.moe_layer_freq
         self._pending_micro_batches = 0
         self._pending_steps = 0
+        # training micro-batches started since the last step_end (a trailing micro-batch that
+        # no optimizer step follows is still in the tracker at run end)
+        self._micro_batches_since_step = 0
         self._validation_snapshot: Any = None
         self.last_log_string = ""
         self.last_losses: dict[str, float] = {}
@@ -149,6 +156,7 @@ class MoEMetricsMonitor(VitalsCallback):
         self.tracker.clear()
         self._pending_micro_batches = 0
         self._pending_steps = 0
+        self._micro_batches_since_step = 0
         model = ctx.model
         self._routers = (
             [m for m in model.modules() if isinstance(m, TopKRouter)] if model is not None else []
@@ -169,9 +177,13 @@ class MoEMetricsMonitor(VitalsCallback):
             self.tracker._restore(self._validation_snapshot)
             self._validation_snapshot = None
 
+    def micro_batch_start(self, ctx: RunContext, batch: Any) -> None:
+        self._micro_batches_since_step += 1
+
     def step_end(self, ctx: RunContext) -> None:
         self._pending_micro_batches += ctx.micro_batches_in_step or ctx.accumulate_grad_batches or 1
         self._pending_steps += 1
+        self._micro_batches_since_step = 0
         for router in self._global_routers:
             router.reset_global_tokens()
         if self.should_log(ctx):
@@ -179,6 +191,10 @@ class MoEMetricsMonitor(VitalsCallback):
 
     def run_end(self, ctx: RunContext) -> None:
         if self._pending_steps:
+            # Micro-batches run after the last optimizer step (a loader whose length is not a
+            # multiple of the accumulation) recorded into the tracker too: count them, so the
+            # report is the mean over every micro-batch it holds, not their sum over fewer.
+            self._pending_micro_batches += self._micro_batches_since_step
             self._report(ctx, max(ctx.step - 1, 0))
 
     # ------------------------------------------------------------------ what it writes
@@ -224,6 +240,19 @@ class MoEMetricsMonitor(VitalsCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        # A restore during a run (the driver's rollback to an earlier checkpoint) replays from
+        # the restored step: what was recorded since the last report, and the global_aux_loss
+        # token counts of a step cut off mid-way, belong to the abandoned timeline. Kept, they
+        # would mix into the next report (with a micro-batch count that leaves the cut-off
+        # step's out) and into the replayed step's loss. Dropped, the next report covers the
+        # steps since the restore, as after a resume. No synchronisation: zeroing on the device.
+        self.tracker.clear()
+        self._pending_micro_batches = 0
+        self._pending_steps = 0
+        self._micro_batches_since_step = 0
+        self._validation_snapshot = None
+        for router in self._global_routers:
+            router.reset_global_tokens()
 
 
 def _pattern_from_routers(routers: list[TopKRouter]) -> list[int] | None:

@@ -13,7 +13,8 @@
   members disagree raises the same ``ValueError`` on every rank, before any tensor collective.
 * **One collective per group and reduction kind**, whatever the number of metrics and layers:
   the pipeline SUM, each distinct ``reduce_group`` SUM, each distinct ``avg_group`` AVG and the
-  data-parallel AVG are each one coalesced collective (Megatron issues one per metric per stage).
+  data (x context) parallel AVG are each one coalesced collective (Megatron issues one per
+  metric per stage).
 * **One host transfer per report**: after the reductions, the per-layer vectors of every
   metric are concatenated (float64) and read back with one ``.tolist()``; the scaling, the
   means over the MoE layers (``math.fsum``, correctly rounded), the percentiles and the
@@ -172,7 +173,8 @@ class MoEMetricsTracker:
             num_layers: length of the per-layer vector (all layers, MTP layers included).
             reduce_group: process group to SUM over (e.g. ranks that split the tokens).
             avg_group: process group to AVG over.
-            needs_dp_avg: AVG over the data-parallel group after the other reductions.
+            needs_dp_avg: AVG over the data x context parallel group (``groups.dp_cp`` of
+                :meth:`report`) after the other reductions.
 
         The group settings of the last call win (as Megatron).
         """
@@ -301,8 +303,9 @@ class MoEMetricsTracker:
             percentiles: per metric, quantiles in ``[0, 1]`` over the non-zero layers, e.g.
                 ``{"load_balancing_loss": [0.5, 0.95]}`` -> ``load_balancing_loss_p50``, ``_p95``.
             groups: the run's :class:`~trainvitals.distributed.ProcessGroups`; ``pp`` is
-                summed over, ``dp`` averaged over (for ``needs_dp_avg`` metrics). ``None``:
-                no pipeline or data-parallel reduction.
+                summed over, ``dp_cp`` (data x context parallel: every rank that sees other
+                tokens) averaged over (for ``needs_dp_avg`` metrics). ``None``: no pipeline or
+                data-parallel reduction.
 
         The values of every metric (tracked or not) are zeroed afterwards.
         """
@@ -470,7 +473,7 @@ class MoEMetricsTracker:
         mine = {
             "metrics": local,
             "pp": _group_id(groups.pp),
-            "dp": _group_id(groups.dp),
+            "dp": _group_id(groups.dp_cp),
             "track_names": names_filter,
         }
         gathered = all_gather_objects(mine, world_group())
@@ -484,7 +487,7 @@ class MoEMetricsTracker:
     def _reduce(
         self, schema: Mapping[str, tuple[int, bool]], groups: ProcessGroups
     ) -> dict[str, torch.Tensor]:
-        """PP SUM -> reduce_group SUM -> avg_group AVG -> DP AVG, one collective per group
+        """PP SUM -> reduce_group SUM -> avg_group AVG -> DP(xCP) AVG, one collective per group
         and stage; returns float64 vectors (new tensors, the entries are not modified). In a
         single process it returns the entries' vectors themselves (their own dtype, exactly
         converted to float64 on the host): do not modify them."""
@@ -523,8 +526,13 @@ class MoEMetricsTracker:
             for ranks in sorted(by_ranks):
                 group, subset = by_ranks[ranks]
                 reduce(subset, op, group)
-        if _group_ranks(groups.dp):
-            reduce([n for n in names if schema[n][1]], "avg", groups.dp)
+        # Over dp x cp, not dp alone: a context-parallel rank routes other tokens of the same
+        # sequences, so a metric computed on its own tokens differs across cp and its mean is
+        # over cp too (averaging over dp only left each cp rank with its own shard's value,
+        # and rank 0 wrote that). A metric already summed over cp by its reduce_group is equal
+        # on every cp rank by then, so this average leaves it unchanged.
+        if _group_ranks(groups.dp_cp):
+            reduce([n for n in names if schema[n][1]], "avg", groups.dp_cp)
         return values
 
 
