@@ -9,6 +9,10 @@ Example::
     trainvitals report runs/exp1                  # writes runs/exp1/report.html
     trainvitals query runs/exp1 --kind grad --group 'layers.*.mlp.*' --stat kurtosis \\
         --steps 100:200 --by 'layers\\.(\\d+)\\.' --format csv --output kurt.csv
+
+Exit status (as grep's): 0 on success, 1 when ``query`` matched no row (it still writes the
+header, and says why on stderr), 2 on an error (bad arguments, a missing or wrong file), 141
+when the reader of stdout went away (``| head``), as for a tool that SIGPIPE ended.
 """
 
 from __future__ import annotations
@@ -17,13 +21,28 @@ import argparse
 import csv
 import io
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+__all__ = ["EXIT_ERROR", "EXIT_NO_MATCH", "EXIT_PIPE_CLOSED", "SUBCOMMANDS", "build_parser", "main"]
+
+# Exit codes, as grep's: a script tells "nothing matched" from "the command failed".
+#: ``trainvitals query`` found no row (the header is still written; stderr says why).
+EXIT_NO_MATCH = 1
+#: Bad arguments (argparse exits 2 too), a missing or wrong file, an unwritable ``--output``.
+EXIT_ERROR = 2
+#: The reader of stdout went away (``| head``): what the shell reports for a tool that
+#: SIGPIPE ended (128 + 13), as grep's, not an error of the command.
+EXIT_PIPE_CLOSED = 141
+_EXIT_CODES = (
+    "exit status: 0 when rows were written, 1 when nothing matched (the header alone is "
+    "written and stderr says why), 2 on an error (bad arguments, a missing or wrong file), "
+    "141 when the reader of stdout stopped early (`| head`)"
+)
 
 
 # ------------------------------------------------------------------------------------ query
@@ -32,6 +51,7 @@ __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 def _add_query_arguments(p: argparse.ArgumentParser) -> None:
     from trainvitals.stats.moments import DERIVED
 
+    p.epilog = _EXIT_CODES  # (argparse reads it when the help is printed)
     p.add_argument("run_dir", help="run folder holding tensor_stats.jsonl (or the file itself)")
     p.add_argument("--kind", default="grad", choices=["param", "grad", "activation", "dgrad"])
     p.add_argument(
@@ -83,8 +103,10 @@ def _run_query(args: argparse.Namespace) -> int:
         out.write_text(text, encoding="utf-8", newline="")
     else:
         sys.stdout.write(text)
+        sys.stdout.flush()  # (a closed pipe raises here, inside main, not at exit)
     if not rows:
-        print(f"trainvitals query: {reason}", file=sys.stderr)
+        print(f"trainvitals query: no match: {reason}", file=sys.stderr)
+        return EXIT_NO_MATCH
     return 0
 
 
@@ -97,7 +119,7 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     match = matcher(args.group)
     by_used = args.by is not None and not args.per_tensor  # (query compiled it already)
     spans: dict[str, tuple[int, int]] = {}
-    in_steps = grouped = False
+    in_steps = grouped = some_tensors = False
     names: list[str] = []  # tensor names of the kind's last record in the steps asked for
     with warnings.catch_warnings():  # the query already warned about skipped lines
         warnings.simplefilter("ignore")
@@ -110,8 +132,10 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
             if last is not None and step > last:
                 continue
             in_steps = True
-            names = list(rec["tensors"])
-            grouped = grouped or any(match(n) for n in names)
+            if rec["tensors"]:  # (a step whose measurement failed holds none)
+                names = list(rec["tensors"])
+                some_tensors = True
+            grouped = grouped or any(match(n) for n in rec["tensors"])
     if not spans:
         return (
             f"{args.run_dir} holds no tensor-statistics record (is it a tensor_stats.jsonl "
@@ -123,6 +147,9 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
         return f"no {args.kind!r} records (the file holds {held})", False
     if not in_steps:
         return f"no {args.kind!r} records in steps {args.steps} (the file holds {held})", False
+    if not some_tensors:
+        where = f" in steps {args.steps}" if args.steps is not None else ""
+        return f"the {args.kind!r} records{where} hold no tensor (not measured)", False
     if not grouped:
         sample = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         return f"no {args.kind!r} tensor name matches --group {args.group!r} ({sample})", False
@@ -167,6 +194,7 @@ def _format(rows: list[dict[str, Any]], fmt: str, stat: str | list[str]) -> str:
 def _add_report_arguments(p: argparse.ArgumentParser) -> None:
     from trainvitals.report.html import DEFAULT_MAX_POINTS
 
+    p.epilog = "exit status: 0 when the report was written, 2 on an error"
     p.add_argument(
         "run_dir",
         help="run folder: metrics.jsonl (or TensorBoard event files, or a metrics.csv) and/or "
@@ -236,7 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     from trainvitals import __version__
 
     parser = argparse.ArgumentParser(
-        prog="trainvitals", description="Read trainvitals run files back."
+        prog="trainvitals",
+        description="Read trainvitals run files back.",
+        epilog="exit status: 0 on success, 1 when `query` matched nothing, 2 on an error, 141 "
+        "when the reader of stdout stopped early",
     )
     parser.add_argument("--version", action="version", version=f"trainvitals {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -256,11 +287,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args._run(args))
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_PIPE_CLOSED
     except (ValueError, TypeError, OSError) as exc:  # OSError: `-o` naming a folder, say
         print(f"trainvitals {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     finally:
         warnings.formatwarning = original
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device: Python flushes it at exit, and the rest of the
+    output would raise BrokenPipeError once more there (the Python docs' note on SIGPIPE)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # (a stdout without a file descriptor: nothing is flushed to a pipe at exit)
 
 
 def _short_warning(message: Any, category: Any, *args: Any, **kwargs: Any) -> str:

@@ -352,13 +352,13 @@ def test_cli_says_why_a_query_is_empty(tmp_path: Path, capsys: pytest.CaptureFix
         (["--group", "*fc1*", "--by", r"blocks\.(\d+)"], "matches --by"),
     ]
     for extra, reason in cases:
-        assert main(["query", str(tmp_path), *extra]) == 0
+        assert main(["query", str(tmp_path), *extra]) == 1  # no match, as grep's 1
         captured = capsys.readouterr()
         assert reason in captured.err, (extra, captured.err)
         # the header alone, with the column of the stat asked for (kurtosis by default)
         assert captured.out.split() == ["step", "kind", "group", "tensors", "kurtosis"]
     args = ["--group", "decoder.*", "--stat", "mean,std", "--format", "csv"]
-    assert main(["query", str(tmp_path), *args]) == 0
+    assert main(["query", str(tmp_path), *args]) == 1
     assert capsys.readouterr().out == "step,kind,group,tensors,mean,std\n"
     assert main(["query", str(tmp_path), "--steps", "5"]) == 0  # not empty: no message
     captured = capsys.readouterr()
@@ -458,3 +458,59 @@ def test_records_without_step_or_tensors_are_skipped_not_a_traceback(tmp_path: P
     res = run_cli("query", str(tmp_path))
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "holds no tensor-statistics record" in res.stderr
+
+
+def test_cli_exit_status_tells_no_match_from_error(tmp_path: Path) -> None:
+    """As grep: 0 with rows, 1 with none (a reason on stderr, the header alone on stdout or
+    in the `-o` file), 2 on an error. A script can tell the three apart by the status."""
+    write_run(tmp_path, [0, 5])
+    ok = run_cli("query", str(tmp_path), "--steps", "5", "--format", "json")
+    assert ok.returncode == 0, ok.stderr
+    assert [r["step"] for r in json.loads(ok.stdout)] == [5] and ok.stderr == ""
+    for extra in (["--group", "decoder.*"], ["--kind", "dgrad"], ["--steps", "6:9"]):
+        res = run_cli("query", str(tmp_path), *extra, "--format", "csv")
+        assert res.returncode == 1, (extra, res.returncode, res.stderr)
+        assert res.stdout == "step,kind,group,tensors,kurtosis\n"
+        assert res.stderr.startswith("trainvitals query: no match: "), res.stderr
+    out = tmp_path / "none.csv"
+    res = run_cli("query", str(tmp_path), "--kind", "param", "--format", "csv", "-o", str(out))
+    assert res.returncode == 1 and res.stdout == "" and "no 'param' records" in res.stderr
+    assert out.read_text() == "step,kind,group,tensors,kurtosis\n"
+    for bad in (["--kind", "nope"], ["--steps", "x"]):  # argparse's and the query's errors
+        res = run_cli("query", str(tmp_path), *bad)
+        assert res.returncode == 2 and "error" in res.stderr, (bad, res.stderr)
+    assert run_cli("query", str(tmp_path / "missing")).returncode == 2
+    helptext = run_cli("query", "--help").stdout
+    assert "1 when nothing matched" in helptext and "2 on an error" in helptext
+
+
+def test_cli_says_when_the_records_hold_no_tensor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step whose measurement failed is written with no tensor; a query of only such steps
+    says so (not that its --group, which was not given, matched nothing) and exits 1."""
+    write_run(tmp_path, [0, 1])
+    rec = json.loads((tmp_path / "tensor_stats.jsonl").read_text().splitlines()[1])
+    with open(tmp_path / "tensor_stats.jsonl", "a") as f:
+        f.write(json.dumps(dict(rec, step=2, tensors={})) + "\n")
+    assert main(["query", str(tmp_path), "--steps", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "the 'grad' records in steps 2 hold no tensor" in err and "--group" not in err, err
+    assert main(["query", str(tmp_path), "--steps", "1:2", "--group", "x.*"]) == 1
+    assert "no 'grad' tensor name matches --group 'x.*' (model.layers.0" in capsys.readouterr().err
+
+
+def test_cli_reader_closing_the_pipe_is_not_an_error(tmp_path: Path) -> None:
+    """`trainvitals query ... | head`: a reader that stops early is not an error of the query
+    (exit 2 broke `set -o pipefail` scripts); exit 141 (as grep ended by SIGPIPE), quietly."""
+    write_run(tmp_path, [0, 1, 2])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainvitals", "query", str(tmp_path), "--per-tensor"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the query writes: its write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == "", err
