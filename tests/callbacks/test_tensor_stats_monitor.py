@@ -783,3 +783,47 @@ def test_an_append_cut_part_way_leaves_the_next_record_intact(tmp_path: Path, mo
     with pytest.warns(RuntimeWarning, match="unreadable line"):
         steps = [r["step"] for r in read_tensor_stats(monitor._path)]
     assert steps == [0, 2]
+
+
+@pytest.mark.parametrize("hook", ["before_optimizer_step", "micro_batch_start"])
+def test_a_callback_disabled_on_an_activation_step_leaves_no_hooks(
+    tmp_path: Path, monkeypatch, hook: str
+) -> None:
+    # One process: a hook that raises disables the callback, and then none of its later hooks
+    # runs (step_end, run_end). The forward and gradient hooks it had installed for the step
+    # must go at once, or they keep measuring (and holding tensor hooks) on every later
+    # forward and stay on the model after the run.
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TensorStatsMonitor(kernel="eager")
+    target = "_trainable_parameters" if hook == "before_optimizer_step" else "_install"
+    original = getattr(monitor, target)
+    calls = {"n": 0}
+
+    def failing(ctx):
+        calls["n"] += 1
+        if hook == "before_optimizer_step" or calls["n"] == 2:  # at step 1's first micro-batch
+            if hook == "micro_batch_start":
+                original(ctx)  # installed, then something after the install raised
+            raise RuntimeError("simulated")
+        return original(ctx)
+
+    monkeypatch.setattr(monitor, target, failing)
+    base_forward = sum(len(m._forward_hooks) for m in model.modules())
+    counts = []
+    with (
+        pytest.warns(RuntimeWarning, match="disabled for the rest of the run"),
+        Vitals([monitor], writer=Recorder(), run_dir=tmp_path, log_every_n_steps=1) as vitals,
+    ):
+        vitals.attach(model, opt)
+        for ids in batches(3):
+            vitals.batch(ids)
+            model(ids).logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            counts.append(sum(len(m._forward_hooks) for m in model.modules()) - base_forward)
+    assert monitor._disabled
+    assert counts == [0, 0, 0]
+    assert monitor._handles == [] and monitor._deferred == [] and monitor._acc == {}

@@ -98,7 +98,9 @@ class TensorStatsMonitor(VitalsCallback):
     * ``step_end``: hooks are removed; the micro-batches of the step are merged exactly; the
       moments are combined over ranks (below); rank 0 appends one JSONL line per kind to
       ``<run_dir>/tensor_stats.jsonl`` and writes scalar summaries.
-    * ``exception_raised``: hooks are removed, so a raising step leaves nothing behind.
+    * ``exception_raised``: hooks are removed, so a raising step leaves nothing behind; so
+      they are when one of this callback's own hooks raised and the guard disabled it (one
+      process), since its ``step_end`` and ``run_end`` then no longer run.
 
     Hooks exist only during an activation logging step; other steps run no code of this class
     beyond two integer comparisons, and nothing leaves the device on them. The hooks keep
@@ -368,6 +370,15 @@ class TensorStatsMonitor(VitalsCallback):
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._remove_hooks()
         self._pending, self._acc = {}, {}
+
+    def _dispatch(self, hook: str, ctx: RunContext, *args: Any) -> None:
+        super()._dispatch(hook, ctx, *args)
+        if self._disabled and (self._handles or self._pending or self._acc):
+            # The guard disabled this callback (a hook raised, one process): none of its later
+            # hooks runs, step_end and run_end included, so the forward and gradient hooks of
+            # this step would stay on the model, measuring and holding tensors, for good.
+            self._remove_hooks()
+            self._pending, self._acc = {}, {}
 
     def run_end(self, ctx: RunContext) -> None:
         self._remove_hooks()
