@@ -587,3 +587,38 @@ def test_activation_sites_are_grouped_by_their_layer(tmp_path: Path) -> None:
             pooled,
             ["mean", "std", "rms", "skewness", "kurtosis"],
         )
+
+
+def test_the_pages_step_span_is_that_of_the_steps_shown(tmp_path: Path) -> None:
+    """The header's "steps A to B" is the span of what the page shows: with --steps, the
+    tensor records kept (not the whole file's span, as before when the run had no metrics),
+    and with metrics too, the span of both together."""
+    write_run(tmp_path, [0, 100, 150, 200, 900])
+    span = re.compile(r'<p class="meta">steps (\d+) to (\d+)[;,]')
+    assert span.search(render_report(tmp_path)).groups() == ("0", "900")
+    assert span.search(render_report(tmp_path, steps="100:200")).groups() == ("100", "200")
+    assert span.search(render_report(tmp_path, steps="120:")).groups() == ("150", "900")
+    with FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")]) as writer:
+        for step in (120, 130):
+            writer.add_scalars({"train/loss": 1.0}, step)
+    assert span.search(render_report(tmp_path, steps="100:200")).groups() == ("100", "200")
+    assert span.search(render_report(tmp_path, steps="125:140")).groups() == ("130", "130")
+
+
+def test_the_wall_time_in_the_header_is_that_of_the_steps_shown(tmp_path: Path) -> None:
+    """With --steps, "of wall time" spans the metric lines of those steps, not the whole
+    file (before: the run's whole wall time beside the span of the steps asked for)."""
+    times = {0: 1000.0, 100: 2000.0, 200: 6000.0, 300: 20000.0}  # Unix seconds
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, t in times.items():
+            f.write(json.dumps({"step": step, "time": t, "metrics": {"train/loss": 1.0}}) + "\n")
+    wall = re.compile(r"steps (\d+) to (\d+), ([0-9:]+) of wall time;")
+
+    def header(**options: object) -> tuple[str, ...]:
+        match = wall.search(render_report(tmp_path, **options))
+        assert match is not None
+        return match.groups()
+
+    assert header() == ("0", "300", "5:16:40")  # 19,000 s
+    assert header(steps="100:200") == ("100", "200", "1:06:40")  # 4,000 s
+    assert header(steps=":100") == ("0", "100", "0:16:40")  # 1,000 s

@@ -750,21 +750,21 @@ def render_report(
             times = source.times
             sources.append(html.escape(source.description))
         kinds = {kind: _KindStats(kind) for kind in KINDS}
-        tensor_steps: list[int] = []  # the first and last step of the file (any kind, any step)
+        tensor_steps: list[int] = []  # the first and last step of the records shown
         if stats_path.exists():
             lines = 0
             for rec in read_tensor_stats(stats_path):
                 lines += 1
                 step = int(rec["step"])
-                tensor_steps = (
-                    [min(tensor_steps[0], step), max(tensor_steps[1], step)]
-                    if tensor_steps
-                    else [step, step]
-                )
                 ks = kinds.get(rec.get("kind"))  # type: ignore[arg-type]
                 in_range = (first is None or step >= first) and (last is None or step <= last)
                 if ks is not None and in_range:
                     ks.add(step, rec)
+                    tensor_steps = (
+                        [min(tensor_steps[0], step), max(tensor_steps[1], step)]
+                        if tensor_steps
+                        else [step, step]
+                    )
             sources.append(f"{html.escape(str(stats_path))} ({lines} lines)")
 
         load_nav, load_html = _expert_load_section(series)
@@ -792,9 +792,9 @@ def render_report(
     else:
         att_html = '<p class="ok">No metric and no tensor was ever NaN or infinite.</p>'
 
-    ends = [s for ser in series.values() for s in (ser.points.steps[0], ser.points.steps[-1])] or (
-        tensor_steps
-    )
+    # the span of what the page shows: the metrics and the tensor records within --steps
+    ends = [s for ser in series.values() for s in (ser.points.steps[0], ser.points.steps[-1])]
+    ends += tensor_steps
     span = f"steps {min(ends)} to {max(ends)}" if ends else ""
     if len(times) > 1:
         span += f", {(_dt.timedelta(seconds=round(max(times) - min(times))))} of wall time"

@@ -73,8 +73,8 @@ class StepValues:
 @dataclass
 class MetricsSource:
     """The scalars of a run: ``values[key]``, the :class:`StepValues` of each key (finished:
-    in step order, one value per step), the wall times seen (Unix seconds, for the run's span)
-    and a line saying where they came from."""
+    in step order, one value per step), the wall times of the steps kept (Unix seconds, for the
+    span shown) and a line saying where they came from."""
 
     values: dict[str, StepValues] = field(default_factory=dict)
     times: list[float] = field(default_factory=list)
@@ -100,8 +100,11 @@ def load_metrics(
     file or a folder of them), keeping the keys ``keep`` accepts and ``first <= step <= last``."""
     src = MetricsSource()
 
+    def shown(step: int) -> bool:
+        return (first is None or step >= first) and (last is None or step <= last)
+
     def add(key: str, step: int, value: float) -> None:
-        if (first is not None and step < first) or (last is not None and step > last):
+        if not shown(step):
             return
         points = src.values.get(key)
         if points is None:
@@ -116,7 +119,8 @@ def load_metrics(
             raise FileNotFoundError(f"no TensorBoard event files under {path}")
         for step, key, value, wall in _tensorboard_scalars(files):
             add(key, step, value)
-            src.times.append(wall)
+            if shown(step):  # (the wall time of the steps shown, as the span beside it)
+                src.times.append(wall)
         src.description = f"{path} ({len(files)} TensorBoard event file(s), float32 values)"
     elif path.suffix == ".csv":
         rows = 0
@@ -129,7 +133,8 @@ def load_metrics(
         for rec in iter_jsonl(path):  # one record at a time: memory holds the kept values only
             for key, value in rec["metrics"].items():
                 add(key, rec["step"], value)
-            src.times.append(rec["time"])
+            if shown(rec["step"]):
+                src.times.append(rec["time"])
             lines += 1
         src.description = f"{path} ({lines} lines)"
     for points in src.values.values():
