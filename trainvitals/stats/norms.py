@@ -33,7 +33,9 @@ No I/O, no framework imports; collectives only through :mod:`trainvitals.distrib
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +46,7 @@ from trainvitals.distributed import (
     local_tensor,
     partial_groups,
     shard_groups,
+    unique_by_identity,
 )
 
 __all__ = [
@@ -161,11 +164,23 @@ def local_sq_norms(
     A ``Partial`` DTensor's logical value is the sum of its local tensors, whose squares do not
     sum: such tensors are first summed elementwise over their partial groups (one collective per
     distinct group, only when some tensor is ``Partial``; every rank has the same placements).
+    A rank-local failure before those collectives (out of memory) still joins them, with a
+    flag, and raises after them: no rank is left waiting, and on the other ranks the
+    ``Partial`` tensors' entries are ``-inf`` ("not measured": their values lack a part).
     """
-    locals_: list[torch.Tensor | None] = [
-        None if t is None else _real_view(local_tensor(t)) for t in tensors
-    ]
-    _resolve_partials(tensors, locals_)
+    partials = _partial_plan(tensors)  # host metadata only; the same on every rank
+    failure: Exception | None = None
+    try:
+        locals_: list[torch.Tensor | None] = [
+            None if t is None else _real_view(local_tensor(t)) for t in tensors
+        ]
+    except Exception as exc:
+        # Rank-local (say, out of memory): this rank still joins the Partial collectives,
+        # with a "failed" flag, and raises after them, so that no rank waits in them.
+        failure, locals_ = exc, []
+    unmeasured = _resolve_partials(tensors, partials, locals_, failed=failure is not None)
+    if failure is not None:
+        raise failure
     locals_ = [None if t is None else _real_view(stored_values(t)) for t in locals_]
     if device is None:
         device = next((t.device for t in locals_ if t is not None), torch.device("cpu"))
@@ -182,6 +197,12 @@ def local_sq_norms(
             norms = torch._foreach_norm(group, 2, dtype=torch.float64)  # type: ignore[arg-type]
             sq = torch.stack(norms).square()
         out.index_copy_(0, torch.tensor(idx, device=device), sq.to(device))
+    for idx, flag in unmeasured:
+        # a Partial tensor some rank could not contribute to: "not measured" (-inf), which is
+        # what that rank's caller reports for all of its tensors
+        index = torch.tensor(idx, device=device)
+        marked = torch.where(flag.to(device) > 0, -math.inf, out.index_select(0, index))
+        out.index_copy_(0, index, marked)
     return out
 
 
@@ -211,11 +232,19 @@ def _real_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _resolve_partials(
-    tensors: Sequence[torch.Tensor | None], locals_: list[torch.Tensor | None]
-) -> None:
-    items = []
-    where = []
+@dataclass
+class _PartialItem:
+    index: int  # position in the tensors
+    groups: tuple[Any, ...]  # its Partial mesh dims' groups
+    average: bool  # reduce_op "avg": the logical value is the mean of the local tensors
+    numel: int  # elements of its real view
+
+
+def _partial_plan(tensors: Sequence[torch.Tensor | None]) -> list[_PartialItem]:
+    """The ``Partial`` DTensors among ``tensors``, from host metadata only (placements, local
+    shapes): nothing here allocates, so every rank gets the same plan, and an unsupported
+    ``reduce_op`` raises on every rank before any collective."""
+    plan = []
     for i, t in enumerate(tensors):
         groups = () if t is None else partial_groups(t)
         if not groups:
@@ -223,16 +252,65 @@ def _resolve_partials(
         ops = {str(getattr(p, "reduce_op", "sum")) for p in t.placements if p.is_partial()}
         if not ops <= {"sum", "avg"}:
             raise ValueError(f"cannot take the norm of a Partial DTensor with reduce_op {ops}")
-        items.append((locals_[i], groups))
-        where.append((i, ops))
-    if not items:
-        return
-    reduced = all_reduce_by_groups(items, "sum", dtype=torch.float64)
-    for (i, ops), value, (_, groups) in zip(where, reduced, items, strict=True):
-        if "avg" in ops:
-            for g in groups:
+        local = local_tensor(t)
+        numel = local.numel() * (2 if local.is_complex() else 1)
+        plan.append(_PartialItem(i, groups, "avg" in ops, numel))
+    return plan
+
+
+def _resolve_partials(
+    tensors: Sequence[torch.Tensor | None],
+    plan: list[_PartialItem],
+    locals_: list[torch.Tensor | None],
+    *,
+    failed: bool,
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Replace each ``Partial`` local tensor in ``locals_`` by its logical value (the sum, or
+    mean, over its partial groups), one collective per distinct group.
+
+    Every rank issues the same collectives whatever fails on it: a rank that could not build
+    its inputs (``failed``, or an error here) sends zeros and a "failed" flag, one element
+    added to each group's collective. Returns, per pattern of groups, the positions of its
+    tensors and the summed flags (> 0: some rank failed, the values are incomplete), without
+    a host sync; the caller marks those tensors "not measured".
+    """
+    if not plan:
+        return []
+    device = local_tensor(tensors[plan[0].index]).device  # type: ignore[arg-type]
+    failure: Exception | None = None
+    values: list[torch.Tensor] = []
+    if not failed:
+        try:
+            values = [locals_[item.index].to(torch.float64) for item in plan]  # type: ignore[union-attr]
+        except Exception as exc:  # rank-local (out of memory): join the collectives below
+            failure, values = exc, []
+    broken = failed or failure is not None
+    if broken:
+        # (placeholders of the collective's size: should even they not fit, nothing is left
+        # to send and the other ranks wait, as before)
+        values = [torch.zeros(item.numel, dtype=torch.float64, device=device) for item in plan]
+    patterns: dict[tuple[int, ...], tuple[tuple[Any, ...], list[int]]] = {}
+    for k, item in enumerate(plan):
+        patterns.setdefault(tuple(id(g) for g in item.groups), (item.groups, []))[1].append(k)
+    groups = unique_by_identity(g for item in plan for g in item.groups)
+    flag = torch.full((1,), float(broken), dtype=torch.float64, device=device)
+    items = [(v, item.groups) for v, item in zip(values, plan, strict=True)]
+    reduced = all_reduce_by_groups(items + [(flag, (g,)) for g in groups], "sum")
+    if failure is not None:
+        raise failure
+    if broken:
+        return []  # the caller raises: all of this rank's values are "not measured"
+    flags = {id(g): f for g, f in zip(groups, reduced[len(plan) :], strict=True)}
+    for item, value in zip(plan, reduced[: len(plan)], strict=True):
+        if item.average:
+            for g in item.groups:
                 value = value / group_size(g)
-        locals_[i] = value
+        locals_[item.index] = value
+    unmeasured = []
+    for pattern, members in patterns.values():
+        failed_ranks = torch.stack([flags[id(g)] for g in pattern]).sum()
+        unmeasured.append(([plan[k].index for k in members], failed_ranks))
+    return unmeasured
 
 
 def _cpu_sq_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
