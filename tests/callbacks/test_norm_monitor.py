@@ -504,7 +504,8 @@ def test_state_dict_waits_for_flags_still_in_flight():
     params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
     monitor._tracked = [_Tracked(f"p{i}", p, ()) for i, p in enumerate(params)]
     flags = torch.tensor([False, True, True])
-    monitor._pending = _PendingFlags(7, flags, InFlight())
+    names = [t.name for t in monitor._tracked]
+    monitor._pending = _PendingFlags(7, names, flags, InFlight())
     monitor._report_pending(block=False)  # step_end: not arrived yet
     assert monitor.first_nonfinite_step is None
     with pytest.warns(RuntimeWarning, match="at step 7"):
@@ -597,3 +598,32 @@ def test_parameters_unfrozen_after_run_start_count_from_then_on():
         else:
             assert row["l2_norm/grad/up.weight"] == pytest.approx(refs[step, "up.weight"], rel=REL)
         assert ("l2_norm/grad/down.weight" in row) == (step < 3)
+
+
+def test_an_instance_reused_after_an_unsupported_layout_measures_the_next_run():
+    # The refusal belongs to the run whose model had the layout, not to the instance.
+    class FullyShardedDataParallel(nn.Module):  # stands for torch's FSDP1 wrapper (by name)
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self._fsdp_wrapped_module = module
+
+        def forward(self, ids):
+            return self._fsdp_wrapped_module(ids)
+
+    monitor = NormMonitor()
+    torch.manual_seed(0)
+    wrapped = FullyShardedDataParallel(TiedLM())
+    first = RecordingWriter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Vitals([monitor], writer=first, log_every_n_steps=1) as vitals:
+            vitals.attach(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1))
+            ids = _batches(1)[0]
+            vitals.batch(ids)
+            lm_loss(wrapped, ids).backward()
+            vitals.ctx.optimizers[0].step()
+        assert first.steps == {}
+        _, second, refs, _ = _run_driver(monitor, steps=2, interval=1)
+    assert sorted(second.steps) == [0, 1]
+    for step, row in second.steps.items():
+        assert row["l2_norm/grad/global"] == pytest.approx(refs[step][1], rel=REL)

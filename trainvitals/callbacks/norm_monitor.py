@@ -36,9 +36,23 @@ class _Tracked:
 
 
 @dataclass
+class _Part:
+    """The norms measured at one ``optimizer.step()``: of every tracked parameter, or, with
+    several optimizers stepped apart (Lightning's manual optimization), of the stepped one's."""
+
+    optimizer: int | None  # index in ctx.optimizers of the stepped optimizer (None: all at once)
+    tracked: list[_Tracked]
+    has_grad: list[bool]
+    owned: list[int]  # positions of the parameters that belong to ``optimizer``
+    selected: list[int]  # positions of the parameters reported one by one
+    sq: torch.Tensor  # float64 [param sums of squares..., grad sums of squares...], reduced
+
+
+@dataclass
 class _PendingFlags:
     step: int
-    flags: torch.Tensor  # bool per tracked parameter: its gradient holds NaN/Inf (host memory)
+    names: list[str]  # the gradients the flags stand for
+    flags: torch.Tensor  # bool per name: that gradient holds NaN/Inf (host memory)
     event: Any  # a CUDA event marking the end of the copy, or None when already on the host
 
 
@@ -57,6 +71,18 @@ class NormMonitor(VitalsCallback):
     step count (parameters frozen or unfrozen during training drop out or join).
     With pipeline parallelism (``groups.pp`` non-trivial) the totals are summed over the
     pipeline stages in one more collective; per-parameter keys then come from rank 0's stage.
+
+    Several optimizers under Lightning's manual optimization (a GAN stepping ``opt_g`` and
+    ``opt_d`` in one ``training_step``): the step is the batch, keyed by
+    ``trainer.global_step`` at its start (which counts every ``optimizer.step()``: 0, 2, 4, ...
+    with two optimizers, so the interval counts those steps too). Each optimizer's parameters
+    are measured right before its own ``step()`` (its gradients as it uses them, its weights
+    before its update; parameters in no optimizer with the first ``step()`` of the batch),
+    each parameter once per step, and the step's keys are written once, after the batch: the
+    ``global`` norms over the optimizers stepped in it, and per optimizer the
+    ``optimizer_<i>`` keys (``i``: its index in ``trainer.optimizers``). With one optimizer,
+    and in the driver (where the first attached optimizer defines the step and all gradients
+    are measured at once), no ``optimizer_<i>`` keys are written.
 
     Args:
         per_param: globs (``fnmatch``, matched against canonical parameter names such as
@@ -78,6 +104,8 @@ class NormMonitor(VitalsCallback):
     ``l2_norm/grad/nonfinite_count``  number of gradient tensors holding a NaN or an Inf           count
     ``l2_norm/grad/<name>``           L2 norm of one parameter's gradient (``per_param`` only)     value
     ``l2_norm/param/<name>``          L2 norm of one parameter (``per_param_kinds`` has "param")   value
+    ``l2_norm/grad/optimizer_<i>``    L2 norm of the gradients of optimizer ``i``'s parameters     value
+    ``l2_norm/param/optimizer_<i>``   L2 norm of optimizer ``i``'s parameters                      value
     ================================  ===========================================================  ======
 
     "value": the unit of the tensor's elements (an L2 norm has the unit of what it measures).
@@ -129,9 +157,15 @@ class NormMonitor(VitalsCallback):
         self._named: list[tuple[str, torch.nn.Parameter]] = []  # every parameter, frozen too
         self._trainable: tuple[bool, ...] | None = None  # requires_grad of each, at last look
         self._tracked: list[_Tracked] = []
-        self._selected: list[int] = []
+        self._selected_names: list[str] = []
         self._unsupported = False
         self._pending: _PendingFlags | None = None
+        # Lightning's manual optimization with several optimizers: the optimizer being stepped,
+        # and the parts of the step measured so far (written at step_end)
+        self._stepping: Any = None
+        self._parts: list[_Part] = []
+        self._parts_step: int | None = None
+        self._measured: set[int] = set()  # ids of the parameters measured in that step
         # state kept across checkpoints
         self.first_nonfinite_step: int | None = None
         self.first_nonfinite_names: list[str] = []
@@ -144,81 +178,87 @@ class NormMonitor(VitalsCallback):
         matching no parameter raises here, before any collective."""
         if ctx.model is None:
             raise ValueError("NormMonitor needs the model: attach it (vitals.attach(model, opt))")
+        # An instance reused for another run: what it found in the last run's model is stale
+        # (a layout refused there must not silence this run). Its flags are that run's.
+        self._report_pending(block=True)
+        self._unsupported = False
+        self._named, self._tracked, self._selected_names, self._trainable = [], [], [], None
+        self._parts, self._parts_step, self._measured = [], None, set()
         model = unwrap_model(ctx.model)
         unsupported = _unsupported_layout(model, ctx)
         if unsupported:
             # Their parameters are plain tensors holding flat shards: a norm would be wrong.
             self.warn_once("layout", f"{unsupported} is not supported; no norms are written")
-            self._tracked = []
             self._unsupported = True
             return
         self._named = [
             (canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)
         ]
         self._check_globs(ctx)
-        self._trainable = None
         self._track_trainable()
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
         """On logging steps: norms of the parameters and of the complete gradients."""
+        stepping, self._stepping = self._stepping, None
         if not self.should_log(ctx) or self._unsupported:
             return
-        pipeline = group_size(ctx.groups.pp) > 1
-        # The pending flags index the tracked list: name them before it may change.
+        # The flags of the last logging step are reported before this step's replace them.
         self._report_pending(block=True)
         self._track_trainable()
-        if not self._tracked and not pipeline:
+        if stepping is None or len(ctx.optimizers) < 2:
+            # One optimizer, or the driver (the first attached optimizer defines the step):
+            # every gradient at once, written now.
+            part = self._measure(ctx, None, self._tracked, set())
+            self._write(ctx, [part], ctx.step)
             return
-        # A pipeline stage without trainable parameters (a frozen stage) still takes part in
-        # the totals' collective over the stages, with zeros: skipping it would leave the other
-        # stages waiting in that all-reduce.
-        tracked = self._tracked
-        n = len(tracked)
-        grads = [t.param.grad for t in tracked]
-        if tracked and all(g is None for g in grads):
-            self.warn_once("no-grads", "no parameter has a gradient at a logging step")
-        tensors = [t.param for t in tracked] + grads
-        try:
-            sq = local_sq_norms(tensors)
-        except Exception as exc:
-            # Rank-local (say, out of memory): raising would skip this rank's collectives
-            # below and leave the other ranks waiting. -inf marks "not measured" (a sum of
-            # squares is never negative): it goes through the sums, its norm is NaN and it
-            # is not counted as a non-finite gradient.
-            self.tolerate_failure(
-                "norm-failure", "computing the norms", exc, "this logging step's norms are NaN"
-            )
-            device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
-            sq = torch.full((len(tensors),), -math.inf, dtype=torch.float64, device=device)
-        groups = [t.groups for t in tracked] + [
-            t.groups if g is None else sharding_groups(g)
-            for t, g in zip(tracked, grads, strict=True)
+        # Several optimizers stepped apart: this optimizer's parameters (and, at the step's
+        # first optimizer.step(), those of no optimizer), each measured once per step; the
+        # step's keys are written at step_end, once every optimizer of the batch has stepped.
+        if self._parts_step != ctx.step:
+            self._parts, self._parts_step, self._measured = [], ctx.step, set()
+        index = next((i for i, o in enumerate(ctx.optimizers) if o is stepping), None)
+        owned = {id(p) for group in stepping.param_groups for p in group["params"]}
+        if not self._parts:
+            every = {id(p) for o in ctx.optimizers for g in o.param_groups for p in g["params"]}
+            owned_or_none = owned | {id(t.param) for t in self._tracked if id(t.param) not in every}
+        else:
+            owned_or_none = owned
+        tracked = [
+            t
+            for t in self._tracked
+            if id(t.param) in owned_or_none and id(t.param) not in self._measured
         ]
-        sq = reduce_sq_norms(sq, groups)
-        param_sq, grad_sq = sq[:n], sq[n:]
-        bad = torch.isnan(grad_sq) | (grad_sq == math.inf)
-        totals = torch.stack([param_sq.sum(), grad_sq.sum(), bad.sum().to(sq.dtype)])
-        if pipeline:
-            totals = all_reduce_coalesced([totals], "sum", ctx.groups.pp)[0]
-        values: dict[str, Any] = {
-            "l2_norm/param/global": totals[0].sqrt(),
-            "l2_norm/grad/global": totals[1].sqrt(),
-            "l2_norm/grad/nonfinite_count": totals[2],
-        }
-        norms = sq.sqrt() if self._selected else sq
-        for i in self._selected:
-            name = tracked[i].name
-            if "grad" in self.per_param_kinds and grads[i] is not None:
-                values[f"l2_norm/grad/{name}"] = norms[n + i]
-            if "param" in self.per_param_kinds:
-                values[f"l2_norm/param/{name}"] = norms[i]
-        self.write(ctx, values)
-        self._pending = _to_host(ctx.step, bad)
-        self._report_pending(block=False)
+        self._measured.update(id(t.param) for t in tracked)
+        self._parts.append(self._measure(ctx, index, tracked, owned))
 
     def step_end(self, ctx: RunContext) -> None:
-        """Name the non-finite gradients of the last logging step once their flags arrived."""
+        """Write the norms of a step whose optimizers were stepped apart; name the non-finite
+        gradients of the last logging step once their flags arrived."""
+        if self._parts:
+            parts, step = self._parts, self._parts_step
+            self._parts, self._parts_step, self._measured = [], None, set()
+            if step == ctx.step:  # (parts of a step that never ended are dropped)
+                self._write(ctx, parts, step)
         self._report_pending(block=False)
+
+    # Lightning passes the optimizer being stepped; the neutral hook does not.
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._stepping = optimizer
+        try:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        finally:
+            self._stepping = None
+
+    def collective_key(self, hook: str, ctx: RunContext) -> Any:
+        # Which optimizer steps decides which parameters (and so which collectives) a call
+        # measures; step_end reduces over pipeline stages only when it writes.
+        key = super().collective_key(hook, ctx)
+        if hook == "before_optimizer_step" and self._stepping is not None:
+            index = next((i for i, o in enumerate(ctx.optimizers) if o is self._stepping), None)
+            return (*key, index)
+        if hook == "step_end":
+            return (*key, bool(self._parts))
+        return key
 
     def run_end(self, ctx: RunContext) -> None:
         self._report_pending(block=True)
@@ -245,6 +285,99 @@ class NormMonitor(VitalsCallback):
 
     # ------------------------------------------------------------------ internals
 
+    def _measure(
+        self, ctx: RunContext, optimizer: int | None, tracked: list[_Tracked], owned: set[int]
+    ) -> _Part:
+        """Sums of squares of ``tracked``'s parameters and gradients, reduced over their shard
+        groups (every rank measures the same list: the collectives depend on it)."""
+        grads = [t.param.grad for t in tracked]
+        if tracked and all(g is None for g in grads):
+            self.warn_once("no-grads", "no parameter has a gradient at a logging step")
+        tensors = [t.param for t in tracked] + grads
+        try:
+            sq = local_sq_norms(tensors)
+        except Exception as exc:
+            # Rank-local (say, out of memory): raising would skip this rank's collectives
+            # below and leave the other ranks waiting. -inf marks "not measured" (a sum of
+            # squares is never negative): it goes through the sums, its norm is NaN and it
+            # is not counted as a non-finite gradient.
+            self.tolerate_failure(
+                "norm-failure", "computing the norms", exc, "this logging step's norms are NaN"
+            )
+            device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+            sq = torch.full((len(tensors),), -math.inf, dtype=torch.float64, device=device)
+        groups = [t.groups for t in tracked] + [
+            t.groups if g is None else sharding_groups(g)
+            for t, g in zip(tracked, grads, strict=True)
+        ]
+        selected = set(self._selected_names)
+        return _Part(
+            optimizer=optimizer,
+            tracked=tracked,
+            has_grad=[g is not None for g in grads],
+            owned=[i for i, t in enumerate(tracked) if id(t.param) in owned],
+            selected=[i for i, t in enumerate(tracked) if t.name in selected],
+            sq=reduce_sq_norms(sq, groups),
+        )
+
+    def _write(self, ctx: RunContext, parts: list[_Part], step: int) -> None:
+        """Write the step's norms from its parts (one, or one per optimizer stepped)."""
+        pipeline = group_size(ctx.groups.pp) > 1
+        # A pipeline stage without trainable parameters (a frozen stage) still takes part in
+        # the totals' collective over the stages, with zeros: skipping it would leave the other
+        # stages waiting in that all-reduce.
+        if not pipeline and not any(p.tracked for p in parts):
+            return
+        device = next((p.sq.device for p in parts if p.tracked), torch.device("cpu"))
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        param_sq = [p.sq[: len(p.tracked)] for p in parts]
+        grad_sq = [p.sq[len(p.tracked) :] for p in parts]
+        bad = [torch.isnan(g) | (g == math.inf) for g in grad_sq]
+        rows = [
+            sum((x.sum() for x in param_sq), zero),
+            sum((x.sum() for x in grad_sq), zero),
+            sum((b.sum() for b in bad), zero).to(torch.float64),
+        ]
+        by_optimizer: dict[int, list[int]] = {}  # optimizer index -> its rows (param, grad)
+        if len(parts) > 1 or parts[0].optimizer is not None:
+            for k, part in enumerate(parts):
+                if part.optimizer is None:
+                    continue
+                index = torch.tensor(part.owned, dtype=torch.long, device=part.sq.device)
+                owned = (param_sq[k].index_select(0, index), grad_sq[k].index_select(0, index))
+                if part.optimizer not in by_optimizer:
+                    by_optimizer[part.optimizer] = [len(rows), len(rows) + 1]
+                    rows += [zero, zero]
+                # (an optimizer stepped twice in the step: its parameters were measured at its
+                # first step(), the second part holds none of them)
+                i, j = by_optimizer[part.optimizer]
+                rows[i], rows[j] = rows[i] + owned[0].sum(), rows[j] + owned[1].sum()
+        totals = torch.stack([r.to(device) for r in rows])
+        if pipeline:
+            totals = all_reduce_coalesced([totals], "sum", ctx.groups.pp)[0]
+        values: dict[str, Any] = {
+            "l2_norm/param/global": totals[0].sqrt(),
+            "l2_norm/grad/global": totals[1].sqrt(),
+            "l2_norm/grad/nonfinite_count": totals[2],
+        }
+        for optimizer, (i, j) in sorted(by_optimizer.items()):
+            values[f"l2_norm/param/optimizer_{optimizer}"] = totals[i].sqrt()
+            values[f"l2_norm/grad/optimizer_{optimizer}"] = totals[j].sqrt()
+        for part in parts:
+            n = len(part.tracked)
+            norms = part.sq.sqrt() if part.selected else part.sq
+            for i in part.selected:
+                name = part.tracked[i].name
+                if "grad" in self.per_param_kinds and part.has_grad[i]:
+                    values[f"l2_norm/grad/{name}"] = norms[n + i]
+                if "param" in self.per_param_kinds:
+                    values[f"l2_norm/param/{name}"] = norms[i]
+        self.write(ctx, values, step)
+        names = [t.name for part in parts for t in part.tracked]
+        flags = torch.cat([b.to(device) for b in bad]) if bad else torch.zeros(0, dtype=torch.bool)
+        self._pending = _to_host(step, names, flags)
+        self._report_pending(block=False)
+
     def _track_trainable(self) -> None:
         """Track the parameters that require a gradient now (deduplicated) and select the
         per-parameter ones. Training can freeze or unfreeze parameters after run start (Lightning's
@@ -258,9 +391,9 @@ class NormMonitor(VitalsCallback):
         self._tracked = [
             _Tracked(name, p, sharding_groups(p)) for name, p in dedupe_named_tensors(named)
         ]
-        self._selected = [
-            i
-            for i, t in enumerate(self._tracked)
+        self._selected_names = [
+            t.name
+            for t in self._tracked
             if any(fnmatch.fnmatchcase(t.name, glob) for glob in self.per_param)
         ]
 
@@ -286,7 +419,7 @@ class NormMonitor(VitalsCallback):
                 return
             pending.event.synchronize()
         self._pending = None
-        bad = [self._tracked[i].name for i in pending.flags.nonzero().flatten().tolist()]
+        bad = [pending.names[i] for i in pending.flags.nonzero().flatten().tolist()]
         if not bad:
             return
         self.nonfinite_logging_steps += 1
@@ -334,12 +467,12 @@ def _globs(per_param: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(per_param)
 
 
-def _to_host(step: int, flags: torch.Tensor) -> _PendingFlags:
+def _to_host(step: int, names: list[str], flags: torch.Tensor) -> _PendingFlags:
     """Start copying the flags to the host without waiting (CUDA: pinned memory + event)."""
     if flags.device.type == "cuda":
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return _PendingFlags(step, host, event)
-    return _PendingFlags(step, flags.cpu(), None)
+        return _PendingFlags(step, names, host, event)
+    return _PendingFlags(step, names, flags.cpu(), None)
