@@ -242,3 +242,56 @@ def test_peak_rss_of_a_launched_worker_is_its_own_not_its_launchers():
     # The worker never held more than its imports (torch: ~0.25 GB) beyond its final RSS.
     assert launcher_peak >= readings["rss_gb"] + 0.75  # the test can tell them apart
     assert readings["rss_gb"] <= readings["peak_rss_gb"] <= readings["rss_gb"] + 0.5
+
+
+def test_snapshot_steps_under_manual_optimization_with_two_optimizers(fake_cuda, tmp_path):
+    # A GAN-style training_step steps two optimizers: every batch advances trainer.global_step
+    # by 2, and step_end comes once per batch. An odd snapshot step ends with its batch too.
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.a = torch.nn.Linear(3, 1)
+            self.b = torch.nn.Linear(3, 1)
+            self.dumped_at: dict[int, int] = {}  # global_step -> dumps before that step
+
+        def training_step(self, batch, batch_idx):
+            for opt, layer in zip(self.optimizers(), (self.a, self.b), strict=True):
+                self.dumped_at[self.trainer.global_step] = len(fake_cuda["dump"])
+                opt.zero_grad()
+                self.manual_backward(layer(batch[0]).pow(2).mean())
+                opt.step()
+
+        def configure_optimizers(self):
+            return (
+                torch.optim.SGD(self.a.parameters(), lr=0.1),
+                torch.optim.SGD(self.b.parameters(), lr=0.1),
+            )
+
+    module = TwoOptimizers()
+    data = torch.utils.data.TensorDataset(torch.randn(12, 3))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        log_every_n_steps=1,
+        callbacks=[
+            MemoryMonitor(snapshot_steps=[1, 2], snapshot_dir=tmp_path, writer=NullWriter())
+        ],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.warns(RuntimeWarning, match="without record_history"):
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    assert trainer.global_step == 6
+    assert fake_cuda["dump"] == [
+        str(tmp_path / "rank0_step1.pickle"),
+        str(tmp_path / "rank0_step2.pickle"),
+    ]
+    # each after the end of its step: step 1 ends with batch 0, step 2 with batch 1
+    assert module.dumped_at[2] == 1 and module.dumped_at[4] == 2

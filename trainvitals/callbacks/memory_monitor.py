@@ -40,7 +40,9 @@ class MemoryMonitor(VitalsCallback):
     as the model's weights, appear without a stack), and ``snapshot_steps`` dumps
     ``torch.cuda.memory._dump_snapshot`` at the end of those optimizer steps to
     ``<run_dir>/memory_snapshots/rank<r>_step<s>.pickle`` (open them at
-    https://pytorch.org/memory_viz). Recording stops at the end of the run. On a device without
+    https://pytorch.org/memory_viz); under Lightning's manual optimization with several
+    optimizers stepped per batch (each ``optimizer.step()`` is a step) a step's snapshot is
+    taken at the end of its batch. Recording stops at the end of the run. On a device without
     CUDA both are a no-op with one warning.
 
     Args:
@@ -167,8 +169,12 @@ class MemoryMonitor(VitalsCallback):
             self._recording = True
 
     def step_end(self, ctx: RunContext) -> None:
-        if self._cuda is not None and ctx.step in self.snapshot_steps:
-            self._dump_snapshot(ctx)
+        if self._cuda is not None and self.snapshot_steps:
+            # Under Lightning's manual optimization with several optimizers one step_end ends
+            # the steps ctx.step .. ctx.step + step_increment - 1 (one per optimizer.step()).
+            for step in range(ctx.step, ctx.step + ctx.step_increment):
+                if step in self.snapshot_steps:
+                    self._dump_snapshot(ctx, f"step{step}")
         if self.should_log(ctx):
             self.write(ctx, self._read_and_reduce())
 
@@ -178,7 +184,7 @@ class MemoryMonitor(VitalsCallback):
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         if self._cuda is not None and self._recording:
             # The state at the failure (often an OOM) is the most useful snapshot there is.
-            self._dump_snapshot(ctx, suffix="exception")
+            self._dump_snapshot(ctx, "exception")
         self._stop_recording()
 
     # ------------------------------------------------------------------ what it measures
@@ -214,7 +220,7 @@ class MemoryMonitor(VitalsCallback):
                 out[f"memory/{name}{suffix}"] = value
         return out
 
-    def _dump_snapshot(self, ctx: RunContext, suffix: str | None = None) -> None:
+    def _dump_snapshot(self, ctx: RunContext, suffix: str) -> None:
         if not self._recording:
             self.warn_once(
                 "nohistory",
@@ -223,8 +229,7 @@ class MemoryMonitor(VitalsCallback):
             )
         folder = self.snapshot_dir or Path(ctx.run_dir) / "memory_snapshots"
         folder.mkdir(parents=True, exist_ok=True)
-        tag = suffix or f"step{ctx.step}"
-        path = folder / f"rank{ctx.global_rank}_{tag}.pickle"
+        path = folder / f"rank{ctx.global_rank}_{suffix}.pickle"
         torch.cuda.memory._dump_snapshot(str(path))
         self.snapshots.append(path)
 
