@@ -312,6 +312,19 @@ class VitalsCallback:
             RuntimeWarning,
             stacklevel=2,
         )
+        try:
+            self.release(ctx)
+        except Exception as exc:  # what it could not release stays; the run goes on
+            self._warn_first(
+                "guard:release",
+                f"trainvitals: {type(self).__name__}.release raised {type(exc).__name__}: {exc}",
+            )
+
+    def release(self, ctx: RunContext) -> None:
+        """Called once when the guard disables this callback (one process, a hook raised):
+        none of its later hooks runs, ``step_end`` and ``run_end`` included, so a callback that
+        installs hooks on the model or holds tensors between its hooks removes and drops them
+        here. A later run re-enables the callback and starts with ``run_start`` as usual."""
 
     def _start_new_run(self, ctx: RunContext) -> None:
         """A new run (a new ``trainer.fit``, a retried fit, a new driver) starts: what the

@@ -371,14 +371,11 @@ class TensorStatsMonitor(VitalsCallback):
         self._remove_hooks()
         self._pending, self._acc = {}, {}
 
-    def _dispatch(self, hook: str, ctx: RunContext, *args: Any) -> None:
-        super()._dispatch(hook, ctx, *args)
-        if self._disabled and (self._handles or self._pending or self._acc):
-            # The guard disabled this callback (a hook raised, one process): none of its later
-            # hooks runs, step_end and run_end included, so the forward and gradient hooks of
-            # this step would stay on the model, measuring and holding tensors, for good.
-            self._remove_hooks()
-            self._pending, self._acc = {}, {}
+    def release(self, ctx: RunContext) -> None:
+        # Disabled by the guard: step_end and run_end no longer run, so the forward and
+        # gradient hooks of this step would stay on the model, measuring and holding tensors.
+        self._remove_hooks()
+        self._pending, self._acc = {}, {}
 
     def run_end(self, ctx: RunContext) -> None:
         self._remove_hooks()
