@@ -102,6 +102,17 @@ class TensorStatsMonitor(VitalsCallback):
       they are when one of this callback's own hooks raised and the guard disabled it (one
       process), since its ``step_end`` and ``run_end`` then no longer run.
 
+    Several optimizers under Lightning's manual optimization (a GAN stepping ``opt_g`` and
+    ``opt_d`` in one ``training_step``, with or without ``toggle_optimizer``): the step is the
+    batch, keyed by ``trainer.global_step`` at its start (which counts every
+    ``optimizer.step()``: 0, 2, 4, ... with two optimizers, so the intervals count those steps
+    too). Each optimizer's parameters are measured right before its own ``step()`` (its
+    gradients as it uses them, its weights before its update; trainable parameters in no
+    optimizer with the batch's first ``step()``), each parameter once per step, and the step's
+    ``param`` and ``grad`` records hold every parameter once. With one optimizer, and in the
+    driver (where the first attached optimizer defines the step), every parameter is measured
+    at once, as above.
+
     Hooks exist only during an activation logging step; other steps run no code of this class
     beyond two integer comparisons, and nothing leaves the device on them. The hooks keep
     references and reduce 8 tensors at a time (warm caches); a tensor changed in place before
@@ -281,6 +292,12 @@ class TensorStatsMonitor(VitalsCallback):
         # reentrant checkpoint hides (their no_grad forwards, e.g. generation, re-run nothing)
         self._held_back: dict[int, int] = {}
         self._grad_sites: set[int] = set()
+        # Lightning's manual optimization with several optimizers: the optimizer being stepped
+        # (set by on_before_optimizer_step around the neutral hook), the step whose param/grad
+        # parts are being collected, and the ids of the parameters measured in it
+        self._stepping: Any = None
+        self._parts_step: int | None = None
+        self._measured: set[int] = set()
 
     # ------------------------------------------------------------------ intervals
 
@@ -295,8 +312,13 @@ class TensorStatsMonitor(VitalsCallback):
 
     def collective_key(self, hook: str, ctx: RunContext) -> Hashable:
         # two intervals: which kinds are due (and, at step end, collected) decide the
-        # collectives of a hook
-        return (hook, self._param_step(ctx), bool(self._handles), tuple(self._pending))
+        # collectives of a hook; with several optimizers stepped apart, also which optimizer
+        # steps and whether it is the step's first (which parameters a call measures)
+        key = (hook, self._param_step(ctx), bool(self._handles), tuple(self._pending))
+        if hook == "before_optimizer_step" and self._several_stepped_apart(ctx):
+            first = self._parts_step != ctx.step
+            return (*key, _index_of(ctx.optimizers, self._stepping), first)
+        return key
 
     # ------------------------------------------------------------------ hooks
 
@@ -313,6 +335,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._ep_info = self._expert_offsets(ctx, [n for n, _ in model.named_parameters()])
         self._names = {}
         self._params = None
+        self._parts_step, self._measured = None, set()
         self._sites, self._site_expert = [], []
         every_site = [
             self._global_name(f"{name}/{suffix}")
@@ -344,12 +367,33 @@ class TensorStatsMonitor(VitalsCallback):
         if not self._param_step(ctx):
             return
         named = self._trainable_parameters(ctx)
+        several = self._several_stepped_apart(ctx)
+        if several:
+            named = self._stepped_part(ctx, named)
         wanted: dict[str, list[tuple[str, torch.Tensor]]] = {}
         if "param" in self.kinds:
             wanted["param"] = named
         if "grad" in self.kinds:
             wanted["grad"] = [(n, p.grad) for n, p in named if p.grad is not None]
-        self._pending.update(self._local_kinds(wanted))
+        measured = self._local_kinds(wanted)
+        if not several:
+            # One optimizer, or the driver (the first attached optimizer defines the step):
+            # every parameter at once.
+            self._pending.update(measured)
+            return
+        # Several optimizers stepped apart: this part joins the step's earlier ones (each
+        # parameter is in one part only, so their moments concatenate).
+        for kind, part in measured.items():
+            earlier = self._pending.get(kind)
+            self._pending[kind] = part if earlier is None else _concat_kinds(earlier, part)
+
+    # Lightning passes the optimizer being stepped; the neutral hook does not.
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._stepping = optimizer
+        try:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        finally:
+            self._stepping = None
 
     def step_end(self, ctx: RunContext) -> None:
         if self._handles:
@@ -362,6 +406,7 @@ class TensorStatsMonitor(VitalsCallback):
             for kind in ("activation", "dgrad"):
                 if kind in self.kinds:
                     self._pending[kind] = self._merged_sites(ctx, kind)
+        self._parts_step, self._measured = None, set()
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
@@ -370,16 +415,19 @@ class TensorStatsMonitor(VitalsCallback):
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._remove_hooks()
         self._pending, self._acc = {}, {}
+        self._parts_step, self._measured = None, set()
 
     def release(self, ctx: RunContext) -> None:
         # Disabled by the guard: step_end and run_end no longer run, so the forward and
         # gradient hooks of this step would stay on the model, measuring and holding tensors.
         self._remove_hooks()
         self._pending, self._acc = {}, {}
+        self._parts_step, self._measured = None, set()
 
     def run_end(self, ctx: RunContext) -> None:
         self._remove_hooks()
         self._pending, self._acc = {}, {}
+        self._parts_step, self._measured = None, set()
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": SCHEMA_VERSION, "logged_steps": dict(self._logged_steps)}
@@ -409,6 +457,34 @@ class TensorStatsMonitor(VitalsCallback):
             named = dedupe_named_tensors((canonical_name(n), p) for n, p in raw)
             self._params = (key, [(n, p) for n, p in named if p.requires_grad])
         return self._params[1]
+
+    def _several_stepped_apart(self, ctx: RunContext) -> bool:
+        """Lightning's manual optimization with several optimizers: ``before_optimizer_step``
+        runs once per ``optimizer.step()`` of the batch (the driver never sets ``_stepping``)."""
+        return self._stepping is not None and len(ctx.optimizers) > 1
+
+    def _stepped_part(self, ctx: RunContext, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """The parameters measured at this ``optimizer.step()``: the stepping optimizer's
+        (its gradients as it uses them, its weights before its update), and at the step's first
+        ``step()`` also those of no optimizer; each parameter once per step (an optimizer
+        stepped twice in a batch is measured at its first ``step()``)."""
+        if self._parts_step != ctx.step:
+            # (param/grad parts of a step that never ended are dropped)
+            for kind in ("param", "grad"):
+                self._pending.pop(kind, None)
+            self._parts_step, self._measured = ctx.step, set()
+            first = True
+        else:
+            first = False
+        owned = {id(p) for group in self._stepping.param_groups for p in group["params"]}
+        if first:
+            every = {
+                id(p) for o in ctx.optimizers for group in o.param_groups for p in group["params"]
+            }
+            owned |= {id(p) for _, p in named if id(p) not in every}
+        part = [(n, p) for n, p in named if id(p) in owned and id(p) not in self._measured]
+        self._measured.update(id(p) for _, p in part)
+        return part
 
     def _local_kinds(self, wanted: dict[str, list[tuple[str, torch.Tensor]]]) -> dict[str, _Kind]:
         """Local moments of each kind's (name, tensor) pairs. All kinds go through one
@@ -964,6 +1040,23 @@ def _sum_partials(tensors: list[torch.Tensor], locals_: list[torch.Tensor]) -> N
         reduced = all_reduce_by_groups(items, "sum", dtype=torch.float64)
         for i, value in zip(where, reduced, strict=True):
             locals_[i] = value
+
+
+def _index_of(optimizers: Sequence[Any], optimizer: Any) -> int | None:
+    return next((i for i, o in enumerate(optimizers) if o is optimizer), None)
+
+
+def _concat_kinds(first: _Kind, second: _Kind) -> _Kind:
+    """One kind's moments of two disjoint sets of tensors (measured at two optimizer steps)."""
+    # on the tensors' device: an empty part's moments sit on the CPU, where a collective of
+    # the merge (NCCL) could not take them
+    device = (first.moments if first.names else second.moments).device
+    return _Kind(
+        names=first.names + second.names,
+        moments=torch.cat([first.moments.to(device), second.moments.to(device)]),
+        groups=first.groups + second.groups,
+        expert=first.expert + second.expert,
+    )
 
 
 def _merge_over_groups(kinds: list[_Kind]) -> None:
