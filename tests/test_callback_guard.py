@@ -297,3 +297,65 @@ def test_a_failing_batch_size_fn_leaves_that_count_out_and_training_goes_on(monk
     monitor = RuntimeMonitor(log_every_n_steps=1, batch_size_fn=_raising_batch_size_fn)
     with pytest.raises(AttributeError), Vitals([monitor], writer=Recorder()) as vitals:
         _train(vitals, 1)
+
+
+class FailingWriter(Recorder):
+    """A writer that raises (a backend the callback cannot write to), as a bug at a logging
+    step would."""
+
+    def add_scalars(self, mapping, step):
+        raise OSError("disk full")
+
+
+def _router_hooks(model: torch.nn.Module) -> int:
+    """Forward (pre-)hooks on the model's routers (the driver has one of its own on the model
+    during the run)."""
+    from trainvitals.moe import TopKRouter
+
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in routers)
+
+
+def _all_hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_a_disabled_load_balance_monitor_leaves_no_router_hook(monkeypatch):
+    from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
+    from trainvitals.moe import TinyMoELM
+
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+    torch.manual_seed(0)
+    model = TinyMoELM(
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=2,
+        num_experts=4,
+        top_k=2,
+        ffn_hidden_size=8,
+        num_heads=2,
+        max_seq_len=8,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    without_monitor = _router_hooks(model)
+    without_vitals = _all_hooks(model)
+    monitor = LoadBalanceMonitor(log_every_n_steps=2, writer=FailingWriter())
+    hooks_seen = []
+    with (
+        pytest.warns(RuntimeWarning, match="disabled for the rest of the run"),
+        Vitals([monitor], writer=Recorder()) as vitals,
+    ):
+        vitals.attach(model, optimizer)
+        for _ in range(3):  # step 0 logs and fails; steps 1 and 2 run without the monitor
+            ids = torch.randint(0, 32, (2, 8))
+            vitals.batch(ids)
+            model(ids, ids).loss.backward()
+            hooks_seen.append(_router_hooks(model) - without_monitor)
+            optimizer.step()
+            optimizer.zero_grad()
+    # the capture's hooks were on the routers while the monitor ran (2 routers, at least one
+    # hook each), and went with it: none at the steps after the failure nor after the run
+    assert hooks_seen[0] >= 2
+    assert hooks_seen[1:] == [0, 0]
+    assert _all_hooks(model) == without_vitals
+    assert monitor.capture is None  # its counts on the device are dropped too

@@ -46,12 +46,19 @@ written; modules' forward/gradient hooks installed by a callback run outside thi
 catch their own failures. Set ``TRAINVITALS_STRICT=1`` (the
 test suite does) to re-raise. Configuration errors (``ValueError``/``TypeError``) are raised at
 construction or at run start, on every rank, before any collective.
+
+``state_dict``/``load_state_dict`` are guarded too (every subclass's own definition is wrapped
+when the class is made), since checkpointing calls them outside the hooks: a failing
+``state_dict`` is warned and returns a marker state in place of the callback's, which a later
+``load_state_dict`` skips with a warning; a failing ``load_state_dict`` is warned and the
+callback goes on from its state before the restore. The guard issues no collective.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
@@ -149,11 +156,27 @@ class VitalsCallback:
     def run_end(self, ctx: RunContext) -> None:
         """Training ended."""
 
+    # Subclasses override these as usual; VitalsCallback.__init_subclass__ puts each class's own
+    # definition under the checkpoint guard (_guard_state_dict, _guard_load_state_dict).
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Lightning (trainer.save_checkpoint, ModelCheckpoint, fit(ckpt_path=)) and the driver
+        # (Vitals.state_dict, accelerator.save_state/load_state) call these two directly, outside
+        # _dispatch: each subclass's own definition is wrapped here, so every callback, the
+        # user's too, keeps its public methods and gets the guard.
+        for name, guard in (
+            ("state_dict", _guard_state_dict),
+            ("load_state_dict", _guard_load_state_dict),
+        ):
+            method = vars(cls).get(name)
+            if inspect.isfunction(method) and not hasattr(method, _GUARDED):
+                setattr(cls, name, guard(method))
 
     # ------------------------------------------------------------------ helpers for subclasses
 
@@ -557,6 +580,106 @@ class VitalsCallback:
 
 def _noop(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+# ---------------------------------------------------------------------- the checkpoint guard
+
+# Key of the marker state a failed state_dict() returns (plain str data: it survives deepcopy,
+# torch.save and torch.load(weights_only=True)); load_state_dict() recognises and skips it.
+STATE_FAILED_KEY = "trainvitals_state_dict_failed"
+# set on the wrapped functions (not wrapped twice); and, on an instance, while its outermost
+# guarded call runs: a super().state_dict() inside it is part of that call and fails with it
+_GUARDED = "_trainvitals_state_guard"
+
+
+def _guard_state_dict(method: Callable[[Any], dict[str, Any]]) -> Callable[[Any], dict[str, Any]]:
+    """``state_dict`` that never ends the run (checkpoints are saved on every rank, outside
+    the hook guard): a failure is warned (once per run) and returns the marker state instead.
+
+    It issues no collective of its own. ThroughputMonitor's and RuntimeMonitor's own state_dict
+    are collective (one SUM over the ranks, ``reduce_counts``); everything they compute before
+    it is rank-independent (the window's row count, pending counts), so what can fail on one
+    rank only (a host read, a clock) fails after it and leaves no rank waiting; their later
+    collectives stay in lockstep because the counts are settled before that point. A failure
+    before it on one rank only would leave the others waiting there: nothing is replayed for
+    it, since the size of that collective changes from one checkpoint to the next."""
+
+    @functools.wraps(method)
+    def state_dict(self: VitalsCallback) -> dict[str, Any]:
+        if self.__dict__.get(_GUARDED):
+            return method(self)  # a super().state_dict() of a guarded call
+        self.__dict__[_GUARDED] = True
+        try:
+            return method(self)
+        except Exception as exc:
+            if _strict():
+                raise
+            failure = f"{type(exc).__name__}: {exc}"
+            self._warn_first(
+                "guard:state_dict",
+                f"trainvitals: {type(self).__name__}.state_dict raised {failure}; the checkpoint "
+                "gets no state of this callback (a marker instead: restoring it leaves the "
+                "callback's counters, windows and estimates as they are, with a warning). "
+                "Training continues. Set TRAINVITALS_STRICT=1 to raise instead.",
+            )
+            return {STATE_FAILED_KEY: failure}
+        finally:
+            self.__dict__.pop(_GUARDED, None)
+
+    setattr(state_dict, _GUARDED, True)
+    return state_dict
+
+
+def _guard_load_state_dict(
+    method: Callable[[Any, dict[str, Any]], None],
+) -> Callable[[Any, dict[str, Any]], None]:
+    """``load_state_dict`` that never ends the run: the marker of a failed ``state_dict`` is
+    skipped with a warning; a load that raises is warned and undone as far as it rebound the
+    callback's attributes (objects it changed in place stay as it left them), so the callback
+    goes on from its state before the restore: a fresh callback's on a resume. No collective
+    (none of the callbacks' loads issues one either)."""
+
+    @functools.wraps(method)
+    def load_state_dict(self: VitalsCallback, state_dict: dict[str, Any]) -> None:
+        if self.__dict__.get(_GUARDED):
+            return method(self, state_dict)  # a super().load_state_dict() of a guarded call
+        name = type(self).__name__
+        if isinstance(state_dict, Mapping) and STATE_FAILED_KEY in state_dict:
+            self._warn_first(
+                "guard:state_marker",
+                f"trainvitals: {name}.load_state_dict: the checkpoint holds no state of this "
+                f"callback (its state_dict raised {state_dict[STATE_FAILED_KEY]} when the "
+                "checkpoint was saved); it goes on from its state before the restore (its "
+                "counters, windows and estimates are not those of the checkpoint)",
+            )
+            return None
+        before = dict(self.__dict__)
+        self.__dict__[_GUARDED] = True
+        try:
+            method(self, state_dict)
+        except Exception as exc:
+            if _strict():
+                raise
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            self._warn_first(
+                "guard:load_state_dict",
+                f"trainvitals: {name}.load_state_dict raised {type(exc).__name__}: {exc}; the "
+                "checkpoint's state of this callback is not used, it goes on from its state "
+                "before the restore (training continues). Set TRAINVITALS_STRICT=1 to raise "
+                "instead.",
+            )
+        finally:
+            self.__dict__.pop(_GUARDED, None)
+        return None
+
+    setattr(load_state_dict, _GUARDED, True)
+    return load_state_dict
+
+
+# the base's own definitions too: a callback without state of its own skips the marker alike
+VitalsCallback.state_dict = _guard_state_dict(VitalsCallback.state_dict)  # type: ignore[method-assign]
+VitalsCallback.load_state_dict = _guard_load_state_dict(VitalsCallback.load_state_dict)  # type: ignore[method-assign]
 
 
 class _BatchStartGate:

@@ -214,6 +214,13 @@ class LoadBalanceMonitor(VitalsCallback):
         self._remove_hooks()
         super().teardown(trainer, pl_module, stage)
 
+    def release(self, ctx: RunContext) -> None:
+        """Disabled by the guard: no later step_end reads or zeroes the counts, so the router
+        hooks go and the capture with its device counts is dropped. The capture is this
+        monitor's own (made at run_start, used by nothing else); the next run makes a new one."""
+        self._remove_hooks()
+        self.capture = None
+
     def _remove_hooks(self) -> None:
         if self.capture is not None:
             self.capture.remove()

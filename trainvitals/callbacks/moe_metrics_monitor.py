@@ -197,6 +197,15 @@ class MoEMetricsMonitor(VitalsCallback):
             self._pending_micro_batches += self._micro_batches_since_step
             self._report(ctx, max(ctx.step - 1, 0))
 
+    def release(self, ctx: RunContext) -> None:
+        """Disabled by the guard. This monitor installs no hook (the routers record into the
+        tracker themselves) and leaves the tracker alone: it may be shared with another
+        monitor or read by the user. It drops what it holds: a validation snapshot (device
+        copies of the tracker) and its references to the routers."""
+        self._validation_snapshot = None
+        self._routers = []
+        self._global_routers = []
+
     # ------------------------------------------------------------------ what it writes
 
     def _report(self, ctx: RunContext, step: int) -> None:
