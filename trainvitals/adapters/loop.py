@@ -24,8 +24,23 @@ call), so its micro-batches are not counted into the next step. Without the scal
 ``GradScaler.step`` skips such a step before the optimizer's hooks run: the callbacks never see
 its (non-finite) gradients. Several optimizers sharing one scaler: the gradients are shown once
 every attached optimizer's are unscaled (``scaler.unscale_(opt)`` for each, or
-``accelerator.clip_grad_norm_``); a step that starts stepping them earlier shows none, with a
-warning, rather than gradients still multiplied by the loss scale.
+``accelerator.clip_grad_norm_``); an optimizer that steps while another's are still scaled
+shows none, with a warning, rather than gradients still multiplied by the loss scale (those
+stepping after it, once all are unscaled, are shown at their own step).
+
+Several optimizers (``attach(model, [opt_d, opt_g])``: a GAN, or parameters split over two
+optimizers): the step is the batch (its micro-batches under accumulation), and ``ctx.step``
+counts those steps, not each ``optimizer.step()`` (unlike Lightning's ``global_step`` under
+manual optimization). As Lightning's manual optimization runs ``on_before_optimizer_step`` per
+``optimizer.step()``, ``before_optimizer_step`` runs before each attached optimizer's
+``step()``, with that optimizer's current gradients: a GAN's two backward passes leave no
+single moment at which both are current. A callback that reads every gradient at each call
+sees the other optimizers' as they are then (one already stepped: updated weights). Every
+gradient is shown once, at once, when the scaler's or Accelerate's unscaling, or
+:meth:`Vitals.clip_grad_norm_` over every optimizer's parameters, comes before any of them
+steps. The step ends after the last attached optimizer stepped in it, else (one did not step
+in that batch: a generator stepped every k batches) at the next batch, at
+:meth:`Vitals.state_dict` or at :meth:`Vitals.close`.
 
 ``vitals.batch()`` tells the callbacks a micro-batch starts and how big it is. A loop that does
 not call it still works: each training-mode forward of the attached model (with autograd on,
@@ -152,9 +167,15 @@ class Vitals:
         self._accelerator = accelerator
         self._handles: list[Any] = []
         self._started = False
-        self._grads_seen_for_step = False
+        self._grads_seen_for_step = False  # every gradient shown at once (gradients_ready)
         self._unscaled: set[int] = set()
         self._attached: set[int] = set()
+        # Several attached optimizers: those whose gradients were shown and that have not
+        # stepped since, those that stepped in the step in progress, and the one whose step()
+        # is about to run while the gradient hook runs (None: every gradient at once).
+        self._awaiting_step: set[int] = set()
+        self._stepped: set[int] = set()
+        self._stepping_optimizer: torch.optim.Optimizer | None = None
         self._patches: list[AttributePatch] = []  # our wrappers, undone by close()
         self._loop_calls_batch = False
         self._warned_scaled = False
@@ -165,6 +186,9 @@ class Vitals:
 
     def attach(self, model: torch.nn.Module, optimizer: Any, *, scaler: Any = None) -> Vitals:
         """Attach to the model and its optimizer (one or a list); returns ``self``.
+
+        Several optimizers: the step is the batch, and the gradient hook runs before each one's
+        ``step()`` (see the module docstring).
 
         ``scaler``: the loop's ``torch.amp.GradScaler`` under fp16 AMP (default: the
         accelerator's ``scaler``, if any). The callbacks then see each step's gradients right
@@ -186,10 +210,9 @@ class Vitals:
         self.ctx.model = model
         self.ctx.optimizers = inner
         self._attached = {id(o) for o in inner}
-        # The first optimizer defines the step; the others are usually stepped in the same
-        # iteration (several param groups split over optimizers).
-        self._handles.append(inner[0].register_step_pre_hook(self._on_pre_step))
-        self._handles.append(inner[0].register_step_post_hook(self._on_post_step))
+        for opt in dict.fromkeys(inner):  # (the same optimizer listed twice: hooked once)
+            self._handles.append(opt.register_step_pre_hook(self._on_pre_step))
+            self._handles.append(opt.register_step_post_hook(self._on_post_step))
         self._handles.append(model.register_forward_pre_hook(self._on_model_forward))
         if self._accelerator is not None:
             self._wrap_accelerator_clip()
@@ -214,8 +237,14 @@ class Vitals:
             else:
                 self._unscaled.add(id(_inner_optimizer(optimizer)))
             # Once every attached optimizer's gradients are unscaled (several optimizers share
-            # one scaler), and, under Accelerate, only when the optimizer will step.
-            if self._attached <= self._unscaled and getattr(accelerator, "sync_gradients", True):
+            # one scaler), and, under Accelerate, only when the optimizer will step. Not once
+            # one of them stepped: its weights are updated, and the pre-hook of each optimizer
+            # still to step shows its gradients (scaler.step unscales them first).
+            if (
+                self._attached <= self._unscaled
+                and not self._stepped
+                and getattr(accelerator, "sync_gradients", True)
+            ):
                 self.gradients_ready()
 
         def update(*args: Any, **kwargs: Any) -> None:
@@ -224,7 +253,9 @@ class Vitals:
             # calls it in AcceleratedOptimizer.step): a step whose gradients were seen and that is
             # still open was skipped. End it now, so that a checkpoint or close() taken before
             # the next batch counts it, as the loop's own step counter does.
-            if self._grads_seen_for_step and not self._closed:
+            # (Several optimizers, some of which stepped: the step ends at the next batch.)
+            shown = self._grads_seen_for_step or self._awaiting_step
+            if shown and not self._stepped and not self._closed:
                 self._end_step()
             # and, as the scaler itself does, forget what was unscaled: an optimizer stepped
             # after the step ended (scaler.step(opt1)) is scaled again in the next iteration
@@ -253,7 +284,24 @@ class Vitals:
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` that lets the callbacks see the unclipped gradients
-        first (for plain loops that clip)."""
+        first (for plain loops that clip).
+
+        With several attached optimizers, clipping the parameters of only some of them (a GAN
+        clipping one network before its optimizer steps) shows the gradients of those
+        optimizers, one at a time, as their own ``step()`` would.
+        """
+        if len(self._attached) > 1 and not self._grads_seen_for_step:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            clipped = {id(p) for p in parameters}
+            owners = [
+                o
+                for o in self.ctx.optimizers
+                if any(id(p) in clipped for group in o.param_groups for p in group["params"])
+            ]
+            if owners and len(owners) < len(self.ctx.optimizers):
+                for optimizer in owners:
+                    self._show_optimizer(optimizer)
+                return torch.nn.utils.clip_grad_norm_(parameters, max_norm, **kwargs)
         self.gradients_ready()
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, **kwargs)
 
@@ -312,9 +360,11 @@ class Vitals:
 
     def _micro_batch(self, batch: Any, batch_size: int | None, num_tokens: int | None) -> None:
         self._start()
-        if self._grads_seen_for_step:
+        if self._grads_seen_for_step or self._awaiting_step or self._stepped:
             # The gradients of the previous step were observed but the optimizer did not step
-            # (AMP's GradScaler skips steps with inf/nan gradients): that step is over.
+            # (AMP's GradScaler skips steps with inf/nan gradients), or, with several
+            # optimizers, some did not step in that batch (a generator stepped every k
+            # batches): that step is over.
             self._end_step()
         ctx = self.ctx
         if ctx.micro_batches_in_step == 0:
@@ -356,7 +406,23 @@ class Vitals:
             return
         self._start()
         self._grads_seen_for_step = True
+        self._awaiting_step |= self._attached
         self._each("before_optimizer_step")
+
+    def _show_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Several optimizers: run the gradient hooks for ``optimizer``, about to step, unless
+        its gradients were shown since its last step. As Lightning's manual optimization runs
+        ``on_before_optimizer_step`` per ``optimizer.step()``: with separate backward passes
+        (a GAN) no single moment holds every optimizer's current gradients."""
+        if id(optimizer) in self._awaiting_step or self._closed:
+            return
+        self._start()
+        self._awaiting_step.add(id(optimizer))
+        self._stepping_optimizer = optimizer
+        try:
+            self._each("before_optimizer_step")
+        finally:
+            self._stepping_optimizer = None
 
     def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._unscaled and not self._attached <= self._unscaled:
@@ -374,11 +440,24 @@ class Vitals:
                     stacklevel=2,
                 )
             return
-        self.gradients_ready()
+        if len(self._attached) == 1:
+            self.gradients_ready()
+        else:
+            self._show_optimizer(optimizer)
 
     def _on_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._start()
-        self._end_step()
+        self._awaiting_step.discard(id(optimizer))
+        self._stepped.add(id(optimizer))
+        # The step is the batch: it ends once every attached optimizer stepped in it (at once
+        # with one optimizer), else at the next micro-batch.
+        if self._attached <= self._stepped:
+            self._end_step()
+
+    def _end_partial_step(self) -> None:
+        """End a step in which some, not all, attached optimizers stepped (else a no-op)."""
+        if self._stepped and not self._closed:
+            self._end_step()
 
     def _end_step(self) -> None:
         self._each("step_end")
@@ -390,6 +469,8 @@ class Vitals:
         self.ctx.micro_batch = 0
         self.ctx.micro_batches_in_step = 0
         self._grads_seen_for_step = False
+        self._awaiting_step.clear()
+        self._stepped.clear()
         self._unscaled.clear()
 
     @contextlib.contextmanager
@@ -436,7 +517,12 @@ class Vitals:
         On a multi-rank run some callbacks reduce their counters over the ranks here (one small
         collective each): call it on every rank, as ``accelerator.save_state`` does, not on
         rank 0 only.
+
+        With several optimizers, a step in which some of them stepped (a discriminator stepped
+        in a batch where the generator was not) ends here, as at the next batch: a checkpoint is
+        taken between batches, and its step counter and counts must include that batch.
         """
+        self._end_partial_step()
         return {
             "step": self.ctx.step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
@@ -481,6 +567,8 @@ class Vitals:
         """End the run: final hooks, remove hooks, flush (and close the writer if we made it)."""
         if self._closed:
             return
+        if exception is None:
+            self._end_partial_step()  # the run's last batch, when not every optimizer stepped
         self._closed = True
         if self._started:
             if exception is None:
