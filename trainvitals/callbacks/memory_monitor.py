@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -23,10 +24,16 @@ class MemoryMonitor(VitalsCallback):
     At ``step_end`` of a logging step (after the optimizer step, so optimizer state is in;
     the peaks cover the forward and backward passes) the monitor reads the CUDA caching
     allocator's counters (``torch.cuda.memory_stats``: host-side counters, no sync) when the
-    model is on a CUDA device, and this process's resident set (psutil) in every case. The
-    readings of all ranks are reduced in ONE collective: an all-reduce MAX when only ``"max"``
-    is asked for, else one all-gather from which max, min and mean are taken. Non-logging steps
-    read nothing.
+    run computes on a CUDA device, and this process's resident set (psutil) in every case.
+    That device is chosen once, at run start (``_run_cuda_device``), the first that
+    applies: the Lightning strategy's ``root_device`` when it is CUDA; the first parameter's
+    device when it is CUDA; any parameter or buffer on CUDA (a model whose first parameter is
+    an embedding table kept on the CPU); any parameter sharded over a CUDA device mesh
+    (FSDP2 with ``CPUOffloadPolicy``, whose shards live on the CPU: the current CUDA device);
+    else, when CUDA is initialised in the process, its current CUDA device. Without CUDA, or
+    when none applies, no CUDA key is written. The readings of all ranks are reduced in ONE
+    collective: an all-reduce MAX when only ``"max"`` is asked for, else one all-gather from
+    which max, min and mean are taken. Non-logging steps read nothing.
 
     Peaks are since the process started (as Composer's and Megatron-Bridge's reports), or since
     the previous logging step with ``peak_since_last_log=True`` (then the allocator's peak
@@ -147,20 +154,19 @@ class MemoryMonitor(VitalsCallback):
             import psutil
 
             self._process = psutil.Process()
-        device = ctx.device
-        self._cuda = device if device.type == "cuda" and torch.cuda.is_available() else None
+        self._cuda = _run_cuda_device(ctx)
         if self._cuda is None and not self.host:
             # Otherwise the monitor would sit in the run writing nothing, silently.
             self.warn_once(
                 "nothing",
-                f"host=False and the model is on {device}, not CUDA: there is nothing to "
-                "measure and no key is written",
+                f"host=False and the run uses no CUDA device (model on {ctx.device}): there "
+                "is nothing to measure and no key is written",
             )
         if self._cuda is None and (self.record_history or self.snapshot_steps):
             self.warn_once(
                 "nocuda",
-                "allocator history and snapshots need a CUDA device; the model is on "
-                f"{device}: no history is recorded and no snapshot written",
+                "allocator history and snapshots need a CUDA device; the run uses none "
+                f"(model on {ctx.device}): no history is recorded and no snapshot written",
             )
         if self._cuda is not None and self.record_history:
             torch.cuda.memory._record_memory_history(
@@ -240,3 +246,34 @@ class MemoryMonitor(VitalsCallback):
                 torch.cuda.memory._record_memory_history(enabled=None)
             except Exception as exc:  # never let telemetry end a run at its end
                 warnings.warn(f"MemoryMonitor: could not stop memory history: {exc}", stacklevel=2)
+
+
+def _run_cuda_device(ctx: RunContext) -> torch.device | None:
+    """The CUDA device this process computes on, or ``None`` (see :class:`MemoryMonitor`).
+
+    Not only the first parameter's device: under FSDP2 with ``CPUOffloadPolicy`` every
+    parameter lives on the CPU between steps while the forward and backward run on CUDA, and a
+    model may keep an embedding table (its first parameter) on the CPU."""
+    if not torch.cuda.is_available():
+        return None
+    try:  # Lightning: the strategy's compute device
+        root = ctx.trainer.strategy.root_device if ctx.trainer is not None else None
+    except Exception:  # a strategy not set up yet, or not Lightning's
+        root = None
+    for device in (root, ctx.device):
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return device
+    if ctx.model is not None:
+        for tensor in itertools.chain(ctx.model.parameters(), ctx.model.buffers()):
+            if tensor.device.type == "cuda":
+                return tensor.device
+            # A DTensor sharded over a CUDA mesh whose local shard is offloaded to the CPU
+            # (FSDP2's CPUOffloadPolicy): it computes on the process's current CUDA device.
+            mesh = getattr(tensor, "device_mesh", None)
+            if getattr(mesh, "device_type", None) == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.is_initialized():
+        # No tensor of the model on CUDA at run start, but the process uses CUDA (a model
+        # moved there per layer by the loop, an offloading wrapper): its current device.
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
