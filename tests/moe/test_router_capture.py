@@ -730,9 +730,14 @@ def test_layer_numbers_numeric_fallbacks_and_clashes() -> None:
 
 
 def test_routers_with_different_expert_counts_raise() -> None:
-    model = nn.Sequential(CountingGate(3), CountingGate(5))
-    with pytest.raises(ValueError, match="same number of experts"):
+    model = nn.Sequential(CountingGate(3), CountingGate(5), CountingGate(3))
+    with pytest.raises(ValueError, match="same number of experts") as raised:
         RouterCapture(model, extractors=[(CountingGate, _extract, lambda m: m.n)])
+    # which routers have which count, what is unsupported and what to do instead
+    message = str(raised.value)
+    assert "found 3 in 0, 2; 5 in 1." in message
+    assert "do not support MoE layers with different numbers of experts" in message
+    assert "leave LoadBalanceMonitor out" in message
     with pytest.raises(ValueError, match="number of experts is unknown"):
         RouterCapture(nn.Sequential(nn.Linear(2, 2)), extractors=[(nn.Linear, _extract)])
     with pytest.raises(TypeError, match="extractors"):

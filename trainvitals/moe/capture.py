@@ -100,7 +100,7 @@ Example::
     capture = RouterCapture(model)           # finds the routers, registers hooks
     for micro_batch in step_batches:
         model(micro_batch).loss.backward()
-    loads = capture.loads()                  # [L, E] float64 on the device, summed over the step
+    loads = capture.loads()                  # [L, E] on the device, summed over the step
     capture.reset()
     capture.remove()                         # remove the hooks
 """
@@ -122,10 +122,12 @@ from trainvitals.distributed import group_size, local_tensor
 from trainvitals.moe._checkpointing import CheckpointRuns
 
 __all__ = [
+    "FLOAT32_EXACT_COUNTS",
     "HF_ROUTER_CLASSES",
     "RouterCapture",
     "RouterInfo",
     "clear_router_extractors",
+    "count_dtype",
     "find_routers",
     "layer_number_from_name",
     "register_router_extractor",
@@ -158,6 +160,9 @@ _MAX_PENDING_NUMEL = 1 << 25
 # Up to this many per-forward counts (forwards x experts) read_host adds them on the host;
 # above, one index_add_ on the device is cheaper than a long Python loop.
 _HOST_SUM_MAX = 4096
+
+# float32 counts are exact integers up to this value; past it an added 1 can be lost.
+FLOAT32_EXACT_COUNTS = 1 << 24
 
 Extractor = Callable[[nn.Module, Any, Any], Any]
 # A Hugging Face router's tokens against the attention mask, see RouterCapture._hf_valid_tokens
@@ -279,6 +284,15 @@ class RouterInfo:
     has_aux_loss: bool = False
     extractor: Extractor | None = field(default=None, repr=False)
     sort_key: tuple = field(default=(), repr=False)
+
+
+def count_dtype(device: torch.device | str | None) -> torch.dtype:
+    """The dtype of the counts and aux sums kept on ``device``: float64 (exact integer counts
+    up to 2**53), float32 on Apple's ``mps``, which has no float64 (exact up to 2**24 =
+    16,777,216 tokens for one expert of one layer in one read; see :class:`RouterCapture`)."""
+    if device is not None and torch.device(device).type == "mps":
+        return torch.float32
+    return torch.float64
 
 
 def _router_classes(module: nn.Module) -> list[type]:
@@ -475,18 +489,42 @@ class RouterCapture:
             :func:`register_router_extractor`.
         attach: register the hooks now (default) or later with :meth:`attach`.
 
-    Raises ``ValueError`` when the routers do not all have the same number of experts.
+    Counts are kept in float64 (exact integers up to 2**53), except on Apple's ``mps``, which
+    has no float64: there every count, aux sum and value read (:meth:`loads`, :meth:`packed`,
+    ...) is float32 (:func:`count_dtype`), exact while one expert of one layer receives fewer
+    than 2**24 = 16,777,216 tokens between two :meth:`reset` calls (``LoadBalanceMonitor``
+    resets every optimizer step: that many tokens of one step on one device, far beyond a
+    single Apple GPU's step); :meth:`read_host` warns once when a count reaches it.
+
+    Raises ``ValueError`` when the routers do not all have the same number of experts (MoE
+    layers with different expert counts, e.g. a Hunyuan-MoE config with a per-layer
+    ``num_experts`` list, are not supported; layers without a router are fine).
     """
 
     def __init__(
         self, model: nn.Module, *, extractors: Iterable[Any] | None = None, attach: bool = True
     ) -> None:
         self.routers = find_routers(model, extractors)
-        sizes = {r.num_experts for r in self.routers}
-        if len(sizes) > 1:
-            detail = ", ".join(f"{r.name}: {r.num_experts}" for r in self.routers)
-            raise ValueError(f"routers must all have the same number of experts, found {detail}")
-        self.num_experts = sizes.pop() if sizes else 0
+        by_size: dict[int, list[str]] = {}
+        for r in self.routers:
+            by_size.setdefault(r.num_experts, []).append(r.name)
+        if len(by_size) > 1:
+            # One [layers, experts] table for all layers (and load-balance statistics that
+            # would count padded experts as dead): per-layer expert counts are not supported.
+            detail = "; ".join(
+                f"{e} in {', '.join(names[:3])}"
+                + (f" and {len(names) - 3} more" if names[3:] else "")
+                for e, names in sorted(by_size.items())
+            )
+            raise ValueError(
+                "routers must all have the same number of experts, found " + detail + ". "
+                "Router capture and LoadBalanceMonitor do not support MoE layers with "
+                "different numbers of experts (layers without a router, such as dense layers, "
+                "are fine): leave LoadBalanceMonitor out for this model (MoEMetricsMonitor "
+                "still reports the per-layer router losses that TopKRouter or "
+                "get_moe_metrics_tracker().record() record)"
+            )
+        self.num_experts = next(iter(by_size)) if by_size else 0
         self.enabled = True
         self._handles: list[Any] = []
         self._acc: torch.Tensor | None = None  # [L, E + 1], last column = out-of-range indices
@@ -527,6 +565,7 @@ class RouterCapture:
         # clamped to 1, 1.0 when no token is valid else 0.0)
         self._valid_tokens: dict[torch.device, _ValidTokens] = {}
         self._mask_mismatch_warned: set[int] = set()
+        self._float32_warned = False  # counts past FLOAT32_EXACT_COUNTS (mps), warned once
         if attach:
             self.attach()
 
@@ -780,7 +819,7 @@ class RouterCapture:
 
     def _accumulator(self, device: torch.device) -> torch.Tensor:
         if self._acc is None:
-            dtype = torch.float32 if device.type == "mps" else torch.float64
+            dtype = count_dtype(device)
             acc = torch.zeros(len(self.routers), self.num_experts + 1, dtype=dtype, device=device)
             self._aux_sum = torch.zeros(len(self.routers), dtype=dtype, device=device)
             self._aux_empty = torch.zeros(len(self.routers), dtype=dtype, device=device)
@@ -825,7 +864,7 @@ class RouterCapture:
             self._accumulator(device)
         elif device != self._acc_device:
             counts = counts.to(self._acc_device, non_blocking=True)
-        self._count_rows[i].add_(counts)  # in-place add casts integer counts to float64
+        self._count_rows[i].add_(counts)  # in-place add casts integer counts to the acc's dtype
         self._dirty = True
 
     def _defer(self, i: int, routing_map: torch.Tensor, aux: Any) -> None:
@@ -944,38 +983,41 @@ class RouterCapture:
         self._aux_empty_dirty = True
 
     def _aux_count_tensor(self, device: torch.device | None) -> torch.Tensor:
-        """The ``[L]`` float64 counts of forwards with an aux loss and a token, on ``device``."""
+        """The ``[L]`` counts of forwards with an aux loss and a token, on ``device``, in its
+        :func:`count_dtype`."""
         # built on the host, copied without waiting for the device
-        count = torch.tensor(self._aux_count, dtype=torch.float64).to(device, non_blocking=True)
+        dtype = count_dtype(device)
+        count = torch.tensor(self._aux_count, dtype=dtype).to(device, non_blocking=True)
         if self._aux_empty_dirty and self._aux_empty is not None:
-            count = count - self._aux_empty.to(count.device, torch.float64)
+            count = count - self._aux_empty.to(count.device, dtype)
         return count
 
     # ------------------------------------------------------------------ reading
 
     def loads(self, device: torch.device | None = None) -> torch.Tensor:
-        """Tokens per expert per layer since the last :meth:`reset`: a new ``[L, E]`` float64
-        tensor (rows in :attr:`routers` order) on the accumulator's device (or ``device`` when
-        nothing was counted yet)."""
+        """Tokens per expert per layer since the last :meth:`reset`: a new ``[L, E]`` tensor
+        (rows in :attr:`routers` order) on the accumulator's device (or ``device`` when
+        nothing was counted yet), float64 (float32 on ``mps``: :func:`count_dtype`)."""
         self._fold()
         if self._acc is None:
             return torch.zeros(
-                len(self.routers), self.num_experts, dtype=torch.float64, device=device
+                len(self.routers), self.num_experts, dtype=count_dtype(device), device=device
             )
-        return self._acc[:, : self.num_experts].to(torch.float64, copy=True)
+        return self._acc[:, : self.num_experts].clone()
 
     def aux_losses(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum, count)`` of the auxiliary losses recorded per layer since the last reset, two
-        ``[L]`` float64 tensors (their ratio is the mean over micro-batches; count 0 = unknown)."""
+        ``[L]`` tensors of :func:`count_dtype` (their ratio is the mean over micro-batches;
+        count 0 = unknown)."""
         self._fold()
         dev = self._acc.device if self._acc is not None else device
         count = self._aux_count_tensor(dev)
         if self._aux_sum is None:
-            return torch.zeros(len(self.routers), dtype=torch.float64, device=dev), count
-        return self._aux_sum.to(torch.float64, copy=True), count
+            return torch.zeros(len(self.routers), dtype=count.dtype, device=dev), count
+        return self._aux_sum.clone(), count
 
     def packed(self, device: torch.device | None = None) -> torch.Tensor:
-        """One new float64 tensor of ``L * E + 2 L`` values: the loads of :meth:`loads`
+        """One new tensor (:func:`count_dtype`) of ``L * E + 2 L`` values: the loads of :meth:`loads`
         (row-major), then the aux-loss sums and counts of :meth:`aux_losses`, on the
         accumulator's device (or ``device`` when nothing was counted yet). For a caller that
         reads everything in one transfer (:func:`unpack_loads` splits it). The counts are on
@@ -984,16 +1026,37 @@ class RouterCapture:
         self._fold()
         if self._acc is None:
             n = len(self.routers) * (self.num_experts + 1)
-            loads_and_sums = torch.zeros(n, dtype=torch.float64, device=device)
+            loads_and_sums = torch.zeros(n, dtype=count_dtype(device), device=device)
             return torch.cat([loads_and_sums, self._aux_count_tensor(loads_and_sums.device)])
         parts = [
-            self._acc[:, : self.num_experts].reshape(-1).to(torch.float64),
-            self._aux_sum.to(torch.float64),  # type: ignore[union-attr]
+            self._acc[:, : self.num_experts].reshape(-1),
+            self._aux_sum,
             self._aux_count_tensor(self._acc.device),
         ]
-        return torch.cat(parts)
+        return torch.cat(parts)  # type: ignore[arg-type]
 
     def read_host(self) -> tuple[list[list[float]], list[float], list[int]]:
+        """:meth:`_read_host`, with a warning (once) when float32 counts (``mps``) reached
+        :data:`FLOAT32_EXACT_COUNTS`, where they may have lost tokens."""
+        rows, aux_sum, aux_count = self._read_host()
+        if (
+            self._acc is not None
+            and self._acc.dtype == torch.float32
+            and not self._float32_warned
+            and any(v >= FLOAT32_EXACT_COUNTS for row in rows for v in row)
+        ):
+            self._float32_warned = True
+            warnings.warn(
+                f"trainvitals router capture: an expert received {FLOAT32_EXACT_COUNTS} tokens "
+                f"or more in one step on {self._acc.device}, which has no float64: its float32 "
+                "count is no longer exact and may be too low (log with fewer tokens per step "
+                "per device to keep it exact)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return rows, aux_sum, aux_count
+
+    def _read_host(self) -> tuple[list[list[float]], list[float], list[int]]:
         """``(loads, aux_sums, aux_counts)`` since the last :meth:`reset`, on the host: ``L``
         rows of ``E`` floats (the values of :meth:`loads`), ``L`` floats and ``L`` ints, read
         with one device-to-host transfer. For a caller with nothing to reduce across ranks.
@@ -1029,7 +1092,7 @@ class RouterCapture:
             parts.append(self._aux_empty)  # type: ignore[arg-type]
         if maps:
             ((_, stacked),) = self._stack_by_shape(maps, set())  # one shape, one device
-            parts.append(stacked.sum(dim=1, dtype=torch.float64).reshape(-1))
+            parts.append(stacked.sum(dim=1, dtype=count_dtype(stacked.device)).reshape(-1))
         if auxs:
             parts.append(torch.stack([t for _, t, _ in auxs]))
         if not parts:
