@@ -27,7 +27,7 @@ class GradRecorder(VitalsCallback):
         self.events.append(("mb", ctx.step))
 
     def before_optimizer_step(self, ctx):
-        stepping = self.driver._stepping_optimizer if self.driver is not None else None
+        stepping = ctx.stepping_optimizer
         grads = {
             id(p): (None if p.grad is None else p.grad.detach().clone())
             for p in ctx.model.parameters()
@@ -227,3 +227,40 @@ def test_gan_on_one_grad_scaler_shows_the_generator_unscaled_and_never_scaled_gr
         for key, value in want.items():
             torch.testing.assert_close(grads[key], value, rtol=1e-6, atol=0)
     assert rec.events == [e for s in range(2) for e in (("mb", s), ("grads", s), ("end", s, 1))]
+
+
+def test_norm_monitor_in_a_gan_loop_measures_each_network_at_its_own_step():
+    # NormMonitor reads ctx.stepping_optimizer: each network's gradients and weights as its
+    # optimizer uses them, merged into one write per batch with per-optimizer keys.
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    model, generator, discriminator, opt_d, opt_g = _gan()
+    writer = RecordingWriter()
+    vitals = Vitals([NormMonitor()], writer=writer, log_every_n_steps=1)
+    vitals.attach(model, [opt_d, opt_g])
+    expected: list[dict[str, float]] = []
+    for _ in range(3):
+        real, z = torch.randn(5, 4), torch.randn(5, 3)
+        vitals.batch(real)
+        row: dict[str, float] = {}
+        opt_d.zero_grad()
+        (discriminator(generator(z).detach()).mean() - discriminator(real).mean()).backward()
+        for i, net in ((0, discriminator), (1, generator)):
+            if i == 1:
+                opt_g.zero_grad()
+                (-discriminator(generator(z)).mean()).backward()
+            params = [p.detach().double() for p in net.parameters()]
+            grads = [p.grad.detach().double() for p in net.parameters()]
+            row[f"l2_norm/param/optimizer_{i}"] = float(sum((x * x).sum() for x in params))
+            row[f"l2_norm/grad/optimizer_{i}"] = float(sum((g * g).sum() for g in grads))
+            (opt_d if i == 0 else opt_g).step()
+        expected.append(row)
+    vitals.close()
+    assert sorted(writer.rows) == [0, 1, 2]
+    for step, want in enumerate(expected):
+        got = writer.rows[step]
+        for key, sq in want.items():
+            assert got[key] == pytest.approx(sq**0.5, rel=1e-6)
+        for kind in ("param", "grad"):
+            total = want[f"l2_norm/{kind}/optimizer_0"] + want[f"l2_norm/{kind}/optimizer_1"]
+            assert got[f"l2_norm/{kind}/global"] == pytest.approx(total**0.5, rel=1e-6)

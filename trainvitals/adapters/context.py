@@ -46,6 +46,10 @@ class RunContext:
     ``step_increment`` how far the step in progress advances ``step``: 1, except under
     Lightning's manual optimization with several optimizers stepped per batch, where
     ``trainer.global_step`` (and so ``step``) counts every ``optimizer.step()``.
+    ``stepping_optimizer``: during ``before_optimizer_step``, the optimizer whose ``step()``
+    is about to run when the gradients are shown per optimizer (Lightning passes it to every
+    ``on_before_optimizer_step``; the driver sets it with several attached optimizers stepped
+    apart); ``None`` when every gradient is shown at once.
     ``start_step``: the step the run started at, the checkpoint's step on a resume (the
     writer's :meth:`~trainvitals.adapters.FanoutWriter.resume_at`).
     ``replay_floor``: set when the run went back to an earlier step (a rollback to a
@@ -72,6 +76,7 @@ class RunContext:
     step_increment: int = 1
     in_validation: bool = False
     start_step: int = 0
+    stepping_optimizer: Any = None
     replay_floor: int | None = None
     replay_run_writer: bool = False
     replay_warned: bool = False

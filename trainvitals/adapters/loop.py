@@ -171,11 +171,9 @@ class Vitals:
         self._unscaled: set[int] = set()
         self._attached: set[int] = set()
         # Several attached optimizers: those whose gradients were shown and that have not
-        # stepped since, those that stepped in the step in progress, and the one whose step()
-        # is about to run while the gradient hook runs (None: every gradient at once).
+        # stepped since, and those that stepped in the step in progress.
         self._awaiting_step: set[int] = set()
         self._stepped: set[int] = set()
-        self._stepping_optimizer: torch.optim.Optimizer | None = None
         self._patches: list[AttributePatch] = []  # our wrappers, undone by close()
         self._loop_calls_batch = False
         self._warned_scaled = False
@@ -418,11 +416,11 @@ class Vitals:
             return
         self._start()
         self._awaiting_step.add(id(optimizer))
-        self._stepping_optimizer = optimizer
+        self.ctx.stepping_optimizer = optimizer
         try:
             self._each("before_optimizer_step")
         finally:
-            self._stepping_optimizer = None
+            self.ctx.stepping_optimizer = None
 
     def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._unscaled and not self._attached <= self._unscaled:

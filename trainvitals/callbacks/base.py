@@ -504,7 +504,11 @@ class VitalsCallback:
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         ctx = self._pl_context(trainer, pl_module)
         _release_batch_start_gate(ctx)
-        self._dispatch("before_optimizer_step", ctx)
+        ctx.stepping_optimizer = optimizer
+        try:
+            self._dispatch("before_optimizer_step", ctx)
+        finally:
+            ctx.stepping_optimizer = None
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int

@@ -72,17 +72,19 @@ class NormMonitor(VitalsCallback):
     With pipeline parallelism (``groups.pp`` non-trivial) the totals are summed over the
     pipeline stages in one more collective; per-parameter keys then come from rank 0's stage.
 
-    Several optimizers under Lightning's manual optimization (a GAN stepping ``opt_g`` and
-    ``opt_d`` in one ``training_step``): the step is the batch, keyed by
-    ``trainer.global_step`` at its start (which counts every ``optimizer.step()``: 0, 2, 4, ...
-    with two optimizers, so the interval counts those steps too). Each optimizer's parameters
+    Several optimizers stepped apart (a GAN stepping ``opt_g`` and ``opt_d`` in one batch:
+    Lightning's manual optimization, or the driver with both attached): the step is the batch,
+    under Lightning keyed by ``trainer.global_step`` at its start (which counts every
+    ``optimizer.step()``: 0, 2, 4, ... with two optimizers, so the interval counts those steps
+    too), in the driver by the batch count. Each optimizer's parameters
     are measured right before its own ``step()`` (its gradients as it uses them, its weights
     before its update; parameters in no optimizer with the first ``step()`` of the batch),
     each parameter once per step, and the step's keys are written once, after the batch: the
     ``global`` norms over the optimizers stepped in it, and per optimizer the
-    ``optimizer_<i>`` keys (``i``: its index in ``trainer.optimizers``). With one optimizer,
-    and in the driver (where the first attached optimizer defines the step and all gradients
-    are measured at once), no ``optimizer_<i>`` keys are written.
+    ``optimizer_<i>`` keys (``i``: its index in ``trainer.optimizers`` or the attached
+    list). With one optimizer, or when every gradient is shown at once (the driver's unscaling
+    or clipping of every optimizer's parameters before any steps), no ``optimizer_<i>`` keys
+    are written.
 
     Args:
         per_param: globs (``fnmatch``, matched against canonical parameter names such as
@@ -160,9 +162,8 @@ class NormMonitor(VitalsCallback):
         self._selected_names: list[str] = []
         self._unsupported = False
         self._pending: _PendingFlags | None = None
-        # Lightning's manual optimization with several optimizers: the optimizer being stepped,
-        # and the parts of the step measured so far (written at step_end)
-        self._stepping: Any = None
+        # Several optimizers stepped apart: the parts of the step measured so far (written at
+        # step_end)
         self._parts: list[_Part] = []
         self._parts_step: int | None = None
         self._measured: set[int] = set()  # ids of the parameters measured in that step
@@ -199,15 +200,14 @@ class NormMonitor(VitalsCallback):
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
         """On logging steps: norms of the parameters and of the complete gradients."""
-        stepping, self._stepping = self._stepping, None
         if not self.should_log(ctx) or self._unsupported:
             return
         # The flags of the last logging step are reported before this step's replace them.
         self._report_pending(block=True)
         self._track_trainable()
+        stepping = ctx.stepping_optimizer
         if stepping is None or len(ctx.optimizers) < 2:
-            # One optimizer, or the driver (the first attached optimizer defines the step):
-            # every gradient at once, written now.
+            # One optimizer, or every gradient shown at once: written now.
             part = self._measure(ctx, None, self._tracked, set())
             self._write(ctx, [part], ctx.step)
             return
@@ -241,20 +241,13 @@ class NormMonitor(VitalsCallback):
                 self._write(ctx, parts, step)
         self._report_pending(block=False)
 
-    # Lightning passes the optimizer being stepped; the neutral hook does not.
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self._stepping = optimizer
-        try:
-            super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        finally:
-            self._stepping = None
-
     def collective_key(self, hook: str, ctx: RunContext) -> Any:
         # Which optimizer steps decides which parameters (and so which collectives) a call
         # measures; step_end reduces over pipeline stages only when it writes.
         key = super().collective_key(hook, ctx)
-        if hook == "before_optimizer_step" and self._stepping is not None:
-            index = next((i for i, o in enumerate(ctx.optimizers) if o is self._stepping), None)
+        stepping = ctx.stepping_optimizer
+        if hook == "before_optimizer_step" and stepping is not None and len(ctx.optimizers) > 1:
+            index = next((i for i, o in enumerate(ctx.optimizers) if o is stepping), None)
             return (*key, index)
         if hook == "step_end":
             return (*key, bool(self._parts))

@@ -102,16 +102,17 @@ class TensorStatsMonitor(VitalsCallback):
       they are when one of this callback's own hooks raised and the guard disabled it (one
       process), since its ``step_end`` and ``run_end`` then no longer run.
 
-    Several optimizers under Lightning's manual optimization (a GAN stepping ``opt_g`` and
-    ``opt_d`` in one ``training_step``, with or without ``toggle_optimizer``): the step is the
-    batch, keyed by ``trainer.global_step`` at its start (which counts every
-    ``optimizer.step()``: 0, 2, 4, ... with two optimizers, so the intervals count those steps
-    too). Each optimizer's parameters are measured right before its own ``step()`` (its
+    Several optimizers stepped apart (a GAN stepping ``opt_g`` and ``opt_d`` in one batch:
+    Lightning's manual optimization, with or without ``toggle_optimizer``, or the driver with
+    both attached): the step is the batch, under Lightning keyed by ``trainer.global_step`` at
+    its start (which counts every ``optimizer.step()``: 0, 2, 4, ... with two optimizers, so
+    the intervals count those steps too), in the driver by the batch count. Each optimizer's
+    parameters are measured right before its own ``step()`` (its
     gradients as it uses them, its weights before its update; trainable parameters in no
     optimizer with the batch's first ``step()``), each parameter once per step, and the step's
-    ``param`` and ``grad`` records hold every parameter once. With one optimizer, and in the
-    driver (where the first attached optimizer defines the step), every parameter is measured
-    at once, as above.
+    ``param`` and ``grad`` records hold every parameter once. With one optimizer, or when every
+    gradient is shown at once (the driver's unscaling or clipping of every optimizer's
+    parameters before any steps), every parameter is measured at once, as above.
 
     Hooks exist only during an activation logging step; other steps run no code of this class
     beyond two integer comparisons, and nothing leaves the device on them. The hooks keep
@@ -292,10 +293,8 @@ class TensorStatsMonitor(VitalsCallback):
         # reentrant checkpoint hides (their no_grad forwards, e.g. generation, re-run nothing)
         self._held_back: dict[int, int] = {}
         self._grad_sites: set[int] = set()
-        # Lightning's manual optimization with several optimizers: the optimizer being stepped
-        # (set by on_before_optimizer_step around the neutral hook), the step whose param/grad
-        # parts are being collected, and the ids of the parameters measured in it
-        self._stepping: Any = None
+        # Several optimizers stepped apart: the step whose param/grad parts are being
+        # collected, and the ids of the parameters measured in it
         self._parts_step: int | None = None
         self._measured: set[int] = set()
 
@@ -317,7 +316,7 @@ class TensorStatsMonitor(VitalsCallback):
         key = (hook, self._param_step(ctx), bool(self._handles), tuple(self._pending))
         if hook == "before_optimizer_step" and self._several_stepped_apart(ctx):
             first = self._parts_step != ctx.step
-            return (*key, _index_of(ctx.optimizers, self._stepping), first)
+            return (*key, _index_of(ctx.optimizers, ctx.stepping_optimizer), first)
         return key
 
     # ------------------------------------------------------------------ hooks
@@ -377,8 +376,7 @@ class TensorStatsMonitor(VitalsCallback):
             wanted["grad"] = [(n, p.grad) for n, p in named if p.grad is not None]
         measured = self._local_kinds(wanted)
         if not several:
-            # One optimizer, or the driver (the first attached optimizer defines the step):
-            # every parameter at once.
+            # One optimizer, or every gradient shown at once: every parameter at once.
             self._pending.update(measured)
             return
         # Several optimizers stepped apart: this part joins the step's earlier ones (each
@@ -386,14 +384,6 @@ class TensorStatsMonitor(VitalsCallback):
         for kind, part in measured.items():
             earlier = self._pending.get(kind)
             self._pending[kind] = part if earlier is None else _concat_kinds(earlier, part)
-
-    # Lightning passes the optimizer being stepped; the neutral hook does not.
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self._stepping = optimizer
-        try:
-            super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        finally:
-            self._stepping = None
 
     def step_end(self, ctx: RunContext) -> None:
         if self._handles:
@@ -459,9 +449,9 @@ class TensorStatsMonitor(VitalsCallback):
         return self._params[1]
 
     def _several_stepped_apart(self, ctx: RunContext) -> bool:
-        """Lightning's manual optimization with several optimizers: ``before_optimizer_step``
-        runs once per ``optimizer.step()`` of the batch (the driver never sets ``_stepping``)."""
-        return self._stepping is not None and len(ctx.optimizers) > 1
+        """Several optimizers stepped apart (Lightning's manual optimization, the driver with
+        several attached): ``before_optimizer_step`` runs once per ``optimizer.step()``."""
+        return ctx.stepping_optimizer is not None and len(ctx.optimizers) > 1
 
     def _stepped_part(self, ctx: RunContext, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """The parameters measured at this ``optimizer.step()``: the stepping optimizer's
@@ -476,7 +466,8 @@ class TensorStatsMonitor(VitalsCallback):
             first = True
         else:
             first = False
-        owned = {id(p) for group in self._stepping.param_groups for p in group["params"]}
+        stepping = ctx.stepping_optimizer
+        owned = {id(p) for group in stepping.param_groups for p in group["params"]}
         if first:
             every = {
                 id(p) for o in ctx.optimizers for group in o.param_groups for p in group["params"]
