@@ -265,7 +265,7 @@ class LoadBalanceMonitor(VitalsCallback):
             n = len(layout.labels)
             loads = loads.reshape(len(layout.rows), layout.num_experts)  # a stage may have none
             full = [
-                torch.zeros(n, *t.shape[1:], dtype=torch.float64, device=loads.device).index_copy_(
+                torch.zeros(n, *t.shape[1:], dtype=t.dtype, device=loads.device).index_copy_(
                     0, rows, t
                 )
                 for t in (loads, aux_sum, aux_count)
@@ -277,7 +277,8 @@ class LoadBalanceMonitor(VitalsCallback):
         # the host in float64 (stats.load_balance_stats_lists): tens of microseconds instead of
         # ~35 small device kernels, with the same formulas.
         host = torch.cat([loads.reshape(-1), aux_sum.reshape(-1), aux_count.reshape(-1)])
-        return host.to(torch.float64).cpu().tolist()
+        # (to the host first: MPS has no float64, its counts are float32)
+        return host.cpu().to(torch.float64).tolist()
 
     def _values(
         self, rows: list[list[float]], aux_sum: list[float], aux_count: list[float]
