@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import numbers
 import os
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -479,9 +481,11 @@ _ABANDONED_CLOSE_TIMEOUT = 5.0
 
 @atexit.register
 def _close_live_writers() -> None:
-    """Deliver what is still queued when the interpreter exits without ``close()``."""
+    """Deliver what is still queued when the interpreter exits without ``close()``; the runs
+    the sinks created end as failed when the script is dying (see :class:`_ProcessEnd`)."""
+    failed = _ProcessEnd.failed()
     for writer in list(_live_writers):
-        writer.close()
+        writer.close(failed=failed)
 
 
 def _close_live_writers_first() -> None:
@@ -514,6 +518,100 @@ def _register_exit_hook() -> None:
         register(_close_live_writers_first)
         if registered is not None:
             _exit_hook_position[0] = len(registered)
+
+
+def _exit_status(code: object) -> int:
+    """The process exit status ``SystemExit(code)`` gives: ``None`` 0, an int itself, anything
+    else 1 (CPython's ``_Py_HandleSystemExit``)."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def _in_ipython() -> bool:
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    try:
+        return get_ipython is not None and get_ipython() is not None
+    except Exception:
+        return False
+
+
+class _ProcessEnd:
+    """How the interpreter is ending, for the writers still open at exit.
+
+    The exit hooks run after the main thread's code has ended and cannot see how it ended, so
+    :meth:`watch` (called when the first writer of rank 0 is made) installs two chained hooks, as
+    W&B does for its runs (``wandb/sdk/lib/exit_hooks.py``):
+
+    * ``sys.excepthook``: the interpreter calls it for an exception that ended the main
+      thread's code, after storing it in ``sys.last_value`` (``PyErr_Print``). A call by user
+      code (which then goes on) does not store it, and is ignored; so is an error typed at an
+      interactive prompt (``python -i``, the REPL). The previous hook is called as before. In
+      IPython/Jupyter ``sys.excepthook`` is replaced by the shell for each cell and restored
+      after it (``InteractiveShell.run_code``), and a cell's exception goes to the shell's
+      ``showtraceback``, not to ``sys.excepthook``: a failing cell does not end the kernel,
+      and nothing is recorded. ``threading.excepthook`` is not used: it is called for other
+      threads only, whose exceptions do not end the process.
+    * ``sys.exit``: a ``SystemExit`` never reaches ``sys.excepthook``, and Hydra turns the
+      exception of a ``@hydra.main`` task into ``sys.exit(1)``
+      (``hydra/_internal/utils.py: run_and_report``). ``sys.exit(status)`` in the main thread
+      records the status it exits with; a non-zero one ends the runs as failed, ``0`` (or
+      ``None``) as finished. A ``SystemExit`` raised directly (``raise SystemExit(3)``,
+      ``exit(3)``) is not seen. IPython catches ``SystemExit`` in a cell and keeps the kernel
+      running: not recorded there; nor once the main thread logs a later step (the
+      ``SystemExit`` was caught).
+    """
+
+    watched = False
+    uncaught = False  # an exception ended the main thread's code
+    exit_status: int | None = None  # from the last sys.exit() in the main thread
+
+    @classmethod
+    def failed(cls) -> bool:
+        return cls.uncaught or bool(cls.exit_status)
+
+    @classmethod
+    def watch(cls) -> None:
+        if cls.watched:
+            return
+        cls.watched = True
+        previous_excepthook = sys.excepthook
+        previous_exit = sys.exit
+
+        def excepthook(exc_type: Any, exc: Any, tb: Any) -> Any:
+            cls._note_uncaught(exc)  # (never raises)
+            return previous_excepthook(exc_type, exc, tb)
+
+        @functools.wraps(previous_exit)
+        def exit(*args: Any) -> Any:  # stands in for sys.exit
+            if len(args) <= 1:  # (more: the original raises TypeError)
+                cls._note_exit(args[0] if args else None)
+            return previous_exit(*args)
+
+        sys.excepthook = excepthook
+        sys.exit = exit
+
+    @classmethod
+    def _note_uncaught(cls, exc: object) -> None:
+        try:
+            if (
+                exc is not None
+                and exc is getattr(sys, "last_value", None)
+                and threading.current_thread() is threading.main_thread()
+                and not (sys.flags.interactive or sys.flags.inspect or hasattr(sys, "ps1"))
+            ):
+                cls.uncaught = True
+        except Exception:  # pragma: no cover - never disturb the exception's report
+            pass
+
+    @classmethod
+    def _note_exit(cls, code: object) -> None:
+        try:
+            if threading.current_thread() is threading.main_thread() and not _in_ipython():
+                cls.exit_status = _exit_status(code)
+        except Exception:  # pragma: no cover - never disturb the exit
+            pass
 
 
 class FanoutWriter:
@@ -636,6 +734,7 @@ class FanoutWriter:
                 self._workers.append(_SinkWorker(self, s, name, threaded))
             _live_writers.add(self)
             _register_exit_hook()
+            _ProcessEnd.watch()
 
     def __repr__(self) -> str:
         names = [w.name for w in self._workers] or [s.name for s in self.sinks]
@@ -819,6 +918,11 @@ class FanoutWriter:
         if self._values:
             self._close_step()
         self._step = step
+        if (
+            _ProcessEnd.exit_status is not None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            _ProcessEnd.exit_status = None  # the main thread goes on: its sys.exit was caught
 
     def _warn_closed(self) -> None:
         if not self._closed_warned:
@@ -1040,9 +1144,12 @@ class FanoutWriter:
         abandoned and its undelivered steps are counted as missed. Sinks built on objects the
         caller passed in (a ``SummaryWriter``, an MLflow client and run, a Comet experiment, a
         W&B run) are flushed, not closed. ``failed=True`` (the run ended with an exception; the
-        ``Vitals`` driver and ``with writer:`` pass it) ends the runs the sinks created as
-        failed (MLflow ``FAILED``, W&B exit code 1). Never raises because of a sink; warns once,
-        at the end, for every sink that missed steps. Calling it again does nothing.
+        ``Vitals`` driver and ``with writer:`` pass it; ``sys.exit(0)`` is no failure) ends the
+        runs the sinks created as failed (MLflow ``FAILED``, W&B exit code 1). A writer still
+        open when the interpreter exits is closed by an exit hook, with ``failed=True`` when
+        an uncaught exception or ``sys.exit`` with a non-zero status ends the script. Never
+        raises because of a sink; warns once, at the end, for every sink that missed steps.
+        Calling it again does nothing.
         """
         with self._lock:
             if self._closed:
@@ -1175,4 +1282,6 @@ class FanoutWriter:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.close(failed=exc_type is not None)
+        # sys.exit(0) inside the block is a success, as at exit (see _ProcessEnd)
+        succeeded = isinstance(exc, SystemExit) and _exit_status(exc.code) == 0
+        self.close(failed=exc_type is not None and not succeeded)
