@@ -32,6 +32,15 @@ class CometSink(Sink):
     sink's step onto the loop's step. An experiment the sink creates is its own: it is written
     from the sink's background thread.
 
+    Current step: ``log_metrics(d, step=)`` also leaves the experiment's ``curr_step`` at the
+    sink's step, which is the previous step (a step is delivered once the next one started).
+    What the loop logs without a step (``log_metric(name, value)``, Accelerate's
+    ``accelerator.log(values)``, assets, Comet's PyTorch auto-logging, which counts steps on
+    from ``curr_step``) would land on that earlier step; so the sink puts a shared
+    experiment's ``curr_step`` back to what it was, as Comet's own Keras callback does around
+    its test batches (``comet_ml/callbacks/_base.py``). (Comet's ``curr_step`` parameter keeps
+    the sink's step until the loop sets a step again.)
+
     Keys are mapped by :data:`~trainvitals.adapters.sinks.base.COMET_KEYS`: unchanged up to
     100 characters (``_x`` followed by two hex digits is escaped as ``_x5fx..``, as by every
     key rule, so that mapped keys stay distinct); a longer key is cut with a hash (Comet would
@@ -84,7 +93,15 @@ class CometSink(Sink):
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         if self.experiment is None:
             self.open()
-        self.experiment.log_metrics(dict(self.map_metrics(metrics)), step=step)
+        experiment = self.experiment
+        if self.owned or not hasattr(experiment, "curr_step"):
+            experiment.log_metrics(dict(self.map_metrics(metrics)), step=step)
+            return
+        loop_step = experiment.curr_step
+        try:
+            experiment.log_metrics(dict(self.map_metrics(metrics)), step=step)
+        finally:
+            experiment.curr_step = loop_step  # see "Current step" above
 
     def close(self) -> None:
         if self.owned and self.experiment is not None:
