@@ -533,3 +533,36 @@ def test_two_ranks_average_over_dp_and_communicate_only_on_logging_steps(two_ran
             for key in ("moe/load_balancing_loss", "moe/z_loss"):
                 expected = (per_rank[0][step][key] + per_rank[1][step][key]) / 2
                 assert res["rows"][step][key] == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_disabled_monitor_still_resets_the_global_aux_token_counts_each_step():
+    """global_aux_loss routers average their token counts over the micro-batches since their
+    last reset, which the monitor does at step end: training state. A monitor the guard
+    disables must not turn the loss into a running mean over the whole run."""
+    from trainvitals.adapters.loop import Vitals
+
+    class Failing(MoEMetricsMonitor):
+        def _report(self, ctx, step):
+            if step == 1:
+                raise RuntimeError("telemetry bug")
+            super()._report(ctx, step)
+
+    model = torch.nn.Linear(HIDDEN, HIDDEN)
+    router = TopKRouter(HIDDEN, EXPERTS, TOPK, aux_loss_type="global_aux_loss", aux_loss_coeff=0.01)
+    model.router = router
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    vitals = Vitals([Failing()], writer=Recorder(), log_every_n_steps=1).attach(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("TRAINVITALS_STRICT", raising=False)
+            for _ in range(4):
+                for _ in range(2):  # two micro-batches per step
+                    x = torch.randn(4, HIDDEN)
+                    vitals.batch(x)
+                    router(model(x))
+                # each step starts from a reset: only this step's micro-batches are counted
+                assert router.global_aux_micro_batches == 2
+                opt.step()
+                opt.zero_grad()
+    vitals.close()

@@ -136,6 +136,7 @@ class MoEMetricsMonitor(VitalsCallback):
         self._tracker = tracker
         self._routers: list[TopKRouter] = []
         self._global_routers: list[TopKRouter] = []
+        self._reset_handle: Any = None  # release()'s optimizer hook resetting global tokens
         self._layer_freq: int | list[int] | None = self.moe_layer_freq
         self._pending_micro_batches = 0
         self._pending_steps = 0
@@ -153,6 +154,9 @@ class MoEMetricsMonitor(VitalsCallback):
     # ------------------------------------------------------------------ hooks
 
     def run_start(self, ctx: RunContext) -> None:
+        if self._reset_handle is not None:  # (left by release() in an earlier run)
+            self._reset_handle.remove()
+            self._reset_handle = None
         self.tracker.clear()
         self._pending_micro_batches = 0
         self._pending_steps = 0
@@ -201,10 +205,22 @@ class MoEMetricsMonitor(VitalsCallback):
         """Disabled by the guard. This monitor installs no hook (the routers record into the
         tracker themselves) and leaves the tracker alone: it may be shared with another
         monitor or read by the user. It drops what it holds: a validation snapshot (device
-        copies of the tracker) and its references to the routers."""
+        copies of the tracker) and its references to the routers.
+
+        One duty stays: ``global_aux_loss`` routers average their token counts over the
+        micro-batches since their last reset, which this monitor did at every step end. That
+        is training state (the loss's gradient), so a telemetry failure must not change it:
+        the resets go on from the first optimizer's post-step hook until the next run."""
         self._validation_snapshot = None
+        routers, self._global_routers = self._global_routers, []
         self._routers = []
-        self._global_routers = []
+        if routers and ctx.optimizers:
+
+            def reset_global_tokens(*_: Any) -> None:
+                for router in routers:
+                    router.reset_global_tokens()
+
+            self._reset_handle = ctx.optimizers[0].register_step_post_hook(reset_global_tokens)
 
     # ------------------------------------------------------------------ what it writes
 
