@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tests.callbacks.test_norm_monitor_helpers import RecordingWriter, float64_norms
+from tests.scripts.vitals_testing import lsgan_manual_step
 from trainvitals.callbacks.norm_monitor import NormMonitor
 
 REL = 1e-6
@@ -35,23 +36,7 @@ def _gan_module_cls(pl):
 
         def training_step(self, batch, batch_idx):
             real, z = batch
-            opt_g, opt_d = self.optimizers()
-            if self.toggle:
-                self.toggle_optimizer(opt_g)
-            fake = self.gen(z)
-            g_loss = (self.disc(fake) - 1).pow(2).mean()
-            opt_g.zero_grad()
-            self.manual_backward(g_loss)
-            opt_g.step()
-            if self.toggle:
-                self.untoggle_optimizer(opt_g)
-                self.toggle_optimizer(opt_d)
-            d_loss = self.disc(fake.detach()).pow(2).mean() + (self.disc(real) - 1).pow(2).mean()
-            opt_d.zero_grad()
-            self.manual_backward(d_loss)
-            opt_d.step()
-            if self.toggle:
-                self.untoggle_optimizer(opt_d)
+            lsgan_manual_step(self, real, lambda: self.gen(z), self.toggle)
 
         def on_before_optimizer_step(self, optimizer):
             index = next(i for i, o in enumerate(self.trainer.optimizers) if o is optimizer)

@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from tests.callbacks.test_tensor_stats_monitor import check_line, read_lines
-from tests.scripts.vitals_testing import RecordingWriter, manual_optimization_module, quiet_trainer
+from tests.scripts.vitals_testing import (
+    RecordingWriter,
+    lsgan_manual_step,
+    manual_optimization_module,
+    quiet_trainer,
+)
 from tests.stats.test_moments import reference
 from trainvitals.callbacks import TensorStatsMonitor
 
@@ -41,23 +46,7 @@ def _gan_module_cls(pl):
         def training_step(self, batch, batch_idx):
             self.batch_step = self.global_step
             real, z = batch
-            opt_g, opt_d = self.optimizers()
-            if self.toggle:
-                self.toggle_optimizer(opt_g)
-            fake = self.gen(z) * self.scale
-            g_loss = (self.disc(fake) - 1).pow(2).mean()
-            opt_g.zero_grad()
-            self.manual_backward(g_loss)
-            opt_g.step()
-            if self.toggle:
-                self.untoggle_optimizer(opt_g)
-                self.toggle_optimizer(opt_d)
-            d_loss = self.disc(fake.detach()).pow(2).mean() + (self.disc(real) - 1).pow(2).mean()
-            opt_d.zero_grad()
-            self.manual_backward(d_loss)
-            opt_d.step()
-            if self.toggle:
-                self.untoggle_optimizer(opt_d)
+            lsgan_manual_step(self, real, lambda: self.gen(z) * self.scale, self.toggle)
 
         def on_before_optimizer_step(self, optimizer):
             stepping = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -174,3 +174,26 @@ def manual_optimization_module(
             return torch.utils.data.DataLoader(torch.randn(samples, 3), batch_size=2)
 
     return Manual()
+
+
+def lsgan_manual_step(module: Any, real: torch.Tensor, generate: Any, toggle: bool) -> None:
+    """One least-squares GAN batch under Lightning's manual optimization: the generator's
+    ``step()`` then the discriminator's (``module.disc``, optimizers ``(opt_g, opt_d)``), with
+    ``toggle_optimizer`` around each when ``toggle``; ``generate()`` makes the fakes."""
+    opt_g, opt_d = module.optimizers()
+    if toggle:
+        module.toggle_optimizer(opt_g)
+    fake = generate()
+    g_loss = (module.disc(fake) - 1).pow(2).mean()
+    opt_g.zero_grad()
+    module.manual_backward(g_loss)
+    opt_g.step()
+    if toggle:
+        module.untoggle_optimizer(opt_g)
+        module.toggle_optimizer(opt_d)
+    d_loss = module.disc(fake.detach()).pow(2).mean() + (module.disc(real) - 1).pow(2).mean()
+    opt_d.zero_grad()
+    module.manual_backward(d_loss)
+    opt_d.step()
+    if toggle:
+        module.untoggle_optimizer(opt_d)
