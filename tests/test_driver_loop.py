@@ -352,6 +352,22 @@ def test_exception_in_context_manager_reaches_callbacks():
     assert rec.events[-1] == ("exception", "KeyError")
 
 
+def _run_with_rollback(vitals, model, opt, sizes, back_at=3):
+    """One step per batch of ``sizes`` samples; before batch ``back_at`` the loop restores
+    the state it took after step 0 (an in-process rollback after a loss spike)."""
+    state = None
+    for i, size in enumerate(sizes):
+        if i == back_at:
+            vitals.load_state_dict(state)
+        x = torch.randn(size, 4)
+        vitals.batch(x)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 0:
+            state = vitals.state_dict()
+
+
 def test_default_writer_is_jsonl_in_run_dir(tmp_path):
     from trainvitals.adapters import read_jsonl
 
@@ -575,18 +591,7 @@ def test_rollback_to_an_earlier_step_replays_it_in_the_default_writer(tmp_path, 
     model, opt = _model_opt()
     monitor = RuntimeMonitor(max_steps=10)
     vitals = Vitals([monitor], run_dir=tmp_path, log_every_n_steps=1).attach(model, opt)
-    sizes = [2, 3, 4, 5, 6]  # steps 0, 1, 2, then back to after step 0: 1, 2 again
-    state = None
-    for i, size in enumerate(sizes):
-        if i == 3:
-            vitals.load_state_dict(state)
-        x = torch.randn(size, 4)
-        vitals.batch(x)
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        if i == 0:
-            state = vitals.state_dict()
+    _run_with_rollback(vitals, model, opt, [2, 3, 4, 5, 6])  # steps 0, 1, 2, then 1, 2 again
     vitals.close()
     rows = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
     assert sorted(rows) == [0, 1, 2]
@@ -674,20 +679,10 @@ def test_rollback_with_a_given_writer_drops_the_refused_steps_and_keeps_the_call
     monitor = RuntimeMonitor(max_steps=10)
     writer = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")], background=False)
     vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
-    sizes = [2, 3, 4, 5, 6, 7, 8]  # steps 0, 1, 2; back to after step 0; 1, 2, 3, 4
-    state = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i, size in enumerate(sizes):
-            if i == 3:
-                vitals.load_state_dict(state)
-            x = torch.randn(size, 4)
-            vitals.batch(x)
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            if i == 0:
-                state = vitals.state_dict()
+        # steps 0, 1, 2; back to after step 0; 1, 2, 3, 4
+        _run_with_rollback(vitals, model, opt, [2, 3, 4, 5, 6, 7, 8])
         vitals.close()
     writer.close()
     messages = [str(w.message) for w in caught]
@@ -705,15 +700,7 @@ def test_rollback_with_a_given_writer_drops_the_refused_steps_and_keeps_the_call
     permissive = RecordingWriter()
     vitals = Vitals([RuntimeMonitor(max_steps=10)], writer=permissive, log_every_n_steps=1)
     vitals.attach(model, opt)
-    for i, size in enumerate(sizes):
-        if i == 3:
-            vitals.load_state_dict(state)
-        x = torch.randn(size, 4)
-        vitals.batch(x)
-        model(x).sum().backward()
-        opt.step()
-        if i == 0:
-            state = vitals.state_dict()
+    _run_with_rollback(vitals, model, opt, [2, 3, 4, 5, 6, 7, 8])
     vitals.close()
     assert permissive.key("time/samples") == {0: 2, 1: 7, 2: 13, 3: 20, 4: 28}
 
