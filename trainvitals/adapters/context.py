@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,31 @@ class RunContext:
             for p in self.model.parameters():
                 return p.device
         return torch.device("cpu")
+
+    @property
+    def stepping_apart(self) -> bool:
+        """Several optimizers stepped apart (a GAN): ``before_optimizer_step`` runs once per
+        ``optimizer.step()``, for :attr:`stepping_optimizer`, not once for every gradient."""
+        return self.stepping_optimizer is not None and len(self.optimizers) > 1
+
+    @property
+    def stepping_index(self) -> int | None:
+        """The index of :attr:`stepping_optimizer` in :attr:`optimizers` (``None``: none)."""
+        stepping = self.stepping_optimizer
+        return next((i for i, o in enumerate(self.optimizers) if o is stepping), None)
+
+    def stepped_parameters(
+        self, parameters: Iterable[torch.Tensor], first: bool
+    ) -> tuple[set[int], set[int]]:
+        """With :attr:`stepping_apart`: ``(owned, measured)``, the ids of the stepping
+        optimizer's parameters, and of those among ``parameters`` that a callback measures at
+        this ``step()``: its own, and at the batch's ``first`` step() also those in no
+        optimizer (nothing else steps them)."""
+        owned = {id(p) for g in self.stepping_optimizer.param_groups for p in g["params"]}
+        if not first:
+            return owned, owned
+        every = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        return owned, owned | {id(p) for p in parameters if id(p) not in every}
 
 
 class ReplayWriter:

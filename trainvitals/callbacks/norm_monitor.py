@@ -205,8 +205,7 @@ class NormMonitor(VitalsCallback):
         # The flags of the last logging step are reported before this step's replace them.
         self._report_pending(block=True)
         self._track_trainable()
-        stepping = ctx.stepping_optimizer
-        if stepping is None or len(ctx.optimizers) < 2:
+        if not ctx.stepping_apart:
             # One optimizer, or every gradient shown at once: written now.
             part = self._measure(ctx, None, self._tracked, set())
             self._write(ctx, [part], ctx.step)
@@ -216,20 +215,12 @@ class NormMonitor(VitalsCallback):
         # step's keys are written at step_end, once every optimizer of the batch has stepped.
         if self._parts_step != ctx.step:
             self._parts, self._parts_step, self._measured = [], ctx.step, set()
-        index = next((i for i, o in enumerate(ctx.optimizers) if o is stepping), None)
-        owned = {id(p) for group in stepping.param_groups for p in group["params"]}
-        if not self._parts:
-            every = {id(p) for o in ctx.optimizers for g in o.param_groups for p in g["params"]}
-            owned_or_none = owned | {id(t.param) for t in self._tracked if id(t.param) not in every}
-        else:
-            owned_or_none = owned
+        owned, here = ctx.stepped_parameters((t.param for t in self._tracked), not self._parts)
         tracked = [
-            t
-            for t in self._tracked
-            if id(t.param) in owned_or_none and id(t.param) not in self._measured
+            t for t in self._tracked if id(t.param) in here and id(t.param) not in self._measured
         ]
         self._measured.update(id(t.param) for t in tracked)
-        self._parts.append(self._measure(ctx, index, tracked, owned))
+        self._parts.append(self._measure(ctx, ctx.stepping_index, tracked, owned))
 
     def step_end(self, ctx: RunContext) -> None:
         """Write the norms of a step whose optimizers were stepped apart; name the non-finite
@@ -245,10 +236,8 @@ class NormMonitor(VitalsCallback):
         # Which optimizer steps decides which parameters (and so which collectives) a call
         # measures; step_end reduces over pipeline stages only when it writes.
         key = super().collective_key(hook, ctx)
-        stepping = ctx.stepping_optimizer
-        if hook == "before_optimizer_step" and stepping is not None and len(ctx.optimizers) > 1:
-            index = next((i for i, o in enumerate(ctx.optimizers) if o is stepping), None)
-            return (*key, index)
+        if hook == "before_optimizer_step" and ctx.stepping_apart:
+            return (*key, ctx.stepping_index)
         if hook == "step_end":
             return (*key, bool(self._parts))
         return key

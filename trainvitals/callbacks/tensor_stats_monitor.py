@@ -314,9 +314,8 @@ class TensorStatsMonitor(VitalsCallback):
         # collectives of a hook; with several optimizers stepped apart, also which optimizer
         # steps and whether it is the step's first (which parameters a call measures)
         key = (hook, self._param_step(ctx), bool(self._handles), tuple(self._pending))
-        if hook == "before_optimizer_step" and self._several_stepped_apart(ctx):
-            first = self._parts_step != ctx.step
-            return (*key, _index_of(ctx.optimizers, ctx.stepping_optimizer), first)
+        if hook == "before_optimizer_step" and ctx.stepping_apart:
+            return (*key, ctx.stepping_index, self._parts_step != ctx.step)
         return key
 
     # ------------------------------------------------------------------ hooks
@@ -366,7 +365,7 @@ class TensorStatsMonitor(VitalsCallback):
         if not self._param_step(ctx):
             return
         named = self._trainable_parameters(ctx)
-        several = self._several_stepped_apart(ctx)
+        several = ctx.stepping_apart
         if several:
             named = self._stepped_part(ctx, named)
         wanted: dict[str, list[tuple[str, torch.Tensor]]] = {}
@@ -448,11 +447,6 @@ class TensorStatsMonitor(VitalsCallback):
             self._params = (key, [(n, p) for n, p in named if p.requires_grad])
         return self._params[1]
 
-    def _several_stepped_apart(self, ctx: RunContext) -> bool:
-        """Several optimizers stepped apart (Lightning's manual optimization, the driver with
-        several attached): ``before_optimizer_step`` runs once per ``optimizer.step()``."""
-        return ctx.stepping_optimizer is not None and len(ctx.optimizers) > 1
-
     def _stepped_part(self, ctx: RunContext, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """The parameters measured at this ``optimizer.step()``: the stepping optimizer's
         (its gradients as it uses them, its weights before its update), and at the step's first
@@ -466,14 +460,8 @@ class TensorStatsMonitor(VitalsCallback):
             first = True
         else:
             first = False
-        stepping = ctx.stepping_optimizer
-        owned = {id(p) for group in stepping.param_groups for p in group["params"]}
-        if first:
-            every = {
-                id(p) for o in ctx.optimizers for group in o.param_groups for p in group["params"]
-            }
-            owned |= {id(p) for _, p in named if id(p) not in every}
-        part = [(n, p) for n, p in named if id(p) in owned and id(p) not in self._measured]
+        _, here = ctx.stepped_parameters((p for _, p in named), first)
+        part = [(n, p) for n, p in named if id(p) in here and id(p) not in self._measured]
         self._measured.update(id(p) for _, p in part)
         return part
 
@@ -1031,10 +1019,6 @@ def _sum_partials(tensors: list[torch.Tensor], locals_: list[torch.Tensor]) -> N
         reduced = all_reduce_by_groups(items, "sum", dtype=torch.float64)
         for i, value in zip(where, reduced, strict=True):
             locals_[i] = value
-
-
-def _index_of(optimizers: Sequence[Any], optimizer: Any) -> int | None:
-    return next((i for i, o in enumerate(optimizers) if o is optimizer), None)
 
 
 def _concat_kinds(first: _Kind, second: _Kind) -> _Kind:
