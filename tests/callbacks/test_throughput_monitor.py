@@ -48,6 +48,17 @@ def _loop(
     return fake_loop([monitor], clock, seq=SEQ, on_step=on_step, **loop_args)
 
 
+def _plain_steps(vitals: Vitals, forward: Any, opt: Any, clock: FakeClock, sizes, features):
+    """One optimizer step per float batch of ``sizes`` samples (tokens unknown), 1 s each."""
+    for b in sizes:
+        x = torch.randn(b, features)
+        vitals.batch(x)
+        clock.t += 1.0
+        forward(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _expected(step: int, *, window: int, warmup: int, acc: int = 2, ranks=(0,)) -> dict:
     """Independent computation of the window's rates at logging step ``step``."""
     first = max(warmup, step - window + 1)
@@ -121,13 +132,7 @@ def test_measured_flops_match_analytic_count():
     writer = RecordingWriter()
     vitals = Vitals([monitor], writer=writer).attach(model, opt)
     batch_sizes = [6, 3, 5, 4]
-    for b in batch_sizes:
-        x = torch.randn(b, 8)  # float batch: samples known, tokens unknown
-        vitals.batch(x)
-        clock.t += 1.0
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _plain_steps(vitals, model, opt, clock, batch_sizes, 8)  # samples known, tokens unknown
     vitals.close()
     assert monitor.state_dict()["measured"] == ["samples", pytest.approx(per_sample)]
     row = writer.rows[3]
@@ -159,13 +164,7 @@ def test_measured_zero_flops_write_no_flops_or_mfu():
     writer = RecordingWriter()
     with pytest.warns(RuntimeWarning, match="no flops"):
         vitals = Vitals([monitor], writer=writer).attach(model, opt)
-        for _ in range(3):
-            x = torch.randn(4, 3)
-            vitals.batch(x)
-            clock.t += 1.0
-            forward(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        _plain_steps(vitals, forward, opt, clock, [4, 4, 4], 3)
         vitals.close()
     row = writer.rows[2]
     assert row["throughput/samples_per_sec"] == pytest.approx(4.0)
@@ -549,13 +548,7 @@ def _tensor_parallel_measured_flops_body(rank: int, world_size: int) -> dict:
     vitals = Vitals([monitor], writer=writer, groups=ProcessGroups.from_device_mesh(mesh))
     vitals.attach(model, opt)
     torch.manual_seed(1)  # the same batches on both tensor-parallel peers
-    for b in (6, 3, 5):
-        x = torch.randn(b, 8)
-        vitals.batch(x)
-        clock.t += 1.0
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _plain_steps(vitals, model, opt, clock, [6, 3, 5], 8)
     vitals.close()
     return {"measured": monitor.state_dict()["measured"], "row": writer.rows[2]}
 
