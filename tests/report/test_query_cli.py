@@ -514,3 +514,32 @@ def test_cli_reader_closing_the_pipe_is_not_an_error(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert err == "", err
+
+
+def test_a_folder_of_several_runs_is_an_error_naming_their_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # lightning_logs/ holds one folder per run (version_0, version_1), and a run folder keeps an
+    # earlier run's file moved aside (tensor_stats.jsonl.1): which one to read is the user's
+    # choice, so the error (exit 2) names them instead of only the file that is not there.
+    logs = tmp_path / "lightning_logs"
+    runs = [logs / "version_0", logs / "version_1", logs / "exp" / "version_0"]
+    for run in runs:
+        run.mkdir(parents=True)
+        write_run(run, [0])
+    (runs[0] / "tensor_stats.jsonl").rename(runs[0] / "tensor_stats.jsonl.1")
+    assert main(["query", str(logs)]) == 2
+    err = capsys.readouterr().err
+    want = [runs[1] / "tensor_stats.jsonl", runs[2] / "tensor_stats.jsonl"]
+    assert f"no tensor statistics file at {logs / 'tensor_stats.jsonl'}; 2 found" in err, err
+    assert all(str(f) in err for f in want), err
+    assert main(["query", str(runs[0])]) == 2  # only the file moved aside
+    assert (
+        f"1 found in or below {runs[0]}: {runs[0] / 'tensor_stats.jsonl.1'}"
+        in capsys.readouterr().err
+    )
+    assert main(["query", str(runs[1])]) == 0  # a named run reads as usual
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["query", str(empty)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"at {empty / 'tensor_stats.jsonl'}")

@@ -41,6 +41,24 @@ CHUNK_RECORDS = 256
 #: Skipped lines of a file warned about one by one; the rest are counted in one warning.
 MAX_LINE_WARNINGS = 5
 _REGEX_CHARS = re.compile(r"[\\^$()+|{}]")
+STATS_FILE = "tensor_stats.jsonl"
+#: Folder levels below a run folder searched for tensor statistics files, only to name them in
+#: the error: ``lightning_logs/version_0/``, ``runs/<name>/version_0/``.
+_SEARCH_DEPTH = 2
+
+
+def _found_below(folder: Path | None) -> str:
+    """The tail of the missing-file error: the files a folder of several runs (or of a run
+    moved aside by a new one) holds instead, so the user can name one."""
+    if folder is None or not folder.is_dir():
+        return ""
+    found = sorted(folder.glob(f"{STATS_FILE}.*"))  # earlier runs moved aside (.1, .2, ...)
+    for depth in range(1, _SEARCH_DEPTH + 1):  # bounded: a folder may hold a big tree
+        found += sorted(folder.glob("/".join(["*"] * depth + [STATS_FILE])))
+    if not found:
+        return ""
+    names = ", ".join(str(f) for f in found[:5]) + (", ..." if len(found) > 5 else "")
+    return f"; {len(found)} found in or below {folder}: {names} (give one of them)"
 
 
 def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
@@ -53,10 +71,11 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     twice, the later line wins (:func:`query` applies this).
     """
     path = Path(path)
-    if path.is_dir():
-        path = path / "tensor_stats.jsonl"
+    folder = path if path.is_dir() else None
+    if folder is not None:
+        path = folder / STATS_FILE
     if not path.exists():
-        raise FileNotFoundError(f"no tensor statistics file at {path}")
+        raise FileNotFoundError(f"no tensor statistics file at {path}{_found_below(folder)}")
     skipped = 0
 
     def skip(message: str) -> None:

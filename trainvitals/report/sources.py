@@ -6,12 +6,15 @@ Three formats, found in this order when none is named:
    exact; schema in :mod:`trainvitals.adapters.jsonl`);
 2. TensorBoard event files (``events.out.tfevents.*``) anywhere under the run folder: what a
    Lightning ``TensorBoardLogger``, an Accelerate ``tensorboard`` tracker or a
-   :class:`~trainvitals.adapters.TensorBoardSink` wrote (values are float32 there; read with
-   ``tensorboard``'s own reader, imported only then);
+   :class:`~trainvitals.adapters.TensorBoardSink` wrote (float32 values, float64 ones from
+   ``TensorBoardSink(double_precision=True)``; read with ``tensorboard``'s own reader,
+   imported only then);
 3. a Lightning ``CSVLogger`` file (``metrics.csv``) anywhere under the run folder: a ``step``
    column and one column per key, empty where a key was not logged.
 
 Within a step, the value read last wins (a later line, a later event file of a resumed run).
+The event files of one folder are read together, as TensorBoard reads a run, so a resumed run's
+``purge_step`` (TensorBoardSink sets it) hides the earlier run's steps from that step on.
 """
 
 from __future__ import annotations
@@ -117,11 +120,13 @@ def load_metrics(
         files = sorted(path.rglob(_EVENTS)) if path.is_dir() else [path]
         if not files:
             raise FileNotFoundError(f"no TensorBoard event files under {path}")
-        for step, key, value, wall in _tensorboard_scalars(files):
+        precisions: set[str] = set()  # shown beside the source: float32 is not exact
+        for step, key, value, wall in _tensorboard_scalars(files, path.is_dir(), precisions):
             add(key, step, value)
             if shown(step):  # (the wall time of the steps shown, as the span beside it)
                 src.times.append(wall)
-        src.description = f"{path} ({len(files)} TensorBoard event file(s), float32 values)"
+        kinds = " and ".join(sorted(precisions)) or "no"
+        src.description = f"{path} ({len(files)} TensorBoard event file(s), {kinds} values)"
     elif path.suffix == ".csv":
         rows = 0
         for step, key, value in _csv_scalars(path):
@@ -142,20 +147,44 @@ def load_metrics(
     return src
 
 
-def _tensorboard_scalars(files: list[Path]) -> Iterator[tuple[int, str, float, float]]:
+def _tensorboard_scalars(
+    files: list[Path], whole_folders: bool, precisions: set[str]
+) -> Iterator[tuple[int, str, float, float]]:
+    """The scalars of ``files`` (sorted), read per folder when ``whole_folders`` (each holds
+    every event file of its folder), else per file; adds the dtypes read to ``precisions``."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from tensorboard.util.tensor_util import make_ndarray
     except ImportError as exc:  # pragma: no cover - tensorboard is in the dev extra
         raise FileNotFoundError(
             "reading TensorBoard event files needs the tensorboard package "
             "(pip install tensorboard), or write JSONL with JsonlSink"
         ) from exc
-    for f in files:  # sorted: the file names start with their creation time
-        acc = EventAccumulator(os.fspath(f), size_guidance={"scalars": 0})
+    # One accumulator per folder, as TensorBoard reads a run: its files in name order (the names
+    # start with their creation time), so a resumed run's SummaryWriter(purge_step=N) (what
+    # TensorBoardSink opens on resume) hides the earlier file's steps >= N. Read file by file,
+    # those abandoned steps stayed in the report beyond the steps the resumed run re-logged.
+    sources = list(dict.fromkeys(f.parent for f in files)) if whole_folders else files
+    for f in sources:
+        # (size 0: keep every event; the default samples 10,000 scalars and 10 tensors per tag)
+        acc = EventAccumulator(os.fspath(f), size_guidance={"scalars": 0, "tensors": 0})
         acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
+        tags = acc.Tags()
+        for tag in tags.get("scalars", []):
+            precisions.add("float32")  # (simple_value is a float32 field)
             for event in acc.Scalars(tag):
                 yield event.step, tag, float(event.value), event.wall_time
+        # New-style scalars are one-element tensors of the scalars plugin: what
+        # TensorBoardSink(double_precision=True) writes (float64) and torch's
+        # add_scalar(..., new_style=True); Scalars() does not return them.
+        for tag in tags.get("tensors", []):
+            if acc.SummaryMetadata(tag).plugin_data.plugin_name != "scalars":
+                continue
+            for tensor_event in acc.Tensors(tag):
+                array = make_ndarray(tensor_event.tensor_proto)
+                if array.size == 1 and array.dtype.kind == "f":
+                    precisions.add(str(array.dtype))
+                    yield tensor_event.step, tag, float(array.item()), tensor_event.wall_time
 
 
 def _csv_scalars(path: Path) -> Iterator[tuple[int, str, float]]:
