@@ -9,12 +9,14 @@ import warnings
 import pytest
 import torch
 
+from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import FakeClock, batch_size, fake_loop, quiet_trainer
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
-from tests.scripts.vitals_testing import quiet_trainer
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.base import STATE_FAILED_KEY, VitalsCallback
 from trainvitals.callbacks.norm_monitor import NormMonitor
 from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
 
 MICRO_BATCHES = 2  # per optimizer step in _train
 
@@ -210,3 +212,115 @@ def test_lightning_checkpoints_are_saved_when_a_state_dict_fails(tmp_path):
             trainer2.fit(_lightning_module(pl), ckpt_path=tmp_path / saved[0])
     assert trainer2.global_step == 4
     assert _batches(resumed._writer_override) == {2: 1.0, 3: 2.0}
+
+
+# ---------------------------------------------------------------------------- several ranks
+
+
+class SubclassFailingFirst(ThroughputMonitor):
+    """A user's subclass whose own code fails, on one rank, before ``super().state_dict()``."""
+
+    fail = False
+
+    def state_dict(self):
+        if self.fail:
+            raise RuntimeError("a rank-local failure before the collective")
+        return super().state_dict()
+
+
+def _failing_state_dict_body(rank: int, world_size: int, kind: str) -> dict:
+    """Two ranks train, save a checkpoint whose ``state_dict`` fails on rank 1 before the
+    monitor's collective, train on, then save once more (no failure)."""
+    import os
+
+    os.environ["TRAINVITALS_STRICT"] = "0"
+    warnings.simplefilter("ignore", RuntimeWarning)
+    clock = FakeClock()
+    if kind == "runtime":
+        monitor = RuntimeMonitor(clock=clock, log_every_n_steps=1)
+    else:
+        monitor = SubclassFailingFirst(window_size=3, warmup_steps=0, clock=clock)
+        monitor.log_every_n_steps = 1
+    writer = Recorder()
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, optimizer)
+
+    def train(steps: range) -> None:
+        for step in steps:
+            x = torch.ones(batch_size(step, 0, rank), 3)
+            vitals.batch(x)
+            clock.t += 1.0
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train(range(3))
+    if rank == 1:
+        if kind == "runtime":  # a count that cannot be read on the host
+            monitor._pending["samples"] = torch.tensor(1.0, device="meta")
+        else:
+            monitor.fail = True
+    failed = monitor.state_dict()
+    if kind == "runtime":
+        monitor._pending["samples"] = 0.0  # as it was: every step logs, so all was summed
+    monitor.fail = False
+    train(range(3, 6))
+    saved = monitor.state_dict()
+    vitals.close()
+    return {"failed": failed, "saved": saved, "rows": writer.rows}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", ["runtime", "throughput_subclass"])
+def test_a_state_dict_failing_on_one_rank_leaves_no_rank_waiting(kind):
+    """Before the fix the healthy rank waited in the monitor's checkpoint collective, which then
+    paired with the failed rank's next logging step (a crash on a size mismatch, or sums of two
+    different steps)."""
+    results = run_distributed(_failing_state_dict_body, world_size=2, args=(kind,), timeout=150)
+    samples = {s: sum(batch_size(s, 0, r) for r in (0, 1)) for s in range(6)}
+    for rank, result in enumerate(results):
+        # every rank's checkpoint gets the marker: rank 0's (the one saved) has no partial state
+        assert STATE_FAILED_KEY in result["failed"], rank
+        assert STATE_FAILED_KEY not in result["saved"], rank
+        rows = result["rows"]
+        assert sorted(rows) == list(range(6))
+        if kind == "runtime":
+            consumed = result["saved"]["consumed"]
+            assert consumed["batches"] == 2 * 6
+            assert consumed["samples"] == sum(samples.values())
+            for step in range(6):
+                assert rows[step]["time/batches"] == 2 * (step + 1), (rank, step)
+                expected = sum(samples[s] for s in range(step + 1))
+                assert rows[step]["time/samples"] == expected, (rank, step)
+        else:
+            for step in range(6):
+                window = range(max(0, step - 2), step + 1)
+                expected = sum(samples[s] for s in window) / len(window)
+                assert rows[step]["throughput/samples_per_sec"] == pytest.approx(expected), step
+            # the second checkpoint holds the exact global sums of the window (steps 3-5)
+            globals_ = result["saved"]["window"]["globals"]
+            assert [g[1] for g in globals_] == [samples[s] for s in (3, 4, 5)]
+
+
+def test_a_peer_marked_checkpoint_sum_leaves_the_window_live(monkeypatch):
+    """On accelerators a peer's "missing" mark comes back as NaN sums (no host sync in the
+    collective): the checkpoint must get the marker, not NaN global sums that a resume would
+    turn into NaN rates, and the window stays to be summed at the next logging step."""
+    import trainvitals.callbacks.throughput_monitor as throughput_module
+
+    clock = FakeClock()
+    monitor = ThroughputMonitor(window_size=3, warmup_steps=0, clock=clock)
+    fake_loop([monitor], clock, steps=range(4))
+    real = throughput_module.reduce_counts
+    monkeypatch.setattr(
+        throughput_module, "reduce_counts", lambda m, g: torch.full_like(m, float("nan"))
+    )
+    with pytest.warns(RuntimeWarning, match="no state of this callback"):
+        marked = monitor.state_dict()
+    assert STATE_FAILED_KEY in marked
+    monkeypatch.setattr(throughput_module, "reduce_counts", real)
+    saved = monitor.state_dict()["window"]
+    # one process: the global sums are this rank's own counts, for the last 3 steps
+    assert [g[1] for g in saved["globals"]] == [r[2] for r in saved["records"]]
+    assert len(saved["records"]) == 3

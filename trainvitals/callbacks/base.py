@@ -51,7 +51,10 @@ construction or at run start, on every rank, before any collective.
 when the class is made), since checkpointing calls them outside the hooks: a failing
 ``state_dict`` is warned and returns a marker state in place of the callback's, which a later
 ``load_state_dict`` skips with a warning; a failing ``load_state_dict`` is warned and the
-callback goes on from its state before the restore. The guard issues no collective.
+callback goes on from its state before the restore. A failing ``state_dict`` of a callback whose
+state is collective (:meth:`VitalsCallback.state_dict_collectives`) has its remaining
+collectives issued with the "missing" mark, so the other ranks' ``state_dict`` return the
+marker too instead of waiting.
 """
 
 from __future__ import annotations
@@ -163,6 +166,13 @@ class VitalsCallback:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
+
+    def state_dict_collectives(self) -> tuple[CollectiveCall, ...]:
+        """The collectives ``state_dict`` issues on a multi-rank run, in order, known from the
+        configuration alone (the same on every rank whatever its state): the checkpoint guard
+        issues those a failed ``state_dict`` did not reach, with the "missing" mark, so that no
+        other rank waits in them. Default: none (a ``state_dict`` without collectives)."""
+        return ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -600,13 +610,14 @@ def _guard_state_dict(method: Callable[[Any], dict[str, Any]]) -> Callable[[Any]
     """``state_dict`` that never ends the run (checkpoints are saved on every rank, outside
     the hook guard): a failure is warned (once per run) and returns the marker state instead.
 
-    It issues no collective of its own. ThroughputMonitor's and RuntimeMonitor's own state_dict
-    are collective (one SUM over the ranks, ``reduce_counts``); everything they compute before
-    it is rank-independent (the window's row count, pending counts), so what can fail on one
-    rank only (a host read, a clock) fails after it and leaves no rank waiting; their later
-    collectives stay in lockstep because the counts are settled before that point. A failure
-    before it on one rank only would leave the others waiting there: nothing is replayed for
-    it, since the size of that collective changes from one checkpoint to the next."""
+    ThroughputMonitor's and RuntimeMonitor's own state_dict are collective (SUMs over the ranks,
+    ``reduce_counts``). A failure on one rank before or between those collectives (a host read
+    of a device count, a user subclass's code before ``super().state_dict()``) would leave the
+    other ranks waiting in them, or pair them with this rank's next collective (a later logging
+    step's). So the guard records the collectives of the call and, when it fails, issues the
+    rest of :meth:`VitalsCallback.state_dict_collectives` (fixed by the configuration, the same
+    on every rank) with the "missing" mark: the other ranks' state_dict then fail alike
+    (:class:`PeerRankFailed`) and every rank's checkpoint gets the marker, none waits."""
 
     @functools.wraps(method)
     def state_dict(self: VitalsCallback) -> dict[str, Any]:
@@ -614,24 +625,57 @@ def _guard_state_dict(method: Callable[[Any], dict[str, Any]]) -> Callable[[Any]
             return method(self)  # a super().state_dict() of a guarded call
         self.__dict__[_GUARDED] = True
         try:
-            return method(self)
-        except Exception as exc:
-            if _strict():
-                raise
-            failure = f"{type(exc).__name__}: {exc}"
-            self._warn_first(
-                "guard:state_dict",
-                f"trainvitals: {type(self).__name__}.state_dict raised {failure}; the checkpoint "
-                "gets no state of this callback (a marker instead: restoring it leaves the "
-                "callback's counters, windows and estimates as they are, with a warning). "
-                "Training continues. Set TRAINVITALS_STRICT=1 to raise instead.",
-            )
-            return {STATE_FAILED_KEY: failure}
+            with recording_collectives() as issued:
+                try:
+                    return method(self)
+                except Exception as exc:
+                    failure = exc
         finally:
             self.__dict__.pop(_GUARDED, None)
+        completed = _complete_state_collectives(self, issued)
+        if _strict():
+            raise failure
+        name = type(self).__name__
+        if not completed:
+            self._warn_first(
+                "guard:state_incomplete",
+                f"trainvitals: {name}.state_dict raised {type(failure).__name__}: {failure}; "
+                "its remaining collectives could not be issued, so the other ranks may wait in "
+                "them",
+            )
+        if isinstance(failure, PeerRankFailed):
+            cause = f"another rank's {name}.state_dict failed ({failure})"
+        else:
+            cause = f"{name}.state_dict raised {type(failure).__name__}: {failure}"
+        self._warn_first(
+            "guard:state_dict",
+            f"trainvitals: {cause}; the checkpoint gets no state of this callback (a marker "
+            "instead: restoring it leaves the callback's counters, windows and estimates as "
+            "they are, with a warning). Training continues. Set TRAINVITALS_STRICT=1 to raise "
+            "instead.",
+        )
+        return {STATE_FAILED_KEY: f"{type(failure).__name__}: {failure}"}
 
     setattr(state_dict, _GUARDED, True)
     return state_dict
+
+
+def _complete_state_collectives(callback: VitalsCallback, issued: list[CollectiveCall]) -> bool:
+    """Issue, with the "missing" mark, the collectives of ``callback.state_dict_collectives()``
+    that a failed ``state_dict`` did not reach. False when its own collectives are not their
+    beginning (they cannot be completed) or issuing them failed."""
+    try:
+        schema = tuple(callback.state_dict_collectives())
+    except Exception:
+        return False
+    done = len(issued)
+    if schema[:done] != tuple(issued):
+        return False
+    try:
+        replay_missing(schema[done:])
+    except Exception:  # the backend itself failed: nothing more can be done from here
+        return False
+    return True
 
 
 def _guard_load_state_dict(

@@ -11,8 +11,8 @@ import torch
 
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
-from trainvitals.callbacks.throughput_monitor import reduce_counts
-from trainvitals.distributed import PeerRankFailed, ProcessGroups
+from trainvitals.callbacks.throughput_monitor import count_reduction_calls, reduce_counts
+from trainvitals.distributed import CollectiveCall, PeerRankFailed, ProcessGroups
 from trainvitals.stats.runtime import (
     TIME_UNITS,
     TrainClock,
@@ -270,6 +270,9 @@ class RuntimeMonitor(VitalsCallback):
             "rate": {"seconds": seconds, "steps": steps},
             "consumed": dict(self._consumed),
         }
+
+    def state_dict_collectives(self) -> tuple[CollectiveCall, ...]:
+        return count_reduction_calls(1, self._groups)  # _sync_consumed's one row
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         seconds = state_dict.get("seconds", {})

@@ -11,7 +11,14 @@ import torch
 
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
-from trainvitals.distributed import ProcessGroups, all_reduce_by_groups, group_size, world_group
+from trainvitals.distributed import (
+    CollectiveCall,
+    PeerRankFailed,
+    ProcessGroups,
+    all_reduce_coalesced,
+    group_size,
+    world_group,
+)
 from trainvitals.stats.flops import (
     PRECISIONS,
     FlopCounterSession,
@@ -22,7 +29,7 @@ from trainvitals.stats.flops import (
 from trainvitals.stats.runtime import TrainClock
 from trainvitals.stats.throughput import COUNT_FIELDS, RollingWindow, StepCounter, to_vector
 
-__all__ = ["ThroughputMonitor", "reduce_counts"]
+__all__ = ["ThroughputMonitor", "count_reduction_calls", "reduce_counts"]
 
 # Which group each count of a StepRecord (COUNT_FIELDS[1:]) is summed over. Samples and batches:
 # the data-parallel ranks (tensor-, context- and pipeline-parallel peers share their samples).
@@ -39,22 +46,41 @@ _FIELD_GROUP = {
 }
 
 
+def _reduction_plan(groups: ProcessGroups) -> list[tuple[Any, list[int]]]:
+    """``(group, columns)`` of each collective :func:`reduce_counts` issues, in issue order:
+    the columns of :data:`COUNT_FIELDS` after ``seconds`` summed over one distinct group (groups
+    of one member left out). The same on every rank (fields in a fixed order)."""
+    group_of = {"dp": groups.dp, "dp_cp": groups.dp_cp, "world": world_group()}
+    plan: list[tuple[Any, list[int]]] = []
+    for i, name in enumerate(COUNT_FIELDS[1:]):
+        group = group_of[_FIELD_GROUP[name]]
+        if group_size(group) == 1:
+            continue
+        for planned, columns in plan:
+            if planned is group:
+                columns.append(i)
+                break
+        else:
+            plan.append((group, [i]))
+    return plan
+
+
 def reduce_counts(matrix: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
     """Sum the columns of ``matrix`` (``[n, 7]``, the :data:`COUNT_FIELDS` after ``seconds``)
     over their groups: one SUM collective per distinct group (one in all under plain DDP)."""
-    names = COUNT_FIELDS[1:]
-    by_role: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        by_role.setdefault(_FIELD_GROUP[name], []).append(i)
-    group_of = {"dp": groups.dp, "dp_cp": groups.dp_cp, "world": world_group()}
-    if all(group_size(g) == 1 for g in group_of.values()):
-        return matrix.to(torch.float64)  # one process: nothing to sum
-    roles = list(by_role)
-    reduced = all_reduce_by_groups([(matrix[:, by_role[r]], (group_of[r],)) for r in roles], "sum")
-    out = torch.empty_like(matrix, dtype=torch.float64)
-    for r, values in zip(roles, reduced, strict=True):
-        out[:, by_role[r]] = values
+    out = matrix.to(torch.float64, copy=True)
+    for group, columns in _reduction_plan(groups):
+        out[:, columns] = all_reduce_coalesced([out[:, columns]], "sum", group)[0]
     return out
+
+
+def count_reduction_calls(rows: int, groups: ProcessGroups) -> tuple[CollectiveCall, ...]:
+    """The collectives :func:`reduce_counts` issues for a matrix of ``rows`` rows, known without
+    issuing them (the checkpoint guard completes a failed ``state_dict`` with them)."""
+    return tuple(
+        CollectiveCall("all_reduce", group, rows * len(columns), torch.float64, "sum")
+        for group, columns in _reduction_plan(groups)
+    )
 
 
 def _run_precision(ctx: RunContext) -> str | None:
@@ -479,14 +505,27 @@ class ThroughputMonitor(VitalsCallback):
         """Window, totals and measured flops. On a multi-rank run this is collective (the window's
         counts are summed over the ranks so that rank 0's copy restores exact global rates):
         call it on every rank, as Lightning's and Accelerate's checkpointing do."""
-        idx, matrix = self._window.live_matrix()
+        idx, live = self._window.live_matrix()
+        # window_size + 1 rows on every rank, however many entries are live here: the
+        # collective's size follows from the configuration alone, so the checkpoint guard can
+        # complete it for a rank whose state_dict failed before it (state_dict_collectives), and
+        # ranks whose windows differ (a step_end that failed on one rank) still pair up. The
+        # last row is 0 on every rank: NaN there is a rank's "missing" mark (accelerators).
+        matrix = torch.zeros(self._window.size + 1, len(COUNT_FIELDS) - 1, dtype=torch.float64)
+        matrix[: len(idx)] = live
+        summed = reduce_counts(matrix, self._groups)
+        if bool(summed[-1].isnan().any()):
+            raise PeerRankFailed("another rank's window counts are missing from this checkpoint")
         if idx:
-            self._window.set_globals(idx, reduce_counts(matrix, self._groups))
+            self._window.set_globals(idx, summed[: len(idx)])
         return {
             "window": self._window.state_dict(),
             "totals": {k: float(v) for k, v in self._totals.items()},
             "measured": list(self._measured) if self._measured is not None else None,
         }
+
+    def state_dict_collectives(self) -> tuple[CollectiveCall, ...]:
+        return count_reduction_calls(self._window.size + 1, self._groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._window.load_state_dict(state_dict.get("window", {}))
