@@ -19,7 +19,12 @@ from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.norm_monitor import NormMonitor
 from trainvitals.distributed import collective_counter
 from trainvitals.stats import norms as norms_module
-from trainvitals.stats.norms import canonical_name, dedupe_named_tensors, local_sq_norms
+from trainvitals.stats.norms import (
+    canonical_name,
+    dedupe_named_tensors,
+    group_named_tensors,
+    local_sq_norms,
+)
 
 REL = 1e-6
 
@@ -87,6 +92,30 @@ def test_per_param_globs_write_grad_and_param_norms():
         param_ref = float(grads[0][f"param:{n}"].norm())
         assert row[f"l2_norm/param/{n}"] == pytest.approx(param_ref, rel=REL)
     assert "head.weight" not in str(sorted(row))  # tied head is reported under its first name
+
+
+def test_a_glob_matching_a_tied_alias_selects_the_parameter_under_its_first_name():
+    # The head is tied to the embedding (named_parameters lists it as embed.weight first): a
+    # glob naming the head, as docs/norms.md's "*lm_head.weight" example does, selects it.
+    monitor = NormMonitor(per_param="head.weight", per_param_kinds=("grad", "param"))
+    _, writer, _, grads = _run_driver(monitor, steps=1, interval=1)
+    row = writer.steps[0]
+    per_param = {k for k in row if k.count("/") == 2 and not k.endswith(("global", "count"))}
+    assert per_param == {"l2_norm/grad/embed.weight", "l2_norm/param/embed.weight"}
+    grad_ref = float(grads[0]["embed.weight"].norm())
+    assert row["l2_norm/grad/embed.weight"] == pytest.approx(grad_ref, rel=REL)
+    param_ref = float(grads[0]["param:embed.weight"].norm())
+    assert row["l2_norm/param/embed.weight"] == pytest.approx(param_ref, rel=REL)
+    # a second Parameter object over the embedding's memory: its names are aliases too
+    torch.manual_seed(0)
+    model = TiedLM()
+    alias = nn.Parameter(model.embed.weight.data)
+    grouped = group_named_tensors(
+        [*model.named_parameters(remove_duplicate=False), ("extra", alias)]
+    )
+    assert grouped[0][0] == "embed.weight"
+    assert grouped[0][2] == ("embed.weight", "head.weight", "extra")
+    assert [names for _, _, names in grouped[1:]] == [(n,) for n, _, _ in grouped[1:]]
 
 
 def test_param_norm_is_taken_before_the_update():

@@ -16,7 +16,7 @@ from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import all_reduce_coalesced, group_rank, group_size
 from trainvitals.stats.norms import (
     canonical_name,
-    dedupe_named_tensors,
+    group_named_tensors,
     local_sq_norms,
     reduce_sq_norms,
     sharding_groups,
@@ -46,6 +46,36 @@ class _Part:
     owned: list[int]  # positions of the parameters that belong to ``optimizer``
     selected: list[int]  # positions of the parameters reported one by one
     sq: torch.Tensor  # float64 [param sums of squares..., grad sums of squares...], reduced
+    # bool per parameter: its gradient held NaN/Inf at an earlier step() of the same optimizer
+    # in this step, whose measurement this one replaced (None: no such step)
+    earlier_bad: torch.Tensor | None = None
+
+    def nonfinite(self) -> torch.Tensor:
+        """bool per parameter: its gradient holds NaN/Inf now or did at a replaced step()."""
+        grad_sq = self.sq[len(self.tracked) :]
+        bad = torch.isnan(grad_sq) | (grad_sq == math.inf)  # (-inf: not measured)
+        return bad if self.earlier_bad is None else bad | self.earlier_bad.to(bad.device)
+
+    def without(self, drop: set[int]) -> tuple[_Part, dict[int, torch.Tensor]]:
+        """This part without the parameters at positions ``drop``, and those parameters'
+        non-finite flags (by ``id``), all on the device: no host sync."""
+        n = len(self.tracked)
+        keep = [i for i in range(n) if i not in drop]
+        flags = self.nonfinite()
+        dropped = {id(self.tracked[i].param): flags[i] for i in sorted(drop)}
+        device = self.sq.device
+        rows = torch.tensor(keep, dtype=torch.long, device=device)
+        position = {old: new for new, old in enumerate(keep)}
+        kept = _Part(
+            optimizer=self.optimizer,
+            tracked=[self.tracked[i] for i in keep],
+            has_grad=[self.has_grad[i] for i in keep],
+            owned=[position[i] for i in self.owned if i in position],
+            selected=[position[i] for i in self.selected if i in position],
+            sq=self.sq.index_select(0, torch.cat([rows, rows + n])),
+            earlier_bad=None if self.earlier_bad is None else flags.index_select(0, rows),
+        )
+        return kept, dropped
 
 
 @dataclass
@@ -82,15 +112,23 @@ class NormMonitor(VitalsCallback):
     each parameter once per step, and the step's keys are written once, after the batch: the
     ``global`` norms over the optimizers stepped in it, and per optimizer the
     ``optimizer_<i>`` keys (``i``: its index in ``trainer.optimizers`` or the attached
-    list). With one optimizer, or when every gradient is shown at once (the driver's unscaling
-    or clipping of every optimizer's parameters before any steps), no ``optimizer_<i>`` keys
-    are written.
+    list). An optimizer stepped several times in the batch (a critic stepped k times per
+    generator step) shows its last ``step()``: the gradients its last update used and its
+    weights before that update; a gradient that held NaN/Inf at one of its earlier
+    ``step()`` calls is still counted in ``nonfinite_count`` (once) and named, though the
+    norms may then be finite. With one optimizer, or when every gradient is shown at once
+    (the driver's unscaling or clipping of every optimizer's parameters before any steps),
+    no ``optimizer_<i>`` keys are written; one optimizer stepped several times in a Lightning
+    batch writes each ``step()``'s norms at the batch's step: the last one stays, and the
+    count keeps the earlier ones' NaN/Inf gradients.
 
     Args:
         per_param: globs (``fnmatch``, matched against canonical parameter names such as
             ``layers.0.attn.q_proj.weight``, wrapper prefixes like ``module.``/``_orig_mod.``
             removed) of the parameters to also report one by one; ``None`` for none, ``"*"``
-            for all. A glob matching no parameter is a ``ValueError`` at run start.
+            for all. A glob matching no parameter is a ``ValueError`` at run start. A tied
+            parameter is selected by any of its names (``*lm_head.weight`` of a head tied to
+            the embedding) and reported under its first (``model.embed_tokens.weight``).
         per_param_kinds: which per-parameter norms to write: ``"grad"`` and/or ``"param"``.
         max_nonfinite_names: how many non-finite gradients the warning names.
         log_every_n_steps: interval in optimizer steps (default: the run's).
@@ -167,6 +205,9 @@ class NormMonitor(VitalsCallback):
         self._parts: list[_Part] = []
         self._parts_step: int | None = None
         self._measured: set[int] = set()  # ids of the parameters measured in that step
+        # One optimizer: the step and part last written (an optimizer stepped twice in a
+        # Lightning batch writes twice at one step)
+        self._written: tuple[int, _Part] | None = None
         # state kept across checkpoints
         self.first_nonfinite_step: int | None = None
         self.first_nonfinite_names: list[str] = []
@@ -185,6 +226,7 @@ class NormMonitor(VitalsCallback):
         self._unsupported = False
         self._named, self._tracked, self._selected_names, self._trainable = [], [], [], None
         self._parts, self._parts_step, self._measured = [], None, set()
+        self._written = None
         model = unwrap_model(ctx.model)
         unsupported = _unsupported_layout(model, ctx)
         if unsupported:
@@ -208,6 +250,13 @@ class NormMonitor(VitalsCallback):
         if not ctx.stepping_apart:
             # One optimizer, or every gradient shown at once: written now.
             part = self._measure(ctx, None, self._tracked, set())
+            written = self._written
+            if written is not None and written[0] == ctx.step:
+                # The optimizer stepped again in this step (Lightning's manual optimization):
+                # these keys replace the earlier step()'s in the writer; its NaN/Inf stay counted.
+                _, flags = written[1].without(set(range(len(written[1].tracked))))
+                self._carry_flags(part, flags)
+            self._written = (ctx.step, part)
             self._write(ctx, [part], ctx.step)
             return
         # Several optimizers stepped apart: this optimizer's parameters (and, at the step's
@@ -216,15 +265,48 @@ class NormMonitor(VitalsCallback):
         if self._parts_step != ctx.step:
             self._parts, self._parts_step, self._measured = [], ctx.step, set()
         owned, here = ctx.stepped_parameters((t.param for t in self._tracked), not self._parts)
+        # The same optimizer stepped again in this step (a critic stepped k times per batch):
+        # its parameters are measured again and this measurement replaces the earlier ones,
+        # so the step shows the gradients its last update used, as a single-optimizer run
+        # shows its step's; a gradient that held NaN/Inf at an earlier step() stays counted.
+        earlier_bad = self._forget_earlier_steps(ctx.stepping_index)
         tracked = [
             t for t in self._tracked if id(t.param) in here and id(t.param) not in self._measured
         ]
         self._measured.update(id(t.param) for t in tracked)
-        self._parts.append(self._measure(ctx, ctx.stepping_index, tracked, owned))
+        part = self._measure(ctx, ctx.stepping_index, tracked, owned)
+        self._carry_flags(part, earlier_bad)
+        self._parts.append(part)
+
+    @staticmethod
+    def _carry_flags(part: _Part, flags: dict[int, torch.Tensor]) -> None:
+        """Give ``part`` the non-finite flags (by parameter ``id``) of the measurements it
+        replaces."""
+        if not flags or not part.tracked:
+            return
+        no = torch.zeros((), dtype=torch.bool, device=part.sq.device)
+        part.earlier_bad = torch.stack(
+            [flags.get(id(t.param), no).to(no.device) for t in part.tracked]
+        )
+
+    def _forget_earlier_steps(self, optimizer: int | None) -> dict[int, torch.Tensor]:
+        """Drop the parameters of ``optimizer`` from the parts its earlier ``step()`` calls
+        of this step measured (they are measured again now); return their non-finite flags
+        by parameter ``id``. Parameters in no optimizer, measured with the step's first
+        ``step()``, stay in their part."""
+        flags: dict[int, torch.Tensor] = {}
+        for k, part in enumerate(self._parts):
+            if part.optimizer != optimizer or not part.owned:
+                continue
+            self._parts[k], dropped = part.without(set(part.owned))
+            flags.update(dropped)
+            self._measured.difference_update(dropped)
+        return flags
 
     def step_end(self, ctx: RunContext) -> None:
         """Write the norms of a step whose optimizers were stepped apart; name the non-finite
         gradients of the last logging step once their flags arrived."""
+        self._written = None
         if self._parts:
             parts, step = self._parts, self._parts_step
             self._parts, self._parts_step, self._measured = [], None, set()
@@ -237,7 +319,11 @@ class NormMonitor(VitalsCallback):
         # measures; step_end reduces over pipeline stages only when it writes.
         key = super().collective_key(hook, ctx)
         if hook == "before_optimizer_step" and ctx.stepping_apart:
-            return (*key, ctx.stepping_index)
+            # (the step's first step() also measures the parameters in no optimizer; a later
+            # one of an optimizer that stepped before measures its parameters again)
+            first = self._parts_step != ctx.step or not self._parts
+            stepped = () if first else tuple(sorted({p.optimizer for p in self._parts}, key=str))
+            return (*key, ctx.stepping_index, stepped)
         if hook == "step_end":
             return (*key, bool(self._parts))
         return key
@@ -264,6 +350,10 @@ class NormMonitor(VitalsCallback):
         self.first_nonfinite_step = state_dict.get("first_nonfinite_step")
         self.first_nonfinite_names = list(state_dict.get("first_nonfinite_names", []))
         self.nonfinite_logging_steps = int(state_dict.get("nonfinite_logging_steps", 0))
+        # A restore in the middle of a step (a rollback) replays it from its start: what was
+        # measured of it belongs to the abandoned timeline.
+        self._parts, self._parts_step, self._measured = [], None, set()
+        self._written = None
 
     # ------------------------------------------------------------------ internals
 
@@ -314,7 +404,7 @@ class NormMonitor(VitalsCallback):
         zero = torch.zeros((), dtype=torch.float64, device=device)
         param_sq = [p.sq[: len(p.tracked)] for p in parts]
         grad_sq = [p.sq[len(p.tracked) :] for p in parts]
-        bad = [torch.isnan(g) | (g == math.inf) for g in grad_sq]
+        bad = [p.nonfinite() for p in parts]
         rows = [
             sum((x.sum() for x in param_sq), zero),
             sum((x.sum() for x in grad_sq), zero),
@@ -330,8 +420,8 @@ class NormMonitor(VitalsCallback):
                 if part.optimizer not in by_optimizer:
                     by_optimizer[part.optimizer] = [len(rows), len(rows) + 1]
                     rows += [zero, zero]
-                # (an optimizer stepped twice in the step: its parameters were measured at its
-                # first step(), the second part holds none of them)
+                # (an optimizer stepped several times in the step: its parameters are in the
+                # part of its last step(), the earlier parts hold none of them)
                 i, j = by_optimizer[part.optimizer]
                 rows[i], rows[j] = rows[i] + owned[0].sum(), rows[j] + owned[1].sum()
         totals = torch.stack([r.to(device) for r in rows])
@@ -370,20 +460,25 @@ class NormMonitor(VitalsCallback):
             return
         self._trainable = trainable
         named = [(n, p) for (n, p), t in zip(self._named, trainable, strict=True) if t]
-        self._tracked = [
-            _Tracked(name, p, sharding_groups(p)) for name, p in dedupe_named_tensors(named)
-        ]
+        grouped = group_named_tensors(named)
+        self._tracked = [_Tracked(name, p, sharding_groups(p)) for name, p, _ in grouped]
+        # A tied parameter is selected by any of its names (``*lm_head.weight`` of a head tied
+        # to the embedding) and reported under its first, the name it is counted under.
         self._selected_names = [
-            t.name
-            for t in self._tracked
-            if any(fnmatch.fnmatchcase(t.name, glob) for glob in self.per_param)
+            name
+            for name, _, aliases in grouped
+            if any(fnmatch.fnmatchcase(a, glob) for a in aliases for glob in self.per_param)
         ]
 
     def _check_globs(self, ctx: RunContext) -> None:
-        # Against every parameter, frozen ones too (they may be unfrozen later); a tied
-        # parameter has its first name only, the one its keys would use.
-        names = [name for name, _ in dedupe_named_tensors(self._named)]
-        unmatched = [g for g in self.per_param if not any(fnmatch.fnmatchcase(n, g) for n in names)]
+        # Against every parameter, frozen ones too (they may be unfrozen later), by each of
+        # its names (a tied parameter's keys use its first).
+        grouped = group_named_tensors(self._named)
+        names = [name for name, _, _ in grouped]
+        aliases = [a for _, _, group in grouped for a in group]
+        unmatched = [
+            g for g in self.per_param if not any(fnmatch.fnmatchcase(a, g) for a in aliases)
+        ]
         if unmatched:
             message = f"per_param globs {unmatched} match no parameter; names look like {names[:5]}"
             if group_size(ctx.groups.pp) > 1:

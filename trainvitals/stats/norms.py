@@ -53,6 +53,7 @@ __all__ = [
     "WRAPPER_PREFIXES",
     "canonical_name",
     "dedupe_named_tensors",
+    "group_named_tensors",
     "local_sq_norms",
     "reduce_sq_norms",
     "sharding_groups",
@@ -128,20 +129,32 @@ def dedupe_named_tensors(
 ) -> list[tuple[str, torch.Tensor]]:
     """Drop repeats: the same tensor object, or a plain tensor viewing exactly the same memory
     (same storage, offset, shape, stride and dtype) as an earlier one. The first name wins."""
-    seen_ids: set[int] = set()
-    seen_memory: set[tuple[Any, ...]] = set()
-    out = []
+    return [(name, tensor) for name, tensor, _ in group_named_tensors(named)]
+
+
+def group_named_tensors(
+    named: Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor, tuple[str, ...]]]:
+    """:func:`dedupe_named_tensors` with, for each tensor kept, every name it goes by (its
+    first name, then the names of its repeats: ``lm_head.weight`` of an embedding tied to
+    ``embed_tokens.weight``)."""
+    by_id: dict[int, list[str]] = {}
+    by_memory: dict[tuple[Any, ...], list[str]] = {}
+    out: list[tuple[str, torch.Tensor, list[str]]] = []
     for name, tensor in named:
-        if id(tensor) in seen_ids:
-            continue
-        seen_ids.add(id(tensor))
-        key = _memory_key(tensor)
-        if key is not None:
-            if key in seen_memory:
-                continue
-            seen_memory.add(key)
-        out.append((name, tensor))
-    return out
+        names = by_id.get(id(tensor))
+        if names is None:
+            key = _memory_key(tensor)
+            names = None if key is None else by_memory.get(key)
+            if names is None:
+                names = []
+                out.append((name, tensor, names))
+                if key is not None:
+                    by_memory[key] = names
+            by_id[id(tensor)] = names
+        if name not in names:
+            names.append(name)
+    return [(name, tensor, tuple(names)) for name, tensor, names in out]
 
 
 def sharding_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
