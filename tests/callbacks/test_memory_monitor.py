@@ -295,3 +295,34 @@ def test_snapshot_steps_under_manual_optimization_with_two_optimizers(fake_cuda,
     ]
     # each after the end of its step: step 1 ends with batch 0, step 2 with batch 1
     assert module.dumped_at[2] == 1 and module.dumped_at[4] == 2
+
+
+# ------------------------------------------------------------------ psutil missing
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_without_psutil_the_host_keys_come_from_proc(monkeypatch):
+    # psutil is a dependency, but an install with --no-deps lacks it: `import psutil` fails.
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    with pytest.raises(ImportError):
+        import psutil as _
+    writer, _ = fake_loop([MemoryMonitor()], None, steps=range(3), log_every=2)
+    monkeypatch.undo()
+    rss = psutil.Process().memory_info().rss / 1e9  # psutil's own reading, after the run
+    assert sorted(writer.rows) == [0, 2]
+    for row in writer.rows.values():
+        assert set(row) == {"memory/rss_gb", "memory/peak_rss_gb"}
+        assert row["memory/rss_gb"] == pytest.approx(rss, rel=0.1)
+        assert row["memory/rss_gb"] <= row["memory/peak_rss_gb"]
+
+
+def test_without_psutil_nor_proc_the_cuda_keys_are_still_written(fake_cuda, monkeypatch):
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    monkeypatch.setattr(memory_stats, "_proc_status_bytes", lambda pid, field: None)
+    with pytest.warns(RuntimeWarning, match="cannot read the host memory.*psutil"):
+        writer, _ = fake_loop([MemoryMonitor()], None, steps=range(3), log_every=2)
+    assert sorted(writer.rows) == [0, 2]
+    expected = {f"memory/{key}" for key in memory_stats.CUDA_STATS}
+    for row in writer.rows.values():
+        assert set(row) == expected
+        assert row["memory/reserved_gb"] == _FAKE_STATS["reserved_bytes.all.current"] / 1e9

@@ -24,7 +24,8 @@ class MemoryMonitor(VitalsCallback):
     At ``step_end`` of a logging step (after the optimizer step, so optimizer state is in;
     the peaks cover the forward and backward passes) the monitor reads the CUDA caching
     allocator's counters (``torch.cuda.memory_stats``: host-side counters, no sync) when the
-    run computes on a CUDA device, and this process's resident set (psutil) in every case.
+    run computes on a CUDA device, and this process's resident set (psutil; without it
+    ``/proc`` on Linux, elsewhere no host keys, with a warning) in every case.
     That device is chosen once, at run start (``_run_cuda_device``), the first that
     applies: the Lightning strategy's ``root_device`` when it is CUDA; the first parameter's
     device when it is CUDA; any parameter or buffer on CUDA (a model whose first parameter is
@@ -145,22 +146,38 @@ class MemoryMonitor(VitalsCallback):
         self._cuda: torch.device | None = None
         self._recording = False
         self._process: Any = None  # psutil.Process of this process, made at run start
+        self._read_host = self.host  # host readings possible (decided at run start)
         self.snapshots: list[Path] = []  # files written by this process
 
     # ------------------------------------------------------------------ hooks
 
     def run_start(self, ctx: RunContext) -> None:
+        self._process, self._read_host = None, self.host
         if self.host:
-            import psutil
+            try:
+                import psutil
 
-            self._process = psutil.Process()
+                self._process = psutil.Process()
+            except ImportError:
+                pass  # (host_memory_readings reads /proc instead, where there is one)
+            try:
+                memory_stats.host_memory_readings(self._process)
+            except Exception as exc:
+                # Without the host keys the CUDA keys are still worth writing: not a reason
+                # to lose the whole monitor. The same on every rank (same environment).
+                self._read_host = False
+                self.warn_once(
+                    "host",
+                    f"cannot read the host memory ({type(exc).__name__}: {exc}); "
+                    "memory/rss_gb and memory/peak_rss_gb are not written",
+                )
         self._cuda = _run_cuda_device(ctx)
-        if self._cuda is None and not self.host:
+        if self._cuda is None and not self._read_host:
             # Otherwise the monitor would sit in the run writing nothing, silently.
             self.warn_once(
                 "nothing",
-                f"host=False and the run uses no CUDA device (model on {ctx.device}): there "
-                "is nothing to measure and no key is written",
+                f"no host readings and the run uses no CUDA device (model on {ctx.device}): "
+                "there is nothing to measure and no key is written",
             )
         if self._cuda is None and (self.record_history or self.snapshot_steps):
             self.warn_once(
@@ -201,7 +218,7 @@ class MemoryMonitor(VitalsCallback):
             values.update(memory_stats.cuda_memory_readings(self._cuda))
             if self.peak_since_last_log:
                 torch.cuda.reset_peak_memory_stats(self._cuda)
-        if self.host:
+        if self._read_host:
             values.update(memory_stats.host_memory_readings(self._process))
         return values
 

@@ -53,18 +53,26 @@ def cuda_memory_readings(device: torch.device | int | None = None) -> dict[str, 
     return out
 
 
+def _proc_status_bytes(pid: int, field: str) -> int | None:
+    """A ``kB`` field of ``/proc/<pid>/status`` (Linux) in bytes, or ``None``."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _peak_rss_bytes(pid: int) -> int | None:
     # Linux: the high-water mark of the process's own address space (VmHWM, since its last
     # exec). Not ru_maxrss there: the kernel carries it over exec, so a worker started by
     # fork+exec (subprocess, torch.multiprocessing "spawn", Lightning's launcher) reports its
     # launcher's peak when that was higher (measured: 1.5 GB for a 14 MB child).
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
+    peak = _proc_status_bytes(pid, "VmHWM:")
+    if peak is not None:
+        return peak
     if sys.platform == "linux" or pid != os.getpid():
         return None
     try:
@@ -79,13 +87,29 @@ def _peak_rss_bytes(pid: int) -> int | None:
 def host_memory_readings(process: Any = None) -> dict[str, float]:
     """The process's resident set size and its peak since the process started, in GB.
 
-    ``rss_gb`` from ``psutil`` (``memory_info().rss``); ``peak_rss_gb`` from ``VmHWM`` of
+    ``rss_gb`` from ``psutil`` (``memory_info().rss``; without psutil, ``VmRSS`` of
+    ``/proc/self/status`` on Linux, the same counters); ``peak_rss_gb`` from ``VmHWM`` of
     ``/proc/<pid>/status`` on Linux, ``getrusage(RUSAGE_SELF).ru_maxrss`` on other POSIX
-    systems and ``peak_wset`` on Windows, never below ``rss_gb``.
+    systems and ``peak_wset`` on Windows, never below ``rss_gb``. ``process``: a
+    ``psutil.Process`` (default: this process). Raises ``ImportError`` when psutil is missing
+    and the platform has no ``/proc`` to read instead.
     """
-    import psutil
-
-    process = process or psutil.Process()
+    if process is None:
+        try:
+            import psutil
+        except ImportError:
+            # psutil is a dependency, but an environment installed with --no-deps may lack
+            # it; Linux keeps the same counters in /proc (psutil reads them there too).
+            pid = os.getpid()
+            rss = _proc_status_bytes(pid, "VmRSS:")
+            if rss is None:
+                raise ImportError(
+                    "reading the resident set size needs psutil on this platform "
+                    "(pip install psutil)"
+                ) from None
+            peak = _peak_rss_bytes(pid) or rss
+            return {"rss_gb": rss / BYTES_PER_GB, "peak_rss_gb": max(peak, rss) / BYTES_PER_GB}
+        process = psutil.Process()
     info = process.memory_info()
     rss = int(info.rss)
     peak = getattr(info, "peak_wset", None) or _peak_rss_bytes(process.pid) or rss
