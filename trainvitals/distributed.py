@@ -512,7 +512,16 @@ _MESH_DIM_ALIASES: dict[str, str] = {
     "expert_parallel": "ep",
     "cp": "cp",
     "context_parallel": "cp",
+    # Sequence parallelism shards each sequence over the dim's ranks, which then route
+    # different tokens: for token counts and per-rank metrics it is context parallelism.
+    # Megatron-LM sums the router's tokens_per_expert over tp_cp because its SP shards the
+    # sequence over the tp group (nvidia-references.md, "Router"); Ulysses/ALST ("sp" in
+    # Accelerate's ParallelismConfig) shards it over its own dim.
+    "sp": "cp",
+    "sequence_parallel": "cp",
 }
+# Roles that several mesh dims may share: their dims are flattened into one group.
+_MULTI_DIM_ROLES = frozenset({"cp"})
 
 
 @dataclass
@@ -580,11 +589,17 @@ class ProcessGroups:
         """Groups from a ``DeviceMesh`` whose dims carry the usual names.
 
         Recognised: ``dp``/``data_parallel``, ``dp_shard``/``fsdp``, ``dp_replicate``/``ddp``,
-        ``tp``/``tensor_parallel``, ``pp``, ``ep``, ``cp``. With both ``dp_replicate`` and
-        ``dp_shard`` (HSDP) the data-parallel group is their flattened product. An ``ep`` dim of
-        its own is part of it too: its ranks see different tokens (each routes its own batch to
-        the experts of all), so a mesh ``("dp", "ep")`` of shape ``(2, 2)`` has four
-        data-parallel ranks and ``ep`` groups of two. With an ``ep`` dim, ``edp`` is the
+        ``tp``/``tensor_parallel``, ``pp``, ``ep``, ``cp``/``context_parallel`` and
+        ``sp``/``sequence_parallel``. A sequence-parallel dim shards each sequence over its
+        ranks, so their routers see different tokens: it is a ``cp`` dim (with a ``cp`` dim
+        as well, ``cp`` is both, flattened). A ``tp`` dim is taken to give its ranks the same
+        router input; under Megatron-style sequence parallelism over the tensor-parallel
+        ranks, name that dim ``sp``. Two dims with the same role (other than ``cp``) raise
+        ``ValueError``. With both ``dp_replicate`` and ``dp_shard`` (HSDP) the data-parallel
+        group is their flattened product. An ``ep`` dim of its own is part of it too: its ranks
+        see different tokens (each routes its own batch to the experts of all), so a mesh
+        ``("dp", "ep")`` of shape ``(2, 2)`` has four data-parallel ranks and ``ep`` groups of
+        two. With an ``ep`` dim, ``edp`` is the
         flattened data-parallel and ``cp`` dims other than ``ep`` (the ranks holding the same
         experts; ``None`` when there are none). A mesh with unnamed or unknown dims raises
         ``ValueError`` naming them.
@@ -592,18 +607,28 @@ class ProcessGroups:
         names = tuple(mesh.mesh_dim_names or ())
         if len(names) != mesh.ndim:
             raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names")
-        roles: dict[str, str] = {}
+        dims_of: dict[str, list[str]] = {}
         unknown = []
         for name in names:
             role = _MESH_DIM_ALIASES.get(name)
             if role is None:
                 unknown.append(name)
             else:
-                roles[role] = name
+                dims_of.setdefault(role, []).append(name)
         if unknown:
             raise ValueError(
                 f"unknown mesh dim names {unknown}; expected some of {sorted(_MESH_DIM_ALIASES)}"
             )
+        clashes = {r: d for r, d in dims_of.items() if len(d) > 1 and r not in _MULTI_DIM_ROLES}
+        if clashes:
+            # keeping one of them would silently leave the other's ranks out of every reduction
+            raise ValueError(
+                "mesh dims with the same role: "
+                + "; ".join(f"{d} are all {r!r}" for r, d in sorted(clashes.items()))
+            )
+        roles = {r: d[0] for r, d in dims_of.items()}
+        # context and sequence parallel dims (both shard the sequence), flattened into one cp
+        cp_dims = dims_of.get("cp", [])
 
         def group(role: str) -> Any:
             return mesh[roles[role]].get_group() if role in roles else None
@@ -612,14 +637,14 @@ class ProcessGroups:
         # half the token streams of a ("dp", "ep") mesh (measured: CV 1.0 for a balanced load)
         dp_dims = [roles[r] for r in ("dp", "dp_replicate", "dp_shard", "ep") if r in roles]
         dp = _flat_group(mesh, dp_dims)
-        cp = group("cp")
-        dp_cp = _flat_group(mesh, [*dp_dims, roles["cp"]]) if cp is not None else dp
+        cp = _flat_group(mesh, cp_dims)
+        dp_cp = _flat_group(mesh, [*dp_dims, *cp_dims]) if cp is not None else dp
         # expert data parallel: every token-stream dim but ep (an ep group routes only its own
         # streams' tokens, so the copies of its experts along these dims see different tokens)
         edp = None
         if "ep" in roles:
             edp_dims = [d for d in dp_dims if d != roles["ep"]]
-            edp = _flat_group(mesh, [*edp_dims, roles["cp"]] if cp is not None else edp_dims)
+            edp = _flat_group(mesh, [*edp_dims, *cp_dims])
         return cls(
             dp=dp, tp=group("tp"), pp=group("pp"), ep=group("ep"), cp=cp, dp_cp=dp_cp, edp=edp
         )

@@ -47,6 +47,11 @@ def _mesh_body(rank: int, world_size: int) -> dict:
         "dp_ep": ((2, 2), ("dp", "ep")),
         "ep_cp": ((2, 2), ("ep", "cp")),
         "pp_tp_long": ((2, 2), ("pipeline_parallel", "tensor_parallel")),
+        # sequence parallel shards the sequence: its ranks route different tokens (as cp)
+        "dp_sp": ((2, 2), ("dp", "sp")),
+        "dp_sp_long": ((2, 2), ("data_parallel", "sequence_parallel")),
+        "cp_sp": ((2, 2), ("cp", "sp")),
+        "ep_sp": ((2, 2), ("ep", "sp")),
     }
     for key, (shape, names) in cases.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -57,7 +62,11 @@ def _mesh_body(rank: int, world_size: int) -> dict:
     out["hsdp_twice"] = (first, _summary(ProcessGroups.from_device_mesh(mesh)))
     # errors, raised before any collective
     errors = {}
-    for key, names in {"unknown": ("dp", "foo"), "unnamed": None}.items():
+    for key, names in {
+        "unknown": ("dp", "foo"),
+        "unnamed": None,
+        "same_role": ("dp", "data_parallel"),
+    }.items():
         try:
             bad = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
             ProcessGroups.from_device_mesh(bad)
@@ -117,7 +126,24 @@ def test_from_device_mesh_on_four_ranks():
             "edp": row[rank],
         }
         assert res["pp_tp_long"] == {**none, "pp": col[rank], "tp": row[rank]}
+        # sequence parallel: token sums over dp x sp (Megatron sums tokens_per_expert over
+        # the tp_cp ranks its SP shards the sequence over), per-rank metrics averaged there
+        assert res["dp_sp"] == {**none, "dp": col[rank], "cp": row[rank], "dp_cp": everyone}
+        assert res["dp_sp_long"] == res["dp_sp"]
+        # a cp and an sp dim: both shard the sequence, flattened into one cp group
+        assert res["cp_sp"] == {**none, "cp": everyone, "dp_cp": everyone}
+        assert res["ep_sp"] == {
+            **none,
+            "dp": col[rank],
+            "ep": col[rank],
+            "cp": row[rank],
+            "dp_cp": everyone,
+            "edp": row[rank],
+        }
         assert "foo" in res["errors"]["unknown"]
+        # two dims of one role: keeping either would leave the other's ranks out silently
+        assert "'dp'" in res["errors"]["same_role"]
+        assert "data_parallel" in res["errors"]["same_role"]
         assert "mesh_dim_names" in res["errors"]["unnamed"]
         assert "dp_cp" in res["errors"]["cp_without_dp_cp"]
         assert res["sizes"] == {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1, "dp_cp": 2, "edp": 1}
