@@ -563,6 +563,68 @@ def test_torchtitan_buffer_read_before_its_pre_hook_zeroes_it(titan_zeroes_buffe
         capture.reset()
 
 
+class _FailingTitanMoE(TitanMoE):
+    """A TitanMoE whose forward raises after torchtitan's add, when told to."""
+
+    fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.fail:
+            raise RuntimeError("out of memory (simulated)")
+        return out
+
+
+def test_torchtitan_counts_exact_past_float32_integers_and_buffer_untouched() -> None:
+    """torchtitan never zeroes its float32 buffer without a load_balance_coeff (its optimizer
+    pre-hook is registered only with one), so over a run it grows past 2**24, where float32
+    holds no odd integer: a difference of its totals rounds each forward's counts to the
+    total's spacing (8 at 2**26). The counts must still be the exact bincount of the routers'
+    choices, and the buffer must hold what torchtitan alone would have left (bit for bit),
+    also after a forward that raised."""
+    torch.manual_seed(0)
+    model = TitanModel()
+    reference = copy.deepcopy(model)  # the same weights, never captured
+    for m in (model, reference):
+        for block in m.layers.values():
+            block["moe"].tokens_per_expert_E.fill_(2.0**26 + 24)  # a long run's total
+    seen: dict[int, list[np.ndarray]] = {i: [] for i in range(3)}
+    for i in range(3):
+        model.layers[str(i)]["moe"].router.register_forward_hook(
+            lambda m, inp, out, i=i: seen[i].append(out[1].detach().numpy().copy())
+        )
+    capture = RouterCapture(model)
+    assert [r.kind for r in capture.routers] == ["torchtitan"] * 3
+    for _ in range(3):  # micro-batches of 9 tokens: odd counts
+        x = torch.randn(9, 8)
+        model(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+    expected = np.stack(
+        [np.bincount(np.concatenate(seen[i]).reshape(-1), minlength=4) for i in range(3)]
+    )
+    assert (expected % 2).any()  # odd counts, which a float32 difference at 2**26 cannot hold
+    np.testing.assert_array_equal(capture.loads().numpy(), expected)
+    for name in ("0", "1", "2"):
+        got = model.layers[name]["moe"].tokens_per_expert_E
+        want = reference.layers[name]["moe"].tokens_per_expert_E
+        assert torch.equal(got, want), name
+
+    # a forward that raises after torchtitan's add: the buffer keeps its total plus that add
+    failing = TitanModel(num_layers=1)
+    failing.layers["0"]["moe"] = _FailingTitanMoE()
+    moe = failing.layers["0"]["moe"]
+    moe.tokens_per_expert_E.fill_(2.0**26)
+    capture = RouterCapture(failing)
+    moe.fail = True
+    x = torch.randn(9, 8)
+    with pytest.raises(RuntimeError, match="simulated"):
+        failing(x)
+    routed = torch.zeros(4).index_add_(0, moe.router(x)[1].reshape(-1), torch.ones(18))
+    assert torch.equal(moe.tokens_per_expert_E, torch.full((4,), 2.0**26) + routed)
+    capture.remove()
+    assert not capture._snapshots
+
+
 class _TopKBlock(nn.Module):
     def __init__(self, dim: int = 8, num_experts: int = 4) -> None:
         super().__init__()

@@ -50,10 +50,14 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
 torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (torchtitan 0.3) or
                             ``tokens_per_expert`` (older): torchtitan adds each training forward's
                             counts to it and its optimizer step PRE-hook ``_update_expert_bias``
-                            zeroes it; the capture reads the buffer's increase over each forward
-                            (a pre-hook snapshot, a post-hook difference), so the counts are taken
-                            before that zeroing and are right whether or not torchtitan's hook is
-                            registered
+                            zeroes it (only with a ``load_balance_coeff``: without one the float32
+                            buffer grows over the whole run). Around each counted forward the
+                            capture sets the buffer aside and zeroes it (pre-hook), takes what the
+                            forward added, then adds the set-aside value back (post-hook, also when
+                            the forward raises): the counts are exact however large the buffer has
+                            grown (a difference of float32 totals past 2**24 is not), are taken
+                            before torchtitan's zeroing, and the buffer ends bit-identical to
+                            ``before + counts`` as torchtitan alone would have left it
 ==========================  =======================================================================
 
 What is counted: each training forward once, with the module in training mode. Evaluation
@@ -596,7 +600,13 @@ class RouterCapture:
         for i, r in enumerate(self.routers):
             if r.kind == "torchtitan":
                 self._handles.append(r.module.register_forward_pre_hook(self._make_pre_hook(i)))
-            self._handles.append(r.module.register_forward_hook(self._make_hook(i)))
+            # always_call: a torchtitan buffer set aside by the pre-hook is put back also when
+            # the forward raises (torch passes output=None then)
+            self._handles.append(
+                r.module.register_forward_hook(
+                    self._make_hook(i), always_call=r.kind == "torchtitan"
+                )
+            )
         for module in self._mask_sources:
             self._handles.append(
                 module.register_forward_pre_hook(
@@ -609,7 +619,7 @@ class RouterCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._snapshots.clear()
+        self._restore_titan_buffers()
         self._record_attention_mask(None)
 
     def _make_mask_pre_hook(self, position: int | None) -> Callable[..., None]:
@@ -688,7 +698,13 @@ class RouterCapture:
                 return
             buffer = _torchtitan_buffer(module)
             if buffer is not None:
-                self._snapshots[i] = module._buffers[buffer].detach().clone()
+                # Set the running total aside and count this forward from zero: torchtitan's
+                # float32 buffer is never zeroed without a load_balance_coeff, and past 2**24 a
+                # difference of its totals loses tokens (a forward's add is rounded to the
+                # total's spacing). The post-hook adds the total back.
+                values = module._buffers[buffer].detach()
+                self._snapshots[i] = values.clone()
+                values.zero_()
 
         return pre_hook
 
@@ -699,10 +715,13 @@ class RouterCapture:
         decided_before = self.routers[i].kind == "torchtitan"  # by its pre-hook
 
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if decided_before:
+                self._titan_hook(i, module, output)
+                return
             # the cheapest test first (False on steps that are not logged)
             if not self.enabled or i in self._broken or not module.training:
                 return
-            if not (self._taking.pop(i, False) if decided_before else self._runs[i].counts()):
+            if not self._runs[i].counts():
                 return
             try:
                 if topk:
@@ -710,17 +729,55 @@ class RouterCapture:
                 else:
                     self._count(i, module, inputs, output)
             except Exception as exc:
-                if _strict():
-                    raise
-                self._broken.add(i)
-                warnings.warn(
-                    f"trainvitals router capture: counting {self.routers[i].name!r} raised "
-                    f"{type(exc).__name__}: {exc}; this router is no longer counted",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                self._counting_failed(i, exc)
 
         return hook
+
+    def _titan_hook(self, i: int, module: nn.Module, output: Any) -> None:
+        """A torchtitan MoE's forward ended (``output`` is ``None`` when it raised): count
+        what it added to the buffer its pre-hook zeroed, then add the set-aside total back,
+        whatever happens (the buffer is the model's: torchtitan's bias update reads it)."""
+        taking = self._taking.pop(i, False)
+        before = self._snapshots.pop(i, None)
+        if before is None:  # not a counted forward: nothing was set aside
+            return
+        try:
+            if taking and output is not None and self.enabled and i not in self._broken:
+                buffer = _torchtitan_buffer(module)
+                if buffer is not None:
+                    # this forward's counts alone: exact, added into the float64 accumulator
+                    # (stream-ordered before the put-back below)
+                    self._add_counts(i, local_tensor(module._buffers[buffer].detach()))
+        except Exception as exc:
+            self._counting_failed(i, exc)
+        finally:
+            self._put_back(module, before)
+
+    @staticmethod
+    def _put_back(module: nn.Module, before: torch.Tensor) -> None:
+        """Add a torchtitan buffer's set-aside total back: ``before + counts``, with the one
+        float32 rounding torchtitan's own ``add_`` would have made."""
+        buffer = _torchtitan_buffer(module)
+        if buffer is not None:
+            module._buffers[buffer].detach().add_(before)
+
+    def _restore_titan_buffers(self) -> None:
+        """Put back every set-aside torchtitan total (none between forwards; a safety net for
+        hooks removed or reset in the middle of one)."""
+        snapshots, self._snapshots = self._snapshots, {}
+        for i, before in snapshots.items():
+            self._put_back(self.routers[i].module, before)
+
+    def _counting_failed(self, i: int, exc: Exception) -> None:
+        if _strict():
+            raise exc
+        self._broken.add(i)
+        warnings.warn(
+            f"trainvitals router capture: counting {self.routers[i].name!r} raised "
+            f"{type(exc).__name__}: {exc}; this router is no longer counted",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------------ counting
 
@@ -756,14 +813,8 @@ class RouterCapture:
                     self._add_aux_empty(i, valid[3])
         elif r.kind == "topk_router":
             self._count_topk_router(i, module, output)
-        elif r.kind == "torchtitan":
-            before = self._snapshots.pop(i, None)
-            buffer = _torchtitan_buffer(module)
-            if before is None or buffer is None:
-                return
-            self._add_counts(
-                i, local_tensor(module._buffers[buffer].detach()) - local_tensor(before)
-            )
+        elif r.kind == "torchtitan":  # counted by its own hook (_titan_hook)
+            return
         else:
             result = r.extractor(module, inputs, output)  # type: ignore[misc]
             aux = None
@@ -1137,7 +1188,7 @@ class RouterCapture:
                 self._aux_empty.zero_()
             self._aux_empty_dirty = False
         self._aux_count = [0] * len(self.routers)
-        self._snapshots.clear()
+        self._restore_titan_buffers()
         for runs in self._runs:  # (a held-back run of this step is not re-run any more)
             runs.held_back = 0
         self._taking.clear()
