@@ -4,6 +4,7 @@ expert bias, jitter, sinkhorn, and what it records in the tracker."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -464,6 +465,37 @@ def test_expert_bias_shifts_selection_not_weights():
     router.eval()
     router(x)
     assert router.local_tokens_per_expert[3] == 20  # no accumulation in evaluation
+
+
+def test_state_loaded_mid_step_drops_the_abandoned_token_counts():
+    """A loop that rolls back to a checkpoint in the middle of a step (model.load_state_dict)
+    replays the step: the expert-bias update and the global_aux_loss that follow must count
+    the replayed micro-batches only, as a router that never ran the abandoned ones (the
+    counts are not in the checkpoint)."""
+    router = make_router(expert_bias=True, aux_loss_type="global_aux_loss", aux_loss_coeff=0.1)
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.linspace(-0.2, 0.3, E))
+    checkpoint = copy.deepcopy(router.state_dict())
+    reference = copy.deepcopy(router)  # never runs the abandoned micro-batches
+    abandoned, replayed = torch.randn(12, H), torch.randn(7, H)
+    router(abandoned)
+    router.load_state_dict(checkpoint)
+    router(replayed)
+    reference(replayed)
+    # the loss of the replayed forward: the global batch is that micro-batch alone
+    assert router.last_aux_loss == pytest.approx(float(reference.last_aux_loss), rel=1e-6)
+    assert router.global_aux_micro_batches == 1
+    router.update_expert_bias()
+    reference.update_expert_bias()
+    assert torch.equal(router.expert_bias, reference.expert_bias)
+    # independent: the bias moved by the sign of (mean load - load) of the replayed tokens,
+    # selected by the top-k of logits + bias (softmax after the top-k)
+    loads = torch.zeros(E)
+    logits = replayed.double() @ router.weight.double().T
+    top = torch.topk(logits + checkpoint["expert_bias"].double(), K, dim=-1).indices
+    loads.index_add_(0, top.reshape(-1), torch.ones(top.numel()))
+    expected = checkpoint["expert_bias"] + 1e-3 * torch.sign(loads.mean() - loads)
+    assert torch.allclose(router.expert_bias, expected)
 
 
 # ---------------------------------------------------------------------- routing variants

@@ -283,6 +283,19 @@ class TopKRouter(nn.Module):
                 setattr(self, name, old.to(new.device))
         return self
 
+    def _load_from_state_dict(
+        self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        # A state loaded into a router that has run (a resume, or a loop rolling back to an
+        # earlier checkpoint in the middle of a step) starts a new timeline. The tokens counted
+        # since the last bias update and the global_aux_loss counts of the step in progress
+        # are not in the checkpoint (non-persistent): kept, they would move the replayed
+        # step's bias and loss with the abandoned micro-batches' tokens.
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.local_tokens_per_expert is not None:
+            self.local_tokens_per_expert.zero_()
+        self.reset_global_tokens()
+
     def set_layer_number(self, layer_number: int, num_layers: int | None = None) -> None:
         """Set the 1-based layer number (and the model's layer count) used by the tracker."""
         self.layer_number = _positive_int("layer_number", layer_number)
