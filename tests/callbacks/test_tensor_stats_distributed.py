@@ -10,6 +10,7 @@ Expert parallelism on 2 ranks with a stand-in MoE layer: global expert indices i
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -247,6 +248,66 @@ def test_expert_parallel_names_carry_global_expert_index(tmp_path: Path) -> None
     acts = lines["activation"]["tensors"]
     outs = {n: torch.from_numpy(t) for r in results for n, t in r["outs"].items()}
     _check({"tensors": {n: acts[n] for n in outs}}, outs, "expert activations")
+
+
+class SkippingMoE(nn.Module):
+    """Runs only the experts that receive tokens (as Hugging Face's Mixtral loop does): an
+    expert no token reached has no gradient on its rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.shared = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, hit: list[int]) -> torch.Tensor:
+        y = self.shared(x).pow(2).sum()
+        for i in hit:
+            y = y + self.experts[i](x).pow(3).sum()
+        return y
+
+
+def _ep_unhit_expert_body(rank: int, world_size: int, run_dir: str) -> dict:
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import TensorStatsMonitor
+    from trainvitals.distributed import ProcessGroups, world_group
+
+    torch.manual_seed(rank)  # each EP rank holds different experts
+    model = SkippingMoE()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TensorStatsMonitor(kinds=["grad"], kernel="eager")
+    with Vitals(
+        [monitor],
+        writer=NullWriter(),
+        run_dir=run_dir,
+        log_every_n_steps=1,
+        groups=ProcessGroups(ep=world_group()),
+    ) as vitals:
+        vitals.attach(model, opt)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        vitals.batch(x)
+        model(x, hit=[0, 1] if rank == 0 else [0]).backward()  # rank 1's expert 1: no tokens
+        # by global name: local expert i of EP rank r is expert 2 r + i
+        grads = {
+            re.sub(r"experts\.(\d+)", lambda m: f"experts.{2 * rank + int(m[1])}", n): (
+                p.grad.detach().double().numpy().copy()
+            )
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+        opt.step()
+    return {"grads": grads}
+
+
+def test_expert_without_gradient_on_one_ep_rank(tmp_path: Path) -> None:
+    # The expert gather needs the same rows on every EP rank: a gradient missing on one rank
+    # made the ranks' buffers differ (gloo aborted, or the ranks hung).
+    results = run_distributed(_ep_unhit_expert_body, world_size=2, args=(str(tmp_path),))
+    want: dict[str, torch.Tensor] = {}
+    for r in results:
+        for name, g in r["grads"].items():
+            want.setdefault(name, torch.from_numpy(g))  # shared (not an expert): rank 0's
+    assert "experts.3.weight" not in want and "experts.2.weight" in want
+    _check(_lines(tmp_path)["grad"], want, "grads, one expert unhit")
 
 
 # -------------------------------------------------- experts on a ("dp", "ep") mesh: edp merge

@@ -555,6 +555,72 @@ def test_frozen_and_replaced_parameters_are_seen_at_the_next_logging_step(tmp_pa
     assert lines[1]["tensors"]["head.bias"][mean] != 7.0
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_grad_pass_before_the_first_training_forward_is_not_measured(
+    tmp_path: Path, monkeypatch, mode: str
+) -> None:
+    # PPO-style: old log-probs from the same model under no_grad, then the training forward.
+    # On the run's first logging step the monitor did not yet know these sites train with
+    # autograd on, and merged the no_grad pass into them (twice the tokens, wrong moments).
+    # A frozen part that always runs under no_grad stays measured. Under inference_mode, the
+    # hooks failed on the inference tensors (no version counter): every activation and dgrad
+    # of the step went missing, and the kernel's cached work buffers, made there, would have
+    # been inference tensors that no later step could write.
+    import trainvitals.stats.moments as moments
+
+    monkeypatch.setattr(moments, "_eager_work", {})  # made afresh, inside the hooks
+    torch.manual_seed(0)
+    frozen = nn.Linear(D, D).requires_grad_(False)
+    policy = nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, 8))
+    model = nn.ModuleDict({"frozen": frozen, "policy": policy})
+    want: dict[str, dict[str, list[torch.Tensor]]] = {"activation": {}, "dgrad": {}}
+    capturing = [True]
+
+    def capture(name: str):
+        def hook(module, args, output):
+            if not capturing[0] or (name.startswith("policy") and not torch.is_grad_enabled()):
+                return  # the policy's no_grad pass: not part of the training step
+            for suffix, t in ((f"{name}/input0", args[0]), (f"{name}/output0", output)):
+                want["activation"].setdefault(suffix, []).append(t.detach().double().reshape(-1))
+                if t.requires_grad:
+                    t.register_hook(
+                        lambda g, s=suffix: want["dgrad"].setdefault(s, []).append(g.double())
+                    )
+
+        return hook
+
+    for name in ("frozen", "policy.0", "policy.2"):
+        model.get_submodule(name).register_forward_hook(capture(name))
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    monitor = TensorStatsMonitor(kinds=["activation", "dgrad"], kernel="eager")
+    no_grad = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    tokens = 256  # frozen/output0: 256 x 48 elements, the chunked kernel with its work buffers
+    with Vitals([monitor], writer=Recorder(), run_dir=tmp_path, log_every_n_steps=1) as vitals:
+        vitals.attach(model, opt)
+        for step in range(2):
+            capturing[0] = step == 1
+            x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(step))
+            vitals.batch(x)
+            with no_grad():
+                h = frozen(x)
+                old = policy(h + 50.0)
+            h, old = h.clone(), old.clone()  # (an inference tensor cannot enter autograd)
+            policy(h).sub(old).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    lines = read_lines(tmp_path / "tensor_stats.jsonl")
+    assert [(r["step"], r["kind"]) for r in lines] == [
+        (s, k) for s in (0, 1) for k in ("activation", "dgrad")
+    ]
+    at0 = {r["kind"]: r for r in lines if r["step"] == 0}
+    assert at0["activation"]["tensors"]["frozen/output0"][0] == tokens * D
+    assert at0["activation"]["tensors"]["policy.0/input0"][0] == tokens * D
+    at1 = {r["kind"]: r for r in lines if r["step"] == 1}
+    for kind in ("activation", "dgrad"):
+        expected = {s: torch.cat([t.reshape(-1) for t in v]) for s, v in want[kind].items()}
+        check_line(at1[kind], expected, kind)
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="kinds"):
         TensorStatsMonitor(kinds=["weights"])

@@ -3,6 +3,7 @@ activation-gradients, written to a queryable JSONL file."""
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
@@ -62,6 +63,9 @@ _SITE_SUFFIXES = ("input0", "output0")
 # (saved for backward, or about to be consumed).
 _DEFER_TENSORS = 8
 _DEFER_ELEMENTS = 1 << 26
+# The accumulator of activations seen under no_grad at sites not yet known to train with
+# autograd on (see _merged_sites).
+_UNSURE = "activation_unsure"
 
 
 @dataclass
@@ -92,7 +96,9 @@ class TensorStatsMonitor(VitalsCallback):
       gradient hook on the same tensors. Integer inputs
       (token ids) are skipped. Forwards re-run inside backward (activation checkpointing) are
       not counted twice; under a reentrant checkpoint, whose first run has autograd off, the
-      re-run is where the gradient hooks go.
+      re-run is where the gradient hooks go. A ``no_grad`` forward of a site that trains with
+      autograd on (generation, old log-probs, a teacher pass) is not counted, also before the
+      site's first training forward.
     * ``before_optimizer_step`` of a param/grad logging step: the moments of every trainable
       parameter and its gradient (after AMP unscaling, before clipping), in one fused call each.
     * ``step_end``: hooks are removed; the micro-batches of the step are merged exactly; the
@@ -282,7 +288,7 @@ class TensorStatsMonitor(VitalsCallback):
         # activations/dgrads waiting for their batched reduction: (kind, site, local, key,
         # local's version when seen); sites whose tensor was changed in place before its
         # reduction are reduced in the hook from then on
-        self._deferred: list[tuple[str, int, torch.Tensor, torch.Tensor, int]] = []
+        self._deferred: list[tuple[str, int, torch.Tensor, torch.Tensor, int, str]] = []
         self._deferred_elements = 0
         self._immediate: set[tuple[str, int]] = set()
         self._dropped: set[tuple[str, int]] = set()  # left out of the current step
@@ -368,11 +374,15 @@ class TensorStatsMonitor(VitalsCallback):
         several = ctx.stepping_apart
         if several:
             named = self._stepped_part(ctx, named)
-        wanted: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        wanted: dict[str, list[tuple[str, torch.Tensor | None, torch.Tensor]]] = {}
         if "param" in self.kinds:
-            wanted["param"] = named
+            wanted["param"] = [(n, p, p) for n, p in named]
         if "grad" in self.kinds:
-            wanted["grad"] = [(n, p.grad) for n, p in named if p.grad is not None]
+            # Also the parameters without a gradient on this rank (an expert no token reached,
+            # skipped by the MoE loop): every rank must send the same rows through the step's
+            # collectives (expert gather, shard merges); such a row is "not measured" (NaN)
+            # and left out of the file, as a parameter without a gradient always was.
+            wanted["grad"] = [(n, p.grad, p) for n, p in named]
         measured = self._local_kinds(wanted)
         if not several:
             # One optimizer, or every gradient shown at once: every parameter at once.
@@ -465,25 +475,36 @@ class TensorStatsMonitor(VitalsCallback):
         self._measured.update(id(p) for _, p in part)
         return part
 
-    def _local_kinds(self, wanted: dict[str, list[tuple[str, torch.Tensor]]]) -> dict[str, _Kind]:
-        """Local moments of each kind's (name, tensor) pairs. All kinds go through one
+    def _local_kinds(
+        self, wanted: dict[str, list[tuple[str, torch.Tensor | None, torch.Tensor]]]
+    ) -> dict[str, _Kind]:
+        """Local moments of each kind's (name, tensor, parameter) triples; a tensor that is
+        ``None`` (no gradient) gets a NaN row ("not measured"), its name and merge groups taken
+        from the parameter so that they are the same on every rank. All kinds go through one
         :func:`partial_moments` call per device (its fixed cost, the batched small tensors and
         the merge, is paid once for parameters and gradients together)."""
-        kinds: dict[str, tuple[list[str], list[torch.Tensor], list[bool], list[tuple]]] = {}
+        kinds: dict[str, tuple[list[str], int, list[bool], list[tuple]]] = {}
         everything: list[torch.Tensor] = []
+        present: list[int] = []  # the row of each tensor of ``everything``, over all kinds
+        rows = 0
         for kind, named in wanted.items():
-            infos = [(self._name_info(n), t) for n, t in named]
-            infos = [(info, t) for info, t in infos if info[1] and t.is_floating_point()]
-            tensors = [t for _, t in infos]
+            infos = [(self._name_info(n), t, like) for n, t, like in named]
+            infos = [x for x in infos if x[0][1] and x[2].is_floating_point()]
+            tensors = [t for _, t, _ in infos if t is not None]
             locals_ = [local_tensor(t).detach() for t in tensors]
             _sum_partials(tensors, locals_)
             kinds[kind] = (
-                [info[0] for info, _ in infos],
-                locals_,
-                [info[2] for info, _ in infos],
-                [shard_groups(t, include_partial=False) for t in tensors],
+                [info[0] for info, _, _ in infos],
+                len(infos),
+                [info[2] for info, _, _ in infos],
+                [
+                    shard_groups(like if t is None else t, include_partial=False)
+                    for _, t, like in infos
+                ],
             )
+            present += [rows + i for i, (_, t, _) in enumerate(infos) if t is not None]
             everything += locals_
+            rows += len(infos)
         # A sparse gradient (nn.Embedding(sparse=True)) has no dense kernel: its moments are
         # those of its stored values merged with the implicit zeros (exact, no densifying).
         zeros: dict[int, int] = {}
@@ -495,7 +516,11 @@ class TensorStatsMonitor(VitalsCallback):
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(everything):
             by_device.setdefault(t.device, []).append(i)
-        device = everything[0].device if everything else torch.device("cpu")
+        if everything:
+            device = everything[0].device
+        else:  # no gradient here: NaN rows on the parameters' device (that of the collectives)
+            likes = [local_tensor(like) for named in wanted.values() for _, _, like in named]
+            device = likes[0].device if likes else torch.device("cpu")
         moments = empty_moments(len(everything), device=device)
         try:
             for idx in by_device.values():
@@ -521,10 +546,14 @@ class TensorStatsMonitor(VitalsCallback):
                 "they are missing from this logging step",
             )
             moments.fill_(math.nan)
+        if len(present) < rows:
+            measured = moments
+            moments = torch.full((rows, len(FIELDS)), math.nan, dtype=torch.float64, device=device)
+            moments[torch.tensor(present, dtype=torch.long, device=device)] = measured
         out: dict[str, _Kind] = {}
         start = 0
-        for kind, (names, locals_, expert, groups) in kinds.items():
-            end = start + len(locals_)
+        for kind, (names, count, expert, groups) in kinds.items():
+            end = start + count
             out[kind] = _Kind(names=names, moments=moments[start:end], groups=groups, expert=expert)
             start = end
         return out
@@ -533,7 +562,9 @@ class TensorStatsMonitor(VitalsCallback):
 
     def _install(self, ctx: RunContext) -> None:
         n = len(self._sites)
-        self._acc = {k: MomentAccumulator(n, kernel=self.kernel) for k in ("activation", "dgrad")}
+        self._acc = {
+            k: MomentAccumulator(n, kernel=self.kernel) for k in ("activation", "dgrad", _UNSURE)
+        }
         self._dropped = set()
         self._hooks_failed = False
         self._held_back = {}
@@ -564,12 +595,19 @@ class TensorStatsMonitor(VitalsCallback):
                 return
             if self._hook_ctx is not None and self._hook_ctx.in_validation:
                 return
+            grad_on = torch.is_grad_enabled()
             try:
-                observe(args, kwargs, output, rerun)
+                # Under inference_mode (generation, a frozen encoder) the tensors made here
+                # (kept copies, the kernel's reused work buffers) would be inference tensors,
+                # which no later step could update in place: make them outside it (this also
+                # turns autograd on, hence grad_on read before).
+                inference = torch.is_inference_mode_enabled()
+                with torch.inference_mode(False) if inference else contextlib.nullcontext():
+                    observe(args, kwargs, output, rerun, grad_on)
             except Exception as exc:  # never let telemetry break the user's forward
                 self._hook_failure(exc)
 
-        def observe(args: tuple, kwargs: dict, output: Any, rerun: bool) -> None:
+        def observe(args: tuple, kwargs: dict, output: Any, rerun: bool, grad_on: bool) -> None:
             first_in = _first_float(args)
             if first_in is None and not args:
                 first_in = _first_float(tuple(kwargs.values()))
@@ -595,13 +633,19 @@ class TensorStatsMonitor(VitalsCallback):
                     continue
                 # The gradient hook first, and even after a failure: it may hold a collective
                 # (Partial gradients) that every rank must reach.
-                grad_on = torch.is_grad_enabled()
+                unsure = False
                 if grad_on or x.requires_grad:
                     self._grad_sites.add(site)
                 elif site in self._grad_sites:
                     # a no_grad forward of a site that trains with autograd on (generation, a
                     # teacher pass): not part of the training step, and re-run by nothing
                     continue
+                else:
+                    # not known yet (the run's first logging step: old log-probs or a teacher
+                    # pass before the training forward, or a reentrant checkpoint's first run):
+                    # kept apart, and counted at step end only if the site never ran with
+                    # autograd on (see _merged_sites)
+                    unsure = True
                 if want_dgrad and x.requires_grad:
                     self._handles.append(x.register_hook(self._make_grad_hook(site)))
                     self._held_back.pop(site, None)  # hooked here: nothing to re-run for
@@ -609,7 +653,7 @@ class TensorStatsMonitor(VitalsCallback):
                     # a reentrant checkpoint's first run: its re-run gets the hook
                     self._held_back[site] = self._held_back.get(site, 0) + 1
                 if want_act and not self._hooks_failed:
-                    self._add_parts("activation", site, x)
+                    self._add_parts("activation", site, x, _UNSURE if unsure else "activation")
 
         return hook
 
@@ -642,23 +686,30 @@ class TensorStatsMonitor(VitalsCallback):
 
         return hook
 
-    def _add_parts(self, kind: str, site: int, x: torch.Tensor) -> None:
+    def _add_parts(self, kind: str, site: int, x: torch.Tensor, into: str | None = None) -> None:
+        """Fold ``x`` into ``kind``'s site (accumulator ``into``, default ``kind``), deferred."""
+        into = into or kind
         if (kind, site) not in self._site_groups:
             self._site_groups[(kind, site)] = shard_groups(x, include_partial=False)
         if (kind, site) in self._dropped:
             return
         local = local_tensor(x).detach()
-        if (kind, site) in self._immediate:
-            self._acc[kind].add(site, local, key=x)
+        if x.is_inference():
+            # no version counter to tell a later in-place change by: reduced now (and an
+            # inference tensor can change only inside inference_mode, i.e. no training code)
+            self._acc[into].add(site, local)
             return
-        self._deferred.append((kind, site, local, x, local._version))
+        if (kind, site) in self._immediate:
+            self._acc[into].add(site, local, key=x)
+            return
+        self._deferred.append((kind, site, local, x, local._version, into))
         self._deferred_elements += local.numel()
         if len(self._deferred) >= _DEFER_TENSORS or self._deferred_elements >= _DEFER_ELEMENTS:
             self._reduce_deferred()
 
     def _reduce_deferred(self) -> None:
         deferred, self._deferred, self._deferred_elements = self._deferred, [], 0
-        for kind, site, local, key, version in deferred:
+        for kind, site, local, key, version, into in deferred:
             if (kind, site) in self._dropped:
                 continue
             if local._version != version:  # shared with x: detach() keeps the counter
@@ -674,7 +725,7 @@ class TensorStatsMonitor(VitalsCallback):
                     "it is missing from this step and reduced in the hook from the next one",
                 )
                 continue
-            acc = self._acc.get(kind)
+            acc = self._acc.get(into)
             if acc is not None:
                 acc.add(site, local, key=key)
 
@@ -706,11 +757,19 @@ class TensorStatsMonitor(VitalsCallback):
     def _merged_sites(self, ctx: RunContext, kind: str) -> _Kind:
         """All micro-batches' parts of one kind merged into one row per site (exact)."""
         acc = self._acc.pop(kind, None)
+        unsure = self._acc.pop(_UNSURE, None) if kind == "activation" else None
         n = len(self._sites)
         moments = empty_moments(n, device=ctx.device)
         if acc is not None:
             try:
                 moments = acc.result()
+                # no_grad forwards of sites that never ran with autograd on (a frozen part
+                # under no_grad, a reentrant checkpoint's first run) are part of the step
+                keep = [i for i in range(n) if i not in self._grad_sites]
+                if unsure is not None and keep:
+                    at = torch.tensor(keep, device=moments.device)
+                    extra = unsure.result().to(moments.device)[at]
+                    moments[at] = combine_moments(torch.stack([moments[at], extra]), dim=0)
             except Exception as exc:
                 self._hook_failure(exc)
         dropped = [site for k, site in self._dropped if k == kind]
