@@ -738,3 +738,55 @@ def test_a_resumed_run_drops_every_line_the_interrupted_run_wrote_after_its_chec
     assert sorted(rows) == [0, 2]
     assert rows[0]["time/samples"] == 2  # the interrupted run's, before its checkpoint
     assert rows[2]["time/samples"] == 2 + 7 + 8  # the resumed run's
+
+
+def test_how_the_with_block_ends_is_how_the_driver_ends_its_writers_run(tmp_path, monkeypatch):
+    # A script stopping early on success (sys.exit(0) once its target loss is reached) ends
+    # the run as a normal end: run_end for the callbacks, an MLflow run the driver's writer
+    # created FINISHED. A non-zero or message exit fails it; Ctrl-C is MLflow's KILLED.
+    from mlflow import MlflowClient
+
+    import trainvitals.adapters.loop as loop
+    from trainvitals.adapters import FanoutWriter, MLflowSink
+
+    sinks: list[MLflowSink] = []
+
+    def default_writer(accelerator, run_dir):
+        sinks.append(MLflowSink(run_dir=tmp_path / "mlruns", experiment_name="driver"))
+        return FanoutWriter([sinks[-1]], rank=0)
+
+    monkeypatch.setattr(loop, "_default_writer", default_writer)
+    endings = {
+        "exit()": SystemExit(),
+        "exit(0)": SystemExit(0),
+        "exit(None)": SystemExit(None),
+        "exit(1)": SystemExit(1),
+        "exit('msg')": SystemExit("target missed"),
+        "ctrl-c": KeyboardInterrupt(),
+        "error": ValueError("diverged"),
+    }
+    ended = {}
+    for name, exception in endings.items():
+        model, opt = _model_opt()
+        rec = Recorder()
+        with pytest.raises(type(exception)), Vitals([rec], run_dir=tmp_path) as vitals:
+            vitals.attach(model, opt)
+            x = torch.randn(2, 4)
+            vitals.batch(x)
+            model(x).sum().backward()
+            opt.step()
+            vitals.ctx.writer.add_scalar("loss", 0.5, vitals.ctx.step)
+            raise exception
+        client = MlflowClient(tracking_uri=sinks[-1].tracking_uri)
+        run = client.get_run(sinks[-1].run_id)
+        ended[name] = (run.info.status, run.data.metrics.get("loss"), rec.events[-1])
+    success, failure = ("run_end",), lambda kind: ("exception", kind)
+    assert ended == {
+        "exit()": ("FINISHED", 0.5, success),
+        "exit(0)": ("FINISHED", 0.5, success),
+        "exit(None)": ("FINISHED", 0.5, success),
+        "exit(1)": ("FAILED", 0.5, failure("SystemExit")),
+        "exit('msg')": ("FAILED", 0.5, failure("SystemExit")),
+        "ctrl-c": ("KILLED", 0.5, failure("KeyboardInterrupt")),
+        "error": ("FAILED", 0.5, failure("ValueError")),
+    }

@@ -483,9 +483,9 @@ _ABANDONED_CLOSE_TIMEOUT = 5.0
 def _close_live_writers() -> None:
     """Deliver what is still queued when the interpreter exits without ``close()``; the runs
     the sinks created end as failed when the script is dying (see :class:`_ProcessEnd`)."""
-    failed = _ProcessEnd.failed()
+    failed, interrupted = _ProcessEnd.outcome()
     for writer in list(_live_writers):
-        writer.close(failed=failed)
+        writer.close(failed=failed, interrupted=interrupted)
 
 
 def _close_live_writers_first() -> None:
@@ -528,6 +528,22 @@ def _exit_status(code: object) -> int:
     return code if isinstance(code, int) else 1
 
 
+def _run_outcome(exception: BaseException | None) -> tuple[bool, bool]:
+    """``(failed, interrupted)`` for a run that ``exception`` ended (``None``: none did).
+
+    ``SystemExit`` with status 0 (``sys.exit()``, ``sys.exit(0)``, ``sys.exit(None)``) is a
+    success, any other status a failure. ``KeyboardInterrupt`` (Ctrl-C, SIGINT) is an
+    interruption by the user: MLflow's ``KILLED`` ("run killed by user", ``RunStatus``), W&B's
+    exit code 255 (what W&B's own hook gives a run ended by Ctrl-C:
+    ``wandb/sdk/lib/exit_hooks.py``, ``ExitHooks.exc_handler``).
+    """
+    if exception is None:
+        return False, False
+    if isinstance(exception, SystemExit):
+        return _exit_status(exception.code) != 0, False
+    return True, isinstance(exception, KeyboardInterrupt)
+
+
 def _in_ipython() -> bool:
     ipython = sys.modules.get("IPython")
     get_ipython = getattr(ipython, "get_ipython", None)
@@ -537,51 +553,75 @@ def _in_ipython() -> bool:
         return False
 
 
+def _last_uncaught() -> BaseException | None:
+    """The exception the interpreter last reported as uncaught (``sys.last_value``)."""
+    # sys.last_exc is new in 3.12; sys.last_value is still set there too
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return exc if isinstance(exc, BaseException) else None
+
+
 class _ProcessEnd:
     """How the interpreter is ending, for the writers still open at exit.
 
-    The exit hooks run after the main thread's code has ended and cannot see how it ended, so
-    :meth:`watch` (called when the first writer of rank 0 is made) installs two chained hooks, as
-    W&B does for its runs (``wandb/sdk/lib/exit_hooks.py``):
+    The exit hooks run after the main thread's code has ended and cannot be told how it ended;
+    the interpreter leaves two traces that :meth:`outcome` reads:
 
-    * ``sys.excepthook``: the interpreter calls it for an exception that ended the main
-      thread's code, after storing it in ``sys.last_value`` (``PyErr_Print``). A call by user
-      code (which then goes on) does not store it, and is ignored; so is an error typed at an
-      interactive prompt (``python -i``, the REPL). The previous hook is called as before. In
-      IPython/Jupyter ``sys.excepthook`` is replaced by the shell for each cell and restored
-      after it (``InteractiveShell.run_code``), and a cell's exception goes to the shell's
-      ``showtraceback``, not to ``sys.excepthook``: a failing cell does not end the kernel,
-      and nothing is recorded. ``threading.excepthook`` is not used: it is called for other
-      threads only, whose exceptions do not end the process.
-    * ``sys.exit``: a ``SystemExit`` never reaches ``sys.excepthook``, and Hydra turns the
-      exception of a ``@hydra.main`` task into ``sys.exit(1)``
-      (``hydra/_internal/utils.py: run_and_report``). ``sys.exit(status)`` in the main thread
-      records the status it exits with; a non-zero one ends the runs as failed, ``0`` (or
-      ``None``) as finished. A ``SystemExit`` raised directly (``raise SystemExit(3)``,
-      ``exit(3)``) is not seen. IPython catches ``SystemExit`` in a cell and keeps the kernel
-      running: not recorded there; nor once the main thread logs a later step (the
+    * An exception that ended the main thread's code: before the interpreter reports it (calls
+      ``sys.excepthook``, whichever hook is installed: ``rich.traceback.install`` replaces it
+      without chaining) it stores it in ``sys.last_value`` (``PyErr_Print``). ``sys.excepthook``
+      called by user code (which then goes on), ``threading.excepthook`` (other threads, whose
+      exceptions do not end the process) and ``sys.unraisablehook`` store nothing. Not read in
+      an interactive session (``python -i``, the REPL, IPython/Jupyter), whose shells store
+      there every error typed at their prompt and go on. Nor once the main thread logs a later
+      step or calls ``sys.exit``: that exception did not end it (a C extension printing a
+      callback's error with ``PyErr_Print``).
+    * ``sys.exit(status)``: a ``SystemExit`` is never reported nor stored, so :meth:`watch`
+      (called when the first writer of rank 0 is made) chains ``sys.exit``, as W&B does for
+      its runs (``wandb/sdk/lib/exit_hooks.py``); Hydra turns the exception of a
+      ``@hydra.main`` task into ``sys.exit(1)`` (``hydra/_internal/utils.py:
+      run_and_report``), argparse and click exit through it. ``sys.exit(status)`` in the main
+      thread records the status it exits with; non-zero ends the runs as failed, ``0`` (or
+      ``None``) as finished. Not recorded in IPython (which catches ``SystemExit`` in a cell
+      and keeps the kernel running), nor once the main thread logs a later step (the
       ``SystemExit`` was caught).
+
+    Not seen, and so ending the runs as finished: a ``SystemExit`` raised directly
+    (``raise SystemExit(3)``, the ``exit(3)`` builtin, an ``exit`` imported from ``sys`` before
+    the first writer was made): the interpreter takes its status and exits without storing it
+    anywhere Python code can read; only tracing every frame (``sys.settrace``,
+    ``sys.monitoring``'s ``PY_UNWIND``) would see it, at a cost on every step. A process ended
+    by a signal or ``os._exit`` runs no exit hook at all.
     """
 
     watched = False
-    uncaught = False  # an exception ended the main thread's code
     exit_status: int | None = None  # from the last sys.exit() in the main thread
+    survived: BaseException | None = None  # sys.last_value when the main thread last logged
 
     @classmethod
-    def failed(cls) -> bool:
-        return cls.uncaught or bool(cls.exit_status)
+    def outcome(cls) -> tuple[bool, bool]:
+        """``(failed, interrupted)`` of the main thread's end, as :func:`_run_outcome`."""
+        try:
+            if sys.flags.interactive or sys.flags.inspect or hasattr(sys, "ps1") or _in_ipython():
+                return False, False
+            uncaught = _last_uncaught()
+            if uncaught is not None and uncaught is not cls.survived:
+                return _run_outcome(uncaught)
+        except Exception:  # pragma: no cover - never disturb the exit
+            pass
+        return bool(cls.exit_status), False
+
+    @classmethod
+    def main_thread_goes_on(cls) -> None:
+        """The main thread logs a step: what it exited with or reported before ended nothing."""
+        cls.exit_status = None
+        cls.survived = _last_uncaught()
 
     @classmethod
     def watch(cls) -> None:
         if cls.watched:
             return
         cls.watched = True
-        previous_excepthook = sys.excepthook
         previous_exit = sys.exit
-
-        def excepthook(exc_type: Any, exc: Any, tb: Any) -> Any:
-            cls._note_uncaught(exc)  # (never raises)
-            return previous_excepthook(exc_type, exc, tb)
 
         @functools.wraps(previous_exit)
         def exit(*args: Any) -> Any:  # stands in for sys.exit
@@ -589,27 +629,14 @@ class _ProcessEnd:
                 cls._note_exit(args[0] if args else None)
             return previous_exit(*args)
 
-        sys.excepthook = excepthook
         sys.exit = exit
-
-    @classmethod
-    def _note_uncaught(cls, exc: object) -> None:
-        try:
-            if (
-                exc is not None
-                and exc is getattr(sys, "last_value", None)
-                and threading.current_thread() is threading.main_thread()
-                and not (sys.flags.interactive or sys.flags.inspect or hasattr(sys, "ps1"))
-            ):
-                cls.uncaught = True
-        except Exception:  # pragma: no cover - never disturb the exception's report
-            pass
 
     @classmethod
     def _note_exit(cls, code: object) -> None:
         try:
             if threading.current_thread() is threading.main_thread() and not _in_ipython():
                 cls.exit_status = _exit_status(code)
+                cls.survived = _last_uncaught()  # reported before: it did not end the thread
         except Exception:  # pragma: no cover - never disturb the exit
             pass
 
@@ -918,11 +945,8 @@ class FanoutWriter:
         if self._values:
             self._close_step()
         self._step = step
-        if (
-            _ProcessEnd.exit_status is not None
-            and threading.current_thread() is threading.main_thread()
-        ):
-            _ProcessEnd.exit_status = None  # the main thread goes on: its sys.exit was caught
+        if threading.current_thread() is threading.main_thread():
+            _ProcessEnd.main_thread_goes_on()  # (its sys.exit was caught, if it called one)
 
     def _warn_closed(self) -> None:
         if not self._closed_warned:
@@ -1136,7 +1160,9 @@ class FanoutWriter:
                 w.check_hang(now)
             return all(not w.disabled and w.idle_through(target) for w in self._workers)
 
-    def close(self, timeout: float | None = None, *, failed: bool = False) -> None:
+    def close(
+        self, timeout: float | None = None, *, failed: bool = False, interrupted: bool = False
+    ) -> None:
         """Deliver what is queued, close the sinks this writer owns, stop the threads.
 
         Waits up to ``timeout`` seconds (default: ``close_timeout``) for the sinks to drain,
@@ -1145,19 +1171,23 @@ class FanoutWriter:
         caller passed in (a ``SummaryWriter``, an MLflow client and run, a Comet experiment, a
         W&B run) are flushed, not closed. ``failed=True`` (the run ended with an exception; the
         ``Vitals`` driver and ``with writer:`` pass it; ``sys.exit(0)`` is no failure) ends the
-        runs the sinks created as failed (MLflow ``FAILED``, W&B exit code 1). A writer still
-        open when the interpreter exits is closed by an exit hook, with ``failed=True`` when
-        an uncaught exception or ``sys.exit`` with a non-zero status ends the script. Never
-        raises because of a sink; warns once, at the end, for every sink that missed steps.
-        Calling it again does nothing.
+        runs the sinks created as failed (MLflow ``FAILED``, W&B exit code 1);
+        ``interrupted=True`` (the user stopped it: ``KeyboardInterrupt``) as killed (MLflow
+        ``KILLED``, W&B exit code 255). A writer still open when the interpreter exits is
+        closed by an exit hook, as failed when an uncaught exception or ``sys.exit`` with a
+        non-zero status ends the script, as interrupted after an uncaught
+        ``KeyboardInterrupt`` (``docs/writer.md``, *How a run ends*). Never raises because of
+        a sink; warns once, at the end, for every sink that missed steps. Calling it again
+        does nothing.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if failed:
+            if failed or interrupted:
                 for s in self.sinks:
                     s.run_failed = True
+                    s.run_interrupted = interrupted
             if self._active and self._pid == os.getpid():
                 try:
                     self._close_step()
@@ -1281,7 +1311,7 @@ class FanoutWriter:
     def __enter__(self) -> FanoutWriter:
         return self
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         # sys.exit(0) inside the block is a success, as at exit (see _ProcessEnd)
-        succeeded = isinstance(exc, SystemExit) and _exit_status(exc.code) == 0
-        self.close(failed=exc_type is not None and not succeeded)
+        failed, interrupted = _run_outcome(exc)
+        self.close(failed=failed, interrupted=interrupted)

@@ -562,9 +562,21 @@ class Vitals:
     # ------------------------------------------------------------------ end
 
     def close(self, exception: BaseException | None = None) -> None:
-        """End the run: final hooks, remove hooks, flush (and close the writer if we made it)."""
+        """End the run: final hooks, remove hooks, flush (and close the writer if we made it).
+
+        ``exception``: what ended the run, if anything did (``with vitals:`` passes it). The
+        callbacks get ``exception_raised`` and a writer we made ends its runs as failed (as
+        interrupted after ``KeyboardInterrupt``); ``SystemExit`` with status 0
+        (``sys.exit()``, ``sys.exit(0)``: a script stopping early, its target reached) is a
+        successful end, as if there were no exception.
+        """
         if self._closed:
             return
+        from trainvitals.adapters.fanout_writer import _run_outcome
+
+        failed, interrupted = _run_outcome(exception)
+        if not failed:
+            exception = None
         if exception is None:
             self._end_partial_step()  # the run's last batch, when not every optimizer stepped
         self._closed = True
@@ -581,7 +593,7 @@ class Vitals:
         self._patches.clear()
         writer = self.ctx.writer
         if self._owns_writer:
-            writer.close(failed=exception is not None)
+            writer.close(failed=failed, interrupted=interrupted)
         else:
             writer.flush()
 

@@ -255,6 +255,9 @@ class Sink:
         run_failed: set by the writer before :meth:`close` when the run ended with an
             exception (``FanoutWriter.close(failed=True)``): a sink ending a run it created
             marks it failed.
+        run_interrupted: set with ``run_failed`` when the user stopped the run
+            (``KeyboardInterrupt``; ``FanoutWriter.close(interrupted=True)``): a backend that
+            tells a run killed by its user from a failed one is told so (MLflow ``KILLED``).
         key_prefix: put before every key, ahead of the key rule (``""``: none). Set by
             :meth:`FanoutWriter.from_lightning` to a logger's ``prefix=`` and separator, which
             the logger applies in its own ``log_metrics`` only.
@@ -272,6 +275,7 @@ class Sink:
     thread_safe: bool = True
     key_rule: KeyRule | None = None
     run_failed: bool = False
+    run_interrupted: bool = False
     key_prefix: str = ""
 
     def __init__(self, *, name: str | None = None, owned: bool = True) -> None:

@@ -27,8 +27,9 @@ class MLflowSink(Sink):
     * ``MLflowSink(run_dir="runs/demo")`` or ``MLflowSink(tracking_uri=...)``: the sink creates
       a run (in ``experiment_name``, named ``run_name``) in the store, by default
       ``sqlite:///<run_dir>/mlflow.db``, on its first delivery, and ends it when the writer
-      closes (``FINISHED``, or ``FAILED`` after an exception: ``close(failed=True)``). Its id
-      is :attr:`run_id` from then on.
+      closes (``FINISHED``; ``FAILED`` after an exception: ``close(failed=True)``; ``KILLED``,
+      MLflow's "run killed by user", after ``KeyboardInterrupt``: ``close(interrupted=True)``).
+      Its id is :attr:`run_id` from then on.
 
     A step of N metrics is sent as ceil(N / 1000) ``log_batch`` calls (MLflow's limit per call).
     A retried step resumes after the last chunk that went through (and MLflow's SQL store
@@ -131,4 +132,8 @@ class MLflowSink(Sink):
 
     def close(self) -> None:
         if self.owned and self.client is not None and self.run_id is not None:
-            self.client.set_terminated(self.run_id, "FAILED" if self.run_failed else "FINISHED")
+            if self.run_interrupted:
+                status = "KILLED"
+            else:
+                status = "FAILED" if self.run_failed else "FINISHED"
+            self.client.set_terminated(self.run_id, status)

@@ -21,7 +21,9 @@ class WandbSink(Sink):
             ``run.log({**metrics, step_metric: step})`` without ``step=``, the way Lightning's
             ``WandbLogger`` does (it declares that metric as the x-axis of every key), so that
             the sink and the logger can share the run.
-        owned: finish the run when the writer closes.
+        owned: finish the run when the writer closes: exit code 0, 1 when the run failed
+            (``FanoutWriter.close(failed=True)``), 255 when the user stopped it
+            (``close(interrupted=True)``), as W&B's own exit hook does for Ctrl-C.
         name: the sink's name in warnings.
 
     W&B refuses a ``step`` lower than the run's current step (it drops the row with a
@@ -72,7 +74,11 @@ class WandbSink(Sink):
 
     def close(self) -> None:
         if self.owned:
-            if self.run_failed:
+            if self.run_interrupted:
+                # what W&B's own exit hook gives a run stopped by Ctrl-C
+                # (wandb/sdk/lib/exit_hooks.py, ExitHooks.exc_handler)
+                self.run.finish(exit_code=255)
+            elif self.run_failed:
                 self.run.finish(exit_code=1)
             else:
                 self.run.finish()
