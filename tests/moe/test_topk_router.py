@@ -673,3 +673,46 @@ def test_low_precision_model_keeps_bias_fp32_and_counts_exact():
     assert router.global_tokens_per_expert.dtype == torch.float64
     probs, _ = router(torch.randn(4, H, dtype=torch.bfloat16))
     assert probs.dtype == torch.float32
+
+
+def _switch_and_z_loss64(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 Switch aux loss and z-loss of a softmax top-K router, written out."""
+    logits = x.double() @ w.T
+    tokens = torch.zeros(E, dtype=torch.float64).index_add_(
+        0, torch.topk(logits, K, dim=-1).indices.reshape(-1), torch.ones(x.shape[0] * K).double()
+    )
+    aux = E / (K * x.shape[0] ** 2) * (torch.softmax(logits, dim=-1).sum(dim=0) * tokens).sum()
+    return aux, torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def test_grad_scaler_multiplies_the_injected_gradient_and_follows_its_updates():
+    # fp16 AMP: the main loss is multiplied by the GradScaler's scale before backward and every
+    # gradient is divided by it in unscale_(); the injected aux gradient must go through the
+    # same scale, or it ends up 65536x too small after unscaling.
+    coeff_aux, coeff_z, accum = 0.5, 0.1, 2
+    router = make_router(aux_loss_type="aux_loss", aux_loss_coeff=coeff_aux, z_loss_coeff=coeff_z)
+    optimizer = torch.optim.SGD(router.parameters(), lr=0.0)  # the weights stay put
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+    set_aux_loss_backward_scale(1.0 / accum, grad_scaler=scaler)
+    batches = [torch.randn(10, H), torch.randn(7, H)]
+    w = router.weight.detach().double().requires_grad_(True)
+    objective = sum(
+        (coeff_aux * aux + coeff_z * z) / accum
+        for aux, z in (_switch_and_z_loss64(b, w) for b in batches)
+    )
+    (expected,) = torch.autograd.grad(objective, w)
+    for step in range(2):  # growth_interval=1: the second step runs at scale 2**17
+        for b in batches:
+            probs, _ = router(b)
+            scaler.scale((probs * 0).sum()).backward()  # only the injected losses contribute
+        scaler.unscale_(optimizer)
+        assert scaler.get_scale() == 2.0 ** (16 + step)
+        assert torch.allclose(router.weight.grad.double(), expected, rtol=1e-5, atol=1e-9)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+
+def test_backward_scale_rejects_an_object_without_scale():
+    with pytest.raises(TypeError, match="grad_scaler"):
+        set_aux_loss_backward_scale(1.0, grad_scaler=object())

@@ -12,7 +12,11 @@ except ImportError:  # pragma: no cover
     import pytorch_lightning as pl
 
 from trainvitals.distributed import ProcessGroups
-from trainvitals.moe._aux_loss import set_aux_loss_backward_scale
+from trainvitals.moe._aux_loss import (
+    get_aux_loss_backward_scale,
+    get_aux_loss_grad_scaler,
+    set_aux_loss_backward_scale,
+)
 from trainvitals.moe.tiny_model import TinyMoELM
 
 
@@ -20,8 +24,11 @@ class TinyMoELightningModule(pl.LightningModule):
     """Trains :class:`TinyMoELM` on batches ``{"input_ids", "labels"}`` with AdamW.
 
     At train start it gives the routers the strategy's data-parallel group and scales the
-    routers' injected aux-loss gradients by ``1 / accumulate_grad_batches`` (Lightning divides
-    the main loss by it); after every optimizer step it calls :meth:`TinyMoELM.moe_step_end`.
+    routers' injected aux-loss gradients as Lightning scales the main loss: by
+    ``1 / accumulate_grad_batches`` and, under ``precision="16-mixed"``, by the precision
+    plugin's ``GradScaler`` scale (without it the unscaled aux-loss gradient would be 65536x too
+    small). The previous setting is restored at train end. After every optimizer step it calls
+    :meth:`TinyMoELM.moe_step_end`.
 
     Example:
         >>> module = TinyMoELightningModule(lr=1e-3, vocab_size=64, hidden_size=32,
@@ -38,7 +45,18 @@ class TinyMoELightningModule(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.model.set_process_groups(ProcessGroups.from_strategy(self.trainer.strategy))
-        set_aux_loss_backward_scale(1.0 / max(int(self.trainer.accumulate_grad_batches), 1))
+        self._previous_aux_loss_scale = (get_aux_loss_backward_scale(), get_aux_loss_grad_scaler())
+        # MixedPrecision (16-mixed) and FSDPPrecision hold the GradScaler as `.scaler`
+        # (None under bf16 / 32). DeepSpeed scales the loss inside its engine: not seen here.
+        grad_scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        set_aux_loss_backward_scale(
+            1.0 / max(int(self.trainer.accumulate_grad_batches), 1), grad_scaler=grad_scaler
+        )
+
+    def on_train_end(self) -> None:
+        previous = getattr(self, "_previous_aux_loss_scale", None)
+        if previous is not None:
+            set_aux_loss_backward_scale(previous[0], grad_scaler=previous[1])
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(batch["input_ids"], batch["labels"]).loss
