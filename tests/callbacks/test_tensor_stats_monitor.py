@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import warnings
@@ -893,3 +894,130 @@ def test_a_callback_disabled_on_an_activation_step_leaves_no_hooks(
     assert monitor._disabled
     assert counts == [0, 0, 0]
     assert monitor._handles == [] and monitor._deferred == [] and monitor._acc == {}
+
+
+def _rollback_run(
+    run_dir: Path, *, every: int, steps: int, back_to: int, replay: int
+) -> tuple[dict[int, dict[str, torch.Tensor]], list[int]]:
+    """The driver with its own writer (``metrics.jsonl``): ``steps`` steps, then a rollback in
+    the same process to the checkpoint taken before step ``back_to`` (model, optimizer and
+    ``Vitals`` restored, as ``accelerator.load_state`` does), then ``replay`` more steps. Returns
+    the parameters (float64) each replayed step measured and the steps of ``metrics.jsonl``."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TensorStatsMonitor(kinds=["param", "activation"], kernel="eager")
+    measured: dict[int, dict[str, torch.Tensor]] = {}
+
+    def one_step(vitals: Vitals, ids: torch.Tensor) -> None:
+        vitals.batch(ids)
+        logits = model(ids)
+        nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1)).backward()
+        measured[vitals.step] = {
+            n: p.detach().double().clone() for n, p in model.named_parameters()
+        }
+        opt.step()
+        opt.zero_grad()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the writer's own rollback warnings
+        with Vitals([monitor], run_dir=run_dir, log_every_n_steps=every) as vitals:
+            vitals.attach(model, opt)
+            for i, ids in enumerate(batches(steps)):
+                if i == back_to:
+                    saved = copy.deepcopy(
+                        (model.state_dict(), opt.state_dict(), vitals.state_dict())
+                    )
+                one_step(vitals, ids)
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+            with pytest.warns(RuntimeWarning, match=f"went back to step {back_to}"):
+                vitals.load_state_dict(saved[2])
+                measured = {s: m for s, m in measured.items() if s < back_to}
+                for ids in batches(replay, seed=1):  # the replay sees other data
+                    one_step(vitals, ids)
+    metrics = sorted({r["step"] for r in read_lines(run_dir / "metrics.jsonl")})
+    return measured, metrics
+
+
+def test_rollback_in_process_rewrites_the_replayed_steps_once(tmp_path: Path) -> None:
+    # 6 steps, back to step 2, replay steps 2 and 3 on other data: the file holds steps 0-3
+    # once per kind, as metrics.jsonl does, and steps 2-3 hold the replayed parameters
+    measured, metrics = _rollback_run(tmp_path, every=1, steps=6, back_to=2, replay=2)
+    lines = read_lines(tmp_path / "tensor_stats.jsonl")
+    assert [(r["step"], r["kind"]) for r in lines] == [
+        (s, k) for s in range(4) for k in ("param", "activation")
+    ]
+    assert metrics == [0, 1, 2, 3]
+    params = {r["step"]: r for r in lines if r["kind"] == "param"}
+    for step in range(4):
+        check_line(params[step], measured[step], f"param at step {step}")
+
+
+def test_rollback_ending_before_the_next_logging_step_drops_the_abandoned_steps(
+    tmp_path: Path,
+) -> None:
+    # every 3 steps: the abandoned timeline wrote steps 0 and 3; back to step 2 and one replayed
+    # step (not a logging one) before the run ends: step 3 was never reached again
+    # (metrics.jsonl is cut back only at the new writer's first write, which never comes here)
+    measured, _ = _rollback_run(tmp_path, every=3, steps=5, back_to=2, replay=1)
+    lines = read_lines(tmp_path / "tensor_stats.jsonl")
+    assert [(r["step"], r["kind"]) for r in lines] == [(0, "param"), (0, "activation")]
+    check_line(lines[0], measured[0], "param at step 0")
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch"])
+def test_lightning_fit_from_an_earlier_checkpoint_into_the_same_folder(
+    tmp_path: Path, package: str
+) -> None:
+    lightning = pytest.importorskip(package)
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = Net()
+            self.params: dict[int, dict[str, torch.Tensor]] = {}
+
+        def training_step(self, ids: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            logits = self.net(ids)
+            return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1))
+
+        def on_before_optimizer_step(self, optimizer) -> None:
+            self.params[self.global_step] = {
+                f"net.{n}": p.detach().double().clone() for n, p in self.net.named_parameters()
+            }
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    # one callback instance in both fits, as a script that retries in the same process does
+    monitor = TensorStatsMonitor(kinds=["param"], kernel="eager")
+    ckpts = tmp_path / "ckpts"
+    first = quiet_trainer(
+        package,
+        max_steps=6,
+        log_every_n_steps=1,
+        callbacks=[
+            monitor,
+            lightning.callbacks.ModelCheckpoint(
+                dirpath=ckpts, every_n_train_steps=2, save_top_k=-1
+            ),
+        ],
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+    )
+    first.fit(Module(), torch.utils.data.DataLoader(batches(6), batch_size=None))
+    [at2] = [p for p in ckpts.iterdir() if "step=2" in p.name]
+    module = Module()
+    second = quiet_trainer(
+        package, max_steps=4, log_every_n_steps=1, callbacks=[monitor], default_root_dir=tmp_path
+    )
+    with pytest.warns(RuntimeWarning, match="dropped 4 line"):
+        second.fit(
+            module, torch.utils.data.DataLoader(batches(6, seed=1), batch_size=None), ckpt_path=at2
+        )
+    lines = read_lines(tmp_path / "tensor_stats.jsonl")
+    assert [r["step"] for r in lines] == [0, 1, 2, 3]
+    for r in lines[2:]:
+        check_line(r, module.params[r["step"]], f"param at step {r['step']}")

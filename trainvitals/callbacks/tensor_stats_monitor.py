@@ -267,6 +267,11 @@ class TensorStatsMonitor(VitalsCallback):
         # run state
         self._path: Path | None = None
         self._cut_line = False  # a failed append may have left part of a line in the file
+        # The highest step the file may hold a line of (written by this instance, or left by
+        # run_start's cleanup). Deliberately not in state_dict: after a rollback in the same
+        # process (load_state_dict of an earlier checkpoint) it still says how far the
+        # abandoned timeline wrote, see _drop_abandoned_steps.
+        self._file_high_step = -1
         self._sites: list[str] = []  # "<module>/input0", "<module>/output0" in model order
         self._site_expert: list[bool] = []
         self._site_index: dict[str, int] = {}
@@ -358,8 +363,43 @@ class TensorStatsMonitor(VitalsCallback):
         self._path = Path(ctx.run_dir) / self.filename
         if ctx.global_rank == 0:
             _prepare_jsonl(self._path, first_step=ctx.step)
+        self._file_high_step = ctx.step - 1  # the file holds steps below this run's first only
+
+    def _drop_abandoned_steps(self, ctx: RunContext) -> None:
+        """After a rollback in the same process (the driver's ``load_state_dict`` of an earlier
+        checkpoint, ``accelerator.load_state`` after a loss spike) the run is back at a step the
+        file already holds: drop the abandoned timeline's lines of that step and later ones, as
+        the driver's writer does with ``metrics.jsonl`` (``FanoutWriter.resume_at``), so that a
+        step never appears twice per kind and no abandoned step is read back as true. Rank 0
+        only; costs one comparison when there was no rollback."""
+        if ctx.step > self._file_high_step or ctx.global_rank != 0 or self._path is None:
+            return
+        self._file_high_step = ctx.step - 1
+        if not self._path.is_file():
+            return  # deleted, or a pipe: nothing that can be cut back
+        try:
+            dropped = drop_steps_from(self._path, ctx.step, line_step=_line_step)
+        except OSError as exc:
+            self.tolerate_failure(
+                "rollback",
+                f"dropping the abandoned steps >= {ctx.step} from {self._path}",
+                exc,
+                "the file may hold steps of the abandoned timeline next to the replayed ones "
+                "(readers let the later line win)",
+            )
+            return
+        self._cut_line = False  # drop_steps_from removed a cut last line and ends on a newline
+        if dropped:
+            warnings.warn(
+                f"TensorStatsMonitor: {self._path}: the run went back to step {ctx.step} (a "
+                f"rollback to an earlier checkpoint); dropped {dropped} line(s) of steps >= "
+                f"{ctx.step} written by the abandoned timeline",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
+        self._drop_abandoned_steps(ctx)
         if self._handles and self._hook_step != ctx.step:
             # a step that never ended (an epoch cut mid-accumulation): drop its partial data
             self._remove_hooks()
@@ -412,6 +452,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._emit(ctx, pending)
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
+        self._drop_abandoned_steps(ctx)  # a rollback, then a crash before the next batch
         self._remove_hooks()
         self._pending, self._acc = {}, {}
         self._parts_step, self._measured = None, set()
@@ -424,6 +465,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._parts_step, self._measured = None, set()
 
     def run_end(self, ctx: RunContext) -> None:
+        self._drop_abandoned_steps(ctx)  # a rollback, then the end before the next batch
         self._remove_hooks()
         self._pending, self._acc = {}, {}
         self._parts_step, self._measured = None, set()
@@ -856,6 +898,8 @@ class TensorStatsMonitor(VitalsCallback):
             self._logged_steps[k] = ctx.step
             if self.summaries:
                 scalars.update(self._summaries(k, names[k], h))
+        self._drop_abandoned_steps(ctx)
+        self._file_high_step = max(self._file_high_step, ctx.step)
         self._append_lines(lines)
         if scalars:
             self.write(ctx, scalars)
