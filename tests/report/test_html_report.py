@@ -622,3 +622,60 @@ def test_the_wall_time_in_the_header_is_that_of_the_steps_shown(tmp_path: Path) 
     assert header() == ("0", "300", "5:16:40")  # 19,000 s
     assert header(steps="100:200") == ("100", "200", "1:06:40")  # 4,000 s
     assert header(steps=":100") == ("0", "100", "0:16:40")  # 1,000 s
+
+
+def _lightning_version(logs: Path, version: int, steps: list[int], tensor_stats: bool) -> Path:
+    """``logs/version_<version>`` as a Lightning TensorBoardLogger run leaves it: event files of
+    ``train/loss`` at ``steps`` and, with ``tensor_stats``, the monitor's file of those steps."""
+    folder = logs / f"version_{version}"
+    with FanoutWriter([TensorBoardSink(folder)]) as writer:
+        for s in steps:
+            writer.add_scalars({"train/loss": float(version)}, s)
+    if tensor_stats:
+        write_run(folder, steps)
+    return folder
+
+
+def _read_from(text: str) -> tuple[str, str]:
+    """(the span, the sources) the report's header line names."""
+    m = re.search(r'<p class="meta">(steps \d+ to \d+)[^;]*; .*?Read from (.*?)\. Made', text)
+    assert m is not None, text[:2000]
+    return m.group(1), m.group(2)
+
+
+def test_a_folder_of_several_runs_names_them_instead_of_reporting_the_oldest(
+    tmp_path: Path,
+) -> None:
+    # lightning_logs/ after a second fit: version_0 (steps 0-3) and version_1 (steps 6-9)
+    logs = tmp_path / "lightning_logs"
+    old = _lightning_version(logs, 0, [0, 3], tensor_stats=True)
+    new = _lightning_version(logs, 1, [6, 9], tensor_stats=True)
+    with pytest.raises(FileNotFoundError, match="2 run folders below") as err:
+        render_report(logs)
+    assert str(old) in str(err.value) and str(new) in str(err.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainvitals", "report", str(logs)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and str(new) in done.stderr, done.stderr
+    assert not (logs / "report.html").exists()
+    # the run folder named: that run's files only
+    span, sources = _read_from(render_report(new))
+    assert span == "steps 6 to 9" and str(new / "tensor_stats.jsonl") in sources
+    assert str(old) not in sources
+    # metrics= naming one run's files: the tensor statistics of that same run
+    span, sources = _read_from(render_report(logs, metrics=new))
+    assert span == "steps 6 to 9" and str(new / "tensor_stats.jsonl") in sources
+
+
+def test_metrics_and_tensor_stats_of_different_runs_are_not_mixed(tmp_path: Path) -> None:
+    # version_0 ran without TensorStatsMonitor, version_1 with it: the metrics found first
+    # (version_0's) and the only tensor statistics (version_1's) are of different runs
+    logs = tmp_path / "lightning_logs"
+    old = _lightning_version(logs, 0, [0, 3], tensor_stats=False)
+    new = _lightning_version(logs, 1, [6, 9], tensor_stats=True)
+    with pytest.raises(FileNotFoundError, match="different run folders") as err:
+        render_report(logs)
+    assert str(old) in str(err.value) and str(new) in str(err.value)
+    span, sources = _read_from(render_report(new))
+    assert span == "steps 6 to 9" and str(old) not in sources

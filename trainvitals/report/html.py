@@ -9,7 +9,8 @@ wrote:
   see :mod:`trainvitals.report.sources`): one chart per metric family and a table of every
   key (last value, finite min / max / mean, non-finite count);
 * ``tensor_stats.jsonl`` (the :class:`~trainvitals.callbacks.TensorStatsMonitor` file) in the
-  run folder or, if not there, the first found under it: per kind, the statistics of all
+  run folder or, if not there, the one under it (several under it, a folder of several runs:
+  an error naming them, see :func:`_tensor_stats_path`): per kind, the statistics of all
   tensors merged exactly, per layer over the steps, and a table per layer and per tensor at
   the last step (the same exact merging as :func:`trainvitals.report.query`).
 
@@ -700,7 +701,8 @@ def render_report(
         title: the page title (default: the run folder's name).
 
     Raises:
-        FileNotFoundError: ``run_dir`` holds neither metrics nor tensor statistics.
+        FileNotFoundError: ``run_dir`` holds neither metrics nor tensor statistics, or is a
+            folder of several runs (see :func:`_tensor_stats_path`).
     """
     run = Path(run_dir)
     if not run.is_dir():
@@ -721,9 +723,7 @@ def render_report(
             raise FileNotFoundError(f"no metrics file at {metrics_path}")
     else:
         metrics_path = find_metrics(run)
-    stats_path = run / TENSOR_STATS_FILE
-    if not stats_path.exists():  # a logger's subfolder (Lightning: lightning_logs/version_0)
-        stats_path = next(iter(sorted(run.rglob(TENSOR_STATS_FILE))), stats_path)
+    stats_path = _tensor_stats_path(run, metrics_path, metrics_given=metrics is not None)
     if metrics_path is None and not stats_path.exists():
         raise FileNotFoundError(
             f"{run} holds no metrics (metrics.jsonl, TensorBoard event files, metrics.csv) and "
@@ -811,6 +811,45 @@ def render_report(
         f'<section id="attention"><h2>Attention</h2>{att_html}</section>'
         f"{load_html}"
         f"{''.join(sections)}{''.join(t_sections)}</body></html>\n"
+    )
+
+
+def _tensor_stats_path(run: Path, metrics_path: Path | None, *, metrics_given: bool) -> Path:
+    """The ``tensor_stats.jsonl`` of the run in ``run`` (``run / TENSOR_STATS_FILE``, which may
+    not exist). Not in ``run`` itself: the one below it (a logger's folder, Lightning's
+    ``lightning_logs/version_0``). A folder of several runs (``lightning_logs/`` holding
+    ``version_0`` and ``version_1``) is ambiguous, and reporting one of them silently (the
+    oldest, first in name order) would show an old run as the current one; as
+    ``trainvitals query`` does, that is an error naming the folders found, unless ``metrics=``
+    names a file in exactly one of them. Also an error: the only file below and the metrics
+    found below are of different folders (two runs mixed on one page)."""
+    here = run / TENSOR_STATS_FILE
+    if here.exists():
+        return here
+    found = sorted(run.rglob(TENSOR_STATS_FILE))
+    if not found:
+        return here
+    owners: list[Path] = []
+    below = False  # the metrics were found in a subfolder (a logger's), not in the run folder
+    if metrics_path is not None:
+        where, top = metrics_path.resolve(), run.resolve()
+        owners = [f for f in found if f.parent.resolve() in (where, *where.parents)]
+        # (a TensorBoard source is the folder holding the event files, the others a file)
+        below = not metrics_given and (where.parent if where.is_file() else where) != top
+    if len(found) == 1:
+        if below and not owners:
+            raise FileNotFoundError(
+                f"{run} holds the metrics of {metrics_path} and the tensor statistics of "
+                f"{found[0]}, of different run folders; give the run folder "
+                f"({found[0].parent}), and --metrics for metrics kept elsewhere"
+            )
+        return found[0]
+    if metrics_given and len(owners) == 1:
+        return owners[0]
+    names = ", ".join(str(f.parent) for f in found[:5]) + (", ..." if len(found) > 5 else "")
+    raise FileNotFoundError(
+        f"{run} holds no {TENSOR_STATS_FILE} and {len(found)} run folders below it hold one: "
+        f"{names}; give one of them as the run folder"
     )
 
 
