@@ -30,7 +30,7 @@ from trainvitals import (
     ThroughputMonitor,
 )
 from trainvitals.adapters.accelerate import Vitals
-from trainvitals.moe import TinyMoELM
+from trainvitals.moe import TinyMoELM, set_aux_loss_backward_scale
 from trainvitals.moe.tiny_model import RandomTokenDataset
 from trainvitals.report import write_report
 
@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     data = RandomTokenDataset(num_samples=4096, seq_len=32, vocab_size=64, seed=0)
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # accelerator.backward divides the loss by the accumulation steps (and, under fp16, goes
+    # through accelerator.scaler): the routers' injected aux-loss gradients the same way
+    set_aux_loss_backward_scale(
+        1 / accelerator.gradient_accumulation_steps, grad_scaler=accelerator.scaler
+    )
 
     vitals = Vitals(  # vitals
         [

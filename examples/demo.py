@@ -31,7 +31,7 @@ from trainvitals import (
 )
 from trainvitals.adapters import FanoutWriter, JsonlSink, MLflowSink, TensorBoardSink
 from trainvitals.adapters.loop import Vitals
-from trainvitals.moe import TinyMoELM
+from trainvitals.moe import TinyMoELM, set_aux_loss_backward_scale
 from trainvitals.report import write_report
 
 # The demo model and batch (benchmarks/bench_moe.py measures the MoE callbacks on exactly these).
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         accumulate_grad_batches=args.micro_batches,
     )
     vitals.attach(model, optimizer)
+    # the loop divides its loss by the micro-batches: the routers' injected aux-loss gradients too
+    set_aux_loss_backward_scale(1 / args.micro_batches)
 
     data = batches(load_corpus(), args.batch_size, args.seq_len, torch.Generator().manual_seed(1))
     started = time.perf_counter()
