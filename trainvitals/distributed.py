@@ -143,7 +143,7 @@ def _check_mark(
 def _peer_failed(what: str) -> PeerRankFailed:
     return PeerRankFailed(
         f"another rank took part in this {what} with a 'missing' mark (its callback failed "
-        "earlier in the same hook); this step's values are left out"
+        "earlier in the same hook or state_dict); its values are left out"
     )
 
 

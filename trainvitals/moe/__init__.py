@@ -5,7 +5,11 @@ Import-light: torch only.
 
 from __future__ import annotations
 
-from trainvitals.moe._aux_loss import set_aux_loss_backward_scale
+from trainvitals.moe._aux_loss import (
+    get_aux_loss_backward_scale,
+    get_aux_loss_grad_scaler,
+    set_aux_loss_backward_scale,
+)
 from trainvitals.moe.router import TopKRouter, reset_global_tokens, update_expert_biases
 from trainvitals.moe.tiny_model import TinyMoELM
 from trainvitals.moe.tracker import (
@@ -20,6 +24,8 @@ __all__ = [
     "TinyMoELM",
     "TopKRouter",
     "destroy_moe_metrics_tracker",
+    "get_aux_loss_backward_scale",
+    "get_aux_loss_grad_scaler",
     "get_moe_metrics_tracker",
     "reset_global_tokens",
     "set_aux_loss_backward_scale",
