@@ -234,15 +234,25 @@ def test_a_nonfinite_gradient_at_an_earlier_step_of_the_same_optimizer_stays_cou
         assert row["l2_norm/grad/nonfinite_count"] == 1
 
 
-def test_driver_critic_stepped_several_times_per_batch_shows_its_last_step():
-    from trainvitals.adapters.loop import Vitals
-
+def _driver_gan():
+    """A seeded generator and critic, their ModuleDict and one SGD optimizer each (driver tests)."""
     torch.manual_seed(0)
     gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
     disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
     model = nn.ModuleDict({"gen": gen, "disc": disc})
-    opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
-    opt_d = torch.optim.SGD(disc.parameters(), lr=0.05)
+    return (
+        gen,
+        disc,
+        model,
+        torch.optim.SGD(gen.parameters(), lr=0.05),
+        torch.optim.SGD(disc.parameters(), lr=0.05),
+    )
+
+
+def test_driver_critic_stepped_several_times_per_batch_shows_its_last_step():
+    from trainvitals.adapters.loop import Vitals
+
+    gen, disc, model, opt_g, opt_d = _driver_gan()
     writer = RecordingWriter()
     refs: dict[int, dict[str, tuple[float, float]]] = {}
     g = torch.Generator().manual_seed(5)
@@ -339,12 +349,7 @@ def test_a_rollback_in_the_middle_of_a_step_forgets_what_was_measured_of_it():
 
     from trainvitals.adapters.loop import Vitals
 
-    torch.manual_seed(0)
-    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
-    disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
-    model = nn.ModuleDict({"gen": gen, "disc": disc})
-    opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
-    opt_d = torch.optim.SGD(disc.parameters(), lr=0.05)
+    gen, disc, model, opt_g, opt_d = _driver_gan()
     writer = RecordingWriter()
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randn(4, 6, generator=g), torch.randn(4, 4, generator=g)) for _ in range(2)]
