@@ -264,3 +264,46 @@ def test_norm_monitor_in_a_gan_loop_measures_each_network_at_its_own_step():
         for kind in ("param", "grad"):
             total = want[f"l2_norm/{kind}/optimizer_0"] + want[f"l2_norm/{kind}/optimizer_1"]
             assert got[f"l2_norm/{kind}/global"] == pytest.approx(total**0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("generator_every", [1, 2])
+def test_two_optimizers_log_every_n_batches(generator_every):
+    """The driver's step is the batch (both optimizers' step()s in it): ctx.step advances by 1
+    per batch, step_increment and step_gap stay 1, so log_every_n_steps=3 logs the batches 0, 3,
+    6, 9, decided alike at the batch's start and at its end; also when the generator steps
+    every other batch only (such a step ends at the next batch)."""
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    class Decisions(VitalsCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.at_start: dict[int, bool] = {}
+            self.at_end: dict[int, tuple[bool, int, int]] = {}
+
+        def micro_batch_start(self, ctx, batch):
+            self.at_start[ctx.step] = self.should_log(ctx)
+
+        def step_end(self, ctx):
+            self.at_end[ctx.step] = (self.should_log(ctx), ctx.step_increment, ctx.step_gap)
+
+    model, generator, discriminator, opt_d, opt_g = _gan()
+    writer = RecordingWriter()
+    probe = Decisions()
+    vitals = Vitals([NormMonitor(), probe], writer=writer, log_every_n_steps=3)
+    vitals.attach(model, [opt_d, opt_g])
+    batches = 10
+    for b in range(batches):
+        real, z = torch.randn(5, 4), torch.randn(5, 3)
+        vitals.batch(real)
+        opt_d.zero_grad()
+        (discriminator(generator(z).detach()).mean() - discriminator(real).mean()).backward()
+        opt_d.step()
+        if b % generator_every == 0:
+            opt_g.zero_grad()
+            (-discriminator(generator(z)).mean()).backward()
+            opt_g.step()
+    vitals.close()
+    expected = [b for b in range(batches) if b % 3 == 0]
+    assert sorted(writer.rows) == expected
+    assert probe.at_end == {b: (b in expected, 1, 1) for b in range(batches)}
+    assert probe.at_start == {b: b in expected for b in range(batches)}

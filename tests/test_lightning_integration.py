@@ -5,6 +5,7 @@ JSONL fallback when the trainer has no logger. A fake clock moved inside ``train
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -766,3 +767,118 @@ def test_retry_from_an_earlier_checkpoint_with_a_callbacks_own_writer(tmp_path):
         (r["step"], r["metrics"]["time/samples"]) for r in read_jsonl(tmp_path / "own.jsonl")
     ]
     assert records == [(s, 2 * (s + 1)) for s in range(6)]  # each step once, in order
+
+
+def _first_batch_at_or_after_each_multiple(starts: list[int], every: int, end: int) -> list[int]:
+    """The logging rule computed from its definition: each multiple of ``every`` below ``end``
+    is logged by the first batch (first optimizer step in ``starts``) at or after it."""
+    return sorted(
+        {min(s for s in starts if s >= m) for m in range(0, end, every) if m <= starts[-1]}
+    )
+
+
+class _DecisionProbe:
+    """A callback recording its logging decision at each batch start and each step end."""
+
+    @staticmethod
+    def make():
+        from trainvitals.callbacks.base import VitalsCallback
+
+        class Probe(VitalsCallback):
+            def __init__(self) -> None:
+                super().__init__(writer=RecordingWriter())
+                self.at_start: dict[int, set[bool]] = {}
+                self.at_end: dict[int, bool] = {}
+
+            def micro_batch_start(self, ctx, batch):
+                self.at_start.setdefault(ctx.step, set()).add(self.should_log(ctx))
+
+            def step_end(self, ctx):
+                self.at_end[ctx.step] = self.should_log(ctx)
+
+        return Probe()
+
+
+def _varying_manual_module(pl, samples: int):
+    """Manual optimization: the first optimizer steps every batch, the second every third batch
+    (a generator stepped every k batches), so global_step advances by 2, 1, 1, 2, 1, 1, ..."""
+
+    class Varying(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.layers = nn.ModuleList([nn.Linear(3, 1), nn.Linear(3, 1)])
+
+        def training_step(self, batch, batch_idx):
+            for i, (opt, layer) in enumerate(zip(self.optimizers(), self.layers, strict=True)):
+                if i == 1 and batch_idx % 3:
+                    continue
+                opt.zero_grad()
+                self.manual_backward(layer(batch).pow(2).mean())
+                opt.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(m.parameters(), lr=0.01) for m in self.layers]
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(samples, 3), batch_size=2)
+
+    return Varying()
+
+
+@pytest.mark.parametrize("varying", [False, True], ids=["two_per_batch", "two_one_one"])
+def test_manual_optimization_two_optimizers_log_interval_in_optimizer_steps(tmp_path, varying):
+    """Two optimizers stepped per batch: global_step advances by 2 per batch (batches start at
+    steps 0, 2, 4, ...). With log_every_n_steps=3 the interval must hold in optimizer steps:
+    every multiple of 3 is logged once, by the first batch starting at or after it (before:
+    only batches starting at a multiple of 3 logged, every 6 steps). The decision taken at
+    micro_batch_start (callbacks preparing hooks) agrees with the one at step_end."""
+    import lightning.pytorch as pl
+
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    writer = RecordingWriter()
+    probe = _DecisionProbe.make()
+    module = (
+        _varying_manual_module(pl, 60)
+        if varying
+        else manual_optimization_module([nn.Linear(3, 1), nn.Linear(3, 1)], 60)
+    )
+    max_steps = 24
+    trainer = _trainer(
+        pl, [NormMonitor(writer=writer), probe], tmp_path, max_steps=max_steps, log_every_n_steps=3
+    )
+    trainer.fit(module)
+    starts = sorted(probe.at_end)
+    increments = [b - a for a, b in itertools.pairwise(starts)]
+    assert set(increments) == ({1, 2} if varying else {2})
+    expected = _first_batch_at_or_after_each_multiple(starts, 3, max_steps)
+    assert sorted(writer.rows) == expected
+    assert sorted(s for s, log in probe.at_end.items() if log) == expected
+    assert probe.at_start == {s: {log} for s, log in probe.at_end.items()}
+    if not varying:
+        assert expected == [0, 4, 6, 10, 12, 16, 18, 22]
+
+
+def test_one_optimizer_logs_on_multiples_of_the_interval(tmp_path):
+    """One optimizer (automatic optimization, 2 micro-batches per step): the logged steps are
+    exactly 0, n, 2n, ..., decided alike at every micro-batch and at the step's end."""
+    import lightning.pytorch as pl
+
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    clock = FakeClock()
+    writer = RecordingWriter()
+    probe = _DecisionProbe.make()
+    trainer = _trainer(
+        pl,
+        [NormMonitor(writer=writer), probe],
+        tmp_path,
+        max_steps=10,
+        accumulate_grad_batches=2,
+        log_every_n_steps=3,
+    )
+    trainer.fit(_module(pl, clock, 2, 20))
+    assert sorted(probe.at_end) == list(range(10))
+    assert sorted(writer.rows) == [0, 3, 6, 9]
+    assert probe.at_start == {s: {s % 3 == 0} for s in range(10)}

@@ -46,6 +46,11 @@ class RunContext:
     ``step_increment`` how far the step in progress advances ``step``: 1, except under
     Lightning's manual optimization with several optimizers stepped per batch, where
     ``trainer.global_step`` (and so ``step``) counts every ``optimizer.step()``.
+    ``step_gap``: how far ``step`` is past the first step of the previous batch that stepped
+    (that batch's ``step_increment``; 1 at a run's first step and whenever every batch is one
+    step). Known when a batch starts, unlike its own ``step_increment``, so the logging
+    decision (:meth:`~trainvitals.callbacks.base.VitalsCallback.should_log`) can use it from
+    ``micro_batch_start`` to ``step_end`` alike.
     ``stepping_optimizer``: during ``before_optimizer_step``, the optimizer whose ``step()``
     is about to run when the gradients are shown per optimizer (Lightning passes it to every
     ``on_before_optimizer_step``; the driver sets it with several attached optimizers stepped
@@ -74,6 +79,7 @@ class RunContext:
     micro_batch: int = 0
     micro_batches_in_step: int = 0
     step_increment: int = 1
+    step_gap: int = 1
     in_validation: bool = False
     start_step: int = 0
     stepping_optimizer: Any = None

@@ -100,8 +100,9 @@ class VitalsCallback:
     """Base class of every trainvitals callback.
 
     Args:
-        log_every_n_steps: log on optimizer steps ``0, n, 2n, ...``. ``None`` takes the run's
-            setting: Lightning's ``Trainer(log_every_n_steps=...)`` or the driver's.
+        log_every_n_steps: log on optimizer steps ``0, n, 2n, ...`` (a batch of several steps:
+            see :meth:`should_log`). ``None`` takes the run's setting: Lightning's
+            ``Trainer(log_every_n_steps=...)`` or the driver's.
         writer: where values go. ``None`` takes the run's writer: under Lightning
             ``FanoutWriter.from_lightning(trainer)`` (one per trainer, shared by all callbacks;
             a JSONL file ``metrics.jsonl`` in the run folder when the trainer has no logger),
@@ -193,10 +194,28 @@ class VitalsCallback:
     def interval(self, ctx: RunContext) -> int:
         return self.log_every_n_steps or ctx.log_every_n_steps
 
-    def should_log(self, ctx: RunContext, step: int | None = None) -> bool:
-        """Whether optimizer step ``step`` (default ``ctx.step``) is a logging step."""
-        step = ctx.step if step is None else step
-        return step % self.interval(ctx) == 0
+    def should_log(
+        self, ctx: RunContext, step: int | None = None, *, every: int | None = None
+    ) -> bool:
+        """Whether the batch whose first optimizer step is ``step`` (default ``ctx.step``) logs,
+        with an interval of ``every`` steps (default :meth:`interval`).
+
+        A batch logs when one of the ``ctx.step_gap`` steps since the previous batch's first,
+        ``step - step_gap + 1 .. step``, is a multiple of the interval: with one step per batch
+        the steps ``0, n, 2n, ...``. When a batch is several steps (Lightning's manual
+        optimization stepping two optimizers: ``global_step`` advances by 2 per batch), each
+        multiple of ``n`` is logged by the first batch starting at or after it, so the interval
+        holds in optimizer steps; testing the first step alone logged every ``lcm(n, 2)``
+        steps (``n=3``: every 6). The rule needs only what is known when the batch starts
+        (not its own increment), so ``micro_batch_start`` and ``step_end`` agree. A ``step``
+        other than ``ctx.step`` is judged as a batch of one step."""
+        every = every or self.interval(ctx)
+        if step is None or step == ctx.step:
+            step, gap = ctx.step, max(1, ctx.step_gap)
+        else:
+            gap = 1
+        # a multiple of `every` lies in (step - gap, step]
+        return step % every < gap
 
     def writer(self, ctx: RunContext) -> Any:
         if self._writer_override is not None:
@@ -485,6 +504,10 @@ class VitalsCallback:
             # see this batch advances the micro-batch count.
             if previous is None or previous[0] != trainer.global_step:
                 ctx.micro_batches_in_step = 0
+                # how far the previous batch advanced global_step (1 at a fit's first batch or
+                # after a rollback): the logging decision of this batch (should_log)
+                gap = None if previous is None else trainer.global_step - previous[0]
+                ctx.step_gap = gap if gap is not None and gap > 0 else 1
             ctx._pl_batch_key = batch_key
             ctx.micro_batch = ctx.micro_batches_in_step
             ctx.micro_batches_in_step += 1
