@@ -69,7 +69,7 @@ def _gan_module_cls(pl):
     return LitGAN
 
 
-def _fit_gan(tmp_path: Path, toggle: bool, interval: int):
+def _fit_gan(tmp_path: Path, toggle: bool, interval: int, kinds=("param", "grad")):
     pl = pytest.importorskip("lightning.pytorch")
     g = torch.Generator().manual_seed(3)
     data = torch.utils.data.TensorDataset(
@@ -77,7 +77,7 @@ def _fit_gan(tmp_path: Path, toggle: bool, interval: int):
     )
     module = _gan_module_cls(pl)(toggle)
     writer = RecordingWriter()
-    monitor = TensorStatsMonitor(kinds=["param", "grad"], kernel="eager", writer=writer)
+    monitor = TensorStatsMonitor(kinds=list(kinds), kernel="eager", writer=writer)
     trainer = quiet_trainer(
         max_epochs=1, log_every_n_steps=interval, callbacks=[monitor], default_root_dir=tmp_path
     )
@@ -122,6 +122,22 @@ def test_interval_counts_batches_of_several_optimizer_steps(tmp_path: Path) -> N
         _check_step(module, lines, step)
 
 
+def test_activation_interval_holds_in_optimizer_steps_as_the_param_interval(
+    tmp_path: Path,
+) -> None:
+    # Batches start at steps 0, 2, 4; with an interval of 3 each multiple of 3 is logged by the
+    # first batch starting at or after it (should_log): 0 and 4 (3 lies in (2, 4]). The
+    # activations follow the same rule as params and grads (they tested the batch's first step
+    # alone: step 0 only).
+    expected = [b for a, b in zip([-1, 0, 2], [0, 2, 4], strict=True) if (b // 3) > (a // 3)]
+    _, _, lines = _fit_gan(tmp_path, toggle=True, interval=3, kinds=("param", "activation"))
+    steps = {
+        k: sorted({r["step"] for r in lines if r["kind"] == k}) for k in ("param", "activation")
+    }
+    assert expected == [0, 4]
+    assert steps == {"param": expected, "activation": expected}
+
+
 class _RecordingLinear(nn.Linear):
     """A Linear that keeps its last input, so that the test can recompute its gradient."""
 
@@ -147,8 +163,9 @@ def test_three_optimizers_each_stepped_after_its_own_backward(tmp_path: Path) ->
 
     module = manual_optimization_module(layers, samples=8, on_batch=on_batch)
     monitor = TensorStatsMonitor(kinds=["param", "grad"], kernel="eager", writer=RecordingWriter())
-    # 3 optimizer steps per batch: batches start at global_step 0, 3, 6, 9; every 2nd step
-    # logs, so the batches starting at 0 and 6 do
+    # 3 optimizer steps per batch: batches start at global_step 0, 3, 6, 9; with an interval of
+    # 2 steps each multiple of 2 is logged by the first batch starting at or after it
+    # (should_log): 0, 2 -> 3, 4 and 6 -> 6, 8 -> 9: every batch logs
     trainer = quiet_trainer(
         max_epochs=1, log_every_n_steps=2, callbacks=[monitor], default_root_dir=tmp_path
     )
@@ -161,10 +178,12 @@ def test_three_optimizers_each_stepped_after_its_own_backward(tmp_path: Path) ->
     trainer.callbacks.append(KeepInputs())
     trainer.fit(module)
     lines = read_lines(Path(trainer.default_root_dir) / "tensor_stats.jsonl")
+    starts = [0, 3, 6, 9]
+    logged = [b for a, b in zip([-1, *starts[:-1]], starts, strict=True) if b // 2 > a // 2]
     assert [(r["step"], r["kind"]) for r in lines] == [
-        (s, k) for s in (0, 6) for k in ("param", "grad")
+        (s, k) for s in logged for k in ("param", "grad")
     ]
-    for step, batch_idx in ((0, 0), (6, 2)):
+    for step, batch_idx in ((s, starts.index(s)) for s in logged):
         params = at_batch_start[batch_idx]
         grads = {}
         for i, x in enumerate(inputs[batch_idx]):

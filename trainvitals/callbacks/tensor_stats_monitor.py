@@ -317,8 +317,8 @@ class TensorStatsMonitor(VitalsCallback):
     def _act_step(self, ctx: RunContext) -> bool:
         if not any(k in self.kinds for k in ("activation", "dgrad")):
             return False
-        every = self.activation_every_n_steps or self.interval(ctx)
-        return ctx.step % every == 0
+        # (the same rule as param/grad: a batch of several steps logs when they pass a multiple)
+        return self.should_log(ctx, every=self.activation_every_n_steps or self.interval(ctx))
 
     def collective_key(self, hook: str, ctx: RunContext) -> Hashable:
         # two intervals: which kinds are due (and, at step end, collected) decide the
