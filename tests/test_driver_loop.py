@@ -790,3 +790,59 @@ def test_how_the_with_block_ends_is_how_the_driver_ends_its_writers_run(tmp_path
         "ctrl-c": ("KILLED", 0.5, failure("KeyboardInterrupt")),
         "error": ("FAILED", 0.5, failure("ValueError")),
     }
+
+
+def _train(vitals, model, opt, sizes, *, restore_before=None, state_after=None):
+    """One step per batch of ``sizes`` samples; keeps the state taken after batch
+    ``state_after`` and restores it before batch ``restore_before`` (an in-process rollback)."""
+    state = None
+    for i, size in enumerate(sizes):
+        if i == restore_before:
+            vitals.load_state_dict(state)
+        x = torch.full((size, 4), 0.5)
+        vitals.batch(x)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == state_after:
+            state = vitals.state_dict()
+
+
+@pytest.mark.filterwarnings("ignore:JsonlSink.*dropped:RuntimeWarning")  # the abandoned step 3
+@pytest.mark.parametrize("ending", ["close", "exception"])
+def test_a_rollback_then_an_end_before_the_next_logging_step_drops_the_abandoned_steps(
+    tmp_path, ending
+):
+    # Log every 3 steps; steps 0..3 run (step 3 logged), then the loop restores the state of
+    # step 2 and replays only step 2 before the run ends (or fails): the new timeline never
+    # logs again, so no write cuts metrics.jsonl back. It must still read as the run
+    # 0, 1, 2 that happened, not keep step 3 of the abandoned timeline.
+    from trainvitals.adapters import read_jsonl
+
+    sizes = [2, 3, 4, 5, 7]  # batches 0..3, then step 2 replayed with 7 samples
+    model, opt = _model_opt()
+    rolled = Vitals(
+        [RuntimeMonitor(max_steps=10)], run_dir=tmp_path / "rolled", log_every_n_steps=3
+    )
+    rolled.attach(model, opt)
+    if ending == "close":
+        _train(rolled, model, opt, sizes, restore_before=4, state_after=1)
+        rolled.close()
+    else:
+        with pytest.raises(RuntimeError, match="diverged"), rolled:
+            _train(rolled, model, opt, sizes, restore_before=4, state_after=1)
+            raise RuntimeError("diverged")
+    model, opt = _model_opt()
+    straight = Vitals(
+        [RuntimeMonitor(max_steps=10)], run_dir=tmp_path / "straight", log_every_n_steps=3
+    ).attach(model, opt)
+    _train(straight, model, opt, [2, 3, 7])  # the timeline that remains: 0, 1, then 2 again
+    straight.close()
+
+    def samples_by_step(run_dir):
+        return [
+            (r["step"], r["metrics"]["time/samples"]) for r in read_jsonl(run_dir / "metrics.jsonl")
+        ]
+
+    assert samples_by_step(tmp_path / "straight") == [(0, 2)]  # the independent run
+    assert samples_by_step(tmp_path / "rolled") == samples_by_step(tmp_path / "straight")

@@ -160,3 +160,56 @@ def test_resume_at_hides_the_interrupted_runs_later_tensorboard_events(tmp_path)
             writer.add_scalar("loss", -float(step), step)
     expected = {s: float(s) for s in range(0, 120, 10)} | {150: -150.0, 200: -200.0}
     assert read_tensorboard(logdir) == {"loss": expected}
+
+
+@pytest.mark.parametrize("thread_safe", [True, False])
+def test_a_flush_after_resume_at_drops_the_abandoned_lines_before_any_write(
+    tmp_path, thread_safe
+) -> None:
+    # A run that rolled back to step 5 and is killed after a flush, before its next logging
+    # step: the file must already read as the steps below 5 (checked with the writer still
+    # open, as a killed process leaves it), on a worker thread and on the training thread.
+    path = tmp_path / "metrics.jsonl"
+    _log_run(path, range(10), float)
+    sink = JsonlSink(path)
+    sink.thread_safe = thread_safe
+    writer = FanoutWriter([sink], rank=0)
+    writer.resume_at(5)
+    with pytest.warns(RuntimeWarning, match=r"dropped 5 line\(s\) of steps >= 5"):
+        assert writer.flush(timeout=30)
+    assert _losses(path) == [(s, float(s)) for s in range(5)]
+    writer.add_scalar("loss", 50.0, 7)  # the first write after that drops nothing more
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        writer.close()
+    assert _losses(path) == [(s, float(s)) for s in range(5)] + [(7, 50.0)]
+
+
+def test_a_close_after_resume_at_without_a_write_hides_later_tensorboard_events(
+    tmp_path,
+) -> None:
+    # SummaryWriter(purge_step=N) writes its purge marker when it is created: a sink that
+    # opens it at close hides the abandoned steps although the run logged nothing more.
+    import time
+
+    from tests.adapters.conftest import read_tensorboard
+    from trainvitals.adapters import TensorBoardSink
+
+    logdir = tmp_path / "tb"
+    with FanoutWriter([TensorBoardSink(logdir)], rank=0) as writer:
+        for step in range(0, 200, 10):
+            writer.add_scalar("loss", float(step), step)
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)  # event files are ordered by their second
+    with FanoutWriter([TensorBoardSink(logdir)], rank=0) as writer:
+        writer.resume_at(120)
+    assert read_tensorboard(logdir) == {"loss": {s: float(s) for s in range(0, 120, 10)}}
+
+
+def test_a_close_after_resume_at_without_a_write_cuts_the_jsonl_file(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _log_run(path, range(10), float)
+    _log_run(path, [], float, resume_at=3)
+    assert _losses(path) == [(s, float(s)) for s in range(3)]
+    _log_run(path, [], float, resume_at=0)  # a new run that logged nothing: not the old one's
+    assert not path.exists()
+    assert _losses(tmp_path / "metrics.jsonl.1") == [(s, float(s)) for s in range(3)]

@@ -291,6 +291,7 @@ class _SinkWorker:
         self.abandoned = False
         self.finished = False
         self.finishing = False  # finish() has started (on some thread): never call it twice
+        self.resume_settled = False  # flush() had the sink act on resume_at without a write
         self.reported: set[str] = set()  # which one-time warnings were given
         self.thread: threading.Thread | None = None
 
@@ -429,6 +430,28 @@ class _SinkWorker:
         """Deliver what can be delivered now (the calling thread does the work)."""
         while self.attempt():
             pass
+
+    def settle_resume(self) -> None:
+        """Have a sink that wrote nothing since ``resume_at`` act on it now (the caller makes
+        sure no other thread calls the sink meanwhile). A write acts on it itself."""
+        with self.cond:
+            if (
+                self.opened
+                or self.resume_settled
+                or self.disabled
+                or self.abandoned
+                or self.pending
+                or self.inflight is not None
+            ):
+                return
+            self.resume_settled = True
+        try:
+            self.sink.settle_resume()
+        except Exception as e:  # a later write (or close) tries again
+            self._report_once(
+                "settle",
+                f"trainvitals FanoutWriter: sink {self.name!r} could not act on resume_at: {e!r}",
+            )
 
     def run(self) -> None:
         """The worker thread: deliver, wait (for steps or the end of a backoff), finish."""
@@ -1063,7 +1086,9 @@ class FanoutWriter:
         necessarily all: after a rollback it may log at other steps (a changed interval, a
         monitor switched off, no NaN to report this time). So the sinks that keep files drop
         every earlier line of a step ``>= step`` before their first write, instead of only
-        those from the first step this run happens to log (see
+        those from the first step this run happens to log, and at :meth:`flush` or
+        :meth:`close` when nothing was written by then (a rollback, then the end of the run
+        or a crash before its next logging step; see
         :class:`~trainvitals.adapters.JsonlSink` and
         :class:`~trainvitals.adapters.TensorBoardSink`); other sinks ignore it.
 
@@ -1133,6 +1158,14 @@ class FanoutWriter:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.background and target > 0:
             self._wait_dispatched(target, deadline)
+        if self._resume_step is not None:
+            # A rollback, then a flush before the next logging step (and a kill before any
+            # later write): the sinks' files must already be cut back. Only sinks no worker
+            # thread calls (none started: nothing was logged), under the lock that starts them.
+            with self._lock:
+                for w in self._workers:
+                    if not w.threaded or w.thread is None:
+                        w.settle_resume()
         for w in self._workers:
             if not w.threaded:
                 w.pump()

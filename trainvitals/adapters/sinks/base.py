@@ -307,6 +307,13 @@ class Sink:
         :meth:`FanoutWriter.resume_at`. A sink that keeps files drops what an earlier run wrote
         for steps ``>= step``; the default does nothing."""
 
+    def settle_resume(self) -> None:
+        """Act on :meth:`resume_at` now, although nothing was written since: a run that rolled
+        back and then ended before its next logging step. Called by the writer's ``flush()``
+        before the sink was opened (from the thread calling ``flush()``, while no other
+        thread calls the sink), and by a sink's own :meth:`close`; must be idempotent. The
+        default does nothing."""
+
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         """Deliver one step: ``metrics`` maps the original keys to floats (NaN/Inf included)."""
         raise NotImplementedError

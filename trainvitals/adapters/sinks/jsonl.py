@@ -31,7 +31,9 @@ class JsonlSink(Sink):
     lines the interrupted run wrote after its checkpoint would otherwise stay in the file,
     values of a timeline that no longer exists; guessing from the first step written keeps
     those of steps between the checkpoint and that first step (after a rollback the resumed run
-    need not log the same steps: another interval, no NaN to report). A last line cut by a
+    need not log the same steps: another interval, no NaN to report). After ``resume_at``
+    this happens at ``flush()``/``close()`` too when nothing was written by then (a rollback,
+    then the end of the run before its next logging step). A last line cut by a
     crash is dropped too (see :func:`~trainvitals.adapters.jsonl.drop_steps_from`); other lines
     are kept. A run resuming at step 0 is a new run: the earlier file is moved aside
     (``metrics.jsonl.1``, ..., with a warning) and a new one started. So give each writer of a
@@ -54,9 +56,16 @@ class JsonlSink(Sink):
         self._file: IO[str] | None = None
         self._partial = False  # a failed write may have left part of a line
         self._resume_step: int | None = None  # from FanoutWriter.resume_at
+        self._cut_from: int | None = None  # the file holds no line of a step >= this
 
     def resume_at(self, step: int) -> None:
         self._resume_step = step
+
+    def settle_resume(self) -> None:
+        # A run that rolled back, then ended (or failed) before its next logging step, writes
+        # nothing: the abandoned timeline's lines must go all the same.
+        if self._file is None and self._resume_step is not None:
+            self._drop_abandoned(self._resume_step)
 
     def open(self) -> None:
         # The file itself is opened by the first write, which knows the first step.
@@ -67,6 +76,13 @@ class JsonlSink(Sink):
         if self._resume_step is not None:
             # lines from the first written step on would be duplicated, whatever was declared
             first_step = min(first_step, self._resume_step)
+        self._drop_abandoned(first_step)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+
+    def _drop_abandoned(self, first_step: int) -> None:
+        """Make the file ready for lines from ``first_step`` on (once per cut point)."""
+        if self._cut_from is not None and first_step >= self._cut_from:
+            return  # settle_resume did it already (a flush before the first write)
         message = None
         # Only a regular file holding lines: a pipe, a terminal or /dev/stdout is appended to
         # as it is (reading it would block).
@@ -81,12 +97,12 @@ class JsonlSink(Sink):
                         f"JsonlSink: {self.path}: dropped {dropped} line(s) of steps >= "
                         f"{first_step} (this run logs them again: a resumed run) or cut by a crash"
                     )
+        self._cut_from = first_step  # only once done: a failed cut is tried again
         if message is not None:
             try:
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
             except Exception:  # warnings turned into errors must not fail the write
                 logging.getLogger(__name__).warning(message)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         if self._file is None:
@@ -109,6 +125,8 @@ class JsonlSink(Sink):
             self._file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._file is None:
+            self.settle_resume()
+            return
+        self._file.close()
+        self._file = None

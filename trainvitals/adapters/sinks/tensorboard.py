@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from trainvitals.adapters.sinks.base import Sink
@@ -38,7 +40,10 @@ class TensorBoardSink(Sink):
     the events of steps ``>= N`` that the interrupted run wrote into that directory (its
     ``SessionLog.START`` event); the event files themselves are kept. A ``SummaryWriter``
     passed in was opened by its owner, who decides that (Lightning's ``TensorBoardLogger``
-    starts a new version directory per run).
+    starts a new version directory per run). A run that ends before it writes anything after
+    ``resume_at`` (a rollback, then the end or a crash before the next logging step) still
+    hides them: the sink opens its ``SummaryWriter`` at ``flush()``/``close()``, which writes
+    the purge marker at once.
 
     Keys are written unchanged (TensorBoard accepts any tag). NaN and infinities are stored as
     such (IEEE values in the event file) and read back as NaN/inf.
@@ -85,10 +90,19 @@ class TensorBoardSink(Sink):
         # step 0 is a new run: nothing of the directory's earlier runs is hidden
         self._purge_step = step if step > 0 else None
 
+    def settle_resume(self) -> None:
+        # SummaryWriter(purge_step=N) writes its purge marker (an event of step N holding
+        # SessionLog.START) when it is created, without any later event: opening the writer
+        # is enough to hide what the abandoned timeline wrote from step N on.
+        if self.writer is None and self._purge_step is not None:
+            self.open()
+
     def open(self) -> None:
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            if self._purge_step is not None:
+                _wait_for_a_later_file_name(Path(self.logdir))
             self.writer = SummaryWriter(self.logdir, purge_step=self._purge_step)
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
@@ -135,6 +149,7 @@ class TensorBoardSink(Sink):
             self.writer.flush()
 
     def close(self) -> None:
+        self.settle_resume()  # a run that rolled back and wrote nothing since
         if self.writer is None:
             return
         if self.owned:
@@ -165,3 +180,24 @@ def _accepts_double_precision(add_scalar: Any) -> bool:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return True
     return "new_style" in params and "double_precision" in params
+
+
+def _wait_for_a_later_file_name(logdir: Path) -> None:
+    """Wait, if needed, until a new event file's name sorts after every one in ``logdir``.
+
+    TensorBoard (and the report) reads a folder's event files in name order, and the purge
+    marker of a resumed run hides the earlier events only when its file comes later. The names
+    are ``events.out.tfevents.<seconds>.<host>.<pid>.<counter>``: within one second of the last
+    file (a rollback in the same process) only the counter differs, and it sorts as text
+    (``...1.10`` before ``...1.9``), so the resumed file could come first and the abandoned
+    steps stay visible. Waiting for the next second (at most 1 s, at a resume only) orders them.
+    """
+    try:
+        latest = max(
+            (int(f.name.split(".")[3]) for f in logdir.glob("events.out.tfevents.*")), default=-1
+        )
+    except (OSError, ValueError, IndexError):
+        return
+    delay = latest + 1 - time.time()
+    if 0 < delay <= 2:
+        time.sleep(delay)
