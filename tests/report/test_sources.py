@@ -68,13 +68,23 @@ def tensorboard_points(src_values: dict, key: str) -> list[tuple[int, float]]:
     return list(zip(points.steps, points.values, strict=True))
 
 
-def test_tensorboard_resume_hides_the_steps_purged_by_the_resumed_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("uid", [None, 9], ids=["any", "counter_9_to_10"])
+def test_tensorboard_resume_hides_the_steps_purged_by_the_resumed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uid: int | None
+) -> None:
     # A run logged steps 0..9 to TensorBoard, was resumed from its step-5 checkpoint into the
     # same folder (TensorBoardSink opens SummaryWriter(purge_step=5)) and logged steps 5, 6.
     # TensorBoard hides the first run's steps >= 5; the report must show the same timeline,
-    # not the abandoned steps 7..9 behind the resumed ones.
+    # not the abandoned steps 7..9 behind the resumed ones. With the file counter going from
+    # 9 to 10 within one second (a rollback in the same process), the names sort as text:
+    # "...<second>.<host>.<pid>.10" before "....9", unless the sink waits for the next second.
     pytest.importorskip("tensorboard")
+    from tensorboard.summary.writer import event_file_writer
+
     from trainvitals.adapters import FanoutWriter, TensorBoardSink
+
+    if uid is not None:
+        monkeypatch.setattr(event_file_writer._global_uid, "_value", uid)
 
     first = [(s, float(s)) for s in range(10)]
     resumed = [(s, 100.0 + s) for s in range(5, 7)]
@@ -84,7 +94,10 @@ def test_tensorboard_resume_hides_the_steps_purged_by_the_resumed_run(tmp_path: 
         for step, value in points:
             writer.add_scalar("train/loss", value, step)
         writer.close()
-    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
+    files = sorted((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    if uid is not None:  # the resumed run's file (counter 10) is read last
+        assert [f.name.rsplit(".", 1)[1] for f in files] == ["9", "10"]
     want = reference([p for p in first if p[0] < 5] + resumed)  # [(0, 0.0) .. (6, 106.0)]
     src = load_metrics(tmp_path, lambda key: True, None, None)
     assert tensorboard_points(src.values, "train/loss") == want
@@ -106,3 +119,78 @@ def test_tensorboard_double_precision_values_are_read(tmp_path: Path) -> None:
     assert set(src.values) == {"train/loss"}
     assert tensorboard_points(src.values, "train/loss") == points  # exact: float64 kept
     assert "float64 values" in src.description
+
+
+def write_tensorboard(logdir: Path, points: list[tuple[int, float]], *, start: int = 0) -> None:
+    """A run's scalars as TensorBoardSink writes them (one event file per writer)."""
+    from trainvitals.adapters import FanoutWriter, TensorBoardSink
+
+    writer = FanoutWriter([TensorBoardSink(logdir)], rank=0)
+    writer.resume_at(start)
+    for step, value in points:
+        writer.add_scalar("train/loss", value, step)
+    writer.close()
+
+
+def test_a_folder_of_several_tensorboard_runs_is_an_error_naming_them(tmp_path: Path, capsys):
+    # lightning_logs/ of two runs: the report showed version_0 (first in name order), the older
+    # run, as if it were the current one. It must refuse and name both; each folder alone works.
+    pytest.importorskip("tensorboard")
+    from trainvitals.cli import main
+    from trainvitals.report.sources import find_metrics
+
+    logs = tmp_path / "lightning_logs"
+    old, new = [(s, float(s)) for s in range(3)], [(s, 10.0 + s) for s in range(5)]
+    write_tensorboard(logs / "version_0", old)
+    write_tensorboard(logs / "version_1", new)
+    for folder in (logs, tmp_path):
+        with pytest.raises(FileNotFoundError, match="2 run folders below it") as raised:
+            find_metrics(folder)
+        assert str(logs / "version_0") in str(raised.value)
+        assert str(logs / "version_1") in str(raised.value)
+    assert main(["report", str(logs), "-o", str(tmp_path / "r.html")]) == 2
+    assert "version_1" in capsys.readouterr().err
+    assert not (tmp_path / "r.html").exists()
+    chosen = find_metrics(logs / "version_1")
+    assert chosen == logs / "version_1"
+    src = load_metrics(chosen, lambda key: True, None, None)
+    assert tensorboard_points(src.values, "train/loss") == new
+
+
+def test_event_files_of_one_run_folder_and_its_subfolders_are_one_run(tmp_path: Path) -> None:
+    # A resumed run adds a second event file to its folder, and SummaryWriter.add_scalars puts
+    # one folder per key inside the run's folder: one run, not several.
+    pytest.importorskip("tensorboard")
+    import time
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from trainvitals.report.sources import find_metrics
+
+    run = tmp_path / "run"
+    write_tensorboard(run / "tb", [(s, float(s)) for s in range(6)])
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)  # event files are ordered by their second
+    write_tensorboard(run / "tb", [(3, 30.0)], start=3)
+    assert len(list((run / "tb").glob("events.out.tfevents.*"))) == 2
+    assert find_metrics(run) == run / "tb"
+    with SummaryWriter(run / "tb") as writer:
+        writer.add_scalars("lr", {"group0": 0.1, "group1": 0.2}, 3)
+    assert len({p.parent for p in run.rglob("events.out.tfevents.*")}) == 3
+    assert find_metrics(run) == run / "tb"
+    src = load_metrics(find_metrics(run), lambda key: key == "train/loss", None, None)
+    assert tensorboard_points(src.values, "train/loss") == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_a_folder_of_several_csv_runs_is_an_error_naming_them(tmp_path: Path) -> None:
+    from trainvitals.report.sources import find_metrics
+
+    for version in (0, 1):
+        folder = tmp_path / "lightning_logs" / f"version_{version}"
+        folder.mkdir(parents=True)
+        (folder / "metrics.csv").write_text(f"step,train/loss\n0,{version}.5\n")
+    with pytest.raises(FileNotFoundError, match=r"version_0, .*version_1; a report shows one run"):
+        find_metrics(tmp_path)
+    only = tmp_path / "lightning_logs" / "version_1"
+    assert find_metrics(only) == only / "metrics.csv"
+    src = load_metrics(find_metrics(only), lambda key: True, None, None)
+    assert tensorboard_points(src.values, "train/loss") == [(0, 1.5)]  # (any StepValues)

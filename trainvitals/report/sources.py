@@ -4,13 +4,13 @@ Three formats, found in this order when none is named:
 
 1. ``<run_dir>/metrics.jsonl``: the :class:`~trainvitals.adapters.JsonlSink` file (float64,
    exact; schema in :mod:`trainvitals.adapters.jsonl`);
-2. TensorBoard event files (``events.out.tfevents.*``) anywhere under the run folder: what a
-   Lightning ``TensorBoardLogger``, an Accelerate ``tensorboard`` tracker or a
-   :class:`~trainvitals.adapters.TensorBoardSink` wrote (float32 values, float64 ones from
-   ``TensorBoardSink(double_precision=True)``; read with ``tensorboard``'s own reader,
-   imported only then);
-3. a Lightning ``CSVLogger`` file (``metrics.csv``) anywhere under the run folder: a ``step``
-   column and one column per key, empty where a key was not logged.
+2. TensorBoard event files (``events.out.tfevents.*``) anywhere under the run folder, of one
+   run (see :func:`find_metrics`): what a Lightning ``TensorBoardLogger``, an Accelerate
+   ``tensorboard`` tracker or a :class:`~trainvitals.adapters.TensorBoardSink` wrote (float32
+   values, float64 ones from ``TensorBoardSink(double_precision=True)``; read with
+   ``tensorboard``'s own reader, imported only then);
+3. a Lightning ``CSVLogger`` file (``metrics.csv``) anywhere under the run folder, only one: a
+   ``step`` column and one column per key, empty where a key was not logged.
 
 Within a step, the value read last wins (a later line, a later event file of a resumed run).
 The event files of one folder are read together, as TensorBoard reads a run, so a resumed run's
@@ -86,14 +86,35 @@ class MetricsSource:
 
 def find_metrics(run_dir: Path) -> Path | None:
     """The metrics source of ``run_dir`` in the order of the module docstring (a folder for
-    TensorBoard: the one holding the first event file found), or None."""
+    TensorBoard: the one holding the event files), or None.
+
+    Raises ``FileNotFoundError`` naming them when the first format found below ``run_dir``
+    belongs to several run folders (``lightning_logs/`` holding ``version_0`` and
+    ``version_1``): picking one, the first in name order, would show the oldest run as the
+    current one. The event files of one folder are one run (a resumed run adds one there), and
+    so are those in folders below it (``SummaryWriter.add_scalars`` writes a folder per key
+    inside the run's folder); ``run_dir`` itself holding event files is that one run.
+    """
     if (run_dir / METRICS_FILE).is_file():
         return run_dir / METRICS_FILE
-    events = sorted(run_dir.rglob(_EVENTS))
-    if events:
-        return events[0].parent
+    event_dirs = sorted({f.parent for f in run_dir.rglob(_EVENTS)})
+    if event_dirs:
+        runs = [d for d in event_dirs if not any(o in d.parents for o in event_dirs)]
+        return _only_run(run_dir, runs, "TensorBoard event files")
     csvs = sorted(run_dir.rglob("metrics.csv"))
-    return csvs[0] if csvs else None
+    return _only_run(run_dir, csvs, "a metrics.csv") if csvs else None
+
+
+def _only_run(run_dir: Path, found: list[Path], what: str) -> Path:
+    if len(found) == 1:
+        return found[0]
+    folders = [p.parent if p.is_file() else p for p in found]
+    names = ", ".join(str(f) for f in folders[:5]) + (", ..." if len(folders) > 5 else "")
+    raise FileNotFoundError(
+        f"{run_dir} holds no {METRICS_FILE} and {len(found)} run folders below it hold {what}: "
+        f"{names}; a report shows one run: give one of these different run folders as the "
+        "run folder (or name the metrics: --metrics, metrics=)"
+    )
 
 
 def load_metrics(
