@@ -127,3 +127,93 @@ def test_accelerator_without_trackers_writes_jsonl_in_run_dir(tmp_path):
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     assert [r["metrics"]["time/samples"] for r in records] == [5, 10, 15]
+
+
+def test_uneven_last_accumulation_window_with_a_tracker_and_clip_grad_norm(tmp_path):
+    """An epoch of 10 batches under gradient_accumulation_steps=3 through a prepared
+    DataLoader: Accelerate also steps at the end of the dataloader (sync_gradients), so each
+    epoch has steps of 3, 3, 3 and 1 micro-batches. Every step reaches a user's GeneralTracker
+    as Python floats, the global gradient norm is the float64 norm of the gradients the
+    optimizer stepped with (the same value accelerator.clip_grad_norm_ returns), and the
+    tracker is finished once, by end_training()."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.tracking import GeneralTracker
+
+    from trainvitals.adapters.accelerate import Vitals
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+    from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
+
+    class RecordingTracker(GeneralTracker):
+        name = "recording"
+        requires_logging_directory = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.logged: list[tuple[dict[str, float], int | None]] = []
+            self.finished = 0
+
+        @property
+        def tracker(self):
+            return self
+
+        def log(self, values, step=None, **kwargs):
+            self.logged.append((dict(values), step))
+
+        def finish(self):
+            self.finished += 1
+
+    tracker = RecordingTracker()
+    try:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3, log_with=[tracker])
+        accelerator.init_trackers("uneven")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
+        loader = torch.utils.data.DataLoader(data, batch_size=2)  # 10 batches per epoch
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        vitals = Vitals(
+            [NormMonitor(), RuntimeMonitor(max_steps=8)],
+            accelerator=accelerator,
+            log_every_n_steps=1,
+            run_dir=tmp_path,
+        )
+        vitals.attach(model, optimizer)
+        grad_norms: list[float] = []  # float64, of the gradients each step used, unclipped
+        clip_norms: list[float] = []
+        batches: list[int] = []  # micro-batches consumed at the end of each step
+        consumed = 0
+        for _epoch in range(2):
+            for x, y in loader:
+                vitals.batch((x, y))
+                consumed += 1
+                with accelerator.accumulate(model):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grads = [p.grad.double() for p in model.parameters()]
+                        grad_norms.append(float(sum(g.pow(2).sum() for g in grads).sqrt()))
+                        batches.append(consumed)
+                        norm = accelerator.clip_grad_norm_(model.parameters(), 0.1)
+                        clip_norms.append(float(norm))
+                    optimizer.step()
+                    optimizer.zero_grad()
+        vitals.close()
+        accelerator.end_training()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+    assert batches == [3, 6, 9, 10, 13, 16, 19, 20]
+    assert vitals.step == len(batches)
+    assert tracker.finished == 1
+    rows = {step: values for values, step in tracker.logged}
+    assert sorted(rows) == list(range(len(batches)))
+    for step, row in rows.items():
+        assert all(type(v) is float for v in row.values())
+        assert row["time/batches"] == batches[step]
+        assert row["l2_norm/grad/global"] == pytest.approx(grad_norms[step], rel=1e-6)
+        assert row["l2_norm/grad/global"] == pytest.approx(clip_norms[step], rel=1e-6)
