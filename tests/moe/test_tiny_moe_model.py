@@ -64,10 +64,9 @@ def test_moe_mlp_equals_a_loop_over_experts():
     assert torch.allclose(out.reshape(-1, 16), expected, atol=1e-10)
 
 
-def test_training_step_has_no_host_transfer(monkeypatch):
-    model = small(capacity_factor=1.0, expert_bias=True, aux_loss_type="seq_aux_loss")
-    batch = next(random_token_batches(1, 2, 8, 32))
-    calls = []
+def _record_host_transfers(monkeypatch) -> list[str]:
+    """Record every call of a Tensor method that copies to the host (item, tolist, cpu, numpy)."""
+    calls: list[str] = []
     for method in ("item", "tolist", "cpu", "numpy"):
         original = getattr(torch.Tensor, method)
         monkeypatch.setattr(
@@ -75,6 +74,13 @@ def test_training_step_has_no_host_transfer(monkeypatch):
             method,
             lambda self, *a, _m=method, _o=original, **k: calls.append(_m) or _o(self, *a, **k),
         )
+    return calls
+
+
+def test_training_step_has_no_host_transfer(monkeypatch):
+    model = small(capacity_factor=1.0, expert_bias=True, aux_loss_type="seq_aux_loss")
+    batch = next(random_token_batches(1, 2, 8, 32))
+    calls = _record_host_transfers(monkeypatch)
     model(batch["input_ids"], batch["labels"]).loss.backward()
     model.moe_step_end()
     monkeypatch.undo()
@@ -133,14 +139,7 @@ def test_backward_with_grad_scaler_has_no_host_transfer(monkeypatch):
     batch = next(random_token_batches(1, 2, 8, 32))
     scaler = torch.amp.GradScaler("cpu")
     set_aux_loss_backward_scale(0.5, grad_scaler=scaler)
-    calls = []
-    for method in ("item", "tolist", "cpu", "numpy"):
-        original = getattr(torch.Tensor, method)
-        monkeypatch.setattr(
-            torch.Tensor,
-            method,
-            lambda self, *a, _m=method, _o=original, **k: calls.append(_m) or _o(self, *a, **k),
-        )
+    calls = _record_host_transfers(monkeypatch)
     try:
         scaler.scale(model(batch["input_ids"], batch["labels"]).loss).backward()
     finally:
