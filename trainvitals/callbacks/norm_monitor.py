@@ -56,6 +56,11 @@ class _Part:
         bad = torch.isnan(grad_sq) | (grad_sq == math.inf)  # (-inf: not measured)
         return bad if self.earlier_bad is None else bad | self.earlier_bad.to(bad.device)
 
+    def nonfinite_by_param(self) -> dict[int, torch.Tensor]:
+        """:meth:`nonfinite` by parameter ``id``, on the device: no host sync."""
+        flags = self.nonfinite()
+        return {id(t.param): flags[i] for i, t in enumerate(self.tracked)}
+
     def without(self, drop: set[int]) -> tuple[_Part, dict[int, torch.Tensor]]:
         """This part without the parameters at positions ``drop``, and those parameters'
         non-finite flags (by ``id``), all on the device: no host sync."""
@@ -254,8 +259,7 @@ class NormMonitor(VitalsCallback):
             if written is not None and written[0] == ctx.step:
                 # The optimizer stepped again in this step (Lightning's manual optimization):
                 # these keys replace the earlier step()'s in the writer; its NaN/Inf stay counted.
-                _, flags = written[1].without(set(range(len(written[1].tracked))))
-                self._carry_flags(part, flags)
+                self._carry_flags(part, written[1].nonfinite_by_param())
             self._written = (ctx.step, part)
             self._write(ctx, [part], ctx.step)
             return
@@ -411,19 +415,18 @@ class NormMonitor(VitalsCallback):
             sum((b.sum() for b in bad), zero).to(torch.float64),
         ]
         by_optimizer: dict[int, list[int]] = {}  # optimizer index -> its rows (param, grad)
-        if len(parts) > 1 or parts[0].optimizer is not None:
-            for k, part in enumerate(parts):
-                if part.optimizer is None:
-                    continue
-                index = torch.tensor(part.owned, dtype=torch.long, device=part.sq.device)
-                owned = (param_sq[k].index_select(0, index), grad_sq[k].index_select(0, index))
-                if part.optimizer not in by_optimizer:
-                    by_optimizer[part.optimizer] = [len(rows), len(rows) + 1]
-                    rows += [zero, zero]
-                # (an optimizer stepped several times in the step: its parameters are in the
-                # part of its last step(), the earlier parts hold none of them)
-                i, j = by_optimizer[part.optimizer]
-                rows[i], rows[j] = rows[i] + owned[0].sum(), rows[j] + owned[1].sum()
+        for k, part in enumerate(parts):
+            if part.optimizer is None:  # (one optimizer, or all at once: no optimizer_<i> keys)
+                continue
+            index = torch.tensor(part.owned, dtype=torch.long, device=part.sq.device)
+            owned = (param_sq[k].index_select(0, index), grad_sq[k].index_select(0, index))
+            if part.optimizer not in by_optimizer:
+                by_optimizer[part.optimizer] = [len(rows), len(rows) + 1]
+                rows += [zero, zero]
+            # (an optimizer stepped several times in the step: its parameters are in the
+            # part of its last step(), the earlier parts hold none of them)
+            i, j = by_optimizer[part.optimizer]
+            rows[i], rows[j] = rows[i] + owned[0].sum(), rows[j] + owned[1].sum()
         totals = torch.stack([r.to(device) for r in rows])
         if pipeline:
             totals = all_reduce_coalesced([totals], "sum", ctx.groups.pp)[0]
