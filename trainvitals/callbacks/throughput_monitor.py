@@ -51,18 +51,12 @@ def _reduction_plan(groups: ProcessGroups) -> list[tuple[Any, list[int]]]:
     the columns of :data:`COUNT_FIELDS` after ``seconds`` summed over one distinct group (groups
     of one member left out). The same on every rank (fields in a fixed order)."""
     group_of = {"dp": groups.dp, "dp_cp": groups.dp_cp, "world": world_group()}
-    plan: list[tuple[Any, list[int]]] = []
+    plan: dict[int, tuple[Any, list[int]]] = {}  # id(group) -> (group, columns)
     for i, name in enumerate(COUNT_FIELDS[1:]):
         group = group_of[_FIELD_GROUP[name]]
-        if group_size(group) == 1:
-            continue
-        for planned, columns in plan:
-            if planned is group:
-                columns.append(i)
-                break
-        else:
-            plan.append((group, [i]))
-    return plan
+        if group_size(group) > 1:
+            plan.setdefault(id(group), (group, []))[1].append(i)
+    return list(plan.values())
 
 
 def reduce_counts(matrix: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
