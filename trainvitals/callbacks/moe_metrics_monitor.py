@@ -157,10 +157,7 @@ class MoEMetricsMonitor(VitalsCallback):
         if self._reset_handle is not None:  # (left by release() in an earlier run)
             self._reset_handle.remove()
             self._reset_handle = None
-        self.tracker.clear()
-        self._pending_micro_batches = 0
-        self._pending_steps = 0
-        self._micro_batches_since_step = 0
+        self._drop_pending()
         model = ctx.model
         self._routers = (
             [m for m in model.modules() if isinstance(m, TopKRouter)] if model is not None else []
@@ -222,6 +219,13 @@ class MoEMetricsMonitor(VitalsCallback):
 
             self._reset_handle = ctx.optimizers[0].register_step_post_hook(reset_global_tokens)
 
+    def _drop_pending(self) -> None:
+        """Zero the tracker and forget the steps and micro-batches not yet reported."""
+        self.tracker.clear()
+        self._pending_micro_batches = 0
+        self._pending_steps = 0
+        self._micro_batches_since_step = 0
+
     # ------------------------------------------------------------------ what it writes
 
     def _report(self, ctx: RunContext, step: int) -> None:
@@ -271,10 +275,7 @@ class MoEMetricsMonitor(VitalsCallback):
         # would mix into the next report (with a micro-batch count that leaves the cut-off
         # step's out) and into the replayed step's loss. Dropped, the next report covers the
         # steps since the restore, as after a resume. No synchronisation: zeroing on the device.
-        self.tracker.clear()
-        self._pending_micro_batches = 0
-        self._pending_steps = 0
-        self._micro_batches_since_step = 0
+        self._drop_pending()
         self._validation_snapshot = None
         for router in self._global_routers:
             router.reset_global_tokens()

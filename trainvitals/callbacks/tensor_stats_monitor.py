@@ -453,19 +453,19 @@ class TensorStatsMonitor(VitalsCallback):
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._drop_abandoned_steps(ctx)  # a rollback, then a crash before the next batch
-        self._remove_hooks()
-        self._pending, self._acc = {}, {}
-        self._parts_step, self._measured = None, set()
+        self._discard_step()
 
     def release(self, ctx: RunContext) -> None:
         # Disabled by the guard: step_end and run_end no longer run, so the forward and
         # gradient hooks of this step would stay on the model, measuring and holding tensors.
-        self._remove_hooks()
-        self._pending, self._acc = {}, {}
-        self._parts_step, self._measured = None, set()
+        self._discard_step()
 
     def run_end(self, ctx: RunContext) -> None:
         self._drop_abandoned_steps(ctx)  # a rollback, then the end before the next batch
+        self._discard_step()
+
+    def _discard_step(self) -> None:
+        """Remove the step's hooks and drop everything it collected so far."""
         self._remove_hooks()
         self._pending, self._acc = {}, {}
         self._parts_step, self._measured = None, set()
@@ -504,14 +504,12 @@ class TensorStatsMonitor(VitalsCallback):
         (its gradients as it uses them, its weights before its update), and at the step's first
         ``step()`` also those of no optimizer; each parameter once per step (an optimizer
         stepped twice in a batch is measured at its first ``step()``)."""
-        if self._parts_step != ctx.step:
+        first = self._parts_step != ctx.step
+        if first:
             # (param/grad parts of a step that never ended are dropped)
             for kind in ("param", "grad"):
                 self._pending.pop(kind, None)
             self._parts_step, self._measured = ctx.step, set()
-            first = True
-        else:
-            first = False
         _, here = ctx.stepped_parameters((p for _, p in named), first)
         part = [(n, p) for n, p in named if id(p) in here and id(p) not in self._measured]
         self._measured.update(id(p) for _, p in part)
