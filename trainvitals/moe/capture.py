@@ -546,11 +546,12 @@ class RouterCapture:
         self._count_rows: list[torch.Tensor] = []
         self._aux_rows: list[torch.Tensor] = []
         self._ones: dict[torch.device, torch.Tensor] = {}
+        # torchtitan: the buffer totals set aside by the pre-hook of a counted forward (an
+        # entry is also the pre-hook's decision to count it, for the post-hook)
         self._snapshots: dict[int, torch.Tensor] = {}
         self._broken: set[int] = set()
         # per router: which of its forwards to count under activation checkpointing
         self._runs = [CheckpointRuns() for _ in self.routers]
-        self._taking: dict[int, bool] = {}  # torchtitan: the pre-hook's decision for the hook
         # Deferred counting (TopKRouter): a counted forward only keeps a reference to its
         # routing map and aux-loss tensor, each with its version counter (to detect a later
         # in-place change); _fold() counts all of them in a few kernels when the step is read,
@@ -693,8 +694,7 @@ class RouterCapture:
         def pre_hook(module: nn.Module, inputs: Any) -> None:
             if not self.enabled or i in self._broken or not module.training:
                 return
-            taking = self._taking[i] = self._runs[i].counts()
-            if not taking:
+            if not self._runs[i].counts():
                 return
             buffer = _torchtitan_buffer(module)
             if buffer is not None:
@@ -737,12 +737,11 @@ class RouterCapture:
         """A torchtitan MoE's forward ended (``output`` is ``None`` when it raised): count
         what it added to the buffer its pre-hook zeroed, then add the set-aside total back,
         whatever happens (the buffer is the model's: torchtitan's bias update reads it)."""
-        taking = self._taking.pop(i, False)
         before = self._snapshots.pop(i, None)
         if before is None:  # not a counted forward: nothing was set aside
             return
         try:
-            if taking and output is not None and self.enabled and i not in self._broken:
+            if output is not None and self.enabled and i not in self._broken:
                 buffer = _torchtitan_buffer(module)
                 if buffer is not None:
                     # this forward's counts alone: exact, added into the float64 accumulator
@@ -1191,7 +1190,6 @@ class RouterCapture:
         self._restore_titan_buffers()
         for runs in self._runs:  # (a held-back run of this step is not re-run any more)
             runs.held_back = 0
-        self._taking.clear()
         self._pending_maps.clear()
         self._pending_aux.clear()
         self._pending_numel = 0
