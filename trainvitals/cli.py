@@ -119,8 +119,10 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     match = matcher(args.group)
     by_used = args.by is not None and not args.per_tensor  # (query compiled it already)
     spans: dict[str, tuple[int, int]] = {}
-    in_steps = grouped = some_tensors = False
-    names: list[str] = []  # tensor names of the kind's last record in the steps asked for
+    in_steps = grouped = False
+    # tensor names of the kind's last record holding any in the steps asked for (none: the
+    # steps' measurements failed)
+    names: list[str] = []
     with warnings.catch_warnings():  # the query already warned about skipped lines
         warnings.simplefilter("ignore")
         for rec in read_tensor_stats(args.run_dir):
@@ -134,7 +136,6 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
             in_steps = True
             if rec["tensors"]:  # (a step whose measurement failed holds none)
                 names = list(rec["tensors"])
-                some_tensors = True
             grouped = grouped or any(match(n) for n in rec["tensors"])
     if not spans:
         return (
@@ -147,7 +148,7 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
         return f"no {args.kind!r} records (the file holds {held})", False
     if not in_steps:
         return f"no {args.kind!r} records in steps {args.steps} (the file holds {held})", False
-    if not some_tensors:
+    if not names:
         where = f" in steps {args.steps}" if args.steps is not None else ""
         return f"the {args.kind!r} records{where} hold no tensor (not measured)", False
     if not grouped:

@@ -58,6 +58,7 @@ from typing import Any
 from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
     KINDS,
+    TENSOR_STATS_FILE,
     StepChunks,
     format_value,
     gc_paused,
@@ -74,7 +75,6 @@ __all__ = ["DEFAULT_MAX_POINTS", "decimate", "family_of", "render_report", "writ
 DEFAULT_MAX_POINTS = 600
 # A family of more keys than this is drawn as its min / median / max across keys per step.
 MAX_LINES = 10
-TENSOR_STATS_FILE = "tensor_stats.jsonl"
 _DIGITS = re.compile(r"\d+")
 # Sections in this order first (the rest alphabetically): what a trainer looks at first.
 _AREA_ORDER = ("train", "l2_norm", "moe", "load_balance", "tensor_stats", "throughput", "time")

@@ -41,7 +41,8 @@ CHUNK_RECORDS = 256
 #: Skipped lines of a file warned about one by one; the rest are counted in one warning.
 MAX_LINE_WARNINGS = 5
 _REGEX_CHARS = re.compile(r"[\\^$()+|{}]")
-STATS_FILE = "tensor_stats.jsonl"
+#: The TensorStatsMonitor file a run folder holds (its default ``filename``).
+TENSOR_STATS_FILE = "tensor_stats.jsonl"
 #: Folder levels below a run folder searched for tensor statistics files, only to name them in
 #: the error: ``lightning_logs/version_0/``, ``runs/<name>/version_0/``.
 _SEARCH_DEPTH = 2
@@ -52,9 +53,10 @@ def _found_below(folder: Path | None) -> str:
     moved aside by a new one) holds instead, so the user can name one."""
     if folder is None or not folder.is_dir():
         return ""
-    found = sorted(folder.glob(f"{STATS_FILE}.*"))  # earlier runs moved aside (.1, .2, ...)
+    # earlier runs moved aside (.1, .2, ...)
+    found = sorted(folder.glob(f"{TENSOR_STATS_FILE}.*"))
     for depth in range(1, _SEARCH_DEPTH + 1):  # bounded: a folder may hold a big tree
-        found += sorted(folder.glob("/".join(["*"] * depth + [STATS_FILE])))
+        found += sorted(folder.glob("/".join(["*"] * depth + [TENSOR_STATS_FILE])))
     if not found:
         return ""
     names = ", ".join(str(f) for f in found[:5]) + (", ..." if len(found) > 5 else "")
@@ -73,7 +75,7 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     path = Path(path)
     folder = path if path.is_dir() else None
     if folder is not None:
-        path = folder / STATS_FILE
+        path = folder / TENSOR_STATS_FILE
     if not path.exists():
         raise FileNotFoundError(f"no tensor statistics file at {path}{_found_below(folder)}")
     skipped = 0
