@@ -352,20 +352,22 @@ def test_exception_in_context_manager_reaches_callbacks():
     assert rec.events[-1] == ("exception", "KeyError")
 
 
-def _run_with_rollback(vitals, model, opt, sizes, back_at=3):
-    """One step per batch of ``sizes`` samples; before batch ``back_at`` the loop restores
-    the state it took after step 0 (an in-process rollback after a loss spike)."""
+def _train(vitals, model, opt, sizes, *, restore_before=None, state_after=None):
+    """One step per batch of ``sizes`` samples; keeps the state taken after batch
+    ``state_after`` and restores it before batch ``restore_before`` (an in-process rollback,
+    after a loss spike). Returns that state."""
     state = None
     for i, size in enumerate(sizes):
-        if i == back_at:
+        if i == restore_before:
             vitals.load_state_dict(state)
-        x = torch.randn(size, 4)
+        x = torch.full((size, 4), 0.5)
         vitals.batch(x)
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
-        if i == 0:
+        if i == state_after:
             state = vitals.state_dict()
+    return state
 
 
 def test_default_writer_is_jsonl_in_run_dir(tmp_path):
@@ -591,7 +593,8 @@ def test_rollback_to_an_earlier_step_replays_it_in_the_default_writer(tmp_path, 
     model, opt = _model_opt()
     monitor = RuntimeMonitor(max_steps=10)
     vitals = Vitals([monitor], run_dir=tmp_path, log_every_n_steps=1).attach(model, opt)
-    _run_with_rollback(vitals, model, opt, [2, 3, 4, 5, 6])  # steps 0, 1, 2, then 1, 2 again
+    # steps 0, 1, 2, then back to after step 0: 1, 2 again
+    _train(vitals, model, opt, [2, 3, 4, 5, 6], restore_before=3, state_after=0)
     vitals.close()
     rows = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
     assert sorted(rows) == [0, 1, 2]
@@ -682,7 +685,7 @@ def test_rollback_with_a_given_writer_drops_the_refused_steps_and_keeps_the_call
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # steps 0, 1, 2; back to after step 0; 1, 2, 3, 4
-        _run_with_rollback(vitals, model, opt, [2, 3, 4, 5, 6, 7, 8])
+        _train(vitals, model, opt, [2, 3, 4, 5, 6, 7, 8], restore_before=3, state_after=0)
         vitals.close()
     writer.close()
     messages = [str(w.message) for w in caught]
@@ -700,7 +703,7 @@ def test_rollback_with_a_given_writer_drops_the_refused_steps_and_keeps_the_call
     permissive = RecordingWriter()
     vitals = Vitals([RuntimeMonitor(max_steps=10)], writer=permissive, log_every_n_steps=1)
     vitals.attach(model, opt)
-    _run_with_rollback(vitals, model, opt, [2, 3, 4, 5, 6, 7, 8])
+    _train(vitals, model, opt, [2, 3, 4, 5, 6, 7, 8], restore_before=3, state_after=0)
     vitals.close()
     assert permissive.key("time/samples") == {0: 2, 1: 7, 2: 13, 3: 20, 4: 28}
 
@@ -718,15 +721,7 @@ def test_a_resumed_run_drops_every_line_the_interrupted_run_wrote_after_its_chec
         ).attach(model, opt)
         if state is not None:
             vitals.load_state_dict(state)
-        checkpoint = None
-        for size in sizes:
-            x = torch.randn(size, 4)
-            vitals.batch(x)
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            if checkpoint is None:
-                checkpoint = vitals.state_dict()  # after step 0: resumes at step 1
+        checkpoint = _train(vitals, model, opt, sizes, state_after=0)  # resumes at step 1
         vitals.close()
         return checkpoint
 
@@ -790,22 +785,6 @@ def test_how_the_with_block_ends_is_how_the_driver_ends_its_writers_run(tmp_path
         "ctrl-c": ("KILLED", 0.5, failure("KeyboardInterrupt")),
         "error": ("FAILED", 0.5, failure("ValueError")),
     }
-
-
-def _train(vitals, model, opt, sizes, *, restore_before=None, state_after=None):
-    """One step per batch of ``sizes`` samples; keeps the state taken after batch
-    ``state_after`` and restores it before batch ``restore_before`` (an in-process rollback)."""
-    state = None
-    for i, size in enumerate(sizes):
-        if i == restore_before:
-            vitals.load_state_dict(state)
-        x = torch.full((size, 4), 0.5)
-        vitals.batch(x)
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        if i == state_after:
-            state = vitals.state_dict()
 
 
 @pytest.mark.filterwarnings("ignore:JsonlSink.*dropped:RuntimeWarning")  # the abandoned step 3

@@ -19,7 +19,6 @@ class GradRecorder(VitalsCallback):
 
     def __init__(self) -> None:
         super().__init__()
-        self.driver: Vitals | None = None
         self.events: list[tuple] = []
         self.seen: list[tuple[object, dict[int, torch.Tensor | None]]] = []
 
@@ -69,9 +68,7 @@ def _two_steps_per_batch(batches: int) -> list[tuple]:
     ]
 
 
-def _run_gan(
-    vitals: Vitals, model, generator, discriminator, opt_d, opt_g, g_every: int, batches: int
-):
+def _run_gan(vitals: Vitals, generator, discriminator, opt_d, opt_g, g_every: int, batches: int):
     """A plain-loop GAN: the discriminator steps every batch, the generator every ``g_every``.
     Returns (optimizer, gradients copied right before its step()) for every step() call."""
     stepped = []
@@ -99,11 +96,10 @@ def test_gan_loop_shows_each_optimizers_current_gradients_and_ends_the_step_afte
     model, generator, discriminator, opt_d, opt_g = _gan()
     rec = GradRecorder()
     vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [opt_d, opt_g])
-    rec.driver = vitals
     batches = 3
     # at opt_d's step the generator still holds the previous batch's gradients, and at
     # opt_g's step the discriminator holds the generator loss's: neither is what its optimizer uses
-    stepped = _run_gan(vitals, model, generator, discriminator, opt_d, opt_g, 1, batches)
+    stepped = _run_gan(vitals, generator, discriminator, opt_d, opt_g, 1, batches)
     vitals.close()
     assert len(rec.seen) == len(stepped) == 2 * batches
     for (stepping, grads), (optimizer, expected) in zip(rec.seen, stepped, strict=True):
@@ -120,8 +116,7 @@ def test_an_optimizer_that_skips_a_batch_ends_the_step_at_the_next_batch(ends_at
     model, generator, discriminator, opt_d, opt_g = _gan()
     rec = GradRecorder()
     vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [opt_d, opt_g])
-    rec.driver = vitals
-    stepped = _run_gan(vitals, model, generator, discriminator, opt_d, opt_g, 2, 5)
+    stepped = _run_gan(vitals, generator, discriminator, opt_d, opt_g, 2, 5)
     if ends_at == "checkpoint":
         assert vitals.state_dict()["step"] == 5
         assert rec.events[-1] == ("end", 4, 1)
@@ -148,7 +143,6 @@ def test_parameters_split_over_two_optimizers_after_one_backward():
     second = torch.optim.AdamW(model[1].parameters(), lr=0.1)
     rec = GradRecorder()
     vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [first, second])
-    rec.driver = vitals
     expected = []
     for _ in range(2):
         x = torch.randn(3, 4)
@@ -170,7 +164,6 @@ def test_clipping_one_network_shows_its_unclipped_gradients_before_its_step():
     model, generator, discriminator, opt_d, opt_g = _gan()
     rec = GradRecorder()
     vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [opt_d, opt_g])
-    rec.driver = vitals
     expected = []
     for _ in range(2):
         real, z = torch.randn(5, 4) * 50, torch.randn(5, 3)
@@ -205,7 +198,6 @@ def test_gan_on_one_grad_scaler_shows_the_generator_unscaled_and_never_scaled_gr
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     rec = GradRecorder()
     vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [opt_d, opt_g], scaler=scaler)
-    rec.driver = vitals
     expected = []
     with pytest.warns(RuntimeWarning, match="still scaled"):
         for _ in range(2):

@@ -9,7 +9,8 @@ import warnings
 
 import pytest
 
-from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
+from tests.adapters.conftest import read_tensorboard
+from trainvitals.adapters import FanoutWriter, JsonlSink, TensorBoardSink, read_jsonl
 
 
 def _log_run(path, steps, value, *, resume_at: int | None = None) -> None:
@@ -145,18 +146,12 @@ def test_resume_at_checks_its_step_and_is_ignored_with_a_warning_once_values_wer
 
 def _tensorboard_run(logdir) -> None:
     """An interrupted run: steps 0, 10, ..., 190 of "loss" (value = step) in ``logdir``."""
-    from trainvitals.adapters import TensorBoardSink
-
     with FanoutWriter([TensorBoardSink(logdir)], rank=0) as writer:
         for step in range(0, 200, 10):
             writer.add_scalar("loss", float(step), step)
 
 
 def test_resume_at_hides_the_interrupted_runs_later_tensorboard_events(tmp_path) -> None:
-
-    from tests.adapters.conftest import read_tensorboard
-    from trainvitals.adapters import TensorBoardSink
-
     logdir = tmp_path / "tb"
     _tensorboard_run(logdir)  # (the resumed sink waits for the next second: files sort by it)
     with FanoutWriter([TensorBoardSink(logdir)], rank=0) as writer:
@@ -195,10 +190,6 @@ def test_a_close_after_resume_at_without_a_write_hides_later_tensorboard_events(
 ) -> None:
     # SummaryWriter(purge_step=N) writes its purge marker when it is created: a sink that
     # opens it at close hides the abandoned steps although the run logged nothing more.
-
-    from tests.adapters.conftest import read_tensorboard
-    from trainvitals.adapters import TensorBoardSink
-
     logdir = tmp_path / "tb"
     _tensorboard_run(logdir)  # (the resumed sink waits for the next second: files sort by it)
     with FanoutWriter([TensorBoardSink(logdir)], rank=0) as writer:

@@ -537,10 +537,10 @@ class Vitals:
             # A rollback to an earlier step: a FanoutWriter refuses steps lower than those it
             # was given, so every callback's next write would fail. Our own writer is replaced
             # by a fresh one that takes the replayed steps (told resume_at, its JSONL sink
-            # drops the abandoned timeline's lines from the restored step on). A FanoutWriter given to us (or
-            # to a callback) cannot be replaced nor rewound (it has no such call): the
-            # replayed steps below the step we were at are dropped from it with a warning
-            # (ReplayWriter), the later ones are written.
+            # drops the abandoned timeline's lines from the restored step on). A FanoutWriter
+            # given to us (or to a callback) cannot be replaced nor rewound (it has no such
+            # call): the replayed steps below the step we were at are dropped from it with a
+            # warning (ReplayWriter), the later ones are written.
             if self._owns_writer:
                 self.ctx.writer.close()
                 self.ctx.writer = _default_writer(self._accelerator, self.ctx.run_dir)
