@@ -225,28 +225,8 @@ def test_a_fit_retried_from_an_earlier_checkpoint_writes_its_steps_again(tmp_pat
     from trainvitals.adapters import read_jsonl
 
     clock = FakeClock()
-    crash = {"at": 4}
-    module = _module(pl, clock, 2, 20)
-    step = module.training_step
-
-    def training_step(batch, batch_idx):
-        if module.trainer.global_step == crash["at"]:
-            raise RuntimeError("crash at step 4")
-        return step(batch, batch_idx)
-
-    module.training_step = training_step
     runtime = RuntimeMonitor(clock=clock, max_steps=6)
-    trainer = _trainer(pl, [runtime], tmp_path, max_steps=2)
-    trainer.fit(module)
-    ckpt = tmp_path / "step2.ckpt"
-    trainer.save_checkpoint(ckpt)
-    trainer = _trainer(pl, [runtime], tmp_path, max_steps=6)
-    with pytest.raises(RuntimeError, match="crash"):
-        trainer.fit(module, ckpt_path=ckpt)
-    crash["at"] = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, ckpt_path=ckpt)
+    caught = _crash_at_4_and_retry_from_step_2(pl, clock, runtime, tmp_path)
     assert not [w for w in caught if "lower than step" in str(w.message)]
     assert not runtime._disabled
     records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
@@ -679,6 +659,27 @@ def _crash_at(module, crash: dict):
     return module
 
 
+def _crash_at_4_and_retry_from_step_2(pl, clock: FakeClock, runtime, tmp_path) -> list:
+    """A fit to step 2 and its checkpoint; a second trainer resumes from it for steps 2-5 and
+    crashes at step 4; the same trainer retries from the step-2 checkpoint. The callbacks are
+    ``[runtime]`` throughout. Returns the warnings of the retry."""
+    crash = {"at": None}
+    module = _crash_at(_module(pl, clock, 2, 20), crash)
+    trainer = _trainer(pl, [runtime], tmp_path, max_steps=2)
+    trainer.fit(module)
+    ckpt = tmp_path / "step2.ckpt"
+    trainer.save_checkpoint(ckpt)
+    trainer = _trainer(pl, [runtime], tmp_path, max_steps=6)
+    crash["at"] = 4
+    with pytest.raises(RuntimeError, match="crash"):
+        trainer.fit(module, ckpt_path=ckpt)
+    crash["at"] = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, ckpt_path=ckpt)
+    return caught
+
+
 def test_a_callbacks_own_writer_is_flushed_when_fit_raises(tmp_path):
     # A callback given its own writer: when fit raises, the values it was given so far must
     # reach its sinks then, not only when (if) the process exits normally.
@@ -745,22 +746,9 @@ def test_retry_from_an_earlier_checkpoint_with_a_callbacks_own_writer(tmp_path):
     from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
 
     clock = FakeClock()
-    crash = {"at": None}
-    module = _crash_at(_module(pl, clock, 2, 20), crash)
     own = FanoutWriter([JsonlSink(tmp_path / "own.jsonl")])
     runtime = RuntimeMonitor(clock=clock, max_steps=6, writer=own)
-    trainer = _trainer(pl, [runtime], tmp_path, max_steps=2)
-    trainer.fit(module)
-    ckpt = tmp_path / "step2.ckpt"
-    trainer.save_checkpoint(ckpt)
-    trainer = _trainer(pl, [runtime], tmp_path, max_steps=6)
-    crash["at"] = 4
-    with pytest.raises(RuntimeError, match="crash"):
-        trainer.fit(module, ckpt_path=ckpt)
-    crash["at"] = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, ckpt_path=ckpt)
+    caught = _crash_at_4_and_retry_from_step_2(pl, clock, runtime, tmp_path)
     own.close()
     assert len([w for w in caught if "dropped from that writer" in str(w.message)]) == 1
     records = [

@@ -63,9 +63,21 @@ def test_load_metrics_from_a_resumed_jsonl_keeps_the_later_lines(tmp_path: Path)
     assert want[4] == (6, 106.0) and want[-1] == (11, 111.0)
 
 
-def tensorboard_points(src_values: dict, key: str) -> list[tuple[int, float]]:
+def points_of(src_values: dict, key: str) -> list[tuple[int, float]]:
+    """The (step, value) pairs of ``key`` as loaded (any format), in step order."""
     points = src_values[key]
     return list(zip(points.steps, points.values, strict=True))
+
+
+def write_tensorboard(logdir: Path, points: list[tuple[int, float]], *, start: int = 0) -> None:
+    """A run's scalars as TensorBoardSink writes them (one event file per writer)."""
+    from trainvitals.adapters import FanoutWriter, TensorBoardSink
+
+    writer = FanoutWriter([TensorBoardSink(logdir)], rank=0)
+    writer.resume_at(start)
+    for step, value in points:
+        writer.add_scalar("train/loss", value, step)
+    writer.close()
 
 
 @pytest.mark.parametrize("uid", [None, 9], ids=["any", "counter_9_to_10"])
@@ -81,26 +93,20 @@ def test_tensorboard_resume_hides_the_steps_purged_by_the_resumed_run(
     pytest.importorskip("tensorboard")
     from tensorboard.summary.writer import event_file_writer
 
-    from trainvitals.adapters import FanoutWriter, TensorBoardSink
-
     if uid is not None:
         monkeypatch.setattr(event_file_writer._global_uid, "_value", uid)
 
     first = [(s, float(s)) for s in range(10)]
     resumed = [(s, 100.0 + s) for s in range(5, 7)]
-    for start, points in ((0, first), (5, resumed)):
-        writer = FanoutWriter([TensorBoardSink(tmp_path / "tb")])
-        writer.resume_at(start)
-        for step, value in points:
-            writer.add_scalar("train/loss", value, step)
-        writer.close()
+    write_tensorboard(tmp_path / "tb", first)
+    write_tensorboard(tmp_path / "tb", resumed, start=5)
     files = sorted((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert len(files) == 2
     if uid is not None:  # the resumed run's file (counter 10) is read last
         assert [f.name.rsplit(".", 1)[1] for f in files] == ["9", "10"]
     want = reference([p for p in first if p[0] < 5] + resumed)  # [(0, 0.0) .. (6, 106.0)]
     src = load_metrics(tmp_path, lambda key: True, None, None)
-    assert tensorboard_points(src.values, "train/loss") == want
+    assert points_of(src.values, "train/loss") == want
     assert len(src.times) == len(want)  # the purged steps' wall times are gone too
 
 
@@ -117,19 +123,8 @@ def test_tensorboard_double_precision_values_are_read(tmp_path: Path) -> None:
     writer.close()
     src = load_metrics(tmp_path / "tb", lambda key: key != "lr", None, None)
     assert set(src.values) == {"train/loss"}
-    assert tensorboard_points(src.values, "train/loss") == points  # exact: float64 kept
+    assert points_of(src.values, "train/loss") == points  # exact: float64 kept
     assert "float64 values" in src.description
-
-
-def write_tensorboard(logdir: Path, points: list[tuple[int, float]], *, start: int = 0) -> None:
-    """A run's scalars as TensorBoardSink writes them (one event file per writer)."""
-    from trainvitals.adapters import FanoutWriter, TensorBoardSink
-
-    writer = FanoutWriter([TensorBoardSink(logdir)], rank=0)
-    writer.resume_at(start)
-    for step, value in points:
-        writer.add_scalar("train/loss", value, step)
-    writer.close()
 
 
 def test_a_folder_of_several_tensorboard_runs_is_an_error_naming_them(tmp_path: Path, capsys):
@@ -154,7 +149,7 @@ def test_a_folder_of_several_tensorboard_runs_is_an_error_naming_them(tmp_path: 
     chosen = find_metrics(logs / "version_1")
     assert chosen == logs / "version_1"
     src = load_metrics(chosen, lambda key: True, None, None)
-    assert tensorboard_points(src.values, "train/loss") == new
+    assert points_of(src.values, "train/loss") == new
 
 
 def test_event_files_of_one_run_folder_and_its_subfolders_are_one_run(tmp_path: Path) -> None:
@@ -178,7 +173,7 @@ def test_event_files_of_one_run_folder_and_its_subfolders_are_one_run(tmp_path: 
     assert len({p.parent for p in run.rglob("events.out.tfevents.*")}) == 3
     assert find_metrics(run) == run / "tb"
     src = load_metrics(find_metrics(run), lambda key: key == "train/loss", None, None)
-    assert tensorboard_points(src.values, "train/loss") == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert points_of(src.values, "train/loss") == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
 
 
 def test_a_folder_of_several_csv_runs_is_an_error_naming_them(tmp_path: Path) -> None:
@@ -193,4 +188,4 @@ def test_a_folder_of_several_csv_runs_is_an_error_naming_them(tmp_path: Path) ->
     only = tmp_path / "lightning_logs" / "version_1"
     assert find_metrics(only) == only / "metrics.csv"
     src = load_metrics(find_metrics(only), lambda key: True, None, None)
-    assert tensorboard_points(src.values, "train/loss") == [(0, 1.5)]  # (any StepValues)
+    assert points_of(src.values, "train/loss") == [(0, 1.5)]
