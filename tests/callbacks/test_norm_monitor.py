@@ -15,6 +15,7 @@ from tests.callbacks.test_norm_monitor_helpers import (
     float64_norms,
     lm_loss,
 )
+from tests.scripts.vitals_testing import quiet_trainer
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.norm_monitor import NormMonitor
 from trainvitals.distributed import collective_counter
@@ -309,23 +310,19 @@ def _lightning_module_cls(package: str = "lightning.pytorch"):
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
 def test_lightning_single_device_with_accumulation_and_clipping(tmp_path, package):
-    pl = pytest.importorskip(package)
+    pytest.importorskip(package)
     data = torch.utils.data.TensorDataset(torch.cat(_batches(6)))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     module = _lightning_module_cls(package)()
     writer = RecordingWriter()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        package,
         devices=1,
         max_steps=3,
         accumulate_grad_batches=2,
         gradient_clip_val=1e-3,
         log_every_n_steps=1,
         callbacks=[NormMonitor(writer=writer, per_param="model.up.weight")],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
     trainer.fit(module, loader)
@@ -377,21 +374,16 @@ def test_real_fanout_writer_and_jsonl_sink(tmp_path):
 
 
 def test_lightning_default_writer_is_a_jsonl_file(tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("lightning.pytorch")
     from trainvitals.adapters import metric_history, read_jsonl
 
     data = torch.utils.data.TensorDataset(torch.cat(_batches(3)))
     module = _lightning_module_cls()()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=1,
         max_steps=3,
         log_every_n_steps=2,
         callbacks=[NormMonitor()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
@@ -402,15 +394,18 @@ def test_lightning_default_writer_is_a_jsonl_file(tmp_path):
         assert value == pytest.approx(module.refs[step][1], rel=REL)
 
 
+class FullyShardedDataParallel(nn.Module):
+    """Stands for torch's FSDP1 wrapper (NormMonitor recognises it by name)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._fsdp_wrapped_module = module
+
+    def forward(self, ids):
+        return self._fsdp_wrapped_module(ids)
+
+
 def test_fsdp1_layout_writes_nothing_and_warns():
-    class FullyShardedDataParallel(nn.Module):  # stands for torch's FSDP1 wrapper (by name)
-        def __init__(self, module: nn.Module) -> None:
-            super().__init__()
-            self._fsdp_wrapped_module = module
-
-        def forward(self, ids):
-            return self._fsdp_wrapped_module(ids)
-
     torch.manual_seed(0)
     model = FullyShardedDataParallel(TiedLM())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -631,14 +626,6 @@ def test_parameters_unfrozen_after_run_start_count_from_then_on():
 
 def test_an_instance_reused_after_an_unsupported_layout_measures_the_next_run():
     # The refusal belongs to the run whose model had the layout, not to the instance.
-    class FullyShardedDataParallel(nn.Module):  # stands for torch's FSDP1 wrapper (by name)
-        def __init__(self, module: nn.Module) -> None:
-            super().__init__()
-            self._fsdp_wrapped_module = module
-
-        def forward(self, ids):
-            return self._fsdp_wrapped_module(ids)
-
     monitor = NormMonitor()
     torch.manual_seed(0)
     wrapped = FullyShardedDataParallel(TiedLM())

@@ -21,6 +21,7 @@ from tests.callbacks.test_norm_monitor_helpers import (
     lm_loss,
 )
 from tests.helpers.dist import run_distributed
+from tests.scripts.vitals_testing import quiet_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -268,17 +269,12 @@ def _lightning_body(rank: int, world_size: int, strategy_name: str, out_dir: str
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
     writer = RecordingWriter()
     module = Lit()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world_size,
         strategy=strategy,
         max_steps=STEPS,
         log_every_n_steps=1,
         callbacks=[NormMonitor(writer=writer)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=out_dir,
     )
     trainer.fit(module, loader)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tests.callbacks.test_norm_monitor_helpers import RecordingWriter, float64_norms
-from tests.scripts.vitals_testing import lsgan_manual_step
+from tests.scripts.vitals_testing import lsgan_manual_step, quiet_trainer
 from trainvitals.callbacks.norm_monitor import NormMonitor
 
 REL = 1e-6
@@ -64,16 +64,11 @@ def _fit(tmp_path, toggle: bool, interval: int, **monitor_kwargs):
     )
     module = _gan_module_cls(pl)(toggle)
     writer = RecordingWriter()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=1,
         max_epochs=1,
         log_every_n_steps=interval,
         callbacks=[NormMonitor(writer=writer, **monitor_kwargs)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
@@ -178,16 +173,11 @@ def _fit_critic(tmp_path, bad_first_critic_grad: bool):
     )
     module = _critic_module_cls(pl)(bad_first_critic_grad)
     writer = RecordingWriter()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=1,
         max_epochs=1,
         log_every_n_steps=1,
         callbacks=[NormMonitor(writer=writer, per_param=["disc.0.weight", "gen.2.bias"])],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
@@ -316,16 +306,11 @@ def test_a_single_optimizer_stepped_twice_per_batch_shows_its_last_step(tmp_path
     data = torch.utils.data.TensorDataset(torch.randn(4 * BATCHES, 6, generator=g))
     module = LitTwice()
     writer = RecordingWriter()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=1,
         max_epochs=1,
         log_every_n_steps=1,
         callbacks=[NormMonitor(writer=writer)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
     with pytest.warns(
