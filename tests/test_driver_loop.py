@@ -825,3 +825,38 @@ def test_a_rollback_then_an_end_before_the_next_logging_step_drops_the_abandoned
 
     assert samples_by_step(tmp_path / "straight") == [(0, 2)]  # the independent run
     assert samples_by_step(tmp_path / "rolled") == samples_by_step(tmp_path / "straight")
+
+
+def test_replay_writer_drops_every_call_form_below_its_floor(tmp_path):
+    # The writer that outlived a rollback holds steps up to 4. Every way of naming a step
+    # (positional, global_step=, SummaryWriter's add_scalars(main_tag, dict, ...), a numpy
+    # integer) is dropped below the floor instead of reaching the FanoutWriter, which would
+    # refuse the lower step with a ValueError; from the floor on every form is written.
+    import numpy as np
+
+    from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
+    from trainvitals.adapters.context import ReplayWriter, RunContext
+    from trainvitals.distributed import ProcessGroups
+
+    fanout = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")], background=False)
+    fanout.add_scalar("old", 1.0, 4)  # the abandoned timeline's last step
+    ctx = RunContext(writer=fanout, groups=ProcessGroups())
+    writer = ReplayWriter(fanout, floor=5, ctx=ctx)
+
+    def every_form(step):
+        writer.add_scalar("a", 1.0, step)
+        writer.add_scalar("b", 1.0, global_step=step)
+        writer.add_scalars({"c": 1.0}, step)
+        writer.add_scalars({"d": 1.0}, global_step=step)
+        writer.add_scalars("main", {"e": 1.0}, step)
+        writer.add_scalars("main", {"f": 1.0}, global_step=step)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        every_form(3)
+        every_form(np.int64(4))
+        every_form(np.int64(5))
+    fanout.close()
+    assert len([w for w in caught if "dropped from that writer" in str(w.message)]) == 1
+    rows = {r["step"]: set(r["metrics"]) for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert rows == {4: {"old"}, 5: {"a", "b", "c", "d", "main/e", "main/f"}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -153,14 +154,19 @@ class ReplayWriter:
             self.writer.add_scalar(name, value, step, *args, **kwargs)
 
     def add_scalars(self, mapping: Any, step: Any = None, *args: Any, **kwargs: Any) -> None:
-        # (SummaryWriter's form add_scalars(main_tag, {tag: value}, global_step): step third)
-        at = args[0] if isinstance(mapping, str) and args else step
-        if not self._dropped(at if at is not None else kwargs.get("global_step")):
+        if isinstance(mapping, str):
+            # SummaryWriter's form add_scalars(main_tag, {tag: value}, global_step): the
+            # second argument is the dict, the step comes third or as global_step=
+            at = args[0] if args else kwargs.get("global_step")
+        else:
+            at = step if step is not None else kwargs.get("global_step")
+        if not self._dropped(at):
             self.writer.add_scalars(mapping, step, *args, **kwargs)
 
     def _dropped(self, step: Any) -> bool:
         floor = self._floor
-        if not isinstance(step, int) or step >= floor:
+        # any integer the writer takes (numpy ints too); anything else is its to refuse
+        if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step >= floor:
             return False
         if not self._ctx.replay_warned:
             self._ctx.replay_warned = True
