@@ -6,6 +6,7 @@ import csv
 import importlib
 import math
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -379,3 +380,125 @@ def test_from_accelerator_without_trackers_and_on_other_processes(tmp_path) -> N
     with FanoutWriter.from_accelerator(acc, default_jsonl=tmp_path / "m.jsonl") as writer:
         writer.add_scalar("a", torch.tensor(2.0), 0)
     assert read_jsonl(tmp_path / "m.jsonl")[0]["metrics"] == {"a": 2.0}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("first", "every"), [(1, 1), (0, 1), (1, 3)])
+def test_accelerate_wandb_keeps_every_step_whatever_the_loops_own_numbering(
+    tmp_path, monkeypatch, first, every
+) -> None:
+    # The loop logs to the same W&B run with accelerator.log(..., step=completed_steps), as
+    # Hugging Face's *_no_trainer scripts do (counting from 1; here also from 0, and every 3rd
+    # step). W&B refuses a step below the run's: counting from 1, a plain WandbSink lost every
+    # trainvitals step. Every step must arrive, at its own x-axis value, and none of the loop's
+    # rows may be lost.
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import NormMonitor
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    steps = 7
+    expected: dict[int, float] = {}
+    loop_logged: dict[int, float] = {}
+    try:
+        accelerator = Accelerator(cpu=True, log_with="wandb")
+        accelerator.init_trackers(
+            "acc",
+            init_kwargs={
+                "wandb": {
+                    "mode": "offline",
+                    "dir": str(tmp_path),
+                    "settings": {"console": "off", "x_disable_stats": True, "silent": True},
+                }
+            },
+        )
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = accelerator.prepare(model, opt)
+        vitals = Vitals([NormMonitor()], accelerator=accelerator, log_every_n_steps=1)
+        writer = vitals.ctx.writer
+        (sink,) = writer.sinks
+        assert isinstance(sink, WandbSink) and sink.shared_step
+        vitals.attach(model, opt)
+        completed = first
+        for step in range(steps):
+            x = torch.randn(8, 4)
+            vitals.batch(x)  # hands the previous step over ...
+            # ... which is delivered while this step runs (a real step takes long enough)
+            deadline = time.monotonic() + 20
+            while writer.status()["wandb"]["delivered"] < len(expected):
+                assert time.monotonic() < deadline, f"step {step - 1} was not handed over"
+                time.sleep(0.01)
+            loss = model(x).pow(2).mean()
+            accelerator.backward(loss)
+            squares = sum(float(p.grad.double().square().sum()) for p in model.parameters())
+            expected[step] = math.sqrt(squares)
+            opt.step()
+            opt.zero_grad()
+            if first == 1:
+                completed += 1
+            if completed % every == 0:
+                loop_logged[completed] = float(loss.detach())
+                accelerator.log({"loss": loop_logged[completed]}, step=completed)
+            if first == 0:
+                completed += 1
+        vitals.close()
+        assert writer.status()["wandb"]["missed"] == 0
+        accelerator.end_training()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    rows = read_wandb_offline(tmp_path)
+    key = "l2_norm/grad/global"
+    got = {r["trainvitals/step"]: r[key] for r in rows if key in r}
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert {r["_step"]: r["loss"] for r in rows if "loss" in r} == pytest.approx(loop_logged)
+    if first == 0 and every == 1:  # the loop's numbering is trainvitals': one row per step
+        assert all(r["_step"] == r["trainvitals/step"] for r in rows if key in r)
+
+
+def test_shared_wandb_sink_never_lets_two_steps_share_a_row(tmp_path) -> None:
+    # A step the run has passed joins the open row; a later step whose row that is (nothing
+    # logged in between) takes the next row instead of overwriting it. The rest of a step
+    # joins its row while that row is open, else the open row: each part carries its step.
+    run = offline_wandb_run(tmp_path, "tv")
+    try:
+        writer = FanoutWriter([WandbSink(run, shared_step=True)], rank=0, background=False)
+        run.log({"loop": 1.0}, step=5)  # the loop is ahead
+        writer.add_scalar("vitals/x", 2.0, 2)  # joins row 5
+        writer.end_step()
+        writer.add_scalar("vitals/y", 2.5, 2)  # the rest of step 2: row 5, still open
+        writer.add_scalar("vitals/x", 3.0, 3)  # row 5 holds step 2: row 6
+        writer.end_step()
+        run.log({"loop": 2.0}, step=6)  # the loop's next row: joins step 3
+        writer.add_scalar("vitals/x", 4.0, 4)  # row 6 holds step 3: row 7
+        writer.add_scalar("vitals/x", 9.0, 9)  # the run has not reached 9: its own row
+        writer.end_step()
+        run.log({"loop": 3.0}, step=10)
+        writer.add_scalar("vitals/y", 9.5, 9)  # the rest of step 9: row 9 is closed
+        writer.close()
+    finally:
+        run.finish()
+    rows = [r for r in read_wandb_offline(tmp_path) if "loop" in r or "trainvitals/step" in r]
+    assert [
+        (
+            r["_step"],
+            r.get("trainvitals/step"),
+            r.get("vitals/x"),
+            r.get("vitals/y"),
+            r.get("loop"),
+        )
+        for r in rows
+    ] == [
+        (5, 2, 2.0, 2.5, 1.0),
+        (6, 3, 3.0, None, 2.0),
+        (7, 4, 4.0, None, None),
+        (9, 9, 9.0, None, None),
+        (10, 9, None, 9.5, 3.0),
+    ]
+    assert writer.status()["wandb"]["missed"] == 0

@@ -125,7 +125,8 @@ def accelerator_sinks(
         elif name == "comet_ml":
             sinks.append(CometSink(tracker.writer))
         elif name == "wandb":
-            sinks.append(WandbSink(tracker.run))
+            # the loop moves the same run with accelerator.log(..., step=): join its rows
+            sinks.append(WandbSink(tracker.run, shared_step=True))
         else:
             sinks.append(TrackerSink(tracker))
     if not sinks:

@@ -7,7 +7,10 @@ from typing import Any
 
 from trainvitals.adapters.sinks.base import WANDB_KEYS, Sink, StepRefused
 
-__all__ = ["WandbSink"]
+__all__ = ["SHARED_STEP_METRIC", "WandbSink"]
+
+#: the x-axis key that ``WandbSink(shared_step=True)`` logs with every row
+SHARED_STEP_METRIC = "trainvitals/step"
 
 
 class WandbSink(Sink):
@@ -21,6 +24,8 @@ class WandbSink(Sink):
             ``run.log({**metrics, step_metric: step})`` without ``step=``, the way Lightning's
             ``WandbLogger`` does (it declares that metric as the x-axis of every key), so that
             the sink and the logger can share the run.
+        shared_step: other code moves the run's step too (below); ``step_metric`` then names
+            the x-axis key written with every row (default ``"trainvitals/step"``).
         owned: finish the run when the writer closes: exit code 0, 1 when the run failed
             (``FanoutWriter.close(failed=True)``), 255 when the user stopped it
             (``close(interrupted=True)``), as W&B's own exit hook does for Ctrl-C.
@@ -29,9 +34,26 @@ class WandbSink(Sink):
     W&B refuses a ``step`` lower than the run's current step (it drops the row with a
     warning). With ``step_metric=None`` the sink checks ``run.step`` first and reports such a
     step as missed (a warning, once) instead of letting it vanish; this happens when other code
-    logs later steps to the same run before the writer delivered an earlier one: give
-    trainvitals the step axis (``step_metric``), or end each step with ``writer.end_step()``
-    (the ``Vitals`` driver does) or ``writer.flush()`` before that code logs the next step. Values logged for one step in two deliveries land in the same row.
+    logs later steps to the same run before the writer delivered an earlier one: use
+    ``shared_step=True``, give trainvitals the step axis (``step_metric``), or end each step
+    with ``writer.end_step()`` (the ``Vitals`` driver does) or ``writer.flush()`` before that
+    code logs the next step. Values logged for one step in two deliveries land in the same row.
+
+    ``shared_step=True`` (what :meth:`FanoutWriter.from_accelerator` builds for Accelerate's
+    wandb tracker) is for a run whose step other code moves with ``log(..., step=N)``, such as
+    a loop's ``accelerator.log(values, step=completed_steps)``: a step the run has not passed
+    goes to W&B step ``step`` as above; a step the run has passed joins the run's open row
+    (``log(commit=False)``) instead of being refused, so the loop's own rows are never touched
+    and its numbering (from 0 or from 1, every step or every k) costs no trainvitals step.
+    Every row the sink writes carries ``step_metric`` (default ``"trainvitals/step"``), declared
+    with ``define_metric`` as the x-axis of each trainvitals key, so charts plot each value at
+    its own step whichever W&B row holds it. Two trainvitals steps never share a row: a step
+    whose row holds the previous one (the loop counts from 1, its step ``N`` being trainvitals'
+    ``N - 1``) takes the next row, which the loop has not logged yet; the rest of a step
+    delivered in two parts joins its row, or the open row once that one is closed (both
+    carry the step). The loop's own numbers must only grow, and not fall below trainvitals' steps
+    (an epoch index as ``step=`` does): a run that trainvitals moved to step 100 refuses the
+    loop's ``step=1``.
 
     Keys W&B writes itself (``_step``, ``_runtime``, ``_timestamp``, ``_wandb...``) are mapped
     by :data:`~trainvitals.adapters.sinks.base.WANDB_KEYS`. NaN and infinities are stored as
@@ -42,6 +64,7 @@ class WandbSink(Sink):
         run = wandb.init(project="demo", mode="offline", dir="runs/demo")
         sink = WandbSink(run)
         sink = WandbSink(wandb_logger.experiment, step_metric="trainer/global_step")
+        sink = WandbSink(accelerator.get_tracker("wandb", unwrap=True), shared_step=True)
     """
 
     name = "wandb"
@@ -52,6 +75,7 @@ class WandbSink(Sink):
         run: Any,
         *,
         step_metric: str | None = None,
+        shared_step: bool = False,
         owned: bool = False,
         name: str | None = None,
     ) -> None:
@@ -59,18 +83,68 @@ class WandbSink(Sink):
             raise TypeError(f"WandbSink needs a wandb run, got {type(run).__name__}")
         super().__init__(name=name, owned=owned)
         self.run = run
-        self.step_metric = step_metric
+        self.shared_step = shared_step
+        self.step_metric = SHARED_STEP_METRIC if shared_step and not step_metric else step_metric
+        # shared_step: the keys given their x-axis, and the W&B row that holds the last step
+        # written (and which step that was): the row a later part of that step joins, and the
+        # one no other step may join
+        self._declared: set[str] = set()
+        self._last_row: int | None = None
+        self._last_step: int | None = None
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         data = dict(self.map_metrics(metrics))
+        if self.shared_step:
+            self._write_shared(step, data)
+            return
         if self.step_metric is not None:
             data[self.step_metric] = step
             self.run.log(data)
             return
-        current = getattr(self.run, "step", None)
-        if isinstance(current, int) and step < current:
+        current = self._run_step()
+        if current is not None and step < current:
             raise StepRefused(f"the W&B run is already at step {current}; W&B drops step {step}")
         self.run.log(data, step=step)
+
+    def _run_step(self) -> int | None:
+        """W&B's open row: the step of the run's next ``log()`` (``None``: not known)."""
+        try:
+            current = self.run.step
+        except Exception:  # a run object without it, or W&B's "shared" mode, which raises
+            return None
+        return current if isinstance(current, int) else None
+
+    def _write_shared(self, step: int, data: dict[str, float]) -> None:
+        axis = self.step_metric
+        assert axis is not None
+        for key in data.keys() - self._declared:
+            self.run.define_metric(key, step_metric=axis)
+            self._declared.add(key)
+        data[axis] = step
+        current = self._run_step()
+        if current is None:  # nothing to go by: W&B's own step rule
+            self.run.log(data, step=step)
+            return
+        # The row this step goes to: its own W&B step while the run has not reached it, else
+        # the row the run has open (the loop's). W&B keeps a row open until a later step is
+        # logged, and joins every log(commit=False) into it.
+        row = step if step > current else current
+        if row == self._last_row and step != self._last_step:
+            # That row holds the previous step (the loop counts from 1: its step N is
+            # trainvitals' N - 1): the next row, which the loop has not logged yet (its
+            # numbers only grow); joining would overwrite the previous step's values. (The
+            # rest of a step delivered in two parts joins its row; once that row is closed,
+            # the open one: every part carries its step.)
+            row += 1
+        if row > current:
+            self.run.log(data, step=row)
+        else:
+            self.run.log(data, commit=False)
+        # The loop may have logged a later step between the read and this log, so that the
+        # values joined its row: count that row as taken too.
+        after = self._run_step()
+        row = row if after is None else max(row, after)
+        self._last_row, self._last_step = row, step
 
     def close(self) -> None:
         if self.owned:
