@@ -383,14 +383,14 @@ def test_from_accelerator_without_trackers_and_on_other_processes(tmp_path) -> N
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("first", "every"), [(1, 1), (0, 1), (1, 3)])
+@pytest.mark.parametrize(("first", "every"), [(1, 1), (0, 1), (1, 3), (None, 1)])
 def test_accelerate_wandb_keeps_every_step_whatever_the_loops_own_numbering(
     tmp_path, monkeypatch, first, every
 ) -> None:
     # The loop logs to the same W&B run with accelerator.log(..., step=completed_steps), as
     # Hugging Face's *_no_trainer scripts do (counting from 1; here also from 0, and every 3rd
-    # step). W&B refuses a step below the run's: counting from 1, a plain WandbSink lost every
-    # trainvitals step. Every step must arrive, at its own x-axis value, and none of the loop's
+    # step; first=None: accelerator.log without step=, W&B counting). W&B refuses a step below
+    # the run's: counting from 1, a plain WandbSink lost every trainvitals step. Every step must arrive, at its own x-axis value, and none of the loop's
     # rows may be lost.
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
@@ -424,7 +424,7 @@ def test_accelerate_wandb_keeps_every_step_whatever_the_loops_own_numbering(
         (sink,) = writer.sinks
         assert isinstance(sink, WandbSink) and sink.shared_step
         vitals.attach(model, opt)
-        completed = first
+        completed = first or 0
         for step in range(steps):
             x = torch.randn(8, 4)
             vitals.batch(x)  # hands the previous step over ...
@@ -443,8 +443,9 @@ def test_accelerate_wandb_keeps_every_step_whatever_the_loops_own_numbering(
                 completed += 1
             if completed % every == 0:
                 loop_logged[completed] = float(loss.detach())
-                accelerator.log({"loss": loop_logged[completed]}, step=completed)
-            if first == 0:
+                at = {} if first is None else {"step": completed}
+                accelerator.log({"loss": loop_logged[completed]}, **at)
+            if first != 1:
                 completed += 1
         vitals.close()
         assert writer.status()["wandb"]["missed"] == 0
@@ -457,7 +458,10 @@ def test_accelerate_wandb_keeps_every_step_whatever_the_loops_own_numbering(
     key = "l2_norm/grad/global"
     got = {r["trainvitals/step"]: r[key] for r in rows if key in r}
     assert got == pytest.approx(expected, rel=1e-6)
-    assert {r["_step"]: r["loss"] for r in rows if "loss" in r} == pytest.approx(loop_logged)
+    if first is None:  # W&B numbered the loop's rows: every value is there, in order
+        assert [r["loss"] for r in rows if "loss" in r] == [*loop_logged.values()]
+    else:
+        assert {r["_step"]: r["loss"] for r in rows if "loss" in r} == pytest.approx(loop_logged)
     if first == 0 and every == 1:  # the loop's numbering is trainvitals': one row per step
         assert all(r["_step"] == r["trainvitals/step"] for r in rows if key in r)
 
