@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.moe.recording_routers import topk_routers_with_recorder
 from trainvitals.moe import capture as capture_module
 from trainvitals.moe.capture import FLOAT32_EXACT_COUNTS, RouterCapture, count_dtype
 
@@ -49,26 +50,6 @@ class Float64Spy(TorchDispatchMode):
         return out
 
 
-def _topk_routers(num: int) -> tuple[nn.ModuleList, dict[int, list[torch.Tensor]], dict]:
-    """TopKRouters (E = 4, k = 2, Switch aux loss) and copies of what each forward routed."""
-    from trainvitals.moe import TopKRouter
-
-    torch.manual_seed(0)
-    model = nn.ModuleList(
-        [TopKRouter(8, 4, 2, aux_loss_type="aux_loss", aux_loss_coeff=0.01) for _ in range(num)]
-    )
-    maps: dict[int, list[torch.Tensor]] = {i: [] for i in range(num)}
-    aux: dict[int, list[float]] = {i: [] for i in range(num)}
-    for i, router in enumerate(model):
-
-        def hook(m: nn.Module, inp: Any, out: Any, i: int = i) -> None:
-            maps[i].append(out[1].clone())
-            aux[i].append(float(m.last_aux_loss))
-
-        router.register_forward_hook(hook)
-    return model, maps, aux
-
-
 def _run_topk(model: nn.ModuleList, tokens: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(1)
     for n in tokens:
@@ -77,7 +58,7 @@ def _run_topk(model: nn.ModuleList, tokens: tuple[int, ...]) -> None:
 
 
 def test_topk_router_paths_make_no_float64_and_count_exactly(as_on_mps) -> None:
-    model, maps, aux = _topk_routers(3)
+    model, maps, aux = topk_routers_with_recorder(3)
     capture = RouterCapture(model)
     spy = Float64Spy()
     with spy:

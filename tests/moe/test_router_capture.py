@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.moe.recording_routers import topk_routers_with_recorder
 from trainvitals.moe.capture import (
     RouterCapture,
     clear_router_extractors,
@@ -935,30 +936,6 @@ def test_packed_is_loads_then_aux_sums_then_aux_counts() -> None:
     assert not capture.packed().any()
 
 
-def _topk_routers_with_recorder(
-    num: int, seed: int = 0
-) -> tuple[nn.ModuleList, dict[int, list[torch.Tensor]], dict[int, list[float]]]:
-    """``num`` TopKRouters (E = 4, k = 2, Switch aux loss) and what each training forward
-    routed, recorded by a separate hook (copies of the maps and of ``last_aux_loss``)."""
-    from trainvitals.moe import TopKRouter
-
-    torch.manual_seed(seed)
-    model = nn.ModuleList(
-        [TopKRouter(8, 4, 2, aux_loss_type="aux_loss", aux_loss_coeff=0.01) for _ in range(num)]
-    )
-    maps: dict[int, list[torch.Tensor]] = {i: [] for i in range(num)}
-    aux: dict[int, list[float]] = {i: [] for i in range(num)}
-    for i, router in enumerate(model):
-
-        def hook(m: nn.Module, inp: Any, out: Any, i: int = i) -> None:
-            if m.training and torch.is_grad_enabled():
-                maps[i].append(out[1].clone())
-                aux[i].append(float(m.last_aux_loss))
-
-        router.register_forward_hook(hook)
-    return model, maps, aux
-
-
 def _expected(
     maps: dict[int, list[torch.Tensor]], aux: dict[int, list[float]]
 ) -> tuple[list[list[float]], list[float], list[int]]:
@@ -972,7 +949,7 @@ def _expected(
 
 
 def test_read_host_equals_loads_and_aux_over_micro_batches_and_mixed_shapes() -> None:
-    model, maps, aux = _topk_routers_with_recorder(3)
+    model, maps, aux = topk_routers_with_recorder(3)
     capture = RouterCapture(model)
     assert capture.read_host() == ([[0.0] * 4] * 3, [0.0] * 3, [0, 0, 0])
     gen = torch.Generator().manual_seed(1)
@@ -1003,7 +980,7 @@ def test_hooks_run_no_kernel_in_the_forward() -> None:
             self.count += 1
             return func(*args, **(kwargs or {}))
 
-    model, _, _ = _topk_routers_with_recorder(1)
+    model, _, _ = topk_routers_with_recorder(1)
     router = model[0]
     x = torch.randn(10, 8)
     capture = RouterCapture(model)
@@ -1020,7 +997,7 @@ def test_hooks_run_no_kernel_in_the_forward() -> None:
 
 
 def test_map_changed_in_place_after_the_forward_drops_the_layer_for_the_step() -> None:
-    model, maps, aux = _topk_routers_with_recorder(2)
+    model, maps, aux = topk_routers_with_recorder(2)
     capture = RouterCapture(model)
     gen = torch.Generator().manual_seed(3)
     outputs = [router(torch.randn(10, 8, generator=gen)) for router in model]
@@ -1045,7 +1022,7 @@ def test_held_maps_are_counted_early_past_the_memory_bound(monkeypatch) -> None:
     import trainvitals.moe.capture as capture_module
 
     monkeypatch.setattr(capture_module, "_MAX_PENDING_NUMEL", 100)  # 10 tokens x 4 experts
-    model, maps, aux = _topk_routers_with_recorder(2)
+    model, maps, aux = topk_routers_with_recorder(2)
     capture = RouterCapture(model)
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
