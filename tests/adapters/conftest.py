@@ -188,6 +188,24 @@ def _wandb_records(path: str) -> Any:
             parts = b""
 
 
+#: OfflineExperiment keyword arguments for a quiet Comet experiment that logs only what a test
+#: logs (no automatic metrics, environment, git or code)
+QUIET_COMET = {
+    "project_name": "trainvitals-test",
+    "auto_metric_logging": False,
+    "auto_param_logging": False,
+    "auto_output_logging": False,
+    "log_env_details": False,
+    "log_git_metadata": False,
+    "log_git_patch": False,
+    "log_env_gpu": False,
+    "log_env_host": False,
+    "log_env_cpu": False,
+    "log_code": False,
+    "display_summary_level": 0,
+}
+
+
 def offline_wandb_run(run_dir: str | os.PathLike[str], project: str = "tv") -> Any:
     """A W&B run in offline mode under ``run_dir``, quiet and without system stats."""
     import wandb

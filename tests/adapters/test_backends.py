@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.adapters.conftest import (
+    QUIET_COMET,
     offline_wandb_run,
     read_comet_archive,
     read_mlflow,
@@ -38,22 +39,6 @@ from trainvitals.adapters.sinks.base import COMET_KEYS, MLFLOW_KEYS, WANDB_KEYS
 N_KEYS = 1000
 N_STEPS = 20
 FLOAT_MAX = 1.7976931348623157e308
-
-
-_COMET_KWARGS = {
-    "project_name": "trainvitals-test",
-    "auto_metric_logging": False,
-    "auto_param_logging": False,
-    "auto_output_logging": False,
-    "log_env_details": False,
-    "log_git_metadata": False,
-    "log_git_patch": False,
-    "log_env_gpu": False,
-    "log_env_host": False,
-    "log_env_cpu": False,
-    "log_code": False,
-    "display_summary_level": 0,
-}
 
 
 def _keys() -> list[str]:
@@ -129,7 +114,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "tb32": TensorBoardSink(tmp / "tb32"),
             "tb64": TensorBoardSink(tmp / "tb64", double_precision=True, name="tb64"),
             "mlflow": MLflowSink(run_dir=tmp / "mlflow", experiment_name="backends"),
-            "comet": CometSink(offline_directory=tmp / "comet", experiment_kwargs=_COMET_KWARGS),
+            "comet": CometSink(offline_directory=tmp / "comet", experiment_kwargs=QUIET_COMET),
             "wandb": WandbSink(run, owned=True),
             "jsonl": JsonlSink(tmp / "metrics.jsonl"),
         }
@@ -192,7 +177,7 @@ def test_comet_long_keys_sharing_their_start_stay_apart(tmp_path: Path) -> None:
     prefix = "tensor_stats/grad/" + "model.decoder.layers.11.self_attention.linear_qkv.weight/" * 2
     logged = {prefix + "rms_mean": 1.0, prefix + "abs_max": 100.0, "short/key": -2.5}
     with FanoutWriter(
-        [CometSink(offline_directory=tmp_path / "comet", experiment_kwargs=_COMET_KWARGS)], rank=0
+        [CometSink(offline_directory=tmp_path / "comet", experiment_kwargs=QUIET_COMET)], rank=0
     ) as writer:
         for step in range(3):
             writer.add_scalars({k: v + step for k, v in logged.items()}, step)

@@ -7,20 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.adapters.conftest import read_comet_archive
+from tests.adapters.conftest import QUIET_COMET, read_comet_archive
 from trainvitals.adapters import CometSink, FanoutWriter
-
-_QUIET = {
-    "project_name": "trainvitals-test",
-    "auto_metric_logging": False,
-    "auto_param_logging": False,
-    "auto_output_logging": False,
-    "log_env_details": False,
-    "log_git_metadata": False,
-    "log_git_patch": False,
-    "log_code": False,
-    "display_summary_level": 0,
-}
 
 
 def test_the_loops_metrics_without_a_step_stay_at_the_loops_step(tmp_path) -> None:
@@ -28,7 +16,9 @@ def test_the_loops_metrics_without_a_step_stay_at_the_loops_step(tmp_path) -> No
     ``accelerator.log(values)``); the sink delivers the previous step meanwhile."""
     import comet_ml
 
-    experiment = comet_ml.OfflineExperiment(offline_directory=str(tmp_path / "comet"), **_QUIET)
+    experiment = comet_ml.OfflineExperiment(
+        offline_directory=str(tmp_path / "comet"), **QUIET_COMET
+    )
     writer = FanoutWriter([CometSink(experiment)], rank=0)
     for step in range(4):
         experiment.set_step(step)
