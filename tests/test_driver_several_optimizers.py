@@ -299,3 +299,181 @@ def test_two_optimizers_log_every_n_batches(generator_every):
     assert sorted(writer.rows) == expected
     assert probe.at_end == {b: (b in expected, 1, 1) for b in range(batches)}
     assert probe.at_start == {b: b in expected for b in range(batches)}
+
+
+class StepRecorder(GradRecorder):
+    """A :class:`GradRecorder` that also records validation and a failure, with ``ctx.step``."""
+
+    def validation_start(self, ctx):
+        self.events.append(("val", ctx.step))
+
+    def exception_raised(self, ctx, exception):
+        self.events.append(("failed", ctx.step))
+
+
+def _wgan_batch(vitals: Vitals, generator, critic, opt_g, opt_c, order: str, k: int = 3):
+    """One batch of a WGAN-style loop: the generator steps once and the critic ``k`` times,
+    the generator first or last. Returns (optimizer, gradients right before its step()) for
+    every step() call."""
+    real, z = torch.randn(5, 4), torch.randn(5, 3)
+    vitals.batch(real)
+    stepped = []
+
+    def step_generator() -> None:
+        opt_g.zero_grad()
+        (-critic(generator(z)).mean()).backward()
+        stepped.append((opt_g, _snapshot(generator)))
+        opt_g.step()
+
+    if order == "generator_first":
+        step_generator()
+    for i in range(k):
+        opt_c.zero_grad()
+        # a different loss per critic step, so that each step()'s gradients differ
+        (critic(generator(z).detach()).mean() - critic(real * (1 + i)).mean()).backward()
+        stepped.append((opt_c, _snapshot(critic)))
+        opt_c.step()
+    if order == "critic_first":
+        step_generator()
+    return stepped
+
+
+@pytest.mark.parametrize("order", ["generator_first", "critic_first"])
+def test_an_optimizer_stepped_again_after_the_others_stays_in_its_batch_step(order):
+    # WGAN-style: per batch the generator once and the critic 3 times. Generator first, every
+    # optimizer has stepped at the critic's first step(): its 2nd and 3rd still belong to this
+    # batch's step, which ends with the batch (here at validating(), state_dict(), close()).
+    model, generator, critic, opt_c, opt_g = _gan()
+    rec = StepRecorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [opt_g, opt_c])
+    stepped = _wgan_batch(vitals, generator, critic, opt_g, opt_c, order)
+    with vitals.validating():
+        pass
+    stepped += _wgan_batch(vitals, generator, critic, opt_g, opt_c, order)
+    assert vitals.state_dict()["step"] == 2  # mid-run checkpoint: batch 1 counted
+    stepped += _wgan_batch(vitals, generator, critic, opt_g, opt_c, order)
+    vitals.close()  # ends the run's last batch
+    assert vitals.step == 3
+    assert len(rec.seen) == len(stepped) == 12
+    for (stepping, grads), (optimizer, expected) in zip(rec.seen, stepped, strict=True):
+        assert stepping is optimizer
+        _assert_current(grads, expected)
+    four = [("grads", s) for s in range(3) for _ in range(4)]
+    assert rec.events == [
+        ("mb", 0), *four[0:4], ("end", 0, 1), ("val", 1),  # ended by validating()
+        ("mb", 1), *four[4:8], ("end", 1, 1),  # ended by state_dict()
+        ("mb", 2), *four[8:12], ("end", 2, 1),  # ended by close()
+    ]  # fmt: skip
+
+
+def test_critic_stepped_after_the_generator_under_accumulation_keeps_the_step_whole():
+    # Two micro-batches per step (batch() on each), then the generator steps and the critic
+    # twice: the step ends when the next step's first micro-batch starts, never between its
+    # micro-batches nor after the critic's first step().
+    model, generator, critic, opt_c, opt_g = _gan()
+    rec = StepRecorder()
+    vitals = Vitals([rec], writer=RecordingWriter(), accumulate_grad_batches=2)
+    vitals.attach(model, [opt_g, opt_c])
+    stepped = []
+    for _ in range(2):
+        opt_g.zero_grad()
+        for _ in range(2):
+            z = torch.randn(5, 3)
+            vitals.batch(z)
+            (-critic(generator(z)).mean() / 2).backward()
+        stepped.append((opt_g, _snapshot(generator)))  # accumulated over both micro-batches
+        opt_g.step()
+        for i in range(2):
+            opt_c.zero_grad()
+            (critic(generator(z).detach()).mean() * (1 + i)).backward()
+            stepped.append((opt_c, _snapshot(critic)))
+            opt_c.step()
+    vitals.close()
+    for (stepping, grads), (optimizer, expected) in zip(rec.seen, stepped, strict=True):
+        assert stepping is optimizer
+        _assert_current(grads, expected)
+    assert rec.events == [
+        e
+        for s in range(2)
+        for e in (("mb", s), ("mb", s), ("grads", s), ("grads", s), ("grads", s), ("end", s, 2))
+    ]
+    assert vitals.step == 2
+
+
+def test_a_failure_after_a_complete_batch_still_ends_its_step():
+    # The loop fails between batches: the batch in which every optimizer stepped is a step
+    # (its step_end comes before exception_raised); the critic's later step()s are in it.
+    model, generator, critic, opt_c, opt_g = _gan()
+    rec = StepRecorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [opt_g, opt_c])
+    with pytest.raises(RuntimeError, match="loader died"), vitals:
+        _wgan_batch(vitals, generator, critic, opt_g, opt_c, "generator_first")
+        raise RuntimeError("loader died")
+    assert vitals.step == 1
+    assert rec.events == [("mb", 0), *[("grads", 0)] * 4, ("end", 0, 1), ("failed", 1)]
+
+
+def test_norm_monitor_sees_each_batch_of_a_critic_stepped_after_the_generator():
+    # NormMonitor at step s: the generator's norms at its step() and the critic's at its last
+    # step() of batch s (float64 by hand), one row per batch.
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    def norms(net: torch.nn.Module) -> tuple[float, float]:
+        params = sum(float((p.detach().double() ** 2).sum()) for p in net.parameters())
+        grads = sum(float((p.grad.detach().double() ** 2).sum()) for p in net.parameters())
+        return params, grads
+
+    model, generator, critic, opt_c, opt_g = _gan()
+    writer = RecordingWriter()
+    vitals = Vitals([NormMonitor()], writer=writer, log_every_n_steps=1)
+    vitals.attach(model, [opt_g, opt_c])
+    expected: list[dict[str, tuple[float, float]]] = []
+    for _ in range(3):
+        real, z = torch.randn(5, 4), torch.randn(5, 3)
+        vitals.batch(real)
+        row = {}
+        opt_g.zero_grad()
+        (-critic(generator(z)).mean()).backward()
+        row["gen"] = norms(generator)
+        opt_g.step()
+        for i in range(3):
+            opt_c.zero_grad()
+            (critic(generator(z).detach()).mean() - critic(real * (1 + i)).mean()).backward()
+            row[f"critic{i}"] = norms(critic)
+            opt_c.step()
+        expected.append(row)
+    vitals.close()
+    assert sorted(writer.rows) == [0, 1, 2]
+    for step, want in enumerate(expected):
+        got = writer.rows[step]
+        (p_g, g_g), (p_c, g_c) = want["gen"], want["critic2"]
+        assert g_c != pytest.approx(want["critic0"][1], rel=1e-3)  # the last step() differs
+        assert got["l2_norm/grad/optimizer_0"] == pytest.approx(g_g**0.5, rel=1e-6)
+        assert got["l2_norm/param/optimizer_0"] == pytest.approx(p_g**0.5, rel=1e-6)
+        assert got["l2_norm/grad/optimizer_1"] == pytest.approx(g_c**0.5, rel=1e-6)
+        assert got["l2_norm/param/optimizer_1"] == pytest.approx(p_c**0.5, rel=1e-6)
+        assert got["l2_norm/grad/global"] == pytest.approx((g_g + g_c) ** 0.5, rel=1e-6)
+        assert got["l2_norm/param/global"] == pytest.approx((p_g + p_c) ** 0.5, rel=1e-6)
+
+
+def test_a_loop_without_batch_calls_ends_the_step_once_every_optimizer_stepped():
+    # No batch() calls: each forward of the model is a micro-batch, and the step still ends at
+    # the last optimizer's step() (vitals.step counts it right away).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    rec = GradRecorder()
+    vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [first, second])
+    counted = []
+    for _ in range(2):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        first.step()
+        counted.append(vitals.step)
+        second.step()
+        counted.append(vitals.step)
+        first.zero_grad()
+        second.zero_grad()
+    vitals.close()
+    assert counted == [0, 1, 1, 2]
+    assert rec.events == _two_steps_per_batch(2)

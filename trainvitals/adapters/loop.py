@@ -38,9 +38,13 @@ single moment at which both are current. A callback that reads every gradient at
 sees the other optimizers' as they are then (one already stepped: updated weights). Every
 gradient is shown once, at once, when the scaler's or Accelerate's unscaling, or
 :meth:`Vitals.clip_grad_norm_` over every optimizer's parameters, comes before any of them
-steps. The step ends after the last attached optimizer stepped in it, else (one did not step
-in that batch: a generator stepped every k batches) at the next batch, at
-:meth:`Vitals.state_dict` or at :meth:`Vitals.close`.
+steps. In a loop that calls :meth:`Vitals.batch`, the step ends when its batch is over: at the
+next ``batch()`` that starts a step (under accumulation the step's micro-batches stay one step),
+at :meth:`Vitals.validating`, :meth:`Vitals.state_dict` or :meth:`Vitals.close`; not as soon as
+each optimizer has stepped, since one may step again after the others (a WGAN stepping the
+generator, then the critic k times). So ``vitals.step`` counts a batch once it is over. A loop
+that does not call ``batch()`` ends the step once every attached optimizer stepped in it (its
+next forward would start the next step), else (a generator stepped every k batches) as above.
 
 ``vitals.batch()`` tells the callbacks a micro-batch starts and how big it is. A loop that does
 not call it still works: each training-mode forward of the attached model (with autograd on,
@@ -251,7 +255,8 @@ class Vitals:
             # calls it in AcceleratedOptimizer.step): a step whose gradients were seen and that is
             # still open was skipped. End it now, so that a checkpoint or close() taken before
             # the next batch counts it, as the loop's own step counter does.
-            # (Several optimizers, some of which stepped: the step ends at the next batch.)
+            # (Several optimizers, some of which stepped: the step ends with its batch, at the
+            # next batch(), validating(), state_dict() or close().)
             shown = self._grads_seen_for_step or self._awaiting_step
             if shown and not self._stepped and not self._closed:
                 self._end_step()
@@ -361,8 +366,10 @@ class Vitals:
         if self._grads_seen_for_step or self._awaiting_step or self._stepped:
             # The gradients of the previous step were observed but the optimizer did not step
             # (AMP's GradScaler skips steps with inf/nan gradients), or, with several
-            # optimizers, some did not step in that batch (a generator stepped every k
-            # batches): that step is over.
+            # optimizers, some stepped in it (all of them, in a loop that calls batch(), or
+            # not all: a generator stepped every k batches): that step is over. Under
+            # accumulation no optimizer steps before the step's last micro-batch, so its
+            # micro-batches stay in one step.
             self._end_step()
         ctx = self.ctx
         if ctx.micro_batches_in_step == 0:
@@ -447,13 +454,18 @@ class Vitals:
         self._start()
         self._awaiting_step.discard(id(optimizer))
         self._stepped.add(id(optimizer))
-        # The step is the batch: it ends once every attached optimizer stepped in it (at once
-        # with one optimizer), else at the next micro-batch.
-        if self._attached <= self._stepped:
+        # The step is the batch. One optimizer: it ends now. Several, in a loop that calls
+        # batch(): with the batch (_end_stepped_step), as one may step again after every
+        # attached one stepped (a critic stepped k times after the generator). Several, with
+        # forwards counted as micro-batches: once every one stepped, else with the batch.
+        if self._attached <= self._stepped and (
+            len(self._attached) == 1 or not self._loop_calls_batch
+        ):
             self._end_step()
 
-    def _end_partial_step(self) -> None:
-        """End a step in which some, not all, attached optimizers stepped (else a no-op)."""
+    def _end_stepped_step(self) -> None:
+        """End the step in progress if an attached optimizer stepped in it (else a no-op): its
+        batch is over (several optimizers; with one, the step ended at its step())."""
         if self._stepped and not self._closed:
             self._end_step()
 
@@ -484,6 +496,9 @@ class Vitals:
             self._warn_closed("validating()")
             yield
             return
+        # Evaluation runs between batches: a step whose optimizers stepped is over (several
+        # optimizers), as Lightning ends the batch before validating.
+        self._end_stepped_step()
         self.ctx.in_validation = True
         self._each("validation_start")
         try:
@@ -506,7 +521,7 @@ class Vitals:
 
     @property
     def step(self) -> int:
-        """Optimizer steps completed so far."""
+        """Optimizer steps completed so far (several optimizers: batches over, module docstring)."""
         return self.ctx.step
 
     def state_dict(self) -> dict[str, Any]:
@@ -516,11 +531,12 @@ class Vitals:
         collective each): call it on every rank, as ``accelerator.save_state`` does, not on
         rank 0 only.
 
-        With several optimizers, a step in which some of them stepped (a discriminator stepped
-        in a batch where the generator was not) ends here, as at the next batch: a checkpoint is
-        taken between batches, and its step counter and counts must include that batch.
+        With several optimizers, a step in which they stepped (all of them, or a discriminator
+        in a batch where the generator did not step) ends here, as at the next batch: a
+        checkpoint is taken between batches, and its step counter and counts must include
+        that batch.
         """
-        self._end_partial_step()
+        self._end_stepped_step()
         return {
             "step": self.ctx.step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
@@ -577,8 +593,10 @@ class Vitals:
         failed, interrupted = _run_outcome(exception)
         if not failed:
             exception = None
-        if exception is None:
-            self._end_partial_step()  # the run's last batch, when not every optimizer stepped
+        if exception is None or self._attached <= self._stepped:
+            # The run's last batch (several optimizers). After a failure only when every
+            # attached optimizer stepped in it: a batch that failed before may be half done.
+            self._end_stepped_step()
         self._closed = True
         if self._started:
             if exception is None:
