@@ -208,7 +208,7 @@ def _add_report_arguments(p: argparse.ArgumentParser) -> None:
         "--metrics",
         default=None,
         help="the scalars: a JSONL file, a TensorBoard event file or folder, or a metrics CSV "
-        "(default: RUN_DIR/metrics.jsonl, else event files, else metrics.csv under RUN_DIR)",
+        "(default: metrics.jsonl, else event files, else metrics.csv, in RUN_DIR or under it)",
     )
     p.add_argument(
         "--keys",

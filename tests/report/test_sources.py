@@ -189,3 +189,129 @@ def test_a_folder_of_several_csv_runs_is_an_error_naming_them(tmp_path: Path) ->
     assert find_metrics(only) == only / "metrics.csv"
     src = load_metrics(find_metrics(only), lambda key: True, None, None)
     assert points_of(src.values, "train/loss") == [(0, 1.5)]
+
+
+def write_jsonl_and_tensorboard(run: Path, points: list[tuple[int, float]]) -> None:
+    """A run as the demo (examples/demo.py) leaves it: ``metrics.jsonl`` at the top of the run
+    folder and TensorBoard event files in its ``tensorboard/``, from one writer."""
+    from trainvitals.adapters import FanoutWriter, JsonlSink, TensorBoardSink
+
+    with FanoutWriter(
+        [TensorBoardSink(run / "tensorboard"), JsonlSink(run / "metrics.jsonl")]
+    ) as w:
+        for step, value in points:
+            w.add_scalar("train/loss", value, step)
+
+
+def test_a_metrics_jsonl_below_the_run_folder_is_found_first(tmp_path: Path) -> None:
+    # Given the parent folder of the demo's run, the JSONL one level down was not looked for:
+    # the report read the event files beside it (float32: 1/3 + s rounded) instead of the
+    # exact float64 file; a JSONL alone in version_0/ was not found at all (None).
+    pytest.importorskip("tensorboard")
+    from trainvitals.cli import main
+    from trainvitals.report.sources import find_metrics
+
+    points = [(s, 1.0 / 3.0 + s) for s in range(4)]  # not representable in float32
+    demo = tmp_path / "runs" / "demo"
+    write_jsonl_and_tensorboard(demo, points)
+    assert find_metrics(demo) == demo / "metrics.jsonl"  # the demo's own folder, as before
+    for given in (tmp_path / "runs", tmp_path):
+        chosen = find_metrics(given)
+        assert chosen == demo / "metrics.jsonl"
+        src = load_metrics(chosen, lambda key: True, None, None)
+        assert points_of(src.values, "train/loss") == points  # exact: the float64 file
+    out = tmp_path / "r.html"
+    assert main(["report", str(tmp_path / "runs"), "-o", str(out)]) == 0
+    assert f"Read from {demo / 'metrics.jsonl'} (4 lines)" in out.read_text()
+
+    logs = tmp_path / "lightning_logs"
+    (logs / "version_0").mkdir(parents=True)
+    (logs / "version_0" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "time": 0.0, "metrics": {"x": v}}) + "\n" for s, v in points)
+    )
+    chosen = find_metrics(logs)
+    assert chosen == logs / "version_0" / "metrics.jsonl"
+    assert points_of(load_metrics(chosen, lambda key: True, None, None).values, "x") == points
+
+
+def test_a_metrics_jsonl_in_several_run_folders_below_is_an_error_naming_them(
+    tmp_path: Path,
+) -> None:
+    from trainvitals.report.sources import find_metrics
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            json.dumps({"step": 0, "time": 0.0, "metrics": {"train/loss": 1.0}}) + "\n"
+        )
+    with pytest.raises(
+        FileNotFoundError, match=r"2 run folders below it hold a metrics.jsonl: .*a, .*b; a report"
+    ) as raised:
+        find_metrics(tmp_path)
+    assert f"{tmp_path / 'a'}, {tmp_path / 'b'};" in str(raised.value)
+    assert find_metrics(tmp_path / "b") == tmp_path / "b" / "metrics.jsonl"
+
+
+def test_event_files_and_a_csv_of_different_run_folders_are_an_error_naming_both(
+    tmp_path: Path, capsys
+) -> None:
+    # lightning_logs/version_0 written by a TensorBoardLogger, version_1 by a CSVLogger (two
+    # fits, or one Trainer with both loggers: Lightning 2.6 gives each its own version_N).
+    # The report silently showed version_0's event files; it must name both folders.
+    pytest.importorskip("tensorboard")
+    from trainvitals.cli import main
+    from trainvitals.report.sources import find_metrics
+
+    logs = tmp_path / "lightning_logs"
+    tb_points = [(s, 10.0 + s) for s in range(3)]
+    write_tensorboard(logs / "version_0", tb_points)
+    (logs / "version_1").mkdir()
+    (logs / "version_1" / "metrics.csv").write_text("step,train/loss\n0,0.5\n1,0.25\n")
+    for given in (logs, tmp_path):
+        with pytest.raises(FileNotFoundError, match="different run folders") as raised:
+            find_metrics(given)
+        message = str(raised.value)
+        assert f"{logs / 'version_0'} (TensorBoard event files)" in message
+        assert f"{logs / 'version_1'} (a metrics.csv)" in message
+    assert main(["report", str(logs), "-o", str(tmp_path / "r.html")]) == 2
+    assert "version_1 (a metrics.csv)" in capsys.readouterr().err
+    assert not (tmp_path / "r.html").exists()
+    # each folder given is its own run
+    assert find_metrics(logs / "version_0") == logs / "version_0"
+    src = load_metrics(logs / "version_0", lambda key: True, None, None)
+    assert points_of(src.values, "train/loss") == tb_points  # small integers: float32-exact
+    assert find_metrics(logs / "version_1") == logs / "version_1" / "metrics.csv"
+    src = load_metrics(logs / "version_1" / "metrics.csv", lambda key: True, None, None)
+    assert points_of(src.values, "train/loss") == [(0, 0.5), (1, 0.25)]
+
+    # One run's loggers in one folder (both given version=2), or the CSV in a folder inside
+    # the one of the event files: one run, its event files read first as before.
+    same = tmp_path / "same" / "version_2"
+    write_tensorboard(same, tb_points)
+    (same / "metrics.csv").write_text("step,train/loss\n0,0.5\n")
+    assert find_metrics(same.parent) == same
+    inside = tmp_path / "inside" / "run"
+    write_tensorboard(inside, tb_points)
+    (inside / "csv").mkdir()
+    (inside / "csv" / "metrics.csv").write_text("step,train/loss\n0,0.5\n")
+    assert find_metrics(inside.parent) == inside
+
+
+def test_a_metrics_jsonl_and_event_files_of_different_run_folders_are_an_error(
+    tmp_path: Path,
+) -> None:
+    # runs/a wrote JSONL only, runs/b TensorBoard only: the report showed b's event files.
+    pytest.importorskip("tensorboard")
+    from trainvitals.report.sources import find_metrics
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text(
+        json.dumps({"step": 0, "time": 0.0, "metrics": {"train/loss": 1.0}}) + "\n"
+    )
+    write_tensorboard(tmp_path / "b" / "tb", [(0, 2.0)])
+    with pytest.raises(FileNotFoundError, match="different run folders") as raised:
+        find_metrics(tmp_path)
+    message = str(raised.value)
+    assert f"{tmp_path / 'a'} (a metrics.jsonl), {tmp_path / 'b' / 'tb'} (TensorBoard" in message
+    assert find_metrics(tmp_path / "b") == tmp_path / "b" / "tb"
+    assert find_metrics(tmp_path / "a") == tmp_path / "a" / "metrics.jsonl"

@@ -5,8 +5,8 @@ mailed, attached to a ticket or opened on a machine with no internet. It reads w
 wrote:
 
 * the run's scalar metrics (``metrics.jsonl``, the :class:`~trainvitals.adapters.JsonlSink`
-  file; else TensorBoard event files or a Lightning ``metrics.csv`` found under the run folder,
-  see :mod:`trainvitals.report.sources`): one chart per metric family and a table of every
+  file; else TensorBoard event files or a Lightning ``metrics.csv``; in the run folder or under
+  it, see :mod:`trainvitals.report.sources`): one chart per metric family and a table of every
   key (last value, finite min / max / mean, non-finite count);
 * ``tensor_stats.jsonl`` (the :class:`~trainvitals.callbacks.TensorStatsMonitor` file) in the
   run folder or, if not there, the one under it (several under it, a folder of several runs:

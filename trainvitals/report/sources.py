@@ -2,8 +2,9 @@
 
 Three formats, found in this order when none is named:
 
-1. ``<run_dir>/metrics.jsonl``: the :class:`~trainvitals.adapters.JsonlSink` file (float64,
-   exact; schema in :mod:`trainvitals.adapters.jsonl`);
+1. ``metrics.jsonl``: the :class:`~trainvitals.adapters.JsonlSink` file (float64, exact;
+   schema in :mod:`trainvitals.adapters.jsonl`), the one at the top of the run folder, else
+   the only one below it;
 2. TensorBoard event files (``events.out.tfevents.*``) anywhere under the run folder, of one
    run (see :func:`find_metrics`): what a Lightning ``TensorBoardLogger``, an Accelerate
    ``tensorboard`` tracker or a :class:`~trainvitals.adapters.TensorBoardSink` wrote (float32
@@ -11,6 +12,11 @@ Three formats, found in this order when none is named:
    ``tensorboard``'s own reader, imported only then);
 3. a Lightning ``CSVLogger`` file (``metrics.csv``) anywhere under the run folder, only one: a
    ``step`` column and one column per key, empty where a key was not logged.
+
+A report shows one run: a format found in several run folders is an error naming them, and so
+are two formats found in different run folders (event files in ``version_0``, a
+``metrics.csv`` in ``version_1``). Formats in one folder, or one inside the other's folder
+(the demo's ``metrics.jsonl`` beside its ``tensorboard/``), are one run.
 
 Within a step, the value read last wins (a later line, a later event file of a resumed run).
 The event files of one folder are read together, as TensorBoard reads a run, so a resumed run's
@@ -33,7 +39,9 @@ from trainvitals.adapters.jsonl import iter_jsonl
 __all__ = ["MetricsSource", "StepValues", "find_metrics", "load_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
-_EVENTS = "events.out.tfevents.*"
+CSV_FILE = "metrics.csv"  # a Lightning CSVLogger's
+_EVENTS_PREFIX = "events.out.tfevents."
+_EVENTS = _EVENTS_PREFIX + "*"
 
 
 class StepValues:
@@ -94,15 +102,73 @@ def find_metrics(run_dir: Path) -> Path | None:
     current one. The event files of one folder are one run (a resumed run adds one there), and
     so are those in folders below it (``SummaryWriter.add_scalars`` writes a folder per key
     inside the run's folder); ``run_dir`` itself holding event files is that one run.
+
+    Also an error naming both: a later format found in a run folder that is neither the chosen
+    source's folder nor inside or around it (TensorBoard event files in ``version_0`` and a
+    ``metrics.csv`` in ``version_1``), which the first format found would hide. A Lightning
+    ``Trainer`` with a ``TensorBoardLogger`` and a ``CSVLogger`` of one ``save_dir`` and
+    ``name`` writes them to two version folders too (each logger takes the next free version),
+    which cannot be told from two runs: either folder given is that run.
     """
-    if (run_dir / METRICS_FILE).is_file():
-        return run_dir / METRICS_FILE
-    event_dirs = sorted({f.parent for f in run_dir.rglob(_EVENTS)})
-    if event_dirs:
-        runs = [d for d in event_dirs if not any(o in d.parents for o in event_dirs)]
-        return _only_run(run_dir, runs, "TensorBoard event files")
-    csvs = sorted(run_dir.rglob("metrics.csv"))
-    return _only_run(run_dir, csvs, "a metrics.csv") if csvs else None
+    top = run_dir / METRICS_FILE
+    if top.is_file():  # (everything else is below its folder: the same run)
+        return top
+    jsonls, event_dirs, csvs = _metrics_files(run_dir)
+    event_runs = [d for d in event_dirs if not any(o in d.parents for o in event_dirs)]
+    # each format found, in the order of the docstring: its sources and their run folders
+    formats = [
+        (what, found, folders)
+        for what, found, folders in (
+            (f"a {METRICS_FILE}", jsonls, [f.parent for f in jsonls]),
+            ("TensorBoard event files", event_runs, event_runs),
+            (f"a {CSV_FILE}", csvs, [f.parent for f in csvs]),
+        )
+        if found
+    ]
+    if not formats:
+        return None
+    what, found, folders = formats[0]
+    chosen = _only_run(run_dir, found, what)
+    folder = folders[found.index(chosen)]
+    # a later format in a folder neither this one, nor inside it, nor around it: another run
+    apart = [
+        (other, other_what)
+        for other_what, _, other_folders in formats[1:]
+        for other in other_folders
+        if not (other == folder or other in folder.parents or folder in other.parents)
+    ]
+    if apart:
+        listed = [(folder, what), *apart]
+        names = ", ".join(f"{f} ({w})" for f, w in listed[:5]) + (
+            ", ..." if len(listed) > 5 else ""
+        )
+        raise FileNotFoundError(
+            f"{run_dir} holds no {METRICS_FILE} at its top and the metrics below it are in "
+            f"different run folders: {names}; a report shows one run: give one of these "
+            "run folders as the run folder (or name the metrics: --metrics, metrics=). "
+            "(A Lightning Trainer with both a TensorBoardLogger and a CSVLogger also writes "
+            "each to a version folder of its own; then either folder is that run.)"
+        )
+    return chosen
+
+
+def _metrics_files(run_dir: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """The ``metrics.jsonl`` files, the folders holding event files and the ``metrics.csv``
+    files below ``run_dir``, each in name order, from one walk of the tree (a run folder may
+    hold checkpoints and other runs' files: walked once, not once per format)."""
+    jsonls: list[Path] = []
+    event_dirs: set[Path] = set()
+    csvs: list[Path] = []
+    for folder, _, names in os.walk(run_dir):
+        here = Path(folder)
+        for name in names:
+            if name == METRICS_FILE:
+                jsonls.append(here / name)
+            elif name == CSV_FILE:
+                csvs.append(here / name)
+            elif name.startswith(_EVENTS_PREFIX):
+                event_dirs.add(here)
+    return sorted(jsonls), sorted(event_dirs), sorted(csvs)
 
 
 def _only_run(run_dir: Path, found: list[Path], what: str) -> Path:
@@ -111,9 +177,9 @@ def _only_run(run_dir: Path, found: list[Path], what: str) -> Path:
     folders = [p.parent if p.is_file() else p for p in found]
     names = ", ".join(str(f) for f in folders[:5]) + (", ..." if len(folders) > 5 else "")
     raise FileNotFoundError(
-        f"{run_dir} holds no {METRICS_FILE} and {len(found)} run folders below it hold {what}: "
-        f"{names}; a report shows one run: give one of these different run folders as the "
-        "run folder (or name the metrics: --metrics, metrics=)"
+        f"{run_dir} holds no {METRICS_FILE} at its top and {len(found)} run folders below it "
+        f"hold {what}: {names}; a report shows one run: give one of these different run "
+        "folders as the run folder (or name the metrics: --metrics, metrics=)"
     )
 
 
