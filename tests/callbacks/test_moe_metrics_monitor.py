@@ -5,6 +5,7 @@ FanoutWriter, against float64 router losses recomputed here from the routers' in
 from __future__ import annotations
 
 import glob
+import math
 import warnings
 
 import pytest
@@ -55,8 +56,11 @@ def tiny_model(seed: int = 0) -> TinyMoELM:
     return TinyMoELM(**MODEL_KW)
 
 
-def capture_router_inputs(model: torch.nn.Module) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(0-based layer, input, weight) of every training forward of every router, in float64."""
+def capture_router_inputs(
+    model: torch.nn.Module, skip_backward: bool = False
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(0-based layer, input, weight) of every training forward of every router, in float64;
+    with ``skip_backward``, not the activation-checkpoint recomputes in the backward pass."""
     seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     for name, module in model.named_modules():
         if isinstance(module, TopKRouter):
@@ -64,6 +68,8 @@ def capture_router_inputs(model: torch.nn.Module) -> list[tuple[int, torch.Tenso
             layer = int(parts[parts.index("layers") + 1])
 
             def hook(mod, args, out, layer=layer):
+                if skip_backward and torch._C._current_graph_task_id() != -1:
+                    return
                 if mod.training and torch.is_grad_enabled():
                     x = args[0].detach().double().reshape(-1, args[0].shape[-1])
                     seen.append((layer, x, mod.weight.detach().double().clone()))
@@ -143,6 +149,166 @@ def test_driver_with_accumulation_writes_interval_means_and_nothing_between(monk
         for key, value in row.items():
             assert writer.rows[step][key] == pytest.approx(value, rel=1e-4), (step, key)
     assert set(monitor.last_losses) == {"load_balancing_loss", "z_loss"}
+
+
+def ref_dropped_fraction(x: torch.Tensor, w: torch.Tensor, capacity_factor: float) -> float:
+    """Fraction of the T*k top-k selections over an expert's capacity, float64 from the
+    formulas (a top-k of the logits; with the "position" policy the count over capacity is
+    what an expert drops, whichever tokens they are)."""
+    logits = x @ w.T
+    t, e = logits.shape
+    tokens = torch.zeros(e, dtype=torch.float64)
+    for row in logits:
+        tokens[torch.topk(row, TOPK).indices] += 1
+    capacity = math.ceil(t * TOPK / e * capacity_factor)
+    return float((tokens - capacity).clamp(min=0).sum()) / (t * TOPK)
+
+
+def expected_per_forward(captured, capacity_factor: float | None = None) -> dict[str, float]:
+    """Per layer, the mean over the captured router forwards (however many a micro-batch ran);
+    per metric, the mean of those over the MoE layers."""
+    per_layer: dict[str, dict[int, list[float]]] = {}
+    for layer, x, w in captured:
+        values = ref_losses(x, w)
+        if capacity_factor is not None:
+            values["dropped_token_fraction"] = ref_dropped_fraction(x, w, capacity_factor)
+        for name, v in values.items():
+            per_layer.setdefault(name, {}).setdefault(layer, []).append(v)
+    row = {}
+    for name, layers in per_layer.items():
+        means = {layer: math.fsum(vs) / len(vs) for layer, vs in layers.items()}
+        row[f"moe/{name}"] = math.fsum(means.values()) / sum(PATTERN)
+        for layer, mean in means.items():
+            row[f"moe/{name}_layer_{layer}"] = mean
+    return row
+
+
+def with_dropout_after_embedding(model: TinyMoELM, p: float = 0.3) -> TinyMoELM:
+    """R-Drop needs dropout: the two forwards of a batch then route different inputs."""
+    model.embed.register_forward_hook(
+        lambda mod, args, out: torch.nn.functional.dropout(out, p, training=mod.training)
+    )
+    return model
+
+
+def r_drop_loss(model: TinyMoELM, batch: dict) -> torch.Tensor:
+    """R-Drop: two forwards of the same batch (different dropout), both in the loss."""
+    a = model(batch["input_ids"], batch["labels"])
+    b = model(batch["input_ids"], batch["labels"])
+    pa, pb = a.logits.log_softmax(-1), b.logits.log_softmax(-1)
+    kl = torch.nn.functional.kl_div(pa, pb, log_target=True, reduction="batchmean")
+    return (a.loss + b.loss) / 2 + 0.5 * kl
+
+
+def test_two_forwards_per_micro_batch_log_the_mean_over_router_forwards():
+    """R-Drop runs the model twice per micro-batch: each layer records two values per
+    micro-batch. A logged value is the mean over the router forwards (float64 from each
+    forward's router input), not twice it (dividing by the micro-batches gave a load-balancing
+    loss of ~2.0 and a dropped-token fraction above 1), under gradient accumulation and
+    logging every 2 steps, with the run-end report."""
+    from trainvitals.adapters.loop import Vitals
+
+    capacity_factor = 0.5  # an expert keeps ceil(T*k/E/2) tokens: at least half are dropped
+    torch.manual_seed(0)
+    model = TinyMoELM(**MODEL_KW, capacity_factor=capacity_factor, drop_policy="position")
+    with_dropout_after_embedding(model)
+    captured = capture_router_inputs(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    writer = Recorder()
+    monitor = MoEMetricsMonitor(per_layer_logging=True, moe_layer_freq=PATTERN)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=2)
+    vitals.attach(model, opt)
+    batches = random_token_batches(8, batch_size=2, seq_len=8, vocab_size=VOCAB, seed=5)
+    for _ in range(4):  # 4 optimizer steps of 2 micro-batches
+        for _ in range(2):
+            batch = next(batches)
+            vitals.batch(batch)
+            (r_drop_loss(model, batch) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    per_step = 2 * 2 * sum(PATTERN)  # micro-batches x forwards x MoE layers
+    assert len(captured) == 4 * per_step
+    # the two forwards of a micro-batch routed different inputs (dropout)
+    assert not torch.equal(captured[0][1], captured[sum(PATTERN)][1])
+    windows = {0: (0, 1), 2: (1, 3), 3: (3, 4)}  # logging step -> optimizer steps [a, b)
+    assert sorted(writer.rows) == sorted(windows)
+    for step, (first, end) in windows.items():
+        expected = expected_per_forward(
+            captured[first * per_step : end * per_step], capacity_factor
+        )
+        assert set(writer.rows[step]) == set(expected)
+        for key, value in expected.items():
+            assert writer.rows[step][key] == pytest.approx(value, rel=1e-4), (step, key)
+        assert 0.5 <= writer.rows[step]["moe/dropped_token_fraction"] <= 1.0
+        assert writer.rows[step]["moe/load_balancing_loss"] < 1.5  # 1.0 at perfect balance
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_two_forwards_under_activation_checkpointing_count_no_recompute():
+    """Non-reentrant activation checkpointing re-runs each of the two forwards in the backward
+    pass: the routers do not record a re-run, so it is no router forward of the mean."""
+    from trainvitals.adapters.loop import Vitals
+
+    model = with_dropout_after_embedding(tiny_model(seed=2))
+    model.layers = torch.nn.ModuleList(_Checkpointed(block) for block in model.layers)
+    captured = capture_router_inputs(model, skip_backward=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    writer = Recorder()
+    vitals = Vitals([MoEMetricsMonitor(per_layer_logging=True)], writer=writer, log_every_n_steps=1)
+    vitals.attach(model, opt)
+    for batch in random_token_batches(2, batch_size=2, seq_len=8, vocab_size=VOCAB, seed=6):
+        vitals.batch(batch)
+        r_drop_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    per_step = 2 * sum(PATTERN)
+    assert len(captured) == 2 * per_step
+    for step in (0, 1):
+        expected = expected_per_forward(captured[step * per_step : (step + 1) * per_step])
+        assert set(writer.rows[step]) == set(expected)
+        for key, value in expected.items():
+            assert writer.rows[step][key] == pytest.approx(value, rel=1e-4), (step, key)
+
+
+def test_two_forwards_with_validation_between_them_keep_validation_apart():
+    """Validation forwards (training mode, gradients on: the routers record) between the two
+    forwards of a micro-batch are set aside with their record counts."""
+    from trainvitals.adapters.loop import Vitals
+
+    model = with_dropout_after_embedding(tiny_model(seed=3))
+    captured = capture_router_inputs(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    vitals = Vitals([MoEMetricsMonitor()], writer=writer, log_every_n_steps=1)
+    vitals.attach(model, opt)
+    batch, other = random_token_batches(2, batch_size=2, seq_len=8, vocab_size=VOCAB, seed=7)
+    vitals.batch(batch)
+    first = model(batch["input_ids"], batch["labels"]).loss
+    with vitals.validating():
+        for _ in range(3):
+            model(other["input_ids"])
+    second = model(batch["input_ids"], batch["labels"]).loss
+    (first + second).backward()
+    opt.step()
+    vitals.close()
+    moe = sum(PATTERN)
+    training = captured[:moe] + captured[4 * moe :]
+    assert len(training) == 2 * moe
+    expected = expected_per_forward(training)
+    for key in ("moe/load_balancing_loss", "moe/z_loss"):
+        assert writer.rows[0][key] == pytest.approx(expected[key], rel=1e-4), key
 
 
 def test_nothing_leaves_the_device_on_non_logging_steps(monkeypatch):

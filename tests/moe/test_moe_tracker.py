@@ -426,3 +426,156 @@ def test_percentiles_sharing_a_key_raise_and_repeats_are_dropped():
     assert _check_percentiles({"x": [0.5, 0.5, 0.9]}) == {"x": [0.5, 0.9]}
     with pytest.raises(ValueError, match="share a key"):
         _check_percentiles({"x": [0.5, 0.5 + 1e-14]})
+
+
+# ---------------------------------------------------------------------- mean over records
+
+
+def test_mean_over_records_divides_each_layer_by_its_own_record_count():
+    """A layer recorded three times (three router forwards), one once, one never: each layer's
+    value is the mean of its records, times loss_scale; a layer without records stays 0. The
+    default (Megatron's loss_scale alone) is unchanged: the sum times loss_scale."""
+    records = {1: [0.5, 1.25, 2.0], 2: [3.0], 3: []}  # 1-based layer -> values recorded
+    expected = {1: (0.5 + 1.25 + 2.0) / 3, 2: 3.0, 3: 0.0}
+    for mean_over_records, scale in ((True, 1.0), (True, 0.5), (False, 0.5)):
+        tracker = MoEMetricsTracker()
+        for layer, values in records.items():
+            for v in values:
+                tracker.record("load_balancing_loss", torch.tensor(v), layer, 3)
+        writer = Recorder()
+        kwargs = {"mean_over_records": True} if mean_over_records else {}
+        tracker.report(scale, 0, writer, per_layer_logging=True, **kwargs)
+        row = writer.rows[0]
+        per_layer = {
+            i: (expected[i] if mean_over_records else math.fsum(records[i])) * scale
+            for i in records
+        }
+        for i, value in per_layer.items():
+            assert row[f"moe/load_balancing_loss_layer_{i - 1}"] == pytest.approx(value, rel=1e-7)
+        assert row["moe/load_balancing_loss"] == pytest.approx(
+            math.fsum(per_layer.values()) / 3, rel=1e-7
+        )
+        # the counts are cleared with the values: the next report counts its own records
+        tracker.record("load_balancing_loss", torch.tensor(4.0), 1, 3)
+        tracker.report(1.0, 1, writer, per_layer_logging=True, mean_over_records=True)
+        assert writer.rows[1]["moe/load_balancing_loss_layer_0"] == 4.0
+    with pytest.raises(TypeError, match="mean_over_records"):
+        MoEMetricsTracker().report(1.0, 0, mean_over_records=1)  # type: ignore[arg-type]
+
+
+def test_snapshot_restore_keeps_the_record_counts_apart():
+    """What is recorded between a snapshot and its restore (validation) leaves no count
+    behind: the mean is over the training records only."""
+    tracker = MoEMetricsTracker()
+    tracker.record("z_loss", torch.tensor(1.0), 1, 1)
+    snap = tracker._snapshot()
+    for _ in range(3):
+        tracker.record("z_loss", torch.tensor(9.0), 1, 1)
+    tracker._restore(snap)
+    tracker.record("z_loss", torch.tensor(3.0), 1, 1)
+    totals: dict[str, float] = {}
+    tracker.report(1.0, 0, total_loss_dict=totals, mean_over_records=True)
+    assert totals["z_loss"] == 2.0  # (1 + 3) / 2
+
+
+# Per rank: values recorded (one per router forward) into layer 1 of a 1-layer metric.
+_DP_VALUES = {0: [1.0, 2.0], 1: [4.0, 5.0, 6.0]}  # z_loss, AVG over data parallel
+_SHARES = {0: [0.25, 0.75], 1: [0.5, 1.0]}  # a share of each forward's loss, SUM over dp
+_PP_VALUES = {0: [0.5, 1.5, 2.5], 1: [3.25]}  # rank r holds layer r + 1 of 2
+
+
+def _mean_over_records_body(rank: int, world_size: int) -> dict:
+    import torch
+
+    from trainvitals.distributed import ProcessGroups, collective_counter, world_group
+    from trainvitals.moe import MoEMetricsTracker
+
+    world = world_group()
+    out: dict = {}
+
+    class W:
+        def __init__(self) -> None:
+            self.rows: dict[str, float] = {}
+
+        def add_scalars(self, mapping, step):
+            self.rows.update(mapping)
+
+    # pipeline: each stage divides its own layer by its own count before the SUM
+    tracker = MoEMetricsTracker()
+    for v in _PP_VALUES[rank]:
+        tracker.record("load_balancing_loss", torch.tensor(v), rank + 1, 2)
+    writer = W()
+    tracker.report(
+        1.0,
+        0,
+        writer,
+        per_layer_logging=True,
+        groups=ProcessGroups(pp=world),
+        mean_over_records=True,
+    )
+    out["pp"] = writer.rows
+
+    # data parallel, a reduce_group SUM, with and without the division: the same collectives
+    for mean_over_records in (True, False):
+        tracker = MoEMetricsTracker()
+        for v in _DP_VALUES[rank]:
+            tracker.record("z_loss", torch.tensor(v), 1, 1)
+        for v in _SHARES[rank]:
+            tracker.record(
+                "global_load_balancing_loss",
+                torch.tensor(v),
+                1,
+                1,
+                reduce_group=world,
+                needs_dp_avg=False,
+            )
+        writer = W()
+        before = dict(collective_counter)
+        tracker.report(
+            1.0, 1, writer, groups=ProcessGroups(dp=world), mean_over_records=mean_over_records
+        )
+        counts = {
+            k: v - before.get(k, 0) for k, v in collective_counter.items() if v != before.get(k, 0)
+        }
+        out[f"dp_{mean_over_records}"] = {"rows": writer.rows, "counts": counts}
+
+    # ranks that disagree raise on every rank, before any tensor collective
+    tracker.record("z_loss", torch.tensor(1.0), 1, 1)
+    try:
+        tracker.report(1.0, 2, groups=ProcessGroups(dp=world), mean_over_records=rank == 0)
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_mean_over_records_on_two_ranks_divides_before_the_reductions():
+    """Each rank divides its sums by its own counts, then the reductions run as before, with
+    no new collective: under pipeline parallelism each layer's mean comes from its stage;
+    data parallel averages the ranks' means; a reduce_group sums the ranks' mean shares."""
+    from tests.helpers.dist import run_distributed
+
+    results = run_distributed(_mean_over_records_body, 2, timeout=120)
+    mean = {
+        r: {k: math.fsum(v) / len(v) for k, v in d.items()}
+        for r, d in (("pp", _PP_VALUES), ("dp", _DP_VALUES), ("share", _SHARES))
+    }
+    for res in results:
+        pp = res["pp"]
+        assert pp["moe/load_balancing_loss_layer_0"] == pytest.approx(mean["pp"][0], rel=1e-7)
+        assert pp["moe/load_balancing_loss_layer_1"] == pytest.approx(mean["pp"][1], rel=1e-7)
+        assert pp["moe/load_balancing_loss"] == pytest.approx(
+            (mean["pp"][0] + mean["pp"][1]) / 2, rel=1e-7
+        )
+        dp = res["dp_True"]
+        assert dp["rows"]["moe/z_loss"] == pytest.approx(
+            (mean["dp"][0] + mean["dp"][1]) / 2, rel=1e-7
+        )
+        assert dp["rows"]["moe/global_load_balancing_loss"] == pytest.approx(
+            mean["share"][0] + mean["share"][1], rel=1e-7
+        )
+        sums = res["dp_False"]
+        assert sums["rows"]["moe/z_loss"] == pytest.approx(
+            (sum(_DP_VALUES[0]) + sum(_DP_VALUES[1])) / 2, rel=1e-7
+        )
+        assert dp["counts"] == sums["counts"] == {"all_gather_object": 1, "all_reduce": 2}
+        assert "different mean_over_records" in res["error"]

@@ -31,25 +31,31 @@ class MoEMetricsMonitor(VitalsCallback):
     * ``run_start``: clears the tracker (drops anything recorded before training).
     * ``validation_start`` / ``validation_end``: keeps the training values aside during
       validation, so a model that records in evaluation does not mix into them.
-    * ``step_end``: counts the step's micro-batches and resets the routers' per-step
-      ``global_aux_loss`` token counts. On a **non-logging step that is all**: the values keep
-      accumulating on the device, nothing leaves it, no collective. On a **logging step** it
-      calls :meth:`~trainvitals.moe.MoEMetricsTracker.report` with ``loss_scale = 1 / (micro-
-      batches since the last report)``, the run's process groups and the writer: one
-      ``all_gather_object`` over the world (the ranks agree on the metric names), one
-      all-reduce per group and reduction kind, one device-to-host transfer; then the tracker
-      is zeroed.
+    * ``step_end``: resets the routers' per-step ``global_aux_loss`` token counts. On a
+      **non-logging step that is all**: the values and their record counts keep accumulating
+      on the device, nothing leaves it, no collective. On a **logging step** it calls
+      :meth:`~trainvitals.moe.MoEMetricsTracker.report` with ``mean_over_records=True``
+      (``loss_scale=1``), the run's process groups and the writer: one ``all_gather_object``
+      over the world (the ranks agree on the metric names), one all-reduce per group and
+      reduction kind, one device-to-host transfer; then the tracker is zeroed.
     * ``run_end``: reports the steps since the last logging step, at the last step, with any
-      micro-batches run after the last optimizer step (counted at ``micro_batch_start``).
+      micro-batches run after the last optimizer step.
     * ``load_state_dict`` (a resume, or the driver's rollback to an earlier checkpoint): drops
       what was recorded since the last report and the routers' ``global_aux_loss`` token
       counts, which belong to the abandoned timeline; the next report covers the steps since.
 
-    So a logged value is the **mean over the micro-batches of every optimizer step since the
-    previous logging step** (step 0 alone at step 0): no step is lost or counted twice. With
-    ``log_every_n_steps=1`` it is each step's mean over its micro-batches, Megatron's
-    ``loss_scale = 1/num_microbatches``. Under gradient accumulation the micro-batch count is
-    the run's (``ctx.micro_batches_in_step``, else ``accumulate_grad_batches``).
+    So a logged per-layer value is the **mean over that layer's router forwards (its records)
+    in every optimizer step since the previous logging step** (step 0 alone at step 0), and
+    the logged metric the mean of those over the MoE layers: no step is lost or counted twice.
+    With one forward per micro-batch and ``log_every_n_steps=1`` it is each step's mean over
+    its micro-batches, Megatron's ``loss_scale = 1/num_microbatches``, whatever the gradient
+    accumulation. Megatron divides by the micro-batches instead, which assumes one forward per
+    micro-batch: a loop running the model twice per micro-batch (R-Drop, adversarial or
+    teacher-student training) would log twice each forward's value (a dropped-token fraction
+    above 1); here it logs the mean of the forwards. An activation-checkpoint recompute and a
+    forward without gradients record nothing and count for nothing. Each rank divides by its
+    own counts before the reductions, so under data parallelism the ranks' means are averaged
+    and under pipeline parallelism each layer is divided on its own stage.
 
     Args:
         per_layer_logging: also write one key per MoE layer.
@@ -138,11 +144,7 @@ class MoEMetricsMonitor(VitalsCallback):
         self._global_routers: list[TopKRouter] = []
         self._reset_handle: Any = None  # release()'s optimizer hook resetting global tokens
         self._layer_freq: int | list[int] | None = self.moe_layer_freq
-        self._pending_micro_batches = 0
         self._pending_steps = 0
-        # training micro-batches started since the last step_end (a trailing micro-batch that
-        # no optimizer step follows is still in the tracker at run end)
-        self._micro_batches_since_step = 0
         self._validation_snapshot: Any = None
         self.last_log_string = ""
         self.last_losses: dict[str, float] = {}
@@ -178,13 +180,8 @@ class MoEMetricsMonitor(VitalsCallback):
             self.tracker._restore(self._validation_snapshot)
             self._validation_snapshot = None
 
-    def micro_batch_start(self, ctx: RunContext, batch: Any) -> None:
-        self._micro_batches_since_step += 1
-
     def step_end(self, ctx: RunContext) -> None:
-        self._pending_micro_batches += ctx.micro_batches_in_step or ctx.accumulate_grad_batches or 1
         self._pending_steps += 1
-        self._micro_batches_since_step = 0
         for router in self._global_routers:
             router.reset_global_tokens()
         if self.should_log(ctx):
@@ -193,9 +190,8 @@ class MoEMetricsMonitor(VitalsCallback):
     def run_end(self, ctx: RunContext) -> None:
         if self._pending_steps:
             # Micro-batches run after the last optimizer step (a loader whose length is not a
-            # multiple of the accumulation) recorded into the tracker too: count them, so the
-            # report is the mean over every micro-batch it holds, not their sum over fewer.
-            self._pending_micro_batches += self._micro_batches_since_step
+            # multiple of the accumulation) recorded into the tracker too, with their counts:
+            # the report is the mean over every forward it holds.
             self._report(ctx, max(ctx.step - 1, 0))
 
     def release(self, ctx: RunContext) -> None:
@@ -220,18 +216,18 @@ class MoEMetricsMonitor(VitalsCallback):
             self._reset_handle = ctx.optimizers[0].register_step_post_hook(reset_global_tokens)
 
     def _drop_pending(self) -> None:
-        """Zero the tracker and forget the steps and micro-batches not yet reported."""
+        """Zero the tracker (values and record counts) and forget the steps not yet reported."""
         self.tracker.clear()
-        self._pending_micro_batches = 0
         self._pending_steps = 0
-        self._micro_batches_since_step = 0
 
     # ------------------------------------------------------------------ what it writes
 
     def _report(self, ctx: RunContext, step: int) -> None:
         losses: dict[str, Any] = {}
+        # The mean over each layer's records, not the sum over the micro-batches: a loop may
+        # run the model more than once per micro-batch (R-Drop, adversarial, teacher-student).
         self.last_log_string = self.tracker.report(
-            loss_scale=1.0 / self._pending_micro_batches,
+            loss_scale=1.0,
             iteration=step,
             writer=self.writer(ctx),
             per_layer_logging=self.per_layer_logging,
@@ -242,9 +238,9 @@ class MoEMetricsMonitor(VitalsCallback):
             total_loss_dict=losses,
             percentiles=self.percentiles,
             groups=ctx.groups,
+            mean_over_records=True,
         )
         self.last_losses = losses
-        self._pending_micro_batches = 0
         self._pending_steps = 0
         if not self.last_log_string and not losses and ctx.global_rank == 0:
             # Nothing written on any rank (the report gathers the names over all ranks): the
@@ -272,9 +268,9 @@ class MoEMetricsMonitor(VitalsCallback):
         # A restore during a run (the driver's rollback to an earlier checkpoint) replays from
         # the restored step: what was recorded since the last report, and the global_aux_loss
         # token counts of a step cut off mid-way, belong to the abandoned timeline. Kept, they
-        # would mix into the next report (with a micro-batch count that leaves the cut-off
-        # step's out) and into the replayed step's loss. Dropped, the next report covers the
-        # steps since the restore, as after a resume. No synchronisation: zeroing on the device.
+        # would mix into the next report and into the replayed step's loss. Dropped, the next
+        # report covers the steps since the restore, as after a resume. No synchronisation:
+        # zeroing on the device.
         self._drop_pending()
         self._validation_snapshot = None
         for router in self._global_routers:

@@ -22,17 +22,25 @@
   indexing on the device). Masks and key strings are cached per layout.
 * **``total_loss_dict`` does not grow**: each loss key receives this report's value, replacing
   the previous one (Megatron-Bridge #2989: the dict accumulated without bound). A report is
-  already an average over the micro-batches (and, under :class:`MoEMetricsMonitor`, over the
-  optimizer steps) it covers, so summing reports is never needed to get a mean.
+  already an average over the micro-batches (under :class:`MoEMetricsMonitor`, over the router
+  forwards of the optimizer steps) it covers, so summing reports is never needed to get a mean.
+* **A mean over the records, not over the micro-batches** (``mean_over_records=True``, what
+  :class:`MoEMetricsMonitor` uses): each layer's sum is divided by the number of values
+  recorded into it (counted on the device), so a loop that runs the model twice per
+  micro-batch (R-Drop, adversarial or teacher-student training) logs the mean of its router
+  forwards, not twice it. Megatron's ``loss_scale = 1/num_microbatches`` assumes one forward
+  per micro-batch; ``loss_scale`` alone still behaves as Megatron's.
 
 Keys written (``name`` is the recorded metric name, e.g. ``load_balancing_loss``):
 
 ==================================  ===========================================================
 key                                 meaning
 ==================================  ===========================================================
-``moe/{name}``                      mean over the MoE layers of the per-layer value, times
-                                    ``loss_scale`` (Megatron writes the bare ``{name}``; the
-                                    ``moe/`` prefix follows the project's ``area/metric`` keys)
+``moe/{name}``                      mean over the MoE layers of the per-layer value (the
+                                    layer's sum of records, or with ``mean_over_records`` their
+                                    mean), times ``loss_scale`` (Megatron writes the bare
+                                    ``{name}``; the ``moe/`` prefix follows the project's
+                                    ``area/metric`` keys)
 ``moe/{name}_p{100q}``              quantile ``q`` over the layers with a non-zero value (``_p50``
                                     for 0.5, ``_p99.9`` for 0.999; :func:`percentile_key`)
 ``moe/{name}_layer_{i}``            the value of layer slot ``i`` (0-based, so the module
@@ -78,12 +86,22 @@ __all__ = [
 
 @dataclass
 class MetricEntry:
-    """One metric: a per-layer vector and how to reduce it across ranks."""
+    """One metric: a per-layer vector and how to reduce it across ranks.
+
+    ``counts`` holds, per layer, how many values were added into ``values`` since the last
+    report (on the same device, zeros when not given): the divisor of
+    ``report(mean_over_records=True)``.
+    """
 
     values: torch.Tensor
     reduce_group: Any = None
     avg_group: Any = None
     needs_dp_avg: bool = True
+    counts: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.counts is None:
+            self.counts = torch.zeros_like(self.values)
 
 
 @dataclass
@@ -207,7 +225,11 @@ class MoEMetricsTracker:
             )
         if entry.values.device != value.device:
             entry.values = entry.values.to(value.device)
+            entry.counts = entry.counts.to(value.device)
         entry.values[layer_number - 1] += value.to(entry.values.dtype)
+        # Counted on the device with the value (no host counter): whatever replays the value's
+        # addition (a CUDA graph, a compiled region) replays the count with it.
+        entry.counts[layer_number - 1] += 1
         entry.reduce_group = reduce_group
         entry.avg_group = avg_group
         entry.needs_dp_avg = bool(needs_dp_avg)
@@ -247,23 +269,28 @@ class MoEMetricsTracker:
         return torch.device("cpu")
 
     def clear(self) -> None:
-        """Zero every metric's values (the entries are kept for reuse)."""
+        """Zero every metric's values and record counts (the entries are kept for reuse)."""
         for entry in self._metrics.values():
             entry.values.zero_()
+            entry.counts.zero_()
 
     # ------------------------------------------------------------------ snapshots (private)
 
-    def _snapshot(self) -> dict[str, torch.Tensor]:
-        """Device copies of the values (no synchronisation)."""
-        return {name: e.values.clone() for name, e in self._metrics.items()}
+    def _snapshot(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Device copies of the values and record counts (no synchronisation)."""
+        return {name: (e.values.clone(), e.counts.clone()) for name, e in self._metrics.items()}
 
-    def _restore(self, snapshot: Mapping[str, torch.Tensor]) -> None:
-        """Put the values of :meth:`_snapshot` back; metrics created since are zeroed."""
+    def _restore(self, snapshot: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put the values and counts of :meth:`_snapshot` back; metrics created since are
+        zeroed."""
         for name, entry in self._metrics.items():
             if name in snapshot:
-                entry.values = snapshot[name].to(entry.values.device).clone()
+                values, counts = snapshot[name]
+                entry.values = values.to(entry.values.device).clone()
+                entry.counts = counts.to(entry.values.device).clone()
             else:
                 entry.values.zero_()
+                entry.counts.zero_()
 
     # ------------------------------------------------------------------ reporting
 
@@ -280,11 +307,14 @@ class MoEMetricsTracker:
         total_loss_dict: dict[str, Any] | None = None,
         percentiles: Mapping[str, Sequence[float]] | None = None,
         groups: ProcessGroups | None = None,
+        *,
+        mean_over_records: bool = False,
     ) -> str:
         """Reduce across ranks, aggregate, write, and clear. Returns the console string.
 
         Args:
-            loss_scale: multiplies every value, usually ``1 / micro-batches`` covered.
+            loss_scale: multiplies every value, usually ``1 / micro-batches`` covered (``1.0``
+                with ``mean_over_records``).
             iteration: the step the values are written at.
             writer: an object with ``add_scalars(mapping, step)`` (trainvitals'
                 ``FanoutWriter``) or ``add_scalar(tag, value, step)`` (a TensorBoard
@@ -306,8 +336,13 @@ class MoEMetricsTracker:
                 summed over, ``dp_cp`` (data x context parallel: every rank that sees other
                 tokens) averaged over (for ``needs_dp_avg`` metrics). ``None``: no pipeline or
                 data-parallel reduction.
+            mean_over_records: divide each layer's sum by the number of values recorded into
+                it since the last report, on each rank before the reductions: a layer's value
+                is then the mean over its records (one per router forward, however many
+                forwards a micro-batch runs), then averaged over data parallel as the sums
+                are. A layer with no record stays 0. Every rank must pass the same.
 
-        The values of every metric (tracked or not) are zeroed afterwards.
+        The values and record counts of every metric (tracked or not) are zeroed afterwards.
         """
         # 1. Arguments: checked before any collective, so no rank is left waiting.
         if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float):
@@ -329,27 +364,39 @@ class MoEMetricsTracker:
             raise TypeError(f"groups must be a ProcessGroups or None, got {type(groups).__name__}")
         if total_loss_dict is not None and not isinstance(total_loss_dict, dict):
             raise TypeError(f"total_loss_dict must be a dict or None, got {total_loss_dict!r}")
+        if not isinstance(mean_over_records, bool):
+            raise TypeError(f"mean_over_records must be a bool, got {mean_over_records!r}")
 
         # 2. Agree on the metrics across ranks (one all_gather_object), then reduce.
         names = [n for n in self._metrics if names_filter is None or n in names_filter]
-        schema = self._agree(names, names_filter, groups)
-        reduced = self._reduce(schema, groups)
+        schema = self._agree(names, names_filter, groups, mean_over_records)
+        reduced, divisors = self._reduce(schema, groups, mean_over_records)
 
-        # 3. One host transfer for everything (the reduced per-layer vectors, float64), then
-        #    scale, average over the MoE layers, percentiles and per-layer values on the host
-        #    in float64: a handful of Python operations instead of several kernels per metric.
+        # 3. One host transfer for everything (the reduced per-layer vectors, float64, and in a
+        #    single process the record counts to divide by), then divide, scale, average over
+        #    the MoE layers, percentiles and per-layer values on the host in float64: a handful
+        #    of Python operations instead of several kernels per metric.
         plans = [
             self._plan(name, size, num_layers, mtp_num_layers, pattern_arg, moe_layer_freq)
             for name, (size, _) in schema.items()
         ]
-        host = torch.cat([reduced[name] for name in schema]).tolist() if schema else []
+        vectors = [reduced[name] for name in schema]
+        if divisors is not None:
+            vectors += [divisors[name] for name in schema]
+        host = torch.cat(vectors).tolist() if schema else []
         scale = float(loss_scale)
         keys: list[str] = []
         numbers: list[float] = []
         offset = 0
+        count_offset = sum(plan.size for plan in plans)
         for plan in plans:
-            v = [x * scale for x in host[offset : offset + plan.size]]
+            v = host[offset : offset + plan.size]
             offset += plan.size
+            if divisors is not None:
+                counts = host[count_offset : count_offset + plan.size]
+                count_offset += plan.size
+                v = [x / c if c > 0 else x for x, c in zip(v, counts, strict=True)]
+            v = [x * scale for x in v]
             keys.append(plan.name)
             numbers.append(math.fsum(v) / plan.num_moe_layers)
             qs = pct.get(plan.name)
@@ -447,7 +494,11 @@ class MoEMetricsTracker:
     # ------------------------------------------------------------------ agreement & reduction
 
     def _agree(
-        self, names: list[str], names_filter: list[str] | None, groups: ProcessGroups
+        self,
+        names: list[str],
+        names_filter: list[str] | None,
+        groups: ProcessGroups,
+        mean_over_records: bool = False,
     ) -> dict[str, tuple[int, bool]]:
         """The metrics every rank reduces: ``{name: (size, needs_dp_avg)}``, sorted by name.
 
@@ -475,6 +526,7 @@ class MoEMetricsTracker:
             "pp": _group_id(groups.pp),
             "dp": _group_id(groups.dp_cp),
             "track_names": names_filter,
+            "mean_over_records": mean_over_records,
         }
         gathered = all_gather_objects(mine, world_group())
         _check_agreement(gathered)
@@ -485,25 +537,39 @@ class MoEMetricsTracker:
         return dict(sorted(schema.items()))
 
     def _reduce(
-        self, schema: Mapping[str, tuple[int, bool]], groups: ProcessGroups
-    ) -> dict[str, torch.Tensor]:
+        self,
+        schema: Mapping[str, tuple[int, bool]],
+        groups: ProcessGroups,
+        mean_over_records: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
         """PP SUM -> reduce_group SUM -> avg_group AVG -> DP(xCP) AVG, one collective per group
-        and stage; returns float64 vectors (new tensors, the entries are not modified). In a
-        single process it returns the entries' vectors themselves (their own dtype, exactly
-        converted to float64 on the host): do not modify them."""
+        and stage; returns float64 vectors (new tensors, the entries are not modified) and
+        ``None``. In a single process it returns the entries' vectors themselves (their own
+        dtype, exactly converted to float64 on the host): do not modify them; and with
+        ``mean_over_records`` their record counts, for the caller to divide by on the host.
+
+        ``mean_over_records`` divides each rank's sums by its own counts before the first
+        collective, so no count travels: a layer's count is on the pipeline stage that holds
+        it (the others add zeros), the ranks of a ``reduce_group`` each hold a share of the
+        same forwards (summing their counts would multiply the divisor by the group size), and
+        the data-parallel AVG averages the ranks' means as it averages their sums."""
         device = self._default_device()
         values: dict[str, torch.Tensor] = {}
         if not is_distributed() or group_size(world_group()) <= 1:
             # Single process: every group is trivial, nothing to reduce. The entries' own
             # vectors (the caller concatenates them into a new tensor before it clears them).
-            return {name: self._metrics[name].values.to(device) for name in schema}
+            sums = {name: self._metrics[name].values.to(device) for name in schema}
+            if not mean_over_records:
+                return sums, None
+            return sums, {name: self._metrics[name].counts.to(device) for name in schema}
         for name, (size, _) in schema.items():
             entry = self._metrics.get(name)
-            values[name] = (
-                entry.values.to(device=device, dtype=torch.float64, copy=True)
-                if entry is not None
-                else torch.zeros(size, dtype=torch.float64, device=device)
-            )
+            if entry is None:
+                values[name] = torch.zeros(size, dtype=torch.float64, device=device)
+                continue
+            values[name] = entry.values.to(device=device, dtype=torch.float64, copy=True)
+            if mean_over_records:  # (a layer without records: 0 / 1)
+                values[name].div_(entry.counts.to(device).clamp(min=1))
         names = list(values)
 
         def reduce(subset: list[str], op: str, group: Any) -> None:
@@ -533,7 +599,7 @@ class MoEMetricsTracker:
         # on every cp rank by then, so this average leaves it unchanged.
         if _group_ranks(groups.dp_cp):
             reduce([n for n in names if schema[n][1]], "avg", groups.dp_cp)
-        return values
+        return values, None
 
 
 # ---------------------------------------------------------------------- argument helpers
@@ -636,6 +702,8 @@ def _check_agreement(gathered: list[dict[str, Any]]) -> None:
     filters = {repr(info["track_names"]) for info in gathered}
     if len(filters) > 1:
         problems.append(f"ranks passed different track_names: {sorted(filters)}")
+    if len({info.get("mean_over_records", False) for info in gathered}) > 1:
+        problems.append("ranks passed different mean_over_records")
     for kind in ("pp", "dp"):
         claims: dict[tuple[int, str], list[int]] = {}
         for rank, info in enumerate(gathered):
