@@ -124,7 +124,9 @@ class TensorStatsMonitor(VitalsCallback):
     beyond two integer comparisons, and nothing leaves the device on them. The hooks keep
     references and reduce 8 tensors at a time (warm caches); a tensor changed in place before
     its batch leaves its site out of that one step, with a warning, and that site is reduced
-    inside its hook from then on (see ``docs/tensor_stats.md``). A failure inside the hooks
+    inside its hook from then on (see ``docs/tensor_stats.md``). Under ``torch.compile`` the
+    hooks run eagerly (excluded from the graph), so this holds from a compiled model's first
+    step. A failure inside the hooks
     (e.g. out of memory) never reaches the model's forward or backward: that step's
     activations and dgrads are left out, on every rank, with a warning.
 
@@ -695,7 +697,7 @@ class TensorStatsMonitor(VitalsCallback):
                 if want_act and not self._hooks_failed:
                     self._add_parts("activation", site, x, _UNSURE if unsure else "activation")
 
-        return hook
+        return _run_eagerly(hook)
 
     def _make_grad_hook(self, site: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
@@ -724,7 +726,7 @@ class TensorStatsMonitor(VitalsCallback):
             if not self._hooks_failed:
                 self._add_parts("dgrad", site, grad)
 
-        return hook
+        return _run_eagerly(hook)
 
     def _add_parts(self, kind: str, site: int, x: torch.Tensor, into: str | None = None) -> None:
         """Fold ``x`` into ``kind``'s site (accumulator ``into``, default ``kind``), deferred."""
@@ -1087,6 +1089,19 @@ def _default_site_types() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover
         pass
     return tuple(types)
+
+
+def _run_eagerly(hook: Any) -> Any:
+    """``hook`` excluded from ``torch.compile``. Dynamo otherwise traces the hooks of a compiled
+    model (it breaks the graph inside them and compiles the rest, kernels included): a
+    ``_version`` read in traced code is a constant of the trace, not the counter of the tensor
+    kept (a Linear output written by inductor's ``out=`` kernel then looks changed in place, and
+    a real change can go unseen), and a moments kernel run inside a hook fails under fake
+    tensors (the first logging step lost all its activations and dgrads). Run eagerly, the hook
+    keeps the real tensor with its real counter, which an in-place op of the compiled graph
+    after the hook still bumps. Costs about 0.4 us per call, on logging steps only; the hook
+    broke the graph anyway; a ``torch.compile``d moments kernel called from it still compiles."""
+    return torch.compiler.disable(hook)  # (no reason=: older torch 2.x lacks it)
 
 
 def _is_router(module: nn.Module) -> bool:
