@@ -1081,3 +1081,77 @@ def test_all_padding_micro_batch_does_not_count_in_the_logged_aux_loss() -> None
     _, aux_count = capture.aux_losses()
     np.testing.assert_array_equal(aux_count.numpy(), [1] * len(layers))
     assert capture.read_host()[2] == [1] * len(layers)
+
+
+# ---------------------------------------------------------------------- torch.compile
+
+
+@pytest.fixture
+def fresh_dynamo():
+    # compiled code (and recompile counts) of earlier tests must not leak into this one's
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _TwoRouters(nn.Module):
+    """The smallest compiled model with routers: two TopKRouters (E = 4, k = 2, Switch aux
+    loss) on the same tokens, in a loop over a ModuleList as in a decoder stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from trainvitals.moe import TopKRouter
+
+        self.routers = nn.ModuleList(
+            [TopKRouter(8, 4, 2, aux_loss_type="aux_loss", aux_loss_coeff=0.01) for _ in range(2)]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(())
+        for router in self.routers:
+            probs, _ = router(x)
+            out = out + probs.pow(2).sum()
+        return out
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_model_counts_every_step_without_tracing_the_hooks() -> None:
+    # Under torch.compile, Dynamo traced the capture's hooks: they guarded on its Python state
+    # (len(self._pending_aux), self._aux_count[i], ...), which changes on every forward, so the
+    # hook was recompiled forward after forward up to the recompile limit. The hooks now run
+    # eagerly: nothing of capture.py is compiled, and every step's counts are exact.
+    import trainvitals.moe.capture as capture_module
+
+    torch.manual_seed(0)
+    model = _TwoRouters()
+    compiled = torch.compile(model)
+    capture = RouterCapture(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(2)
+    e, k = 4, 2
+    for step in range(3):
+        # independent: float64 top-k counts and Switch loss from the weights before the step
+        weights = [r.weight.detach().double().clone() for r in model.routers]
+        counts = np.zeros((2, e))
+        aux = np.zeros(2)
+        for _ in range(2):  # two micro-batches
+            x = torch.randn(10, 8, generator=gen)
+            compiled(x).backward()
+            for i, w in enumerate(weights):
+                scores = (x.double() @ w.T).softmax(dim=-1)
+                chosen = np.bincount(scores.topk(k, dim=-1).indices.reshape(-1), minlength=e)
+                counts[i] += chosen
+                aux[i] += e / (k * 10**2) * float((scores.sum(0).numpy() * chosen).sum())
+        rows, aux_sum, aux_count = capture.read_host()
+        assert rows == counts.tolist(), f"step {step}"
+        assert aux_count == [2, 2], f"step {step}"
+        np.testing.assert_allclose(aux_sum, aux, rtol=1e-5, err_msg=f"step {step}")
+        capture.reset()
+        opt.step()
+        opt.zero_grad()
+    recompiled = [
+        code.co_name
+        for code in torch._dynamo.utils.guard_failures
+        if code.co_filename == capture_module.__file__
+    ]
+    assert not recompiled, recompiled

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainvitals._hooks import eager_hook
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.adapters.jsonl import drop_steps_from, move_aside
 from trainvitals.callbacks.base import VitalsCallback
@@ -697,7 +698,7 @@ class TensorStatsMonitor(VitalsCallback):
                 if want_act and not self._hooks_failed:
                     self._add_parts("activation", site, x, _UNSURE if unsure else "activation")
 
-        return _run_eagerly(hook)
+        return eager_hook(hook)
 
     def _make_grad_hook(self, site: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
@@ -726,7 +727,7 @@ class TensorStatsMonitor(VitalsCallback):
             if not self._hooks_failed:
                 self._add_parts("dgrad", site, grad)
 
-        return _run_eagerly(hook)
+        return eager_hook(hook)
 
     def _add_parts(self, kind: str, site: int, x: torch.Tensor, into: str | None = None) -> None:
         """Fold ``x`` into ``kind``'s site (accumulator ``into``, default ``kind``), deferred."""
@@ -1089,19 +1090,6 @@ def _default_site_types() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover
         pass
     return tuple(types)
-
-
-def _run_eagerly(hook: Any) -> Any:
-    """``hook`` excluded from ``torch.compile``. Dynamo otherwise traces the hooks of a compiled
-    model (it breaks the graph inside them and compiles the rest, kernels included): a
-    ``_version`` read in traced code is a constant of the trace, not the counter of the tensor
-    kept (a Linear output written by inductor's ``out=`` kernel then looks changed in place, and
-    a real change can go unseen), and a moments kernel run inside a hook fails under fake
-    tensors (the first logging step lost all its activations and dgrads). Run eagerly, the hook
-    keeps the real tensor with its real counter, which an in-place op of the compiled graph
-    after the hook still bumps. Costs about 0.4 us per call, on logging steps only; the hook
-    broke the graph anyway; a ``torch.compile``d moments kernel called from it still compiles."""
-    return torch.compiler.disable(hook)  # (no reason=: older torch 2.x lacks it)
 
 
 def _is_router(module: nn.Module) -> bool:

@@ -121,6 +121,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainvitals._hooks import eager_hook
 from trainvitals._strict import strict as _strict
 from trainvitals.distributed import group_size, local_tensor
 from trainvitals.moe._checkpointing import CheckpointRuns
@@ -600,18 +601,21 @@ class RouterCapture:
             return
         for i, r in enumerate(self.routers):
             if r.kind == "torchtitan":
-                self._handles.append(r.module.register_forward_pre_hook(self._make_pre_hook(i)))
+                self._handles.append(
+                    r.module.register_forward_pre_hook(eager_hook(self._make_pre_hook(i)))
+                )
             # always_call: a torchtitan buffer set aside by the pre-hook is put back also when
             # the forward raises (torch passes output=None then)
             self._handles.append(
                 r.module.register_forward_hook(
-                    self._make_hook(i), always_call=r.kind == "torchtitan"
+                    eager_hook(self._make_hook(i)), always_call=r.kind == "torchtitan"
                 )
             )
         for module in self._mask_sources:
             self._handles.append(
                 module.register_forward_pre_hook(
-                    self._make_mask_pre_hook(_attention_mask_position(module)), with_kwargs=True
+                    eager_hook(self._make_mask_pre_hook(_attention_mask_position(module))),
+                    with_kwargs=True,
                 )
             )
 
