@@ -114,6 +114,7 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     """Why a query gave no rows, found by reading the file once more (only then): the message,
     and whether the file holds no tensor-statistics record at all (a wrong file: an error)."""
     from trainvitals.report.query import matcher, parse_steps, read_tensor_stats
+    from trainvitals.report.sources import name_a_few
 
     first, last = parse_steps(args.steps)
     match = matcher(args.group)
@@ -152,7 +153,7 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
         where = f" in steps {args.steps}" if args.steps is not None else ""
         return f"the {args.kind!r} records{where} hold no tensor (not measured)", False
     if not grouped:
-        sample = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        sample = name_a_few(names, 3)
         return f"no {args.kind!r} tensor name matches --group {args.group!r} ({sample})", False
     if by_used:
         return f"no tensor name of --group {args.group!r} matches --by {args.by!r}", False

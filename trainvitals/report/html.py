@@ -68,7 +68,7 @@ from trainvitals.report.query import (
     parse_steps,
     read_tensor_stats,
 )
-from trainvitals.report.sources import StepValues, find_metrics, load_metrics
+from trainvitals.report.sources import StepValues, find_metrics, load_metrics, name_a_few
 
 __all__ = ["DEFAULT_MAX_POINTS", "decimate", "family_of", "render_report", "write_report"]
 
@@ -846,7 +846,7 @@ def _tensor_stats_path(run: Path, metrics_path: Path | None, *, metrics_given: b
         return found[0]
     if metrics_given and len(owners) == 1:
         return owners[0]
-    names = ", ".join(str(f.parent) for f in found[:5]) + (", ..." if len(found) > 5 else "")
+    names = name_a_few(f.parent for f in found)
     raise FileNotFoundError(
         f"{run} holds no {TENSOR_STATS_FILE} and {len(found)} run folders below it hold one: "
         f"{names}; give one of them as the run folder"

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.report.sources import name_a_few
 from trainvitals.stats.moments import DERIVED, FIELDS, combine_moments, derive
 
 __all__ = ["SUPPORTED_VERSIONS", "parse_steps", "query", "read_tensor_stats"]
@@ -59,8 +60,7 @@ def _found_below(folder: Path | None) -> str:
         found += sorted(folder.glob("/".join(["*"] * depth + [TENSOR_STATS_FILE])))
     if not found:
         return ""
-    names = ", ".join(str(f) for f in found[:5]) + (", ..." if len(found) > 5 else "")
-    return f"; {len(found)} found in or below {folder}: {names} (give one of them)"
+    return f"; {len(found)} found in or below {folder}: {name_a_few(found)} (give one of them)"
 
 
 def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:

@@ -30,7 +30,7 @@ import csv
 import itertools
 import os
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,9 +139,7 @@ def find_metrics(run_dir: Path) -> Path | None:
     ]
     if apart:
         listed = [(folder, what), *apart]
-        names = ", ".join(f"{f} ({w})" for f, w in listed[:5]) + (
-            ", ..." if len(listed) > 5 else ""
-        )
+        names = name_a_few(f"{f} ({w})" for f, w in listed)
         raise FileNotFoundError(
             f"{run_dir} holds no {METRICS_FILE} at its top and the metrics below it are in "
             f"different run folders: {names}; a report shows one run: give one of these "
@@ -171,11 +169,18 @@ def _metrics_files(run_dir: Path) -> tuple[list[Path], list[Path], list[Path]]:
     return sorted(jsonls), sorted(event_dirs), sorted(csvs)
 
 
+def name_a_few(items: Iterable[object], limit: int = 5) -> str:
+    """The first ``limit`` of ``items``, comma-separated, with ``, ...`` when there are more:
+    the files or folders an error names."""
+    items = list(items)
+    return ", ".join(str(i) for i in items[:limit]) + (", ..." if len(items) > limit else "")
+
+
 def _only_run(run_dir: Path, found: list[Path], what: str) -> Path:
     if len(found) == 1:
         return found[0]
     folders = [p.parent if p.is_file() else p for p in found]
-    names = ", ".join(str(f) for f in folders[:5]) + (", ..." if len(folders) > 5 else "")
+    names = name_a_few(folders)
     raise FileNotFoundError(
         f"{run_dir} holds no {METRICS_FILE} at its top and {len(found)} run folders below it "
         f"hold {what}: {names}; a report shows one run: give one of these different run "
