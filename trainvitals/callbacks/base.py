@@ -412,14 +412,7 @@ class VitalsCallback:
         rest of the last successful call with the same key, when the failed call's own
         collectives are its beginning. False when there is no such call (or issuing failed)."""
         schema = None if key is None else self._collective_schemas.get(key)
-        done = len(issued)
-        if schema is None or schema[:done] != tuple(issued):
-            return False
-        try:
-            replay_missing(schema[done:])
-        except Exception:  # the backend itself failed: nothing more can be done from here
-            return False
-        return True
+        return schema is not None and _replay_rest(schema, issued)
 
     def _warn_first(self, key: str, message: str, stacklevel: int = 3) -> None:
         """Warn ``message`` once per ``key`` (:meth:`warn_once` without the class prefix, for
@@ -691,6 +684,13 @@ def _complete_state_collectives(callback: VitalsCallback, issued: list[Collectiv
         schema = tuple(callback.state_dict_collectives())
     except Exception:
         return False
+    return _replay_rest(schema, issued)
+
+
+def _replay_rest(schema: tuple[CollectiveCall, ...], issued: list[CollectiveCall]) -> bool:
+    """Issue, with the "missing" mark, the collectives of ``schema`` after those ``issued``.
+    False when ``issued`` is not the beginning of ``schema`` (it cannot be completed) or
+    issuing failed."""
     done = len(issued)
     if schema[:done] != tuple(issued):
         return False
