@@ -22,3 +22,15 @@ def _fresh_moe_metrics_tracker():
     destroy_moe_metrics_tracker()
     yield
     destroy_moe_metrics_tracker()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A test that compiles starts and ends with torch.compile's caches cleared: compiled code
+    and recompile counts of other tests (``nn.Linear.forward`` is one code object for all)
+    must not use up this one's recompile limit, nor this one's theirs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

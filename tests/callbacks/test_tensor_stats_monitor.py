@@ -1039,15 +1039,6 @@ class TwoLinear(nn.Module):
         return self.fc2(h.relu_() if self.in_place else torch.relu(h))
 
 
-@pytest.fixture
-def fresh_dynamo():
-    # compiled code of earlier tests (nn.Linear.forward is one code object) must not use up
-    # the recompile limit of this one, nor this one's that of later tests
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("in_place", [False, True])
 def test_compiled_model_first_step_is_measured_exactly(tmp_path: Path, in_place: bool) -> None:

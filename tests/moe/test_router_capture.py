@@ -1086,14 +1086,6 @@ def test_all_padding_micro_batch_does_not_count_in_the_logged_aux_loss() -> None
 # ---------------------------------------------------------------------- torch.compile
 
 
-@pytest.fixture
-def fresh_dynamo():
-    # compiled code (and recompile counts) of earlier tests must not leak into this one's
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class _TwoRouters(nn.Module):
     """The smallest compiled model with routers: two TopKRouters (E = 4, k = 2, Switch aux
     loss) on the same tokens, in a loop over a ModuleList as in a decoder stack."""

@@ -292,12 +292,10 @@ def test_activation_checkpointing_records_and_counts_each_forward_once(
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_router_compiles_to_one_graph_in_training():
     # the activation-checkpoint bookkeeping must not break torch.compile's graph
-    import torch._dynamo
-
     router = make_router(aux_loss_type="aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.1)
-    torch._dynamo.reset()
     compiled = torch.compile(router, fullgraph=True, backend="eager")  # raises on a break
     x = torch.randn(6, H)
     probs, routing_map = compiled(x)
