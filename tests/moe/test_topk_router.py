@@ -304,6 +304,59 @@ def test_router_compiles_to_one_graph_in_training():
     assert torch.equal(routing_map, want_map)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_routers_of_every_layer_share_one_graph(fresh_tracker):
+    """torch.compile guards on an int attribute's value: with the layer number read as an int,
+    the routers' forward compiled once per layer and, past Dynamo's recompile limit (8),
+    ran the remaining layers uncompiled (a model whose layer loop breaks the graph, e.g. with
+    LoadBalanceMonitor's hooks, compiles each router's forward on its own)."""
+    num_layers = 12
+    routers = []
+    for i in range(num_layers):
+        router = make_router(seed=i, aux_loss_type="aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.1)
+        router.set_layer_number(i + 1, num_layers)
+        routers.append(router)
+    for name in ("load_balancing_loss", "z_loss"):  # (a first forward creating them recompiles)
+        fresh_tracker.ensure_initialized(name, num_layers)
+    graphs = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    xs = [torch.randn(2, 5, H) for _ in range(num_layers)]
+    for router, x in zip(routers, xs, strict=True):
+        torch.compile(router, backend=counting_backend)(x)
+    compiled = {n: (e.values.clone(), e.counts.clone()) for n, e in fresh_tracker.metrics.items()}
+    fresh_tracker.clear()
+    for router, x in zip(routers, xs, strict=True):
+        router(x)
+    assert len(graphs) == 1
+    assert set(compiled) == {"load_balancing_loss", "z_loss"}
+    for name, entry in fresh_tracker.metrics.items():
+        assert entry.counts.tolist() == [1.0] * num_layers
+        assert (entry.values > 0).all(), name
+        torch.testing.assert_close(compiled[name][0], entry.values, rtol=1e-6, atol=0)
+        assert compiled[name][1].tolist() == entry.counts.tolist()
+
+
+def test_layer_number_and_num_layers_are_checked_together():
+    router = make_router(layer_number=5)
+    with pytest.raises(ValueError, match=r"layer_number must be in \[1, num_layers=4\], got 5"):
+        router.num_layers = 4
+    router.num_layers = 8
+    with pytest.raises(ValueError, match="num_layers=8"):
+        router.layer_number = 9
+    router.set_layer_number(10, 12)  # a pair checked as a pair, not setter by setter
+    assert (router.layer_number, router.num_layers) == (10, 12)
+    router.set_layer_number(3)
+    assert (router.layer_number, router.num_layers) == (3, 12)
+    with pytest.raises(ValueError, match="got 13"):
+        router.set_layer_number(13)
+    assert (router.layer_number, router.num_layers) == (3, 12)
+
+
 # ---------------------------------------------------------------------- global aux loss (2 ranks)
 
 
@@ -354,7 +407,11 @@ def _global_body(rank: int, world_size: int) -> dict:
 
 
 def _two_rank_body(rank: int, world_size: int) -> dict:
-    return {"global": _global_body(rank, world_size), "bias": _bias_body(rank, world_size)}
+    return {
+        "global": _global_body(rank, world_size),
+        "bias": _bias_body(rank, world_size),
+        "ddp": _ddp_bias_body(rank, world_size),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -445,6 +502,65 @@ def test_expert_bias_update_from_loads_summed_over_dp_in_one_collective(two_rank
             )
             assert res[r]["local_after"][i] == [0.0] * E
     assert [r["collectives"] for r in res] == [1, 1]
+
+
+def _ddp_bias_body(rank: int, world_size: int) -> dict:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainvitals.distributed import world_group
+    from trainvitals.moe import TopKRouter, update_expert_biases
+
+    class TwoRouters(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.routers = nn.ModuleList(
+                [TopKRouter(H, E, K, expert_bias=True, bias_update_rate=0.01) for _ in range(2)]
+            )
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            outs = [r(x) for r in self.routers]
+            return sum(p.sum() for p, _ in outs), [m for _, m in outs]
+
+    torch.manual_seed(0)  # the same weights on both ranks
+    model = TwoRouters()
+    with torch.no_grad():
+        for r in model.routers:
+            r.weight.normal_(0, 0.5)
+    # broadcast_buffers=True (DDP's default) copies rank 0's buffers to every rank before
+    # each forward
+    ddp = DistributedDataParallel(model, broadcast_buffers=True)
+    gen = torch.Generator().manual_seed(11 + rank)  # different tokens on each rank
+    loads = [torch.zeros(E, dtype=torch.float64) for _ in range(2)]
+    for _ in range(3):
+        loss, maps = ddp(torch.randn(5, H, generator=gen))
+        loss.backward()
+        for i, routing_map in enumerate(maps):
+            loads[i] += routing_map.sum(dim=0)
+    counted = [r.local_tokens_per_expert.clone() for r in model.routers]
+    update_expert_biases(model, world_group())
+    return {
+        "loads": loads,
+        "counted": counted,
+        "bias": [r.expert_bias.clone() for r in model.routers],
+    }
+
+
+def test_expert_bias_under_ddp_counts_each_ranks_own_tokens(two_ranks):
+    """DDP's buffer broadcast must not replace a rank's loads with rank 0's (it did while the
+    counts were buffers: rank 1 then held rank 0's first two micro-batches and its own last)."""
+    res = [r["ddp"] for r in two_ranks]
+    for r in range(2):
+        for i in range(2):
+            assert res[r]["counted"][i].tolist() == res[r]["loads"][i].tolist(), (r, i)
+    for i in range(2):
+        load = torch.tensor(res[0]["loads"][i]) + torch.tensor(res[1]["loads"][i])
+        expected = 0.01 * torch.sign(load.mean() - load)
+        for r in range(2):
+            torch.testing.assert_close(
+                torch.tensor(res[r]["bias"][i], dtype=torch.float64), expected, atol=1e-7, rtol=0
+            )
 
 
 def test_expert_bias_shifts_selection_not_weights():
@@ -681,6 +797,33 @@ def _switch_and_z_loss64(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor
     )
     aux = E / (K * x.shape[0] ** 2) * (torch.softmax(logits, dim=-1).sum(dim=0) * tokens).sum()
     return aux, torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def test_a_router_made_on_meta_counts_and_records_after_to_empty(fresh_tracker):
+    """The token counts and the layer slot are no buffers (see the DDP test): they follow the
+    weight to the device, zeros and the right layer, not a meta tensor's missing values."""
+    with torch.device("meta"):
+        router = TopKRouter(
+            H,
+            E,
+            K,
+            aux_loss_type="global_aux_loss",
+            aux_loss_coeff=0.1,
+            expert_bias=True,
+            layer_number=3,
+        )
+    router.num_layers = 4
+    router.to_empty(device="cpu")
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        router.expert_bias.zero_()
+    assert router.local_tokens_per_expert.device.type == "cpu"
+    assert not router.local_tokens_per_expert.any() and not router.global_tokens_per_expert.any()
+    _, routing_map = router(torch.randn(7, H))
+    assert router.local_tokens_per_expert.tolist() == routing_map.sum(dim=0).double().tolist()
+    entry = fresh_tracker.metrics["global_load_balancing_loss"]
+    assert entry.counts.tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert entry.values[2] == pytest.approx(float(router.last_aux_loss), rel=1e-6)
 
 
 def test_grad_scaler_multiplies_the_injected_gradient_and_follows_its_updates():

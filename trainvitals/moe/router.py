@@ -76,7 +76,7 @@ from trainvitals.moe.tracker import get_moe_metrics_tracker
 
 __all__ = ["TopKRouter", "reset_global_tokens", "update_expert_biases"]
 
-_EXACT_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert")
+_COUNTS = ("local_tokens_per_expert", "global_tokens_per_expert")
 
 _AUX_LOSS_NAMES = {
     "aux_loss": "load_balancing_loss",
@@ -223,6 +223,8 @@ class TopKRouter(nn.Module):
             )
         if layer_number is not None:
             _positive_int("layer_number", layer_number)
+        self._layer_number: int | None = None
+        self._layer_slot: torch.Tensor | None = None
 
         self.score_function = score_function
         self.pre_softmax = bool(pre_softmax)
@@ -237,26 +239,27 @@ class TopKRouter(nn.Module):
         self.input_jitter_eps = input_jitter_eps
         self.bias_update_rate = bias_update_rate
         self.sinkhorn = bool(sinkhorn)
-        self.layer_number = layer_number
-        self.num_layers: int | None = None
+        self._num_layers: int | None = None
         self.dp_group: Any = None
 
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         nn.init.normal_(self.weight, std=0.02)
+        self.layer_number = layer_number
         self.register_buffer(
             "expert_bias", torch.zeros(num_experts, dtype=torch.float32) if expert_bias else None
         )
-        self.register_buffer(
-            "local_tokens_per_expert",
-            torch.zeros(num_experts, dtype=torch.float64) if expert_bias else None,
-            persistent=False,
+        # The token counts are plain tensor attributes, not buffers: DistributedDataParallel
+        # (broadcast_buffers=True, its default) copies rank 0's buffers to every rank before
+        # each forward, which replaced a rank's own expert loads with rank 0's. They follow the
+        # weight's device in _apply and the tokens' device in forward (FSDP2 moves buffers and
+        # parameters without _apply).
+        self.local_tokens_per_expert: torch.Tensor | None = (
+            torch.zeros(num_experts, dtype=torch.float64) if expert_bias else None
         )
-        self.register_buffer(
-            "global_tokens_per_expert",
+        self.global_tokens_per_expert: torch.Tensor | None = (
             torch.zeros(num_experts, dtype=torch.float64)
             if aux_loss_type == "global_aux_loss"
-            else None,
-            persistent=False,
+            else None
         )
         self.global_aux_micro_batches = 0
         # Activation checkpointing (CheckpointRuns): whether the forward running now records
@@ -273,15 +276,32 @@ class TopKRouter(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> TopKRouter:
         # model.to(torch.bfloat16) must not round the expert bias (float32, as Megatron's
-        # _maintain_float32_expert_bias) or the token counts (float64, exact): keep their
-        # dtype and values, follow only the device.
-        kept = {name: getattr(self, name) for name in _EXACT_BUFFERS}
+        # _maintain_float32_expert_bias): keep its dtype and values, follow only the device.
+        bias = self.expert_bias
         super()._apply(fn, recurse)
-        for name, old in kept.items():
-            new = getattr(self, name)
-            if old is not None and new is not None and new.dtype != old.dtype:
-                setattr(self, name, old.to(new.device))
+        if (
+            bias is not None
+            and self.expert_bias is not None
+            and self.expert_bias.dtype != bias.dtype
+        ):
+            self.expert_bias = bias.to(self.expert_bias.device)
+        # the float64 counts (exact) and the layer slot are no buffers: they follow the weight
+        for name in _COUNTS:
+            self._on_device(name, self.weight.device)
+        self.layer_number = self._layer_number  # (a meta slot has no value to move)
         return self
+
+    def _on_device(self, name: str, device: torch.device) -> torch.Tensor | None:
+        """Attribute ``name`` (a tensor that is not a buffer) moved to ``device``; kept
+        dtype, kept values (zeros from a meta tensor)."""
+        tensor = getattr(self, name)
+        if tensor is not None and tensor.device != device:
+            if tensor.is_meta:
+                tensor = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+            else:
+                tensor = tensor.to(device)
+            setattr(self, name, tensor)
+        return tensor
 
     def _load_from_state_dict(
         self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any
@@ -296,11 +316,47 @@ class TopKRouter(nn.Module):
             self.local_tokens_per_expert.zero_()
         self.reset_global_tokens()
 
+    @property
+    def layer_number(self) -> int | None:
+        """1-based layer number for the tracker (``None``: nothing recorded)."""
+        return self._layer_number
+
+    @layer_number.setter
+    def layer_number(self, layer_number: int | None) -> None:
+        if layer_number is not None:
+            _positive_int("layer_number", layer_number)
+            _check_layer(layer_number, getattr(self, "_num_layers", None))
+        self._layer_number = layer_number
+        # The tracker slot as a tensor, which the forward reads instead of the int (see
+        # MoEMetricsTracker._record_at: an int compiles the forward once per layer).
+        self._layer_slot = (
+            None
+            if layer_number is None
+            else torch.tensor([layer_number - 1], device=self.weight.device)
+        )
+
+    @property
+    def num_layers(self) -> int | None:
+        """Length of the tracker's per-layer vectors (all layers of the model)."""
+        return self._num_layers
+
+    @num_layers.setter
+    def num_layers(self, num_layers: int | None) -> None:
+        if num_layers is not None:
+            _positive_int("num_layers", num_layers)
+            _check_layer(self._layer_number, num_layers)
+        self._num_layers = num_layers
+
     def set_layer_number(self, layer_number: int, num_layers: int | None = None) -> None:
         """Set the 1-based layer number (and the model's layer count) used by the tracker."""
-        self.layer_number = _positive_int("layer_number", layer_number)
+        _positive_int("layer_number", layer_number)
         if num_layers is not None:
-            self.num_layers = _positive_int("num_layers", num_layers)
+            _positive_int("num_layers", num_layers)
+        num_layers = self._num_layers if num_layers is None else num_layers
+        _check_layer(layer_number, num_layers)
+        self._num_layers = None  # (the pair is checked: either order of the setters is fine)
+        self.layer_number = layer_number
+        self.num_layers = num_layers
 
     def extra_repr(self) -> str:
         return (
@@ -352,7 +408,8 @@ class TopKRouter(nn.Module):
                 probs = self._apply_aux_loss(probs, logits, hidden.shape)
         if training and self.expert_bias is not None and self._first_run:
             with torch.no_grad():
-                self.local_tokens_per_expert += kept.sum(dim=0)
+                local = self._on_device("local_tokens_per_expert", kept.device)
+                local += kept.sum(dim=0)
         return probs, routing_map
 
     # ------------------------------------------------------------------ routing
@@ -473,16 +530,17 @@ class TopKRouter(nn.Module):
                     RuntimeWarning,
                     stacklevel=3,
                 )
-            assert self.global_tokens_per_expert is not None
+            global_tokens = self._on_device("global_tokens_per_expert", scores.device)
+            assert global_tokens is not None
             if self._first_run or not self._rerun_global:
                 count = torch.tensor([float(num_tokens)], device=scores.device)
                 tokens, total = all_reduce_coalesced(
                     [chosen.detach().sum(dim=0).to(torch.float64), count], "sum", group
                 )
                 if self._first_run:
-                    self.global_tokens_per_expert += tokens.to(self.global_tokens_per_expert.device)
+                    global_tokens += tokens.to(global_tokens.device)
                     self.global_aux_micro_batches += 1
-                mean_tokens = self.global_tokens_per_expert / max(self.global_aux_micro_batches, 1)
+                mean_tokens = global_tokens / max(self.global_aux_micro_batches, 1)
                 if self._may_rerun:
                     self._rerun_global.append((total, mean_tokens))
             else:  # a non-reentrant re-run: the same loss as its first run, from its counts
@@ -504,12 +562,13 @@ class TopKRouter(nn.Module):
     def _record(
         self, name: str, value: torch.Tensor, reduce_group: Any = None, needs_dp_avg: bool = True
     ) -> None:
-        if self.layer_number is None or self.num_layers is None or not self._first_run:
+        slot = self._layer_slot
+        if slot is None or self.num_layers is None or not self._first_run:
             return
-        get_moe_metrics_tracker().record(
+        get_moe_metrics_tracker()._record_at(
             name,
             value,
-            self.layer_number,
+            slot.to(value.device),
             self.num_layers,
             reduce_group=reduce_group,
             needs_dp_avg=needs_dp_avg,
@@ -528,6 +587,13 @@ class TopKRouter(nn.Module):
         """Aux-loss-free balancing step (call after each optimizer step): sum the loads over
         ``group`` (default :attr:`dp_group`; one all-reduce) and move the bias."""
         update_expert_biases([self], group)
+
+
+def _check_layer(layer_number: int | None, num_layers: int | None) -> None:
+    if layer_number is not None and num_layers is not None and layer_number > num_layers:
+        raise ValueError(
+            f"layer_number must be in [1, num_layers={num_layers}], got {layer_number}"
+        )
 
 
 def update_expert_biases(routers: Iterable[Any], group: Any = None) -> None:

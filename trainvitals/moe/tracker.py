@@ -214,18 +214,7 @@ class MoEMetricsTracker:
             value = torch.tensor(float(value))
         else:
             raise TypeError(f"value must be a tensor or a number, got {type(value).__name__}")
-        entry = self._metrics.get(name)
-        if entry is None:
-            entry = MetricEntry(torch.zeros(num_layers, dtype=torch.float32, device=value.device))
-            self._metrics[name] = entry
-        elif entry.values.numel() != num_layers:
-            raise ValueError(
-                f"metric {name!r} was recorded with num_layers={entry.values.numel()}, "
-                f"now with num_layers={num_layers}"
-            )
-        if entry.values.device != value.device:
-            entry.values = entry.values.to(value.device)
-            entry.counts = entry.counts.to(value.device)
+        entry = self._entry(name, num_layers, value.device)
         entry.values[layer_number - 1] += value.to(entry.values.dtype)
         # Counted on the device with the value (no host counter): whatever replays the value's
         # addition (a CUDA graph, a compiled region) replays the count with it.
@@ -233,6 +222,46 @@ class MoEMetricsTracker:
         entry.reduce_group = reduce_group
         entry.avg_group = avg_group
         entry.needs_dp_avg = bool(needs_dp_avg)
+
+    def _record_at(
+        self,
+        name: str,
+        value: torch.Tensor,
+        slot: torch.Tensor,
+        num_layers: int,
+        reduce_group: Any = None,
+        needs_dp_avg: bool = True,
+    ) -> None:
+        """:meth:`record` of a scalar tensor into the layer ``slot`` holds (a checked 0-based
+        index, an int64 tensor ``[1]`` on the value's device), for :class:`TopKRouter`.
+
+        ``torch.compile`` specialises an int attribute of a module and guards on its value: a
+        router forward reading its int layer number compiled once per layer and, past
+        Dynamo's recompile limit (8), ran the remaining layers uncompiled. A tensor index
+        is a graph input instead: one compiled forward serves every layer."""
+        entry = self._entry(name, num_layers, value.device)
+        value = value.detach().reshape(1).to(entry.values.dtype)
+        entry.values.index_add_(0, slot, value)
+        entry.counts.index_add_(0, slot, torch.ones_like(value))
+        entry.reduce_group = reduce_group
+        entry.avg_group = None
+        entry.needs_dp_avg = bool(needs_dp_avg)
+
+    def _entry(self, name: str, num_layers: int, device: torch.device) -> MetricEntry:
+        """Metric ``name``'s entry on ``device`` (created with ``num_layers`` zeros)."""
+        entry = self._metrics.get(name)
+        if entry is None:
+            entry = MetricEntry(torch.zeros(num_layers, dtype=torch.float32, device=device))
+            self._metrics[name] = entry
+        elif entry.values.numel() != num_layers:
+            raise ValueError(
+                f"metric {name!r} was recorded with num_layers={entry.values.numel()}, "
+                f"now with num_layers={num_layers}"
+            )
+        if entry.values.device != device:
+            entry.values = entry.values.to(device)
+            entry.counts = entry.counts.to(device)
+        return entry
 
     def ensure_initialized(
         self, name: str, num_layers: int, device: str | torch.device | int | None = None
