@@ -562,13 +562,15 @@ class TopKRouter(nn.Module):
     def _record(
         self, name: str, value: torch.Tensor, reduce_group: Any = None, needs_dp_avg: bool = True
     ) -> None:
-        slot = self._layer_slot
-        if slot is None or self.num_layers is None or not self._first_run:
+        if self._layer_slot is None or self.num_layers is None or not self._first_run:
             return
+        # kept on the values' device (FSDP2 moves the weight without _apply): one copy, not
+        # a host-to-device copy in every forward
+        slot = self._on_device("_layer_slot", value.device)
         get_moe_metrics_tracker()._record_at(
             name,
             value,
-            slot.to(value.device),
+            slot,
             self.num_layers,
             reduce_group=reduce_group,
             needs_dp_avg=needs_dp_avg,
