@@ -291,3 +291,106 @@ def test_lightning_manual_optimization_with_max_epochs_only(tmp_path, optimizers
     else:
         assert remaining == {}  # no horizon in optimizer steps: no estimate, not a wrong one
         assert any("manual optimization" in str(w.message) for w in caught)
+
+
+def _driver(monitor, clock: FakeClock):
+    """A driver over a tiny model; ``step(seconds)``: one micro-batch of ``seconds`` and an
+    optimizer step."""
+    from trainvitals.adapters.loop import Vitals
+
+    writer = RecordingWriter()
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+
+    def step(seconds: float) -> None:
+        x = torch.randn(2, 3)
+        vitals.batch(x)
+        clock.t += seconds
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return vitals, writer, step
+
+
+def test_validation_before_the_first_training_batch_is_validation_time():
+    """An evaluation before training (a baseline at step 0; Lightning finishing a validation
+    that a restart interrupted, before any training batch): the clock was not started yet,
+    so its time was in neither time/validation nor time/total."""
+    clock = FakeClock()
+    monitor = RuntimeMonitor(clock=clock, max_steps=4, time_unit="seconds")
+    vitals, writer, step = _driver(monitor, clock)
+    with vitals.validating():
+        clock.t += 50.0
+    clock.t += 7.0  # between the evaluation and the first batch: neither
+    for seconds in (2.0, 1.0, 1.0):
+        step(seconds)
+    with vitals.validating():
+        clock.t += 30.0
+    step(1.0)
+    vitals.close()
+    for s, train, validation in ((0, 2.0, 50.0), (2, 4.0, 50.0), (3, 5.0, 80.0)):
+        row = writer.rows[s]
+        assert row["time/train_seconds"] == train
+        assert row["time/validation_seconds"] == validation
+        assert row["time/total_seconds"] == train + validation
+    # the rate and the estimate are training time only: steps 1..3 took 1 s each
+    assert writer.rows[3]["time/seconds_per_step"] == 1.0
+    assert writer.rows[2]["time/remaining_seconds"] == 1.0
+
+
+class _QueuedDevice:
+    """A GPU-bound device behind a host that enqueues in no time: ``run(seconds)`` queues work,
+    the host clock (``clock.t``) catches up with the device only at a synchronisation."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.done = clock.t  # when the device finishes its queued work
+
+    def run(self, seconds: float) -> None:
+        self.done = max(self.done, self.clock.t) + seconds
+
+    def synchronize(self, device=None) -> None:
+        self.clock.t = max(self.clock.t, self.done)
+
+
+def test_the_rate_starts_when_the_warm_up_steps_work_is_done(monkeypatch):
+    """The rate's starting point (the end of the last warm-up step) was read without a device
+    sync unless that step logged: with warmup_steps=2, or after a resume at a step that is not
+    a multiple of the interval. The host is then ahead of the GPU, and the warm-up step's own
+    (slow) device work was charged to the measured steps. The rate now starts at the first
+    logging step at or after the warm-up, and no non-logging step synchronises."""
+    from trainvitals.adapters.context import RunContext
+
+    clock = FakeClock()
+    device = _QueuedDevice(clock)
+    monkeypatch.setattr(RunContext, "device", property(lambda self: torch.device("cuda", 0)))
+    syncs: list[int] = []  # the step each synchronisation happened in
+
+    def synchronize(device_index=None) -> None:
+        syncs.append(vitals.ctx.step)
+        device.synchronize()
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monitor = RuntimeMonitor(clock=clock, max_steps=20, warmup_steps=2, time_unit="seconds")
+    vitals, writer, _ = _driver(monitor, clock)
+    vitals.ctx.log_every_n_steps = 4
+    model, opt = vitals.ctx.model, vitals.ctx.optimizers[0]
+    # device seconds of steps 0..8: two slow warm-up steps, and a slower step 3
+    work = [10.0, 10.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    for seconds in work:
+        x = torch.randn(2, 3)
+        vitals.batch(x)
+        model(x).sum().backward()
+        device.run(seconds)
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    assert set(syncs) == {0, 4, 8}  # the logging steps only: never step 1, the warm-up's end
+    row = writer.rows[4]
+    assert row["time/train_seconds"] == sum(work[:5])
+    assert "time/seconds_per_step" not in row  # no synchronised start yet: no rate, no guess
+    row = writer.rows[8]
+    assert row["time/seconds_per_step"] == 1.0  # steps 5..8, after the first synced reading
+    assert row["time/remaining_seconds"] == (20 - 9) * 1.0

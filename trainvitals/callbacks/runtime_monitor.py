@@ -30,7 +30,9 @@ _CONSUMED = ("batches", "samples", "tokens")
 class RuntimeMonitor(VitalsCallback):
     """How long the run has taken, how much data it consumed, and how long it has left.
 
-    A clock starts at the first training micro-batch and stops during validation. At every
+    A clock starts at the first training micro-batch and stops during validation (a validation
+    before the first training micro-batch, such as an evaluation before training or Lightning
+    finishing a validation that a restart interrupted, is validation time too). At every
     ``step_end`` the monitor notes the step; the training seconds per optimizer step are the
     training time of all steps so far divided by their number, leaving out the first
     ``warmup_steps`` steps of each process (compilation and warm-up). The remaining time is
@@ -47,7 +49,9 @@ class RuntimeMonitor(VitalsCallback):
     checkpoint and the restart (downtime) is not counted. On CUDA a logging step synchronises
     the device once before reading the clock, and so do the start and end of validation;
     non-logging steps read the clock and add a few Python numbers: no sync, no transfer, no
-    collective.
+    collective. So on an accelerator the rate starts at the end of the first logging step at
+    or after the warm-up (the first reading that includes the warm-up's queued device work),
+    not at a non-logging step's end.
 
     Args:
         max_steps: the training horizon in optimizer steps (default: the run's).
@@ -184,12 +188,18 @@ class RuntimeMonitor(VitalsCallback):
         self._clock.start()  # no-op unless no micro-batch was reported
         train_now = self._clock.train_seconds()
         self._steps_this_process += 1
-        if self._steps_this_process == self.warmup_steps:
-            self._rate_anchor = train_now
-        elif self.warmup_steps == 0 and self._rate_anchor is None:
-            self._rate_anchor = 0.0
-        if self._steps_this_process > self.warmup_steps:
+        if self._rate_anchor is not None:
             self._rate_steps += ctx.step_increment
+        elif self.warmup_steps == 0:
+            self._rate_anchor = 0.0
+            self._rate_steps += ctx.step_increment
+        elif self._steps_this_process >= self.warmup_steps and (log or self._clock.sync_fn is None):
+            # The rate starts at the first reading after the warm-up that includes the
+            # device's queued work: on an accelerator only a logging step synchronises (the
+            # end of the last warm-up step may not log: warmup_steps=2, a resume at a step
+            # that is not a multiple of the interval), else the warm-up's queued device work
+            # would be charged to the measured steps. No extra sync on a non-logging step.
+            self._rate_anchor = train_now
         record = self._counter.take(0.0)
         for name in COUNT_FIELDS[1:]:
             self._pending[name] = self._pending[name] + getattr(record, name)

@@ -30,7 +30,9 @@ class TrainClock:
     ``start()`` starts the clock (idempotent); ``pause()``/``resume()`` bracket validation.
     ``train_seconds()`` is the time since ``start()`` minus every paused interval (including one
     in progress), ``validation_seconds()`` the paused time, ``total_seconds()`` both together.
-    Before ``start()`` all three are 0.
+    Validation before ``start()`` (an evaluation before the first training batch, or Lightning
+    finishing an interrupted validation after a restart) is validation time too; the training
+    time starts at ``start()``. Before ``start()`` and any validation all three are 0.
 
     ``sync``: called by ``pause()`` and ``resume()`` before they read the clock, and by
     ``sync()``, so that work an accelerator still has queued is charged to the side that queued
@@ -59,7 +61,8 @@ class TrainClock:
         self.sync_fn = sync
         self._start: float | None = None
         self._paused_at: float | None = None
-        self._paused_seconds = 0.0
+        self._paused_seconds = 0.0  # every finished pause, those before start() included
+        self._paused_before_start = 0.0  # the part of it before start() (not in now - start)
 
     @property
     def started(self) -> bool:
@@ -74,7 +77,14 @@ class TrainClock:
 
     def start(self) -> None:
         if self._start is None:
-            self._start = self.now()
+            now = self.now()
+            if self._paused_at is not None:
+                # training starts: a validation before it is over (the callbacks never start
+                # the clock inside validation, which has no training batches)
+                self._paused_seconds += now - self._paused_at
+                self._paused_at = None
+            self._start = now
+            self._paused_before_start = self._paused_seconds
 
     def sync(self) -> None:
         """Wait for queued accelerator work (``sync_fn``), if any."""
@@ -82,8 +92,10 @@ class TrainClock:
             self.sync_fn()
 
     def pause(self) -> None:
-        if self._start is not None and self._paused_at is None:
-            self.sync()  # training's queued work is training time
+        if self._paused_at is None:
+            if self._start is not None:
+                self.sync()  # training's queued work is training time
+            # (not started: no training work is queued; the validation is validation time)
             self._paused_at = self.now()
 
     def resume(self) -> None:
@@ -98,13 +110,15 @@ class TrainClock:
 
     def _read(self) -> tuple[float, float]:
         """(total, validation) seconds from one clock reading."""
-        if self._start is None:
-            return 0.0, 0.0
+        if self._start is None and self._paused_at is None:
+            return self._paused_seconds, self._paused_seconds
         now = self.now()
         paused = self._paused_seconds
         if self._paused_at is not None:
             paused += now - self._paused_at
-        return now - self._start, paused
+        if self._start is None:  # only validation so far
+            return paused, paused
+        return now - self._start + self._paused_before_start, paused
 
     def train_seconds(self) -> float:
         total, paused = self._read()
