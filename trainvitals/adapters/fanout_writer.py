@@ -21,7 +21,8 @@ How a value travels
    failing or hanging sink therefore delays nobody but itself: not the training thread, not the
    other sinks, not the dispatcher. Sinks marked ``thread_safe = False`` (Lightning's
    ``CSVLogger``, unknown loggers and trackers) are instead called from the training thread, at
-   the next step boundary or ``flush()`` after their values reached the host.
+   the next step boundary or ``flush()`` after their values reached the host, and before the
+   loop's own log of a later step to the same tracker or logger (``_deliver_before``).
 
 The tensor contract
 -------------------
@@ -348,14 +349,16 @@ class _SinkWorker:
 
     # -- delivery
 
-    def attempt(self) -> bool:
-        """Deliver the oldest pending step once; False when there was nothing to try now."""
+    def attempt(self, below: int | None = None) -> bool:
+        """Deliver the oldest pending step once (only if its step is lower than ``below``, when
+        given); False when there was nothing to try now."""
         with self.cond:
             if (
                 self.disabled
                 or self.abandoned
                 or not self.pending
                 or time.monotonic() < self.next_attempt
+                or (below is not None and self.pending[0].step >= below)
             ):
                 return False
             record = self.pending.popleft()
@@ -363,6 +366,10 @@ class _SinkWorker:
             self.busy_since = time.monotonic()
         error: BaseException | None = None
         refused = False
+        # a sink calling a tracker whose log a TrackerSink wrapped must not re-enter the
+        # writer (_deliver_before) from inside a delivery
+        calls = self.writer._delivering
+        calls.depth = getattr(calls, "depth", 0) + 1
         try:
             if not self.opened:
                 self.sink.open()
@@ -373,6 +380,8 @@ class _SinkWorker:
             refused, error = True, e
         except Exception as e:
             error = e
+        finally:
+            calls.depth -= 1
         with self.cond:
             self.inflight = None
             self.busy_since = None
@@ -426,9 +435,10 @@ class _SinkWorker:
         first, cap = w.retry_backoff
         self.next_attempt = time.monotonic() + min(cap, first * 2 ** (self.failures - 1))
 
-    def pump(self) -> None:
-        """Deliver what can be delivered now (the calling thread does the work)."""
-        while self.attempt():
+    def pump(self, below: int | None = None) -> None:
+        """Deliver what can be delivered now (the calling thread does the work); with ``below``,
+        only the steps lower than it."""
+        while self.attempt(below):
             pass
 
     def settle_resume(self) -> None:
@@ -495,6 +505,20 @@ class _SinkWorker:
 
 # --------------------------------------------------------------------------------------------
 # the writer
+
+
+def _order_hook(writer_ref: weakref.ref[FanoutWriter], worker_ref: weakref.ref[_SinkWorker]) -> Any:
+    """``deliver_before(step)`` for a sink's ``install_order_hook``: the backend is about to be
+    given ``step`` by other code; deliver this writer's lower steps to it first. Holds the
+    writer weakly (a tracker outliving the writer keeps nothing alive)."""
+
+    def deliver_before(step: int | None) -> None:
+        writer, worker = writer_ref(), worker_ref()
+        if writer is not None and worker is not None:
+            writer._deliver_before(worker, step)
+
+    return deliver_before
+
 
 _live_writers: weakref.WeakSet[FanoutWriter] = weakref.WeakSet()
 
@@ -772,6 +796,11 @@ class FanoutWriter:
         self._dispatcher: threading.Thread | None = None
         self._unreadable: set[str] = set()
         self._workers: list[_SinkWorker] = []
+        # (seq, step) of the steps queued but perhaps not yet on the host, kept only while a
+        # sink asked to be handed its steps before its backend's own later logs
+        # (_deliver_before); the training thread's, under _lock
+        self._queued_steps: deque[tuple[int, int]] | None = None
+        self._delivering = threading.local()
         if self._active:
             names: set[str] = set()
             for s in sinks:
@@ -781,7 +810,15 @@ class FanoutWriter:
                     name, i = f"{s.name}#{i}", i + 1
                 names.add(name)
                 threaded = background and s.thread_safe
-                self._workers.append(_SinkWorker(self, s, name, threaded))
+                worker = _SinkWorker(self, s, name, threaded)
+                self._workers.append(worker)
+                install = getattr(s, "install_order_hook", None)
+                if not threaded and callable(install):
+                    # TrackerSink, LightningLoggerSink: the loop logs to the same object
+                    # (accelerator.log(step=), Lightning's log_metrics(step=)); it wraps that
+                    # call to have our lower steps delivered first (see _deliver_before)
+                    self._queued_steps = deque()
+                    install(_order_hook(weakref.ref(self), weakref.ref(worker)))
             _live_writers.add(self)
             _register_exit_hook()
             _ProcessEnd.watch()
@@ -996,12 +1033,65 @@ class FanoutWriter:
             event = torch.cuda.Event()
             event.record()
             batch.cuda_event = (torch.cuda.current_device(), event)
+        queued = self._queued_steps
+        if queued is not None:
+            while queued and queued[0][0] <= self._dispatched:
+                queued.popleft()
+            queued.append((batch.seq, batch.step))
         if self.background:
             self._start_threads()
             self._enqueue(batch)
         else:
             self._dispatch(batch)
         self._pump_training_thread_sinks()
+
+    def _deliver_before(self, worker: _SinkWorker, step: int | None) -> None:
+        """Deliver to ``worker`` (a sink the training thread calls) every step lower than
+        ``step`` logged so far, now: other code is about to log ``step`` to the same backend
+        (``accelerator.log(values, step=step)`` reaching a ``TrackerSink``'s tracker), which
+        must not get an older trainvitals step after it (DVCLive sets ``live.step = step`` and
+        writes a row per call: an older step after a newer one puts the rows out of order).
+
+        Without this the sink would get its steps at the writer's next call after they reached
+        the host: trainvitals' step N after the loop's ``accelerator.log(..., step=N + 1)``.
+        Here, before that log: the current step is closed when it is lower than ``step`` (its
+        values are complete: the loop has moved on to a later step), the training thread waits
+        until the steps lower than ``step`` are on the host, and hands them to the sink.
+        Steps of only floats and CPU tensors are ready at once (the dispatcher stacks them).
+        CUDA values are copied by the dispatcher once their step's event has completed: the
+        wait is for the kernels of a step that has ended (usually done by the time the loop
+        logs the next step; a loop counting from 1 logs N + 1 right after our step N), and only
+        when there is such a step (a step that logged nothing queues nothing: a loop logging
+        every step to its tracker costs no synchronisation on the steps where trainvitals logs
+        nothing). Order is what the loop asked for by logging a later step. ``step=None``
+        (the tracker counts): only what is already on the host is delivered, without waiting.
+        A step the sink failed to take (it is retrying on its backoff) stays pending.
+        """
+        if not self._active or self._pid != os.getpid() or worker.threaded:
+            return
+        calls = self._delivering
+        if getattr(calls, "depth", 0):  # called from inside a delivery (a sink's write)
+            return
+        calls.depth = 1
+        try:
+            with self._lock:
+                if self._closed:
+                    return  # close() delivers what is left
+                if step is None:
+                    worker.pump()
+                    return
+                if self._values and self._step is not None and self._step < step:
+                    self._close_step()
+                target = 0
+                for seq, s in self._queued_steps or ():
+                    if s >= step:
+                        break
+                    target = seq
+                if target > self._dispatched and self.background:
+                    self._wait_dispatched(target, time.monotonic() + self.sink_timeout)
+                worker.pump(below=step)
+        finally:
+            calls.depth = 0
 
     def _pump_training_thread_sinks(self) -> None:
         for w in self._workers:
