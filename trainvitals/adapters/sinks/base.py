@@ -250,7 +250,10 @@ class Sink:
         thread_safe: ``True`` when the writer may call this sink from its background worker
             thread; ``False`` makes the writer call it from the training thread (at the next
             writer call after the step's values reached the host), for backends that the
-            training thread also uses without locking (Lightning's ``CSVLogger``).
+            training thread also uses without locking (Lightning's ``CSVLogger``). Such a
+            sink may also define ``install_order_hook(deliver_before)`` to be handed its
+            steps before the loop's own later logs to the same object (``TrackerSink``,
+            ``LightningLoggerSink``).
         key_rule: the :class:`KeyRule` of the backend, or ``None`` when it takes every key.
         run_failed: set by the writer before :meth:`close` when the run ended with an
             exception (``FanoutWriter.close(failed=True)``): a sink ending a run it created
