@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import re
 import shlex
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -19,20 +22,95 @@ from trainvitals.adapters.jsonl import metric_history, read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+def _two_rank_command() -> list[str]:
+    """The two-rank command line of examples/accelerate_moe.py's docstring, as argv."""
+    doc = ast.get_docstring(ast.parse((ROOT / "examples" / "accelerate_moe.py").read_text()))
+    (line,) = [ln for ln in doc.splitlines() if "# two CPU ranks" in ln]
+    argv = shlex.split(line.split("#")[0])
+    launchers = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.accelerate_cli"],
+    }
+    return launchers[argv[0]] + argv[1:]
 
 
-def test_demo_logs_to_every_backend(tmp_path):
-    out = _run("demo.py", "--run-dir", str(tmp_path), "--steps", "6", "--log-every", "3")
+def _example(script: str) -> list[str]:
+    return [sys.executable, str(ROOT / "examples" / script)]
+
+
+# The example runs of the tests below: test name -> (the package it needs, its command line
+# but --run-dir). Each run is a process of its own that spends most of its time importing
+# torch and its backends, on one thread (the examples set one torch thread): the runs of the
+# selected tests start together, when the first of them asks for its run, and each test then
+# waits for its own.
+EXAMPLE_RUNS = {
+    "test_demo_logs_to_every_backend": (
+        None,
+        [*_example("demo.py"), "--steps", "6", "--log-every", "3"],
+    ),
+    "test_accelerate_example": (
+        "accelerate",
+        [*_example("accelerate_moe.py"), "--steps", "4", "--log-every", "2"],
+    ),
+    "test_lightning_example": (
+        "lightning",
+        [*_example("lightning_moe.py"), "--steps", "4", "--log-every", "2"],
+    ),
+    "test_accelerate_example_two_rank_command_runs_two_ranks": (
+        "accelerate",
+        [*_two_rank_command(), "--steps", "2", "--log-every", "1"],
+    ),
+}
+
+
+@dataclass
+class _Run:
+    run_dir: Path
+    output: Path  # the folder of its stdout and stderr (files: a pipe read only at the end
+    process: subprocess.Popen  # would stop a run that fills it)
+
+
+@pytest.fixture(scope="module")
+def example_runs(request, tmp_path_factory):
+    """The example run of each selected test of EXAMPLE_RUNS, started together."""
+    selected = {
+        getattr(item, "originalname", item.name)
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+    }
+    runs = {}
+    for name, (package, command) in EXAMPLE_RUNS.items():
+        if name not in selected or (package and importlib.util.find_spec(package) is None):
+            continue  # (the test itself skips without its package)
+        output = tmp_path_factory.mktemp(name.removeprefix("test_"))
+        run_dir = output / "run"
+        with open(output / "stdout", "w") as out, open(output / "stderr", "w") as err:
+            process = subprocess.Popen(
+                [*command, "--run-dir", str(run_dir)], stdout=out, stderr=err, cwd=ROOT
+            )
+        runs[name] = _Run(run_dir, output, process)
+    yield runs
+    for run in runs.values():  # a run whose test failed before waiting for it
+        if run.process.poll() is None:
+            run.process.terminate()  # (torchrun passes SIGTERM on to its ranks)
+            try:
+                run.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                run.process.kill()
+                run.process.wait()
+
+
+def _finished(example_runs: dict, request) -> tuple[Path, str]:
+    """The run folder and stdout of this test's example run, once it ended with status 0."""
+    run = example_runs[request.node.originalname]
+    returncode = run.process.wait(timeout=300)
+    stdout, stderr = ((run.output / name).read_text() for name in ("stdout", "stderr"))
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return run.run_dir, stdout
+
+
+def test_demo_logs_to_every_backend(example_runs, request):
+    tmp_path, out = _finished(example_runs, request)
     assert str(tmp_path / "metrics.jsonl") in out
 
     records = read_jsonl(tmp_path / "metrics.jsonl")
@@ -66,9 +144,9 @@ def test_demo_logs_to_every_backend(tmp_path):
     assert [e.step for e in accumulator.Scalars("train/loss")] == list(range(6))
 
 
-def test_accelerate_example(tmp_path):
+def test_accelerate_example(example_runs, request):
     pytest.importorskip("accelerate")
-    _run("accelerate_moe.py", "--run-dir", str(tmp_path), "--steps", "4", "--log-every", "2")
+    tmp_path, _ = _finished(example_runs, request)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = tmp_path.rglob("events.out.tfevents.*")
@@ -80,14 +158,25 @@ def test_accelerate_example(tmp_path):
     assert 'data-key="l2_norm/grad/global"' in report and "TensorBoard event file" in report
 
 
-def test_lightning_example(tmp_path):
+def test_lightning_example(example_runs, request):
     pytest.importorskip("lightning")
-    out = _run("lightning_moe.py", "--run-dir", str(tmp_path), "--steps", "4", "--log-every", "2")
+    tmp_path, out = _finished(example_runs, request)
     (stats,) = tmp_path.rglob("tensor_stats.jsonl")
     report = stats.parent / "report.html"  # the TensorBoard logger's version folder
     assert str(report) in out
     text = report.read_text()
     assert 'data-key="l2_norm/grad/global"' in text and 'data-kind="grad"' in text
+
+
+def _load_example(script: str) -> ModuleType:
+    """An example's module, loaded in this process (its main() runs only as a script)."""
+    spec = importlib.util.spec_from_file_location(
+        f"example_{Path(script).stem}", ROOT / "examples" / script
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize(
@@ -99,53 +188,27 @@ def test_lightning_example(tmp_path):
         ("accelerate_moe.py", "--accumulate"),
     ],
 )
-def test_examples_refuse_non_positive_counts(script, option, tmp_path):
+def test_examples_refuse_non_positive_counts(script, option, tmp_path, capsys):
     # --steps 0 divided by zero in demo.py's schedule; --micro-batches 0 "trained" 300 steps
     # on no data and exited 0; --accumulate 0 divided by zero inside Accelerate.
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / script),
-            "--run-dir",
-            str(tmp_path),
-            option,
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert done.returncode == 2, done.stderr[-2000:]  # argparse's usage error
-    assert f"argument {option}: must be a positive integer" in done.stderr
-
-
-def _two_rank_command() -> list[str]:
-    """The two-rank command line of examples/accelerate_moe.py's docstring, as argv."""
-    doc = ast.get_docstring(ast.parse((ROOT / "examples" / "accelerate_moe.py").read_text()))
-    (line,) = [ln for ln in doc.splitlines() if "# two CPU ranks" in ln]
-    argv = shlex.split(line.split("#")[0])
-    launchers = {
-        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-        "accelerate": [sys.executable, "-m", "accelerate.commands.accelerate_cli"],
-    }
-    return launchers[argv[0]] + argv[1:]
+    # (In-process: the example's main() with the argv its script would get; the example runs
+    # above run each script as a process.)
+    if script == "accelerate_moe.py":
+        pytest.importorskip("accelerate")
+    main = _load_example(script).main
+    with pytest.raises(SystemExit) as refused:
+        main(["--run-dir", str(tmp_path), option, "0"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2, err[-2000:]  # argparse's usage error
+    assert f"argument {option}: must be a positive integer" in err
 
 
 @pytest.mark.slow
-def test_accelerate_example_two_rank_command_runs_two_ranks(tmp_path):
+def test_accelerate_example_two_rank_command_runs_two_ranks(example_runs, request):
     # The docstring said `accelerate launch --num_processes 2 --cpu`, which starts ONE process
     # (Accelerate's launcher ignores --num_processes with --cpu): time/batches came out 2, not 4.
     pytest.importorskip("accelerate")
-    argv = _two_rank_command()
-    done = subprocess.run(
-        [*argv, "--run-dir", str(tmp_path), "--steps", "2", "--log-every", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tmp_path, _ = _finished(example_runs, request)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = tmp_path.rglob("events.out.tfevents.*")

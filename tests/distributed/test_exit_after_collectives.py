@@ -24,10 +24,29 @@ RUNS = 5
 
 @pytest.mark.timeout(300)
 def test_script_ending_right_after_collectives_exits_cleanly() -> None:
+    # The runs are independent tries at the race: started together (each torchrun on its own
+    # port) rather than one after the other, they take about the time of the slowest.
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     script = str(ROOT / "tests/scripts/collectives_then_exit.py")
-    for run in range(RUNS):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), script]  # fmt: skip
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"run {run}:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+    ports: set[int] = set()
+    while len(ports) < RUNS:
+        ports.add(free_port())
+    procs = []
+    try:
+        for port in sorted(ports):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(port), script]  # fmt: skip
+            pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, **pipes))
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:  # a hung run: SIGTERM, which torchrun passes on to its ranks
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    for run, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"run {run}:\n{stdout[-2000:]}{stderr[-4000:]}"

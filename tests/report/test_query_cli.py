@@ -137,9 +137,19 @@ def test_later_duplicate_step_wins_and_unknown_version_is_skipped(tmp_path: Path
     assert rows == [{"step": 0, "kind": "grad", "group": "*", "tensors": 1, "count": 32}]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+# the console script `pip install -e .` installs next to the interpreter ([project.scripts])
+SCRIPT = Path(sys.executable).with_name("trainvitals")
+
+
+def run_cli(*args: str, installed_script: bool = False) -> subprocess.CompletedProcess:
+    """A real entry point in a subprocess: `python -m trainvitals`, or the installed
+    `trainvitals` script. Each one imports torch (about 2 s): the cases that only need the
+    exit status `main` returns call `main([...])` in-process instead."""
+    if installed_script:
+        assert SCRIPT.is_file(), f"no installed trainvitals script at {SCRIPT}"
+    command = [str(SCRIPT)] if installed_script else [sys.executable, "-m", "trainvitals"]
     return subprocess.run(
-        [sys.executable, "-m", "trainvitals", *args],
+        [*command, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -147,7 +157,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_subprocess_csv_json_table(tmp_path: Path) -> None:
+def test_cli_subprocess_csv_json_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_run(tmp_path, [0, 100, 150, 200, 250])
     with open(tmp_path / "tensor_stats.jsonl", "a") as f:
         f.write('{"version": 1, "step": 300, "kind": "gr')  # cut by a crash
@@ -180,10 +190,13 @@ def test_cli_subprocess_csv_json_table(tmp_path: Path) -> None:
     for g, a in zip(got, api, strict=True):
         assert int(g["step"]) == a["step"] and g["group"] == a["group"]
         assert float(g["kurtosis"]) == a["kurtosis"] and float(g["rms"]) == a["rms"]
-    res = run_cli(*base, "--format", "json")
-    assert res.returncode == 0 and json.loads(res.stdout) == api
-    res = run_cli(*base)
-    lines = res.stdout.splitlines()
+    # the other formats in-process (the subprocess above proved the entry point)
+    with pytest.warns(RuntimeWarning, match="last line"):
+        assert main([*base, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == api
+    with pytest.warns(RuntimeWarning, match="last line"):
+        assert main(base) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["step", "kind", "group", "tensors", "kurtosis", "rms"]
     assert len(lines) == 1 + 3 * LAYERS
     assert lines[1].split()[:3] == ["100", "grad", "0"] and lines[12].split()[2] == "11"
@@ -413,21 +426,25 @@ def test_by_with_an_optional_group_leaves_out_names_it_does_not_capture(tmp_path
         check_row(r, pooled, ["kurtosis", "rms"])
 
 
-def test_cli_output_errors_are_clear_and_leave_nothing_behind(tmp_path: Path) -> None:
+def test_cli_output_errors_are_clear_and_leave_nothing_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`-o` naming a folder: exit 2 with the system's message, no traceback, and no hidden
     temporary report file left next to it."""
     write_run(tmp_path, [0])
     folder = tmp_path / "out"
     folder.mkdir()
     for args in (["query", str(tmp_path)], ["report", str(tmp_path)]):
-        res = run_cli(*args, "-o", str(folder))
-        assert res.returncode == 2, res.stderr
-        assert "Traceback" not in res.stderr
-        assert f"trainvitals {args[0]}: error:" in res.stderr and "directory" in res.stderr
+        status = main([*args, "-o", str(folder)])  # a traceback would raise out of main
+        err = capsys.readouterr().err
+        assert status == 2, err
+        assert f"trainvitals {args[0]}: error:" in err and "directory" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tensor_stats.jsonl"]
 
 
-def test_records_without_step_or_tensors_are_skipped_not_a_traceback(tmp_path: Path) -> None:
+def test_records_without_step_or_tensors_are_skipped_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Version-1 lines missing `tensors` or an integer `step` (not written by the monitor) are
     skipped with a warning naming them; the other lines still give their exact rows, and a
     file of only such lines is a clear CLI error."""
@@ -455,32 +472,46 @@ def test_records_without_step_or_tensors_are_skipped_not_a_traceback(tmp_path: P
     for r in rows:
         check_row(r, torch.cat([t.reshape(-1) for t in data[r["step"]].values()]), ["kurtosis"])
     path.write_text("\n".join(broken) + "\n")
-    res = run_cli("query", str(tmp_path))
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
-    assert "holds no tensor-statistics record" in res.stderr
+    with pytest.warns(RuntimeWarning, match=r"line \d has "):  # (the lines skipped above)
+        status = main(["query", str(tmp_path)])  # a traceback would raise out of main
+    err = capsys.readouterr().err
+    assert status == 2 and "holds no tensor-statistics record" in err, err
 
 
-def test_cli_exit_status_tells_no_match_from_error(tmp_path: Path) -> None:
+def test_cli_exit_status_tells_no_match_from_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """As grep: 0 with rows, 1 with none (a reason on stderr, the header alone on stdout or
     in the `-o` file), 2 on an error. A script can tell the three apart by the status."""
     write_run(tmp_path, [0, 5])
+    # the real entry points exit with the status main returns: `python -m trainvitals` (0) and
+    # the installed `trainvitals` script (1); test_a_wrong_file_... has `python -m`'s 2
     ok = run_cli("query", str(tmp_path), "--steps", "5", "--format", "json")
     assert ok.returncode == 0, ok.stderr
     assert [r["step"] for r in json.loads(ok.stdout)] == [5] and ok.stderr == ""
-    for extra in (["--group", "decoder.*"], ["--kind", "dgrad"], ["--steps", "6:9"]):
-        res = run_cli("query", str(tmp_path), *extra, "--format", "csv")
-        assert res.returncode == 1, (extra, res.returncode, res.stderr)
-        assert res.stdout == "step,kind,group,tensors,kurtosis\n"
-        assert res.stderr.startswith("trainvitals query: no match: "), res.stderr
     out = tmp_path / "none.csv"
-    res = run_cli("query", str(tmp_path), "--kind", "param", "--format", "csv", "-o", str(out))
+    args = ["query", str(tmp_path), "--kind", "param", "--format", "csv", "-o", str(out)]
+    res = run_cli(*args, installed_script=True)
     assert res.returncode == 1 and res.stdout == "" and "no 'param' records" in res.stderr
     assert out.read_text() == "step,kind,group,tensors,kurtosis\n"
-    for bad in (["--kind", "nope"], ["--steps", "x"]):  # argparse's and the query's errors
-        res = run_cli("query", str(tmp_path), *bad)
-        assert res.returncode == 2 and "error" in res.stderr, (bad, res.stderr)
-    assert run_cli("query", str(tmp_path / "missing")).returncode == 2
-    helptext = run_cli("query", "--help").stdout
+    # the other cases in-process, through the same main
+    for extra in (["--group", "decoder.*"], ["--kind", "dgrad"], ["--steps", "6:9"]):
+        status = main(["query", str(tmp_path), *extra, "--format", "csv"])
+        captured = capsys.readouterr()
+        assert status == 1, (extra, status, captured.err)
+        assert captured.out == "step,kind,group,tensors,kurtosis\n"
+        assert captured.err.startswith("trainvitals query: no match: "), captured.err
+    with pytest.raises(SystemExit) as bad_kind:  # argparse's error
+        main(["query", str(tmp_path), "--kind", "nope"])
+    assert bad_kind.value.code == 2
+    assert "error" in capsys.readouterr().err
+    assert main(["query", str(tmp_path), "--steps", "x"]) == 2  # the query's error
+    assert "error" in capsys.readouterr().err
+    assert main(["query", str(tmp_path / "missing")]) == 2
+    with pytest.raises(SystemExit) as helped:
+        main(["query", "--help"])
+    assert helped.value.code == 0
+    helptext = capsys.readouterr().out
     assert "1 when nothing matched" in helptext and "2 on an error" in helptext
 
 
