@@ -56,10 +56,6 @@ EXAMPLE_RUNS = {
         "lightning",
         [*_example("lightning_moe.py"), "--steps", "4", "--log-every", "2"],
     ),
-    "test_accelerate_example_two_rank_command_runs_two_ranks": (
-        "accelerate",
-        [*_two_rank_command(), "--steps", "2", "--log-every", "1"],
-    ),
 }
 
 
@@ -204,11 +200,17 @@ def test_examples_refuse_non_positive_counts(script, option, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_accelerate_example_two_rank_command_runs_two_ranks(example_runs, request):
+def test_accelerate_example_two_rank_command_runs_two_ranks(example_runs, tmp_path):
     # The docstring said `accelerate launch --num_processes 2 --cpu`, which starts ONE process
     # (Accelerate's launcher ignores --num_processes with --cpu): time/batches came out 2, not 4.
     pytest.importorskip("accelerate")
-    tmp_path, _ = _finished(example_runs, request)
+    # Alone, after the other example runs: a two-process gloo job among four other processes
+    # on two cores failed once (not reproduced since; its output was not kept).
+    for run in example_runs.values():
+        run.process.wait(timeout=300)
+    command = [*_two_rank_command(), "--steps", "2", "--log-every", "1", "--run-dir", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = tmp_path.rglob("events.out.tfevents.*")
