@@ -353,10 +353,9 @@ class TopKRouter(nn.Module):
         if num_layers is not None:
             _positive_int("num_layers", num_layers)
         num_layers = self._num_layers if num_layers is None else num_layers
-        _check_layer(layer_number, num_layers)
-        self._num_layers = None  # (the pair is checked: either order of the setters is fine)
+        _check_layer(layer_number, num_layers)  # the pair, before either changes
+        self._num_layers = num_layers
         self.layer_number = layer_number
-        self.num_layers = num_layers
 
     def extra_repr(self) -> str:
         return (

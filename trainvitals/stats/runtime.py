@@ -59,10 +59,11 @@ class TrainClock:
             raise TypeError(f"sync must be a callable or None, got {sync!r}")
         self._clock: Callable[[], float] = clock or time.perf_counter
         self.sync_fn = sync
+        # the start of the total time: start() less the validation before it, so that
+        # now - _start is the total (training and every validation) from one subtraction
         self._start: float | None = None
         self._paused_at: float | None = None
         self._paused_seconds = 0.0  # every finished pause, those before start() included
-        self._paused_before_start = 0.0  # the part of it before start() (not in now - start)
 
     @property
     def started(self) -> bool:
@@ -83,8 +84,7 @@ class TrainClock:
                 # the clock inside validation, which has no training batches)
                 self._paused_seconds += now - self._paused_at
                 self._paused_at = None
-            self._start = now
-            self._paused_before_start = self._paused_seconds
+            self._start = now - self._paused_seconds
 
     def sync(self) -> None:
         """Wait for queued accelerator work (``sync_fn``), if any."""
@@ -118,7 +118,7 @@ class TrainClock:
             paused += now - self._paused_at
         if self._start is None:  # only validation so far
             return paused, paused
-        return now - self._start + self._paused_before_start, paused
+        return now - self._start, paused
 
     def train_seconds(self) -> float:
         total, paused = self._read()
