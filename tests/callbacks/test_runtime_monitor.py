@@ -394,3 +394,66 @@ def test_the_rate_starts_when_the_warm_up_steps_work_is_done(monkeypatch):
     row = writer.rows[8]
     assert row["time/seconds_per_step"] == 1.0  # steps 5..8, after the first synced reading
     assert row["time/remaining_seconds"] == (20 - 9) * 1.0
+
+
+@pytest.mark.parametrize(
+    ("limits", "stops_on"),
+    [({"max_steps": 100}, "time"), ({"max_steps": 6}, "steps"), ({}, "time")],
+)
+def test_lightning_time_limit_caps_the_remaining_time(tmp_path, monkeypatch, limits, stops_on):
+    """Trainer(max_time=) stops the run at its Timer's limit (validation counted): the
+    estimate is the smaller of the steps' and the limit's. It used to ignore the limit (a run
+    stopping in 20 s showed 190 s to go) and, with the limit alone, wrote nothing."""
+    from types import SimpleNamespace
+
+    import lightning.pytorch as pl
+    import lightning.pytorch.callbacks.timer as timer_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(timer_module, "time", SimpleNamespace(monotonic=clock))
+    writer = RecordingWriter()
+    train_s, val_s, val_every, limit_s = 2.0, 5.0, 3, 40.0
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            clock.t += train_s
+            return self.layer(batch).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            clock.t += val_s
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(200, 3), batch_size=2)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(2, 3), batch_size=2)
+
+    trainer = quiet_trainer(
+        callbacks=[RuntimeMonitor(clock=clock, writer=writer, time_unit="seconds")],
+        max_time={"seconds": limit_s},
+        val_check_interval=val_every,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        log_every_n_steps=1,
+        **limits,
+    )
+    trainer.fit(Module())
+    remaining = writer.key("time/remaining_seconds")
+    assert remaining, "no estimate written"
+    for step, value in remaining.items():
+        done = step + 1
+        wall = done * train_s + _validations_before(step, val_every) * val_s
+        by_time = max(limit_s - wall, 0.0)  # Lightning's Timer: wall time since train start
+        by_steps = (limits["max_steps"] - done) * train_s if "max_steps" in limits else math.inf
+        assert value == pytest.approx(min(by_time, by_steps), abs=1e-9), step
+    if stops_on == "time":
+        assert trainer.global_step < limits.get("max_steps", 10**9)
+    else:
+        assert trainer.global_step == limits["max_steps"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -40,9 +41,14 @@ class RuntimeMonitor(VitalsCallback):
     else the run's ``max_steps``, else ``max_epochs * ceil(num_training_batches /
     accumulate_grad_batches)`` (the smaller of the two when both are known; under Lightning's
     manual optimization the latter only while every batch steps exactly once). Validation time
-    is not in the estimate (it is reported apart). Consumed batches, samples and tokens are summed
-    over the ranks that see different data in one collective on each logging step (samples
-    and batches over data-parallel ranks, tokens over data- and context-parallel ranks).
+    is not in the estimate (it is reported apart). Under Lightning with a time limit
+    (``Trainer(max_time=...)``, or a ``Timer(duration=...)`` callback stopping mid-epoch, its
+    default) the remaining time is at most the limit's ``Timer.time_remaining()``, which counts
+    validation as the limit does; with only a time limit (no ``max_steps``, ``max_epochs=-1``)
+    it is that. A ``Timer(interval="epoch")`` (stops at an epoch end) is not used. Consumed
+    batches, samples and tokens are summed over the ranks that see different data in one
+    collective on each logging step (samples and batches over data-parallel ranks, tokens over
+    data- and context-parallel ranks).
 
     Everything is state: a resumed run continues its clocks, its counters and its rate from the
     checkpoint (Lightning checkpoints, the driver's ``state_dict``); time between the
@@ -68,7 +74,7 @@ class RuntimeMonitor(VitalsCallback):
     ==========================  ===================================================================  ========
     key                         meaning                                                              unit
     ==========================  ===================================================================  ========
-    ``time/remaining_<unit>``   estimated training time to the horizon (after a measured step)       <unit>
+    ``time/remaining_<unit>``   estimated training time to the step horizon or the time limit        <unit>
     ``time/seconds_per_step``   training seconds per optimizer step the estimate uses                s
     ``time/train_<unit>``       training wall time so far, validation excluded, over all restarts    <unit>
     ``time/validation_<unit>``  validation wall time so far                                          <unit>
@@ -124,6 +130,7 @@ class RuntimeMonitor(VitalsCallback):
         self._counter = StepCounter()
         self._groups = ProcessGroups()
         self._horizon: int | None = None
+        self._time_limit: Callable[[], float | None] | None = None  # Lightning Timer's
         self._epoch_horizon_unchecked = False
         self._steps_this_process = 0
         self._rate_anchor: float | None = None  # train-clock reading where the rate starts
@@ -160,7 +167,8 @@ class RuntimeMonitor(VitalsCallback):
             and ctx.max_epochs is not None
             and not getattr(ctx.model, "automatic_optimization", True)
         )
-        if self._horizon is None:
+        self._time_limit = _lightning_time_limit(ctx.trainer)
+        if self._horizon is None and self._time_limit is None:
             self.warn_once(
                 "horizon",
                 "training horizon unknown (no max_steps, no epochs x "
@@ -258,12 +266,18 @@ class RuntimeMonitor(VitalsCallback):
             if self._consumed[f"{name}_missing"] == 0:
                 out[f"time/{name}"] = self._consumed[name]
         seconds, steps = self._rate(now["train"])
+        left = None
         if steps > 0:
             per_step = seconds / steps
             out["time/seconds_per_step"] = per_step
             if self._horizon is not None:
                 left = remaining_seconds(per_step, steps_done, self._horizon)
-                out[f"time/remaining_{unit}"] = seconds_to(left, unit)
+        by_time = self._time_limit() if self._time_limit is not None else None
+        if by_time is not None and (left is not None or self._horizon is None):
+            # the run stops at whichever of the two limits comes first
+            left = max(by_time, 0.0) if left is None else min(left, max(by_time, 0.0))
+        if left is not None:
+            out[f"time/remaining_{unit}"] = seconds_to(left, unit)
         return out
 
     # ------------------------------------------------------------------ checkpoint
@@ -303,3 +317,28 @@ class RuntimeMonitor(VitalsCallback):
         self._steps_this_process = 0
         self._rate_anchor = None
         self._rate_steps = 0
+
+
+def _lightning_time_limit(trainer: Any) -> Callable[[], float | None] | None:
+    """``time_remaining`` of the Lightning ``Timer`` that stops ``trainer`` mid-epoch at a time
+    limit (``Trainer(max_time=)`` adds one), or ``None``: no trainer, no such Timer."""
+    timer_types = tuple(
+        getattr(module, "Timer", None)
+        for module in (
+            sys.modules.get("lightning.pytorch.callbacks"),
+            sys.modules.get("pytorch_lightning.callbacks"),
+        )
+        if module is not None
+    )
+    timer_types = tuple(t for t in timer_types if isinstance(t, type))
+    if trainer is None or not timer_types:
+        return None
+    for callback in getattr(trainer, "callbacks", None) or ():
+        if (
+            isinstance(callback, timer_types)
+            and callback.time_remaining() is not None
+            # "epoch": stops at the end of the epoch the limit falls in, not at the limit
+            and getattr(callback, "_interval", "step") != "epoch"
+        ):
+            return callback.time_remaining
+    return None
