@@ -1147,3 +1147,45 @@ def test_compiled_model_counts_every_step_without_tracing_the_hooks() -> None:
         if code.co_filename == capture_module.__file__
     ]
     assert not recompiled, recompiled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device beside the CPU")
+def test_hf_model_split_over_devices_counts_and_aux_of_every_layer() -> None:
+    """A model split over devices (``device_map="auto"``, offloaded layers): the counts live on
+    the first router's device (CUDA), layer 1 runs on the CPU. Its aux loss needs the
+    forward's counts where its logits are (before: a device mismatch raised in the hook, the
+    router was dropped after its first forward, so its row held part of the step), and the
+    attention mask it is matched with is copied to the host without a ``non_blocking`` race."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model, router_cls, layers, num_experts = build("mixtral")
+    model.to("cuda")
+    add_hook_to_module(
+        model.model.layers[1].to("cpu"),
+        AlignDevicesHook(execution_device="cpu", io_same_device=True),
+    )
+    seen: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {layer: [] for layer in layers}
+    for name, module in model.named_modules():
+        if type(module).__name__ == router_cls:
+            layer = int(name.split("layers.")[1].split(".")[0])
+            module.register_forward_hook(
+                lambda m, i, out, layer=layer: seen[layer].append(
+                    (out[2].detach().cpu().numpy(), out[0].detach().double().cpu().numpy())
+                )
+            )
+    capture = RouterCapture(model)
+    assert [r.module.weight.device.type for r in capture.routers] == ["cuda", "cpu"]
+    gen = torch.Generator().manual_seed(5)
+    model.train()
+    for mask in PADDED_MASKS:
+        x = torch.randint(0, VOCAB, mask.shape, generator=gen).cuda()
+        model(x, attention_mask=mask.cuda()).logits.float().pow(2).mean().backward()
+    recorder = IndexRecorder(nn.Module(), router_cls)  # filled from the hooks above
+    recorder.by_layer = {layer: [idx for idx, _ in v] for layer, v in seen.items()}
+    recorder.logits = {layer: [logits for _, logits in v] for layer, v in seen.items()}
+    expected, aux, _ = _masked_expectation(recorder, list(PADDED_MASKS), num_experts)
+    assert capture.device.type == "cuda"
+    np.testing.assert_array_equal(capture.loads().cpu().numpy(), expected)
+    aux_sum, aux_count = capture.aux_losses()
+    np.testing.assert_array_equal(aux_count.cpu().numpy(), [2, 2])
+    np.testing.assert_allclose((aux_sum / aux_count).cpu().numpy(), aux, rtol=1e-5)

@@ -682,7 +682,7 @@ class RouterCapture:
         if derived is None:
             flat = mask.reshape(-1)
             if flat.device != device:
-                flat = flat.to(device, non_blocking=True)
+                flat = _copy_to(flat, device)
             padding = (flat == 0).unsqueeze(-1)
             valid = (flat != 0).float()
             num_valid = valid.sum()
@@ -810,7 +810,12 @@ class RouterCapture:
                 indices = indices.masked_fill(valid[0], r.num_experts)
             counts = self._add_indices(i, indices)
             if r.has_aux_loss and logits.ndim == 2:
-                aux = _switch_aux_loss(local_tensor(logits), counts, indices.shape[-1], valid)
+                logits = local_tensor(logits)
+                if counts is not None and counts.device != logits.device:
+                    # the accumulator lives on the first router's device; a model split over
+                    # devices (device_map="auto") has routers elsewhere
+                    counts = _copy_to(counts, logits.device)
+                aux = _switch_aux_loss(logits, counts, indices.shape[-1], valid)
                 self._add_aux(i, aux)
                 if aux is not None and valid is not None:
                     self._add_aux_empty(i, valid[3])
@@ -892,7 +897,7 @@ class RouterCapture:
         e = self.num_experts
         idx = indices.detach().reshape(-1)
         if idx.device != acc.device:
-            idx = idx.to(acc.device, non_blocking=True)
+            idx = _copy_to(idx, acc.device)
         # Out-of-range indices (sentinels) go to the overflow column e.
         idx = idx.clamp(-1, e).remainder_(e + 1)
         ones = self._ones_for(acc, idx.numel())
@@ -917,7 +922,7 @@ class RouterCapture:
         if self._acc is None:
             self._accumulator(device)
         elif device != self._acc_device:
-            counts = counts.to(self._acc_device, non_blocking=True)
+            counts = _copy_to(counts, self._acc_device)
         self._count_rows[i].add_(counts)  # in-place add casts integer counts to the acc's dtype
         self._dirty = True
 
@@ -957,11 +962,9 @@ class RouterCapture:
         counts = acc[:, : self.num_experts]
         for rows, stacked in self._stack_by_shape(maps, changed):
             sums = stacked.sum(dim=1, dtype=acc.dtype)  # [maps, E], exact integers
-            counts.index_add_(
-                0, self._row_index(rows, acc.device), sums.to(acc.device, non_blocking=True)
-            )
+            counts.index_add_(0, self._row_index(rows, acc.device), _copy_to(sums, acc.device))
         for rows, stacked in self._stack_by_shape(auxs, changed):
-            values = stacked.to(acc.device, acc.dtype, non_blocking=True)  # float32->float64: exact
+            values = _copy_to(stacked, acc.device).to(acc.dtype)  # float32->float64: exact
             self._aux_sum.index_add_(0, self._row_index(rows, acc.device), values)
         self._drop_invalid()
 
@@ -1023,7 +1026,7 @@ class RouterCapture:
         if self._acc is None:
             self._accumulator(device)
         elif device != self._acc_device:
-            aux = aux.to(self._acc_device, non_blocking=True)
+            aux = _copy_to(aux, self._acc_device)
         self._aux_rows[i].add_(aux)
         self._aux_count[i] += 1
         self._dirty = True
@@ -1032,7 +1035,7 @@ class RouterCapture:
         """Mark the forward just counted by :meth:`_add_aux` as having had no token (``empty``
         a device 0-d 1.0) or not (0.0): one kernel, no host synchronisation."""
         if empty.device != self._acc_device:
-            empty = empty.to(self._acc_device, non_blocking=True)
+            empty = _copy_to(empty, self._acc_device)
         self._aux_empty_rows[i].add_(empty)
         self._aux_empty_dirty = True
 
@@ -1209,6 +1212,17 @@ def unpack_loads(
     n = num_layers * num_experts
     rows = [host[i : i + num_experts] for i in range(0, n, num_experts)]
     return rows, host[n : n + num_layers]
+
+
+def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, without waiting for the device where that is safe: a copy to
+    an accelerator is stream-ordered before the kernels that read it, but a ``non_blocking``
+    copy from an accelerator to host memory may be read by the host before it has landed
+    (PyTorch's "non_blocking and pin_memory" guide), so that one waits (a model split over
+    devices with routers on the CPU, e.g. ``device_map="auto"`` with offloaded layers)."""
+    if tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=torch.device(device).type != "cpu")
 
 
 def _as_aux_tensor(aux: Any) -> torch.Tensor:
