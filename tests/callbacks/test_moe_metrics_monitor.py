@@ -523,6 +523,57 @@ def test_a_router_recording_only_a_loss_writes_it_without_the_nothing_warning():
         assert writer.rows[step]["moe/load_balancing_loss"] == pytest.approx(value, rel=1e-6)
 
 
+def test_mtp_layers_with_the_routers_pattern_are_counted_once_and_reported():
+    """A model with Multi-Token-Prediction layers: its routers' ``num_layers`` (the tracker's
+    vector length) counts the MTP slot too. With ``mtp_num_layers`` the monitor takes the MoE
+    pattern of the transformer layers from the routers and the tracker adds the MTP slot:
+    2 transformer layers (block 0 MoE, block 1 dense) + 1 MTP layer -> MoE slots 0 and 2, the
+    mean over those 2. The routers' 3-entry pattern used to go to the tracker as
+    ``moe_layer_freq`` for 2 transformer layers: a ValueError at the first logging step, so
+    the monitor was disabled and nothing was written."""
+    from trainvitals.adapters.loop import Vitals
+
+    torch.manual_seed(0)
+    routers = torch.nn.ModuleList(
+        TopKRouter(HIDDEN, EXPERTS, TOPK, aux_loss_type="aux_loss", aux_loss_coeff=0.01)
+        for _ in range(2)
+    )
+    routers[0].set_layer_number(1, num_layers=3)  # block 0
+    routers[1].set_layer_number(3, num_layers=3)  # the MTP layer
+    opt = torch.optim.SGD(routers.parameters(), lr=0.5)
+    writer = Recorder()
+    vitals = Vitals(
+        [MoEMetricsMonitor(per_layer_logging=True, mtp_num_layers=1)],
+        writer=writer,
+        log_every_n_steps=1,
+    )
+    vitals.attach(routers, opt)
+    expected = {}
+    for step in range(2):
+        x = torch.randn(2, 8, HIDDEN)
+        vitals.batch(x)
+        ref = [
+            ref_losses(x.reshape(-1, HIDDEN).double(), r.weight.detach().double())[
+                "load_balancing_loss"
+            ]
+            for r in routers
+        ]
+        sum(r(x)[0].square().sum() for r in routers).backward()
+        opt.step()
+        opt.zero_grad()
+        expected[step] = {
+            "moe/load_balancing_loss": (ref[0] + ref[1]) / 2,
+            "moe/load_balancing_loss_layer_0": ref[0],
+            "moe/load_balancing_loss_layer_2": ref[1],
+        }
+    vitals.close()
+    assert sorted(writer.rows) == [0, 1]
+    for step, row in expected.items():
+        assert set(writer.rows[step]) == set(row)
+        for key, value in row.items():
+            assert writer.rows[step][key] == pytest.approx(value, rel=1e-5), (step, key)
+
+
 def test_monitor_rejects_bad_arguments():
     with pytest.raises(ValueError, match="num_layers"):
         MoEMetricsMonitor(num_layers=0)

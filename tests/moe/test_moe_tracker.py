@@ -179,6 +179,23 @@ def test_nan_mean_and_layer_value_are_written_not_dropped():
     assert row["moe/load_balancing_loss_p50"] == pytest.approx(float(np.median(finite)))
 
 
+def test_layers_of_plus_and_minus_inf_give_a_nan_mean_not_a_failed_report():
+    # A signed metric recorded by the user whose layers diverged both ways: the mean over the
+    # layers is NaN (inf - inf, as a device sum gives). math.fsum raised ValueError ("-inf +
+    # inf in fsum"), which ended the report before anything was written or cleared.
+    tracker = MoEMetricsTracker()
+    for layer, v in enumerate([math.inf, -math.inf, 2.0], start=1):
+        tracker.record("logit_drift", torch.tensor(v), layer, 3)
+    writer = Recorder()
+    tracker.report(1.0, 0, writer, per_layer_logging=True)
+    row = writer.rows[0]
+    assert math.isnan(row["moe/logit_drift"])
+    assert row["moe/logit_drift_layer_0"] == math.inf
+    assert row["moe/logit_drift_layer_1"] == -math.inf
+    assert row["moe/logit_drift_layer_2"] == 2.0
+    assert tracker.metrics["logit_drift"].values.tolist() == [0.0, 0.0, 0.0]
+
+
 def test_one_host_transfer_per_report(monkeypatch):
     tracker = MoEMetricsTracker()
     for name in ("a_loss", "b", "c"):

@@ -39,7 +39,8 @@ class MoEMetricsMonitor(VitalsCallback):
       over the world (the ranks agree on the metric names), one all-reduce per group and
       reduction kind, one device-to-host transfer; then the tracker is zeroed.
     * ``run_end``: reports the steps since the last logging step, at the last step, with any
-      micro-batches run after the last optimizer step.
+      micro-batches run after the last optimizer step (when the last step logged, there is no
+      step to report them with: they are not written, rather than replace its values).
     * ``load_state_dict`` (a resume, or the driver's rollback to an earlier checkpoint): drops
       what was recorded since the last report and the routers' ``global_aux_loss`` token
       counts, which belong to the abandoned timeline; the next report covers the steps since.
@@ -170,7 +171,9 @@ class MoEMetricsMonitor(VitalsCallback):
         self._global_routers = [r for r in self._routers if r.global_tokens_per_expert is not None]
         self._layer_freq = self.moe_layer_freq
         if self._layer_freq is None and group_size(ctx.groups.pp) == 1:
-            self._layer_freq = _pattern_from_routers(self._routers)
+            self._layer_freq = _pattern_from_routers(
+                self._routers, self.num_layers, self.mtp_num_layers
+            )
 
     def validation_start(self, ctx: RunContext) -> None:
         self._validation_snapshot = self.tracker._snapshot()
@@ -277,8 +280,17 @@ class MoEMetricsMonitor(VitalsCallback):
             router.reset_global_tokens()
 
 
-def _pattern_from_routers(routers: list[TopKRouter]) -> list[int] | None:
-    """The 0/1 MoE-layer pattern of the model's routers (``None`` when they do not say)."""
+def _pattern_from_routers(
+    routers: list[TopKRouter], num_layers: int | None, mtp_num_layers: int | None
+) -> list[int] | None:
+    """The 0/1 MoE-layer pattern of the model's transformer layers, from its routers (``None``
+    when they do not say).
+
+    A router's ``num_layers`` is the tracker's vector length, the ``mtp_num_layers``
+    Multi-Token-Prediction slots included; the pattern covers the transformer layers before
+    them (the tracker counts the MTP slots as MoE layers by itself, as Megatron). A pattern
+    that does not fit the monitor's ``num_layers`` is not guessed: ``None`` (every layer), and
+    the tracker names the inconsistent sizes."""
     sizes = {r.num_layers for r in routers}
     if (
         not routers
@@ -287,9 +299,12 @@ def _pattern_from_routers(routers: list[TopKRouter]) -> list[int] | None:
         or any(r.layer_number is None for r in routers)
     ):
         return None
-    (num_layers,) = sizes
-    pattern = [0] * num_layers
+    (size,) = sizes
+    layers = size - (mtp_num_layers or 0)
+    if layers <= 0 or (num_layers is not None and num_layers != layers):
+        return None
+    pattern = [0] * layers
     for r in routers:
-        if r.layer_number <= num_layers:
+        if r.layer_number <= layers:
             pattern[r.layer_number - 1] = 1
     return pattern

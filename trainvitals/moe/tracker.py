@@ -90,7 +90,8 @@ class MetricEntry:
 
     ``counts`` holds, per layer, how many values were added into ``values`` since the last
     report (on the same device, zeros when not given): the divisor of
-    ``report(mean_over_records=True)``.
+    ``report(mean_over_records=True)``. ``one`` is a ``[1]`` tensor of ones on that device, the
+    increment of a count (made once, not in every record).
     """
 
     values: torch.Tensor
@@ -98,10 +99,19 @@ class MetricEntry:
     avg_group: Any = None
     needs_dp_avg: bool = True
     counts: torch.Tensor | None = None
+    one: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.counts is None:
             self.counts = torch.zeros_like(self.values)
+        if self.one is None or self.one.device != self.counts.device:
+            self.one = torch.ones(1, dtype=self.counts.dtype, device=self.counts.device)
+
+    def _set_groups(self, reduce_group: Any, avg_group: Any, needs_dp_avg: bool) -> None:
+        """The reduction settings of the last record (the last call wins, as Megatron)."""
+        self.reduce_group = reduce_group
+        self.avg_group = avg_group
+        self.needs_dp_avg = bool(needs_dp_avg)
 
 
 @dataclass
@@ -219,9 +229,7 @@ class MoEMetricsTracker:
         # Counted on the device with the value (no host counter): whatever replays the value's
         # addition (a CUDA graph, a compiled region) replays the count with it.
         entry.counts[layer_number - 1] += 1
-        entry.reduce_group = reduce_group
-        entry.avg_group = avg_group
-        entry.needs_dp_avg = bool(needs_dp_avg)
+        entry._set_groups(reduce_group, avg_group, needs_dp_avg)
 
     def _record_at(
         self,
@@ -242,10 +250,8 @@ class MoEMetricsTracker:
         entry = self._entry(name, num_layers, value.device)
         value = value.detach().reshape(1).to(entry.values.dtype)
         entry.values.index_add_(0, slot, value)
-        entry.counts.index_add_(0, slot, torch.ones_like(value))
-        entry.reduce_group = reduce_group
-        entry.avg_group = None
-        entry.needs_dp_avg = bool(needs_dp_avg)
+        entry.counts.index_add_(0, slot, entry.one)  # (a cached one: no fill kernel per record)
+        entry._set_groups(reduce_group, None, needs_dp_avg)
 
     def _entry(self, name: str, num_layers: int, device: torch.device) -> MetricEntry:
         """Metric ``name``'s entry on ``device`` (created with ``num_layers`` zeros)."""
@@ -261,6 +267,7 @@ class MoEMetricsTracker:
         if entry.values.device != device:
             entry.values = entry.values.to(device)
             entry.counts = entry.counts.to(device)
+            entry.one = entry.one.to(device)
         return entry
 
     def ensure_initialized(
@@ -427,7 +434,7 @@ class MoEMetricsTracker:
                 v = [x / c if c > 0 else x for x, c in zip(v, counts, strict=True)]
             v = [x * scale for x in v]
             keys.append(plan.name)
-            numbers.append(math.fsum(v) / plan.num_moe_layers)
+            numbers.append(_fsum(v) / plan.num_moe_layers)
             qs = pct.get(plan.name)
             if qs:
                 # NaN = no non-zero layer: that percentile is not written. Only here: a NaN
@@ -629,6 +636,16 @@ class MoEMetricsTracker:
         if _group_ranks(groups.dp_cp):
             reduce([n for n in names if schema[n][1]], "avg", groups.dp_cp)
         return values, None
+
+
+def _fsum(values: list[float]) -> float:
+    """``math.fsum`` (correctly rounded), or the plain sum where fsum raises: ``+inf`` and
+    ``-inf`` layers (NaN, as the device's sum; fsum raised ValueError and the report died) or
+    an intermediate overflow (``inf``)."""
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):
+        return sum(values)
 
 
 # ---------------------------------------------------------------------- argument helpers
