@@ -166,7 +166,9 @@ class TensorStatsMonitor(VitalsCallback):
     ``<module>/input0`` is the gradient of the loss with respect to the tensor that entered the
     module, summed over all its consumers (q/k/v projections sharing one input see the same
     value); it is observed with tensor hooks, which never alter the autograd graph (full
-    backward hooks break in-place ops such as ``ReLU(inplace=True)`` after a ``Linear``).
+    backward hooks break in-place ops such as ``ReLU(inplace=True)`` after a ``Linear``; a
+    ``Linear`` output that is a view, changed in place later, is hooked through its base, see
+    :func:`_grad_target`).
 
     Args:
         kinds: which of ``"param"``, ``"grad"``, ``"activation"``, ``"dgrad"`` to record.
@@ -646,11 +648,13 @@ class TensorStatsMonitor(VitalsCallback):
                 # turns autograd on, hence grad_on read before).
                 inference = torch.is_inference_mode_enabled()
                 with torch.inference_mode(False) if inference else contextlib.nullcontext():
-                    observe(args, kwargs, output, rerun, grad_on)
+                    observe(module, args, kwargs, output, rerun, grad_on)
             except Exception as exc:  # never let telemetry break the user's forward
                 self._hook_failure(exc)
 
-        def observe(args: tuple, kwargs: dict, output: Any, rerun: bool, grad_on: bool) -> None:
+        def observe(
+            module: nn.Module, args: tuple, kwargs: dict, output: Any, rerun: bool, grad_on: bool
+        ) -> None:
             first_in = _first_float(args)
             if first_in is None and not args:
                 first_in = _first_float(tuple(kwargs.values()))
@@ -672,7 +676,8 @@ class TensorStatsMonitor(VitalsCallback):
                 if rerun:  # the activation was measured in the first run
                     if self._held_back.get(site, 0) > 0 and x.requires_grad:
                         self._held_back[site] -= 1
-                        self._handles.append(x.register_hook(self._make_grad_hook(site)))
+                        target = _grad_target(module, slot, x)
+                        self._handles.append(target.register_hook(self._make_grad_hook(site)))
                     continue
                 # The gradient hook first, and even after a failure: it may hold a collective
                 # (Partial gradients) that every rank must reach.
@@ -690,7 +695,8 @@ class TensorStatsMonitor(VitalsCallback):
                     # autograd on (see _merged_sites)
                     unsure = True
                 if want_dgrad and x.requires_grad:
-                    self._handles.append(x.register_hook(self._make_grad_hook(site)))
+                    target = _grad_target(module, slot, x)
+                    self._handles.append(target.register_hook(self._make_grad_hook(site)))
                     self._held_back.pop(site, None)  # hooked here: nothing to re-run for
                 elif want_dgrad and not grad_on and site not in self._grad_sites:
                     # a reentrant checkpoint's first run: its re-run gets the hook
@@ -1108,6 +1114,36 @@ def _first_float(obj: Any) -> torch.Tensor | None:
             if isinstance(v, torch.Tensor):
                 return v if v.is_floating_point() else None
     return None
+
+
+def _grad_target(module: nn.Module, slot: int, x: torch.Tensor) -> torch.Tensor:
+    """The tensor whose gradient hook delivers the dgrad of ``x`` (``slot`` 1: an output).
+
+    A hook on a view never fires once the view is changed in place (autograd rebases the
+    view's history onto its base; the node the hook sits on leaves the graph), and
+    ``nn.Linear``'s output for an input of 3 or more dims is such a view (of its 2-D
+    ``addmm`` result): ``ReLU(inplace=True)``, or a residual added in place, after it left the
+    site's dgrad out, silently. That base is made inside ``F.linear`` and used by nothing
+    else, so its gradient is the gradient of ``x`` (the same elements, reshaped), whether or
+    not ``x`` is changed later: hook the base instead. Other views keep the hook on ``x``
+    (their base may have other consumers, whose gradients it would add)."""
+    if (
+        slot == 1
+        and type(module).forward is nn.Linear.forward
+        and x._is_view()
+        and not _is_dtensor(x)
+    ):
+        base = x._base
+        if (
+            base is not None
+            and base.requires_grad
+            and base.numel() == x.numel()
+            and base.is_contiguous()
+            and x.is_contiguous()
+            and base.data_ptr() == x.data_ptr()
+        ):
+            return base
+    return x
 
 
 def _sum_partials(tensors: list[torch.Tensor], locals_: list[torch.Tensor]) -> None:
