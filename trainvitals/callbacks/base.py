@@ -471,6 +471,8 @@ class VitalsCallback:
         ctx = self._pl_context(trainer, pl_module)
         if getattr(ctx, "_pl_gate", None) is None and _overrides_batch_start(pl_module):
             ctx._pl_gate = _BatchStartGate(pl_module)
+        if getattr(ctx, "_pl_clip", None) is None and not pl_module.automatic_optimization:
+            ctx._pl_clip = _ManualClipGate.install(trainer, pl_module)
         self._pl_last_global_step = trainer.global_step
         ctx.step = ctx.start_step = trainer.global_step
         self._dispatch("run_start", ctx)
@@ -529,6 +531,9 @@ class VitalsCallback:
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         ctx = self._pl_context(trainer, pl_module)
+        clip = getattr(ctx, "_pl_clip", None)
+        if clip is not None and clip.shown_before_clipping(optimizer, ctx.step):
+            return  # the callbacks saw this step()'s gradients when its clipping started
         _release_batch_start_gate(ctx)
         ctx.stepping_optimizer = optimizer
         try:
@@ -551,6 +556,8 @@ class VitalsCallback:
             self._dispatch("step_end", ctx)
             ctx.step = trainer.global_step
         self._pl_last_global_step = trainer.global_step
+        if (clip := getattr(ctx, "_pl_clip", None)) is not None:
+            clip.shown.clear()  # every step() of the batch is done
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         ctx = getattr(trainer, "_trainvitals_ctx", None)
@@ -805,10 +812,73 @@ def _release_batch_start_gate(ctx: RunContext) -> None:
 
 
 def _remove_batch_start_gate(ctx: RunContext) -> None:
+    """Give the module and the precision plugin their own methods back (the fit is over)."""
     gate = getattr(ctx, "_pl_gate", None)
     if gate is not None:
         ctx._pl_gate = None
         gate.remove()
+    clip = getattr(ctx, "_pl_clip", None)
+    if clip is not None:
+        ctx._pl_clip = None
+        clip.remove()
+
+
+class _ManualClipGate:
+    """Shows the callbacks a step's gradients before Lightning's manual optimization clips them.
+
+    Under automatic optimization Lightning calls ``on_before_optimizer_step`` after unscaling
+    and before clipping, where the callbacks read the gradients (the step's "grad" is the
+    unclipped one). Under manual optimization ``training_step`` clips, with
+    ``self.clip_gradients(opt, gradient_clip_val=...)`` as Lightning's docs show, before
+    ``opt.step()``, and ``on_before_optimizer_step`` comes inside that step(): after the
+    clipping. So the precision plugin's ``clip_gradients`` (which
+    ``LightningModule.clip_gradients`` calls) is wrapped for the fit: when it is about to clip
+    (a value > 0), every trainvitals callback of the trainer gets that optimizer's
+    ``on_before_optimizer_step`` first, and the one inside its step() is skipped. Not under
+    fp16 with an enabled ``GradScaler``: the gradients are still multiplied by the loss scale
+    when ``training_step`` clips (Lightning unscales them inside step()), so they are read
+    there, as before. A ``torch.nn.utils.clip_grad_norm_`` called directly is not seen."""
+
+    def __init__(self, trainer: Any, pl_module: Any, plugin: Any) -> None:
+        self.shown: dict[int, int] = {}  # id(optimizer) -> the step its gradients were shown at
+        original = plugin.clip_gradients
+
+        def clip_gradients(optimizer: Any, clip_val: Any = 0.0, *args: Any, **kwargs: Any) -> Any:
+            self._show(trainer, pl_module, plugin, optimizer, clip_val)
+            return original(optimizer, clip_val, *args, **kwargs)
+
+        self._patch = AttributePatch(plugin, "clip_gradients", clip_gradients)
+
+    @classmethod
+    def install(cls, trainer: Any, pl_module: Any) -> _ManualClipGate | None:
+        plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+        if plugin is None or not callable(getattr(plugin, "clip_gradients", None)):
+            return None
+        return cls(trainer, pl_module, plugin)
+
+    def shown_before_clipping(self, optimizer: Any, step: int) -> bool:
+        return self.shown.get(id(getattr(optimizer, "_optimizer", optimizer))) == step
+
+    def _show(self, trainer: Any, pl_module: Any, plugin: Any, optimizer: Any, clip: Any) -> None:
+        ctx = getattr(trainer, "_trainvitals_ctx", None)
+        if ctx is None or ctx.in_validation or pl_module.automatic_optimization:
+            return  # (automatic optimization clips after on_before_optimizer_step)
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0:
+            return  # nothing is clipped: step()'s own hook shows the gradients
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            return  # fp16: still multiplied by the loss scale here (unscaled in step())
+        if self.shown_before_clipping(optimizer, ctx.step):
+            return  # clipped again before its step(): the first showing was unclipped
+        inner = getattr(optimizer, "_optimizer", optimizer)  # (a LightningOptimizer)
+        for callback in trainer.callbacks:
+            if isinstance(callback, VitalsCallback):
+                callback.on_before_optimizer_step(trainer, pl_module, inner)
+        self.shown[id(inner)] = ctx.step
+
+    def remove(self) -> None:
+        self.shown.clear()
+        self._patch.undo()
 
 
 def _lightning_writer(trainer: Any, run_dir: Path, start_step: int) -> Any:

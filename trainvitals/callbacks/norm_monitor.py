@@ -101,6 +101,11 @@ class NormMonitor(VitalsCallback):
     writes the norms. Plain tensors are replicas (DDP) and are not reduced; tied parameters
     count once. Non-logging steps cost nothing: no computation, no sync, no collective.
 
+    Under Lightning's manual optimization, whose ``training_step`` clips before ``opt.step()``,
+    the gradients are read when ``self.clip_gradients(opt, gradient_clip_val=...)`` starts
+    clipping (not under fp16 with a ``GradScaler``, where they are still scaled then); a
+    ``torch.nn.utils.clip_grad_norm_`` called directly is not seen (clipped norms).
+
     The parameter norm is taken at the same moment, i.e. of the weights the step's gradients
     were computed with (before the update). Only parameters with ``requires_grad`` at that
     step count (parameters frozen or unfrozen during training drop out or join).
