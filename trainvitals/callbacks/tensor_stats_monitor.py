@@ -95,7 +95,7 @@ class TensorStatsMonitor(VitalsCallback):
       router, by default). A forward hook folds the site's tensors into per-row moments on
       the device (a tensor seen at several sites is reduced once) and, for ``dgrad``, puts a
       gradient hook on the same tensors. Integer inputs
-      (token ids) are skipped. Forwards re-run inside backward (activation checkpointing) are
+      (token ids) are passed over for the first floating-point one. Forwards re-run inside backward (activation checkpointing) are
       not counted twice; under a reentrant checkpoint, whose first run has autograd off, the
       re-run is where the gradient hooks go. A ``no_grad`` forward of a site that trains with
       autograd on (generation, old log-probs, a teacher pass) is not counted, also before the
@@ -1107,12 +1107,15 @@ def _is_dtensor(x: torch.Tensor) -> bool:
 
 
 def _first_float(obj: Any) -> torch.Tensor | None:
+    """The first floating-point tensor of a module's arguments or output: ``obj`` itself, or
+    the first among its top-level items (token ids and other integer tensors, ``None`` and
+    other objects are passed over, so ``module(ids, hidden)`` is measured on ``hidden``)."""
     if isinstance(obj, torch.Tensor):
         return obj if obj.is_floating_point() else None
     if isinstance(obj, list | tuple):
         for v in obj:
-            if isinstance(v, torch.Tensor):
-                return v if v.is_floating_point() else None
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v
     return None
 
 
