@@ -679,3 +679,19 @@ def test_metrics_and_tensor_stats_of_different_runs_are_not_mixed(tmp_path: Path
     assert str(old) in str(err.value) and str(new) in str(err.value)
     span, sources = _read_from(render_report(new))
     assert span == "steps 6 to 9" and str(old) not in sources
+
+
+def test_a_negative_token_count_is_a_grey_cell_not_a_crash(tmp_path: Path) -> None:
+    """A negative value under a tokens-per-expert key (a -1 "not measured" sentinel, another
+    metric of that name) gave a negative utilization whose log2 raised ValueError: math domain
+    error, and no report at all. It is drawn grey (not a count); the other cells keep their
+    numbers."""
+    logged = {0: 30.0, 1: 50.0, 2: -1.0}
+    with FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")]) as writer:
+        writer.add_scalars({f"moe/layer_0/tokens_per_expert/{e}": v for e, v in logged.items()}, 3)
+    cells = Page(render_report(tmp_path)).charts["expert-load/step-3"]["cells"]
+    mean = sum(logged.values()) / 3
+    assert cells[("0", 2)]["fill"] == "#cccccc"
+    for e in (0, 1):
+        assert float(cells[("0", e)]["data-util"]) == pytest.approx(logged[e] / mean, rel=1e-12)
+        assert cells[("0", e)]["fill"] not in ("#cccccc", "#000000")

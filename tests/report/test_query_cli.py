@@ -16,7 +16,7 @@ import torch
 
 from tests.stats.test_moments import REL, reference
 from trainvitals.cli import main
-from trainvitals.report import parse_steps, query, read_tensor_stats
+from trainvitals.report import parse_steps, query, read_tensor_stats, render_report
 from trainvitals.stats.moments import DERIVED, FIELDS, fused_moments, moments_to_dicts
 
 LAYERS = 12
@@ -574,3 +574,35 @@ def test_a_folder_of_several_runs_is_an_error_naming_their_files(
     empty.mkdir()
     assert main(["query", str(empty)]) == 2
     assert capsys.readouterr().err.strip().endswith(f"at {empty / 'tensor_stats.jsonl'}")
+
+
+def test_a_record_without_a_kind_string_is_skipped_not_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A line with no `kind` (or a list for one) made a query that matched nothing exit 2 with
+    "'<' not supported between instances of 'NoneType' and 'str'" (its no-match message sorts
+    the kinds found) instead of 1 and the reason, and a list kind broke the report
+    ("unhashable type"). Such lines are skipped with a warning naming them."""
+    data = write_run(tmp_path, [0, 4])
+    path = tmp_path / "tensor_stats.jsonl"
+    good = path.read_text().splitlines()
+    no_kind, list_kind = json.loads(good[0]), json.loads(good[0])
+    del no_kind["kind"]
+    list_kind["kind"] = ["grad"]
+    path.write_text(
+        "\n".join([good[0], json.dumps(no_kind), json.dumps(list_kind), good[1]]) + "\n"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        status = main(["query", str(tmp_path), "--kind", "param"])
+        err = capsys.readouterr().err
+        assert status == 1, err
+        assert "no 'param' records (the file holds grad steps 0-4)" in err, err
+        rows = query(tmp_path, stat="kurtosis")
+        assert "tensor statistics: grad" in render_report(tmp_path)
+    messages = [str(w.message) for w in caught]
+    for line in (2, 3):
+        assert any(f"line {line} has no 'kind' string" in m for m in messages), messages
+    assert [r["step"] for r in rows] == [0, 4]
+    for r in rows:
+        check_row(r, torch.cat([t.reshape(-1) for t in data[r["step"]].values()]), ["kurtosis"])

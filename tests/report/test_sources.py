@@ -315,3 +315,62 @@ def test_a_metrics_jsonl_and_event_files_of_different_run_folders_are_an_error(
     assert f"{tmp_path / 'a'} (a metrics.jsonl), {tmp_path / 'b' / 'tb'} (TensorBoard" in message
     assert find_metrics(tmp_path / "b") == tmp_path / "b" / "tb"
     assert find_metrics(tmp_path / "a") == tmp_path / "a" / "metrics.jsonl"
+
+
+def test_each_name_of_summary_writer_add_scalars_is_a_key_of_its_own(tmp_path: Path) -> None:
+    # SummaryWriter.add_scalars(main_tag, {name: value}, step), which Lightning's
+    # TensorBoardLogger and Accelerate's tensorboard tracker call for a dict value, writes each
+    # name to a folder "<main_tag>_<name>" under the one tag main_tag. Keyed by the tag alone,
+    # the names fell on one key and the folder read last hid the others: "lr" showed
+    # group1's values (0.2 s) as the learning rate, group0's (0.1 s) were gone.
+    pytest.importorskip("tensorboard")
+    import numpy as np
+    from torch.utils.tensorboard import SummaryWriter
+
+    from trainvitals.report.sources import find_metrics
+
+    run = tmp_path / "run"
+    want: dict[str, list[tuple[int, float]]] = {}
+    with SummaryWriter(run) as writer:
+        for s in range(5):
+            logged = {
+                "train/loss": 1.0 / (s + 1),
+                "lr": {"group0": 0.1 * s, "group1": 0.2 * s},
+                "loss/split": {"train": 1.0 + s, "val": 2.0 + s},
+            }
+            for tag, value in logged.items():
+                if isinstance(value, dict):
+                    writer.add_scalars(tag, value, s)
+                    for name, v in value.items():
+                        want.setdefault(f"{tag}/{name}", []).append((s, float(np.float32(v))))
+                else:
+                    writer.add_scalar(tag, value, s)
+                    want.setdefault(tag, []).append((s, float(np.float32(value))))
+    assert find_metrics(run) == run
+    for given in (run, tmp_path):  # found, and --metrics naming a folder above the run's
+        src = load_metrics(given, lambda key: True, None, None)
+        assert sorted(src.values) == sorted(want)  # lr/group0, lr/group1, loss/split/train, ...
+        for key, points in want.items():
+            assert points_of(src.values, key) == points, key
+
+
+def test_metrics_naming_a_folder_of_several_tensorboard_runs_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found by the report, lightning_logs/ holding version_0 and version_1 is an error naming
+    # them; named by --metrics it was read as one run: version_1's steps 0..4 hid all of
+    # version_0's (train/loss 10..14 shown, 0..2 gone), one run's numbers shown as the other's.
+    pytest.importorskip("tensorboard")
+    from trainvitals.cli import main
+
+    logs = tmp_path / "lightning_logs"
+    for v in range(2):
+        write_tensorboard(logs / f"version_{v}", [(s, 10.0 * v + s) for s in range(3 + 2 * v)])
+    with pytest.raises(FileNotFoundError, match="event files of 2 run folders") as info:
+        load_metrics(logs, lambda key: True, None, None)
+    assert "version_0" in str(info.value) and "version_1" in str(info.value)
+    status = main(["report", str(tmp_path), "--metrics", str(logs), "-o", str(tmp_path / "r.html")])
+    assert status == 2 and "2 run folders" in capsys.readouterr().err
+    assert not (tmp_path / "r.html").exists()
+    src = load_metrics(logs / "version_0", lambda key: True, None, None)  # one run: its values
+    assert points_of(src.values, "train/loss") == [(s, float(s)) for s in range(3)]

@@ -477,11 +477,11 @@ def _heatmap(
 
 
 def _load_color(tokens: float, util: float) -> str:
-    if not math.isfinite(tokens):
-        return "#cccccc"  # not logged (or NaN)
+    if not math.isfinite(tokens) or tokens < 0:
+        return "#cccccc"  # not logged (or NaN; a negative count is no count either)
     if tokens == 0:
         return "#000000"  # a dead expert
-    if not math.isfinite(util):
+    if not (math.isfinite(util) and util > 0):  # (log2 of a negative: a crash of the report)
         return "#cccccc"
     t = max(-1.0, min(1.0, math.log2(util) / 2))  # 1/4 .. 4 -> -1 .. 1
     white, end = (247, 247, 247), ((178, 24, 43) if t < 0 else (33, 102, 172))

@@ -67,7 +67,8 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     """Yield the records of a ``tensor_stats.jsonl`` file (or of ``<run_dir>/tensor_stats.jsonl``).
 
     A last line cut by a crash is skipped with a warning, as are other unreadable lines, lines
-    of an unknown schema version and lines without an integer ``step`` or a ``tensors`` object
+    of an unknown schema version and lines without an integer ``step``, a ``kind`` string or a
+    ``tensors`` object
     (the first :data:`MAX_LINE_WARNINGS` one by one, the rest counted in one warning at the
     end, so a wrong file does not print a warning per line). When a (step, kind) appears
     twice, the later line wins (:func:`query` applies this).
@@ -109,6 +110,11 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
             step = rec.get("step")
             if not isinstance(step, int) or isinstance(step, bool):
                 skip(f"line {i} has no integer 'step'")
+                continue
+            if not isinstance(rec.get("kind"), str):
+                # (the no-match message sorts the kinds found: None beside "grad" was a
+                # TypeError, exit 2 instead of 1; an unhashable kind broke the report)
+                skip(f"line {i} has no 'kind' string")
                 continue
             tensors = rec.get("tensors")
             if not isinstance(tensors, dict):

@@ -9,7 +9,8 @@ Three formats, found in this order when none is named:
    run (see :func:`find_metrics`): what a Lightning ``TensorBoardLogger``, an Accelerate
    ``tensorboard`` tracker or a :class:`~trainvitals.adapters.TensorBoardSink` wrote (float32
    values, float64 ones from ``TensorBoardSink(double_precision=True)``; read with
-   ``tensorboard``'s own reader, imported only then);
+   ``tensorboard``'s own reader, imported only then); a tag of a folder inside the run's folder
+   (``SummaryWriter.add_scalars``) is keyed by its folder too (:func:`_subfolder_key`);
 3. a Lightning ``CSVLogger`` file (``metrics.csv``) anywhere under the run folder, only one: a
    ``step`` column and one column per key, empty where a key was not logged.
 
@@ -213,7 +214,8 @@ def load_metrics(
         if not files:
             raise FileNotFoundError(f"no TensorBoard event files under {path}")
         precisions: set[str] = set()  # shown beside the source: float32 is not exact
-        for step, key, value, wall in _tensorboard_scalars(files, path.is_dir(), precisions):
+        root = path if path.is_dir() else None
+        for step, key, value, wall in _tensorboard_scalars(files, root, precisions):
             add(key, step, value)
             if shown(step):  # (the wall time of the steps shown, as the span beside it)
                 src.times.append(wall)
@@ -240,10 +242,12 @@ def load_metrics(
 
 
 def _tensorboard_scalars(
-    files: list[Path], whole_folders: bool, precisions: set[str]
+    files: list[Path], root: Path | None, precisions: set[str]
 ) -> Iterator[tuple[int, str, float, float]]:
-    """The scalars of ``files`` (sorted), read per folder when ``whole_folders`` (each holds
-    every event file of its folder), else per file; adds the dtypes read to ``precisions``."""
+    """The scalars of ``files`` (sorted), read per folder when ``root`` (a folder, which
+    ``files`` are every event file under), else per file; adds the dtypes read to
+    ``precisions``. A tag of a folder inside a run folder (the top-most folders holding event
+    files) is keyed by :func:`_subfolder_key`."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
         from tensorboard.util.tensor_util import make_ndarray
@@ -256,16 +260,30 @@ def _tensorboard_scalars(
     # start with their creation time), so a resumed run's SummaryWriter(purge_step=N) (what
     # TensorBoardSink opens on resume) hides the earlier file's steps >= N. Read file by file,
     # those abandoned steps stayed in the report beyond the steps the resumed run re-logged.
-    sources = list(dict.fromkeys(f.parent for f in files)) if whole_folders else files
+    sources = list(dict.fromkeys(f.parent for f in files)) if root is not None else files
+    # the run folders: those holding event files not inside another such folder (``root``
+    # itself, or the one folder under it holding them, as find_metrics finds it)
+    tops = (
+        [f for f in sources if not any(o in f.parents for o in sources)] if root is not None else []
+    )
+    if len(tops) > 1:  # (find_metrics refuses them too; a folder given by --metrics was read
+        # as one run: a later version's steps hid an earlier one's, the rest mixed in)
+        raise FileNotFoundError(
+            f"{root} holds the TensorBoard event files of {len(tops)} run folders: "
+            f"{name_a_few(tops)}; a report shows one run: give one of them (--metrics, metrics=)"
+        )
     for f in sources:
+        top = next((t for t in tops if t in f.parents), f)
+        below = "" if f == top else f.relative_to(top).as_posix()
         # (size 0: keep every event; the default samples 10,000 scalars and 10 tensors per tag)
         acc = EventAccumulator(os.fspath(f), size_guidance={"scalars": 0, "tensors": 0})
         acc.Reload()
         tags = acc.Tags()
         for tag in tags.get("scalars", []):
             precisions.add("float32")  # (simple_value is a float32 field)
+            key = _subfolder_key(tag, below)
             for event in acc.Scalars(tag):
-                yield event.step, tag, float(event.value), event.wall_time
+                yield event.step, key, float(event.value), event.wall_time
         # New-style scalars are one-element tensors of the scalars plugin: what
         # TensorBoardSink(double_precision=True) writes (float64) and torch's
         # add_scalar(..., new_style=True); Scalars() does not return them.
@@ -276,7 +294,26 @@ def _tensorboard_scalars(
                 array = make_ndarray(tensor_event.tensor_proto)
                 if array.size == 1 and array.dtype.kind == "f":
                     precisions.add(str(array.dtype))
-                    yield tensor_event.step, tag, float(array.item()), tensor_event.wall_time
+                    key = _subfolder_key(tag, below)
+                    yield tensor_event.step, key, float(array.item()), tensor_event.wall_time
+
+
+def _subfolder_key(tag: str, below: str) -> str:
+    """The key of ``tag`` read from the folder ``below`` the run folder (``""``: the run folder
+    itself, the key is the tag). ``SummaryWriter.add_scalars(main_tag, {name: value}, step)``
+    (what Lightning's ``TensorBoardLogger`` and Accelerate's ``tensorboard`` tracker call for a
+    dict value) writes each name to a folder ``<main_tag with / as _>_<name>`` under the tag
+    ``main_tag``: those are keyed ``main_tag/name``, the key
+    ``FanoutWriter.add_scalars(main_tag, {...})`` writes, and any other folder's tags
+    ``tag/<folder>``. Keyed by the tag alone, every name of one ``add_scalars`` call fell on one
+    key and the folder read last hid the others (``lr`` of two parameter groups showed the
+    second group's values only)."""
+    if not below:
+        return tag
+    prefix = tag.replace("/", "_") + "_"
+    if below.startswith(prefix) and len(below) > len(prefix):  # (a name with / makes subfolders)
+        return f"{tag}/{below[len(prefix) :]}"
+    return f"{tag}/{below}"
 
 
 def _csv_scalars(path: Path) -> Iterator[tuple[int, str, float]]:
