@@ -658,6 +658,69 @@ def _two_rank_body(rank: int, world_size: int, out_dir: str) -> dict:
     return {
         "driver": _driver_two_ranks(rank, world_size),
         "lightning": _lightning_ddp(rank, world_size, out_dir),
+        "no_tokens": _no_tokens_two_ranks(rank, world_size),
+    }
+
+
+class _TwoRouters(torch.nn.Module):
+    """Two MoE layers' routers (``layers.0``, ``layers.1``), each fed its own tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            TopKRouter(
+                HIDDEN,
+                EXPERTS,
+                TOPK,
+                aux_loss_type="aux_loss",
+                aux_loss_coeff=0.01,
+                z_loss_coeff=0.001,
+            )
+            for _ in range(2)
+        )
+        for i, router in enumerate(self.layers):
+            router.set_layer_number(i + 1, num_layers=2)
+
+    def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        return sum(
+            (router(x)[0] * x.sum(-1, keepdim=True)).sum()
+            for router, x in zip(self.layers, xs, strict=True)
+        )
+
+
+def _no_tokens_two_ranks(rank: int, world_size: int) -> dict:
+    """Data parallel on 2 ranks; rank 1's layer 1 router gets no token in any forward (an
+    empty dispatch), so it records nothing for that layer during the whole interval."""
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.distributed import ProcessGroups, world_group
+
+    set_moe_metrics_tracker(MoEMetricsTracker())
+    torch.manual_seed(0)  # the same weights on both ranks, as under DDP
+    model = _TwoRouters()
+    captured = capture_router_inputs(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    vitals = Vitals(
+        [MoEMetricsMonitor(per_layer_logging=True)],
+        writer=writer,
+        groups=ProcessGroups(dp=world_group()),
+        log_every_n_steps=1,
+    )
+    vitals.attach(model, opt)
+    gen = torch.Generator().manual_seed(10 + rank)
+    for _ in range(2):  # 2 optimizer steps of 2 micro-batches
+        for _ in range(2):
+            xs = [torch.randn(6, HIDDEN, generator=gen), torch.randn(6, HIDDEN, generator=gen)]
+            if rank == 1:
+                xs[1] = xs[1][:0]  # no token for layer 1 on this rank
+            vitals.batch(xs)
+            model(xs).backward()
+        opt.step()
+        opt.zero_grad()
+    vitals.close()
+    return {
+        "rows": writer.rows,
+        "captured": [(layer, x.tolist(), w.tolist()) for layer, x, w in captured],
     }
 
 
@@ -783,3 +846,45 @@ def test_a_disabled_monitor_still_resets_the_global_aux_token_counts_each_step()
                 opt.step()
                 opt.zero_grad()
     vitals.close()
+
+
+def test_a_data_parallel_rank_whose_router_saw_no_token_counts_for_nothing(two_ranks):
+    """Rank 1's layer 1 router gets no token in any forward of the interval, so it records
+    nothing for layer 1: the logged layer 1 value is rank 0's mean over its forwards (float64
+    from the routers' inputs), not half of it (a true 0.99965 was logged as 0.49983 on 2
+    ranks); layer 0 is still the mean of both ranks' means."""
+    results = [r["no_tokens"] for r in two_ranks]
+    # per rank, step and layer: the float64 losses of that step's 2 forwards (rank 1 layer 1: none)
+    per_rank: list[dict[tuple[int, int], list[dict[str, float]]]] = []
+    for res in results:
+        forwards: dict[tuple[int, int], list[dict[str, float]]] = {}
+        counters = {0: 0, 1: 0}
+        for layer, x, w in _tensors(res["captured"]):
+            if x.shape[0] == 0:
+                continue
+            step = counters[layer] // 2
+            counters[layer] += 1
+            forwards.setdefault((step, layer), []).append(ref_losses(x, w))
+        per_rank.append(forwards)
+    assert sorted(per_rank[0]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(per_rank[1]) == [(0, 0), (1, 0)]  # no record of layer 1
+    for res in results:
+        assert sorted(res["rows"]) == [0, 1]
+        for step in (0, 1):
+            row = res["rows"][step]
+            for name in ("load_balancing_loss", "z_loss"):
+                means = [
+                    {
+                        layer: math.fsum(f[name] for f in fw[(step, layer)])
+                        / len(fw[(step, layer)])
+                        for layer in (0, 1)
+                        if (step, layer) in fw
+                    }
+                    for fw in per_rank
+                ]
+                layer0 = (means[0][0] + means[1][0]) / 2
+                layer1 = means[0][1]  # rank 0 alone recorded layer 1
+                key = f"moe/{name}"
+                assert row[f"{key}_layer_0"] == pytest.approx(layer0, rel=1e-5), (step, name)
+                assert row[f"{key}_layer_1"] == pytest.approx(layer1, rel=1e-5), (step, name)
+                assert row[key] == pytest.approx((layer0 + layer1) / 2, rel=1e-5), (step, name)

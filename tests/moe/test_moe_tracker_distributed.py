@@ -1,8 +1,12 @@
 """MoEMetricsTracker on 4 gloo ranks: dp x tp reductions against a float64 computation on all
 ranks' values, one coalesced collective per group and stage, a pipeline stage without MoE
-layers (no flag, no hang), and mismatched configurations raising on every rank."""
+layers (no flag, no hang), data-parallel ranks without records for a layer under
+mean_over_records (left out of the average, not averaged in as 0), and mismatched
+configurations raising on every rank."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -59,6 +63,7 @@ def _all_body(rank: int, world_size: int) -> dict:
     return {
         "dp_tp": _dp_tp_body(rank, world_size),
         "pipeline": _pipeline_body(rank, world_size),
+        "unrecorded": _unrecorded_body(rank, world_size),
         **{kind: _mismatch_body(rank, world_size, kind) for kind in MISMATCHES},
     }
 
@@ -205,3 +210,178 @@ def test_mismatched_configuration_is_an_error_on_every_rank(results, kind):
     messages = [r[kind] for r in results]
     assert all(match in m for m in messages), messages
     assert len(set(messages)) == 1  # the same message everywhere
+
+
+# ---------------------------------------------------------------------- ranks without records
+
+# mean_over_records, 3 layers on a (dp=2, tp=2) mesh (rank = 2 * dp + tp): per metric and rank,
+# how many values each 1-based layer records (0: every forward of that rank had no token).
+UNRECORDED = {
+    "z_loss": {  # AVG over dp ({0, 2} and {1, 3})
+        0: {1: 2, 2: 1, 3: 0},
+        1: {1: 1, 2: 0, 3: 0},
+        2: {1: 3, 2: 0, 3: 0},  # layer 2 of dp group {0, 2}: rank 0 only
+        3: {1: 1, 2: 2, 3: 0},  # layer 2 of dp group {1, 3}: rank 3 only; layer 3: nobody
+    },
+    "load_balancing_loss": {  # SUM over tp ({0, 1}, {2, 3}), then AVG over dp
+        0: {1: 2, 2: 1, 3: 1},
+        1: {1: 2, 2: 1, 3: 0},  # layer 3 of replica 0: rank 0's share only (ranks 1 and 3
+        2: {1: 1, 2: 0, 3: 1},  # hold a replica's value without a record of their own)
+        3: {1: 1, 2: 0, 3: 0},  # layer 2: replica 1 recorded nothing
+    },
+    "avg_loss": {  # AVG over tp (a member without records counts as 0 there), then over dp
+        0: {1: 1, 2: 1, 3: 1},
+        1: {1: 1, 2: 0, 3: 0},
+        2: {1: 2, 2: 0, 3: 0},  # layer 2 of replica 1: rank 3's only
+        3: {1: 1, 2: 1, 3: 0},  # layer 3: replica 1 recorded nothing
+    },
+    "global_loss": {  # SUM over dp, no dp average: the ranks' shares, unchanged
+        0: {1: 1, 2: 1, 3: 0},
+        1: {1: 1, 2: 0, 3: 0},
+        2: {1: 1, 2: 0, 3: 0},
+        3: {1: 1, 2: 1, 3: 0},
+    },
+}
+# (pp=2, dp=2) mesh (rank = 2 * pp + dp): stage 0 holds layers 1-2, stage 1 layers 3-4.
+UNRECORDED_PP = {0: {1: 2, 2: 1}, 1: {1: 1}, 2: {3: 2}, 3: {3: 1, 4: 3}}
+
+
+def _record_counts(tracker, name, rank, counts, num_layers, **kw) -> None:
+    import torch
+
+    for layer, n in counts.items():
+        for micro in range(n):
+            tracker.record(
+                name, torch.tensor(_value(rank, name, layer, micro)), layer, num_layers, **kw
+            )
+
+
+def _unrecorded_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainvitals.distributed import ProcessGroups, collective_counter
+    from trainvitals.moe import MoEMetricsTracker
+
+    class W:
+        def __init__(self) -> None:
+            self.rows: dict[str, float] = {}
+
+        def add_scalars(self, mapping, step):
+            self.rows.update(mapping)
+
+    out: dict = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    groups = ProcessGroups.from_device_mesh(mesh)
+    tracker = MoEMetricsTracker()
+    kwargs = {
+        "z_loss": {},
+        "load_balancing_loss": {"reduce_group": groups.tp},
+        "avg_loss": {"avg_group": groups.tp},
+        "global_loss": {"reduce_group": groups.dp, "needs_dp_avg": False},
+    }
+    for name, per_rank in UNRECORDED.items():
+        _record_counts(tracker, name, rank, per_rank[rank], 3, **kwargs[name])
+    writer = W()
+    before = dict(collective_counter)
+    tracker.report(1.0, 0, writer, per_layer_logging=True, groups=groups, mean_over_records=True)
+    counts = {k: collective_counter[k] - before.get(k, 0) for k in collective_counter}
+    out["dp_tp"] = {"rows": writer.rows, "counts": counts}
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    groups = ProcessGroups.from_device_mesh(mesh)
+    tracker = MoEMetricsTracker()
+    _record_counts(tracker, "load_balancing_loss", rank, UNRECORDED_PP[rank], 4)
+    steps = []
+    for step in range(2):  # the second report: nothing recorded anywhere
+        writer = W()
+        before = dict(collective_counter)
+        tracker.report(
+            1.0, step, writer, per_layer_logging=True, groups=groups, mean_over_records=True
+        )
+        counts = {k: collective_counter[k] - before.get(k, 0) for k in collective_counter}
+        steps.append({"rows": writer.rows, "counts": counts})
+    out["pp_dp"] = steps
+    return out
+
+
+def _rank_means(name: str, rank: int, counts: dict[int, int]) -> dict[int, float]:
+    """float64 mean of each layer's records on ``rank`` (0.0 where it recorded nothing)."""
+    return {
+        layer: math.fsum(_value(rank, name, layer, m) for m in range(n)) / n if n else 0.0
+        for layer, n in counts.items()
+    }
+
+
+def test_a_data_parallel_rank_without_records_for_a_layer_counts_for_nothing(results):
+    """mean_over_records: a rank whose router recorded nothing for a layer (no token in any of
+    its forwards) is left out of the data-parallel average instead of entering it as 0 (which
+    halved the layer's value on 2 ranks), after the tp SUM / tp AVG of its replica, and a layer
+    no rank recorded stays 0. No collective is added."""
+    means = {
+        name: {r: _rank_means(name, r, per_rank[r]) for r in per_rank}
+        for name, per_rank in UNRECORDED.items()
+    }
+    recorded = {
+        name: {r: {layer for layer, n in per_rank[r].items() if n} for r in per_rank}
+        for name, per_rank in UNRECORDED.items()
+    }
+    replicas = {0: (0, 1), 1: (2, 3)}  # dp coordinate -> its tp ranks
+    # rel=1e-6: the tracker adds the records in float32 (its vectors), the means here are float64
+    for rank, res in enumerate(r["unrecorded"]["dp_tp"] for r in results):
+        row = res["rows"]
+        tp = rank % 2
+        dp_peers = (tp, 2 + tp)  # the ranks this rank averages with
+        for layer in (1, 2, 3):
+            i = layer - 1
+            # z_loss: the mean of the dp peers that recorded the layer
+            vals = [means["z_loss"][r][layer] for r in dp_peers if layer in recorded["z_loss"][r]]
+            expected = math.fsum(vals) / len(vals) if vals else 0.0
+            assert row[f"moe/z_loss_layer_{i}"] == pytest.approx(expected, rel=1e-6), (rank, i)
+            # tp SUM, tp AVG: per replica, then the mean over the replicas with a record
+            for name, combine in (
+                ("load_balancing_loss", math.fsum),
+                ("avg_loss", lambda xs: math.fsum(xs) / 2),
+            ):
+                per_replica = [
+                    combine([means[name][r][layer] for r in ranks])
+                    for ranks in replicas.values()
+                    if any(layer in recorded[name][r] for r in ranks)
+                ]
+                expected = math.fsum(per_replica) / len(per_replica) if per_replica else 0.0
+                key = f"moe/{name}_layer_{i}"
+                assert row[key] == pytest.approx(expected, rel=1e-6), (rank, key)
+            # the dp SUM of the shares, no average: unchanged
+            expected = math.fsum(means["global_loss"][r][layer] for r in dp_peers)
+            assert row[f"moe/global_loss_layer_{i}"] == pytest.approx(expected, rel=1e-6)
+        for name in UNRECORDED:
+            layers = [row[f"moe/{name}_layer_{i}"] for i in range(3)]
+            assert row[f"moe/{name}"] == pytest.approx(math.fsum(layers) / 3, rel=1e-6)
+        # the documented cases, by hand: rank 0 alone recorded z_loss layer 2 in its dp group
+        if rank == 0:
+            assert row["moe/z_loss_layer_1"] == float(np.float32(_value(0, "z_loss", 2, 0)))
+            assert row["moe/z_loss_layer_2"] == 0.0  # no rank recorded layer 3
+        # one all_gather_object; all_reduce: tp SUM, dp SUM (global_loss), tp AVG, dp
+        assert res["counts"] == {"all_gather_object": 1, "all_reduce": 4}
+
+
+def test_pipeline_stages_carry_which_dp_ranks_recorded_each_layer(results):
+    """(pp=2, dp=2), mean_over_records: each stage's layers reach every rank through the
+    pipeline SUM with the flags of the ranks that recorded them, so the data-parallel ranks of
+    the stage without the layer divide by the same number of recording ranks as the stage that
+    holds it; a second report with nothing recorded is all zeros. Same collectives as before."""
+    means = {r: _rank_means("load_balancing_loss", r, UNRECORDED_PP[r]) for r in range(4)}
+    expected = [
+        (means[0][1] + means[1][1]) / 2,  # both dp ranks of stage 0
+        means[0][2],  # rank 1 recorded no layer 2
+        (means[2][3] + means[3][3]) / 2,
+        means[3][4],  # rank 2 recorded no layer 4
+    ]
+    for res in (r["unrecorded"]["pp_dp"] for r in results):
+        row = res[0]["rows"]
+        for i, value in enumerate(expected):
+            assert row[f"moe/load_balancing_loss_layer_{i}"] == pytest.approx(value, rel=1e-6)
+        assert row["moe/load_balancing_loss"] == pytest.approx(math.fsum(expected) / 4, rel=1e-6)
+        assert all(v == 0.0 for v in res[1]["rows"].values())
+        assert len(res[1]["rows"]) == 5
+        for step in res:  # one all_gather_object; all_reduce: pp SUM, dp
+            assert step["counts"] == {"all_gather_object": 1, "all_reduce": 2}

@@ -56,7 +56,9 @@ class MoEMetricsMonitor(VitalsCallback):
     above 1); here it logs the mean of the forwards. An activation-checkpoint recompute and a
     forward without gradients record nothing and count for nothing. Each rank divides by its
     own counts before the reductions, so under data parallelism the ranks' means are averaged
-    and under pipeline parallelism each layer is divided on its own stage.
+    (over the ranks that recorded the layer: a rank whose router got no token in the interval
+    counts for nothing, not as a 0) and under pipeline parallelism each layer is divided on its
+    own stage.
 
     Args:
         per_layer_logging: also write one key per MoE layer.

@@ -29,7 +29,10 @@
   recorded into it (counted on the device), so a loop that runs the model twice per
   micro-batch (R-Drop, adversarial or teacher-student training) logs the mean of its router
   forwards, not twice it. Megatron's ``loss_scale = 1/num_microbatches`` assumes one forward
-  per micro-batch; ``loss_scale`` alone still behaves as Megatron's.
+  per micro-batch; ``loss_scale`` alone still behaves as Megatron's. The data-parallel
+  average is over the ranks that recorded the layer (a per-layer flag rides in the same
+  all-reduce): a rank without a record for it, e.g. no token in its forwards, is left out
+  instead of averaged in as 0.
 
 Keys written (``name`` is the recorded metric name, e.g. ``load_balancing_loss``):
 
@@ -375,8 +378,10 @@ class MoEMetricsTracker:
             mean_over_records: divide each layer's sum by the number of values recorded into
                 it since the last report, on each rank before the reductions: a layer's value
                 is then the mean over its records (one per router forward, however many
-                forwards a micro-batch runs), then averaged over data parallel as the sums
-                are. A layer with no record stays 0. Every rank must pass the same.
+                forwards a micro-batch runs), then averaged over the data-parallel ranks
+                that recorded it (a rank whose router recorded nothing for the layer, e.g.
+                no token in any of its forwards, counts for nothing, not as a 0). A layer no
+                rank recorded stays 0. Every rank must pass the same.
 
         The values and record counts of every metric (tracked or not) are zeroed afterwards.
         """
@@ -588,7 +593,15 @@ class MoEMetricsTracker:
         collective, so no count travels: a layer's count is on the pipeline stage that holds
         it (the others add zeros), the ranks of a ``reduce_group`` each hold a share of the
         same forwards (summing their counts would multiply the divisor by the group size), and
-        the data-parallel AVG averages the ranks' means as it averages their sums."""
+        the data-parallel step averages the ranks' means as it averages their sums, over the
+        ranks that recorded the layer: a per-layer has-records flag (0/1) rides with the values
+        in the same collectives (the vector is ``[values, flags]``), is OR-ed by the pipeline
+        SUM, the ``reduce_group`` SUM and the ``avg_group`` AVG (a flag > 0 is a record), and
+        the data-parallel step is a SUM of values and flags, the values then divided by the
+        number of ranks that recorded (at least 1). Without it, a rank whose router recorded
+        nothing for a layer (no token in any of its forwards) entered the AVG as 0 and halved
+        the layer's value on 2 ranks. When every rank recorded, the same number as the AVG
+        (the sum divided by the group size, in float64); a layer no rank recorded stays 0."""
         device = self._default_device()
         values: dict[str, torch.Tensor] = {}
         if not is_distributed() or group_size(world_group()) <= 1:
@@ -598,14 +611,27 @@ class MoEMetricsTracker:
             if not mean_over_records:
                 return sums, None
             return sums, {name: self._metrics[name].counts.to(device) for name in schema}
+        dp_ranks = _group_ranks(groups.dp_cp)
+        # The metrics whose data-parallel step divides by the ranks that recorded: their
+        # vectors carry [values, has-records flags] through every collective.
+        flagged = (
+            {name for name, (_, dp_avg) in schema.items() if dp_avg}
+            if mean_over_records and dp_ranks
+            else set()
+        )
         for name, (size, _) in schema.items():
             entry = self._metrics.get(name)
-            if entry is None:
-                values[name] = torch.zeros(size, dtype=torch.float64, device=device)
+            length = 2 * size if name in flagged else size
+            if entry is None:  # (nothing recorded here: zeros, flags 0)
+                values[name] = torch.zeros(length, dtype=torch.float64, device=device)
                 continue
-            values[name] = entry.values.to(device=device, dtype=torch.float64, copy=True)
+            v = entry.values.to(device=device, dtype=torch.float64, copy=True)
             if mean_over_records:  # (a layer without records: 0 / 1)
-                values[name].div_(entry.counts.to(device).clamp(min=1))
+                counts = entry.counts.to(device)
+                v.div_(counts.clamp(min=1))
+                if name in flagged:
+                    v = torch.cat([v, (counts > 0).to(torch.float64)])
+            values[name] = v
         names = list(values)
 
         def reduce(subset: list[str], op: str, group: Any) -> None:
@@ -633,8 +659,19 @@ class MoEMetricsTracker:
         # over cp too (averaging over dp only left each cp rank with its own shard's value,
         # and rank 0 wrote that). A metric already summed over cp by its reduce_group is equal
         # on every cp rank by then, so this average leaves it unchanged.
-        if _group_ranks(groups.dp_cp):
-            reduce([n for n in names if schema[n][1]], "avg", groups.dp_cp)
+        if dp_ranks:
+            dp_names = [n for n in names if schema[n][1]]
+            if not flagged:
+                reduce(dp_names, "avg", groups.dp_cp)
+                return values, None
+            for n in dp_names:  # the flags OR-ed so far (sums, averages) as 0/1 per rank
+                flags = values[n][schema[n][0] :]
+                flags.copy_(flags > 0)
+            reduce(dp_names, "sum", groups.dp_cp)  # the same one collective, SUM not AVG
+            for n in dp_names:
+                size = schema[n][0]
+                # over the ranks that recorded the layer; a layer none recorded: 0 / 1
+                values[n] = values[n][:size] / values[n][size:].clamp(min=1)
         return values, None
 
 
