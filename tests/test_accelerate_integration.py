@@ -217,3 +217,88 @@ def test_uneven_last_accumulation_window_with_a_tracker_and_clip_grad_norm(tmp_p
         assert row["time/batches"] == batches[step]
         assert row["l2_norm/grad/global"] == pytest.approx(grad_norms[step], rel=1e-6)
         assert row["l2_norm/grad/global"] == pytest.approx(clip_norms[step], rel=1e-6)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize(
+    ("scaler", "clip"),
+    [(False, "accelerator"), (True, "accelerator"), (True, "unscale_gradients"), (False, "vitals")],
+)
+def test_gan_clipping_each_network_with_accelerator_measures_it_at_its_own_step(scaler, clip):
+    """A GAN on Accelerate clips each network with accelerator.clip_grad_norm_ right before its
+    optimizer steps. Accelerate's unscale_gradients() (and its GradScaler) unscale every
+    optimizer at the first clip, when the generator still holds the previous batch's gradients
+    (none at the first batch): each network's gradients are shown at its own clip, as the
+    optimizer uses them, never the generator's stale ones at the discriminator's clip. The
+    same with accelerator.unscale_gradients(optimizer) before torch's clip_grad_norm_, and with
+    Vitals.clip_grad_norm_. The GradScaler is the fp16 one Accelerate makes on CUDA, set up by
+    hand on CPU; no RuntimeWarning (about scaled gradients) is raised."""
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from tests.scripts.vitals_testing import RecordingWriter
+    from trainvitals.adapters.accelerate import Vitals
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    def unscaled_sq(net, scale):  # float64 sum of squares of the unscaled gradients
+        return float(sum((p.grad.double() / scale).pow(2).sum() for p in net.parameters()))
+
+    def clip_grad(net, optimizer):
+        if clip == "accelerator":
+            accelerator.clip_grad_norm_(net.parameters(), 100.0)
+        elif clip == "unscale_gradients":
+            accelerator.unscale_gradients(optimizer)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 100.0)
+        else:
+            vitals.clip_grad_norm_(net.parameters(), 100.0)
+
+    try:
+        if scaler:
+            accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+            accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            accelerator.native_amp = True  # unscale_gradients() unscales, as on CUDA
+        else:
+            accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        gen = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        disc = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt_d = torch.optim.SGD(disc.parameters(), lr=0.05)
+        opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
+        gen, disc, opt_g, opt_d = accelerator.prepare(gen, disc, opt_g, opt_d)
+        assert (opt_d.scaler is not None) == scaler
+        writer = RecordingWriter()
+        vitals = Vitals(
+            [NormMonitor()], accelerator=accelerator, writer=writer, log_every_n_steps=1
+        )
+        vitals.attach(torch.nn.ModuleDict({"g": gen, "d": disc}), [opt_d, opt_g])
+        expected: list[tuple[float, float]] = []
+        for _ in range(3):
+            real, z = torch.randn(5, 4), torch.randn(5, 3)
+            vitals.batch(real)
+            opt_d.zero_grad()
+            accelerator.backward(disc(gen(z).detach()).mean() - disc(real).mean())
+            scale = accelerator.scaler.get_scale() if scaler else 1.0
+            sq_d = unscaled_sq(disc, scale)
+            clip_grad(disc, opt_d)
+            opt_d.step()
+            opt_g.zero_grad()
+            accelerator.backward(-disc(gen(z)).mean())
+            scale = accelerator.scaler.get_scale() if scaler else 1.0
+            sq_g = unscaled_sq(gen, scale)
+            clip_grad(gen, opt_g)
+            opt_g.step()
+            expected.append((sq_d, sq_g))
+        vitals.close()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+    assert sorted(writer.rows) == [0, 1, 2]
+    for step, (sq_d, sq_g) in enumerate(expected):
+        row = writer.rows[step]
+        assert row["l2_norm/grad/optimizer_0"] == pytest.approx(sq_d**0.5, rel=1e-6)
+        assert row["l2_norm/grad/optimizer_1"] == pytest.approx(sq_g**0.5, rel=1e-6)
+        assert row["l2_norm/grad/global"] == pytest.approx((sq_d + sq_g) ** 0.5, rel=1e-6)

@@ -36,10 +36,13 @@ manual optimization). As Lightning's manual optimization runs ``on_before_optimi
 ``step()``, with that optimizer's current gradients: a GAN's two backward passes leave no
 single moment at which both are current. A callback that reads every gradient at each call
 sees the other optimizers' as they are then (one already stepped: updated weights). Every
-gradient is shown once, at once, when the scaler's or Accelerate's unscaling, or
-:meth:`Vitals.clip_grad_norm_` over every optimizer's parameters, comes before any of them
-steps. In a loop that calls :meth:`Vitals.batch`, the step ends when its batch is over: at the
-next ``batch()`` that starts a step (under accumulation the step's micro-batches stay one step),
+gradient is shown once, at once, when the scaler's unscaling, or
+:meth:`Vitals.clip_grad_norm_` or ``accelerator.clip_grad_norm_``/``clip_grad_value_`` over
+every optimizer's parameters, comes before any of them steps; clipping one network's
+parameters (Accelerate unscales every optimizer's gradients there) shows the gradients of the
+optimizers that own them, one at a time, as their own ``step()`` would. In a loop that calls
+:meth:`Vitals.batch`, the step ends when its batch is over: at the next ``batch()`` that
+starts a step (under accumulation the step's micro-batches stay one step),
 at :meth:`Vitals.validating`, :meth:`Vitals.state_dict` or :meth:`Vitals.close`; not as soon as
 each optimizer has stepped, since one may step again after the others (a WGAN stepping the
 generator, then the critic k times). So ``vitals.step`` counts a batch once it is over. A loop
@@ -179,6 +182,8 @@ class Vitals:
         self._awaiting_step: set[int] = set()
         self._stepped: set[int] = set()
         self._patches: list[AttributePatch] = []  # our wrappers, undone by close()
+        # inside accelerator.clip_grad_norm_/clip_grad_value_: the parameters it clips
+        self._accelerator_clipping: list[Any] | None = None
         self._loop_calls_batch = False
         self._warned_scaled = False
         self._closed = False
@@ -242,9 +247,12 @@ class Vitals:
             # one scaler), and, under Accelerate, only when the optimizer will step. Not once
             # one of them stepped: its weights are updated, and the pre-hook of each optimizer
             # still to step shows its gradients (scaler.step unscales them first).
+            # (Inside accelerator.clip_grad_*, which unscales every optimizer's gradients, the
+            # unscale_gradients wrapper decides: it knows which parameters are clipped.)
             if (
                 self._attached <= self._unscaled
                 and not self._stepped
+                and self._accelerator_clipping is None
                 and getattr(accelerator, "sync_gradients", True)
             ):
                 self.gradients_ready()
@@ -273,6 +281,9 @@ class Vitals:
         # Accelerate unscales AMP gradients in unscale_gradients(), which its clip_grad_norm_ and
         # clip_grad_value_ call right before clipping: observe the gradients just after it.
         # (Calling unscale ourselves would unscale twice, which GradScaler refuses.)
+        # unscale_gradients() is told no parameters (it unscales every optimizer): the clip
+        # wrappers note what is clipped, so that a GAN clipping one network before its
+        # optimizer steps shows that network's gradients, as Vitals.clip_grad_norm_ does.
         accelerator = self._accelerator
         original = accelerator.unscale_gradients
 
@@ -281,9 +292,33 @@ class Vitals:
             # Only when the optimizer will step: a loop that clips on every micro-batch would
             # otherwise show the callbacks partial gradients.
             if getattr(accelerator, "sync_gradients", True):
-                self.gradients_ready()
+                if self._accelerator_clipping is not None:
+                    self._gradients_final(parameters=self._accelerator_clipping)
+                elif optimizer is not None:
+                    self._gradients_final(optimizers=optimizer)
+                else:
+                    self.gradients_ready()
 
         self._patches.append(AttributePatch(accelerator, "unscale_gradients", unscale_gradients))
+        for name in ("clip_grad_norm_", "clip_grad_value_"):
+            clip = getattr(accelerator, name, None)
+            if callable(clip):
+                self._patches.append(AttributePatch(accelerator, name, self._noting_clipped(clip)))
+
+    def _noting_clipped(self, clip: Any) -> Any:
+        def wrapper(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(parameters, torch.Tensor):
+                with contextlib.suppress(TypeError):  # not iterable: Accelerate's error, as is
+                    parameters = list(parameters)
+            outer = self._accelerator_clipping
+            seen = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+            self._accelerator_clipping = seen if isinstance(seen, list) else None
+            try:
+                return clip(parameters, *args, **kwargs)
+            finally:
+                self._accelerator_clipping = outer
+
+        return wrapper
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` that lets the callbacks see the unclipped gradients
@@ -293,20 +328,40 @@ class Vitals:
         clipping one network before its optimizer steps) shows the gradients of those
         optimizers, one at a time, as their own ``step()`` would.
         """
-        if len(self._attached) > 1 and not self._grads_seen_for_step:
+        if len(self._attached) > 1:
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            clipped = {id(p) for p in parameters}
-            owners = [
-                o
-                for o in self.ctx.optimizers
-                if any(id(p) in clipped for group in o.param_groups for p in group["params"])
-            ]
+            self._gradients_final(parameters=parameters)
+        else:
+            self.gradients_ready()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, **kwargs)
+
+    def _gradients_final(
+        self, *, parameters: list[Any] | None = None, optimizers: Any = None
+    ) -> None:
+        """The gradients of ``parameters`` (or of ``optimizers``) are final, about to be clipped.
+        Several attached optimizers, only some of which own them (a GAN clipping one network
+        before its optimizer steps): show those optimizers' gradients one at a time, as their
+        own ``step()`` would; else every gradient at once (:meth:`gradients_ready`)."""
+        if len(self._attached) > 1 and not self._grads_seen_for_step:
+            if parameters is not None:
+                clipped = {id(p) for p in parameters}
+                owners = [
+                    o
+                    for o in self.ctx.optimizers
+                    if any(id(p) in clipped for group in o.param_groups for p in group["params"])
+                ]
+            else:
+                listed = optimizers if isinstance(optimizers, list | tuple) else [optimizers]
+                ids = set()
+                for o in listed:
+                    with contextlib.suppress(TypeError):
+                        ids.add(id(_inner_optimizer(o)))
+                owners = [o for o in self.ctx.optimizers if id(o) in ids]
             if owners and len(owners) < len(self.ctx.optimizers):
                 for optimizer in owners:
                     self._show_optimizer(optimizer)
-                return torch.nn.utils.clip_grad_norm_(parameters, max_norm, **kwargs)
+                return
         self.gradients_ready()
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, **kwargs)
 
     def _start(self) -> None:
         if self._started:
@@ -433,8 +488,9 @@ class Vitals:
         if self._unscaled and not self._attached <= self._unscaled:
             # The scaler unscaled this optimizer but another attached one still holds gradients
             # multiplied by the loss scale (scaler.step(opt0); scaler.step(opt1), as in the
-            # torch.amp examples): no gradients rather than wrong ones at this step.
-            if not self._warned_scaled:
+            # torch.amp examples): no gradients rather than wrong ones at this step. (Unless
+            # they were shown already: accelerator.unscale_gradients(this optimizer).)
+            if id(optimizer) not in self._awaiting_step and not self._warned_scaled:
                 self._warned_scaled = True
                 warnings.warn(
                     "trainvitals Vitals: an optimizer stepped while another attached optimizer's "
