@@ -116,8 +116,11 @@ class ThroughputMonitor(VitalsCallback):
     is synchronised. The start and end of validation synchronise too (outside training steps),
     so that queued training work is counted as training and validation work is not.
 
-    The first ``warmup_steps`` steps of each process (compilation, allocator and data-loader
-    warm-up) are not put in the window, so with the default nothing is written at step 0.
+    The first ``warmup_steps`` steps of each run (compilation, allocator and data-loader
+    warm-up) are not put in the window, so with the default nothing is written at step 0. A run
+    is each start of training: a new process, a restore from a checkpoint, and another fit (or
+    driver) with the same instance, whose first step is timed from its own first micro-batch,
+    not from the previous run's last step; the window carries over.
 
     Flops: give ``flops_per_token`` or ``flops_per_sample`` (forward + backward flops of the
     whole model per token or sample, e.g. ``6 * n_params`` per token for a dense transformer),
@@ -139,7 +142,7 @@ class ThroughputMonitor(VitalsCallback):
 
     Args:
         window_size: optimizer steps in the rolling window.
-        warmup_steps: steps after each (re)start left out of the window.
+        warmup_steps: steps of each run (start, restore, another fit) left out of the window.
         batch_size_fn: ``batch -> samples`` (default: the first dim of the first tensor).
         num_tokens_fn: ``batch -> tokens`` (default: ``input_ids.numel()`` or the element count
             of the first 2-d integer tensor, padding included). Under the driver, explicit
@@ -267,7 +270,7 @@ class ThroughputMonitor(VitalsCallback):
         self._counter = StepCounter()
         self._window = RollingWindow(window_size)
         self._last_end: float | None = None  # train-clock reading at the previous step end
-        self._steps_this_process = 0
+        self._steps_this_run = 0
         self._totals = {"steps": 0, "batches": 0, "samples": 0.0, "tokens": 0.0}
         self._measured: tuple[str, float] | None = None  # (unit, flops per unit), measured
         self._session: FlopCounterSession | None = None
@@ -284,6 +287,12 @@ class ThroughputMonitor(VitalsCallback):
     # ------------------------------------------------------------------ hooks
 
     def run_start(self, ctx: RunContext) -> None:
+        # A run is a (re)start, also on an instance that ran before (another fit on the same
+        # trainer, a retry after a failure): its first step is timed from its own first
+        # micro-batch, not from the previous run's last step end (which would put the time
+        # between the runs into one step of the window), the micro-batches of a step the
+        # previous run left unfinished are not counted into it, and its warm-up applies.
+        self._restart()
         self._groups = ctx.groups
         device = ctx.device
         self._cuda = device if device.type == "cuda" else None
@@ -350,27 +359,36 @@ class ThroughputMonitor(VitalsCallback):
         record = self._counter.take(seconds, steps=ctx.step_increment)
         record.flops = self._device_flops(record)
         self._count_totals(record)
-        self._steps_this_process += 1
+        self._steps_this_run += 1
         if record.batches_missing:
             self.warn_once(
                 "nobatch",
                 "no micro-batch reported in a step: call vitals.batch() "
                 "once per micro-batch; counts of such steps are not reported",
             )
-        if self._steps_this_process > self.warmup_steps:
+        if self._steps_this_run > self.warmup_steps:
             self._window.append(record)
         if log:
             self.write(ctx, self._rates(ctx))
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
-        self._finish_flop_measurement()
+        self._finish_flop_measurement(complete=False)
 
     def run_end(self, ctx: RunContext) -> None:
-        self._finish_flop_measurement()
+        self._finish_flop_measurement(complete=False)
+
+    def release(self, ctx: RunContext) -> None:
+        # disabled by the guard: its step_end will not come to leave the FlopCounterMode,
+        # which would otherwise stay on (every op through Python) for the rest of the process
+        self._finish_flop_measurement(complete=False)
 
     # ------------------------------------------------------------------ what it measures
 
-    def _finish_flop_measurement(self) -> None:
+    def _finish_flop_measurement(self, complete: bool = True) -> None:
+        """Leave the flop-counting mode, if on. ``complete``: the measured step ended (its
+        ``step_end``), so its count is kept; otherwise (the run failed or ended inside its first
+        step, the callback was disabled) the count covers only part of the step, a forward
+        without its backward, and is dropped: the next step of this instance measures again."""
         session, self._session = self._session, None
         before_optimizer, self._flops_before_optimizer = self._flops_before_optimizer, None
         validation_flops, self._validation_flops = self._validation_flops, 0
@@ -378,6 +396,8 @@ class ThroughputMonitor(VitalsCallback):
         if session is None or not session.active:
             return
         flops = session.stop()
+        if not complete:
+            return
         if flops is not None:
             flops = before_optimizer if before_optimizer is not None else flops - validation_flops
         c = self._counter
@@ -533,9 +553,14 @@ class ThroughputMonitor(VitalsCallback):
         self._measured = (str(measured[0]), float(measured[1])) if measured else None
         # A restore is a restart, also on an instance that has already trained (a rollback,
         # fit(ckpt_path=) with the same callbacks): its own clock and warm-up, as RuntimeMonitor,
-        # so the time before the restore is not timed as the next step.
+        # so the time before the restore is not timed as the next step; micro-batches of a step
+        # in progress at the restore are dropped (the restored run replays it).
+        self._restart()
+
+    def _restart(self) -> None:
+        """Start timing afresh: a new clock, no previous step end, the warm-up again, and no
+        micro-batch of a step in progress. The window, the totals and the measured flops stay."""
         self._clock = self._clock.fresh()
         self._last_end = None
-        self._steps_this_process = 0
-        # micro-batches of a step in progress at the restore: the restored run replays it
+        self._steps_this_run = 0
         self._counter.reset()

@@ -208,12 +208,14 @@ def device_flop_counter() -> Any:
     if layered is None:
         # torch versions where FlopCounterMode is itself the dispatch mode
         class _Counter(_DeviceWorkOnly, flop_counter.FlopCounterMode):
-            pass
+            _dtensor = _dtensor_type()
+            _fake = _fake_tensor_type()
 
         return _Counter(display=False)
 
     class _Mode(_DeviceWorkOnly, layered):
-        pass
+        _dtensor = _dtensor_type()
+        _fake = _fake_tensor_type()
 
     class _LayeredCounter(flop_counter.FlopCounterMode):
         def __enter__(self) -> Any:
@@ -228,14 +230,21 @@ def device_flop_counter() -> Any:
 
 
 class _DeviceWorkOnly:
-    """``__torch_dispatch__`` filter of :func:`device_flop_counter` (a mixin before the mode)."""
+    """``__torch_dispatch__`` filter of :func:`device_flop_counter` (a mixin before the mode).
+
+    The DTensor and FakeTensor types are looked up when the mode class is made, not per op:
+    ``torch.compile`` traces this method when it compiles under the mode, and warns about
+    every ``functools.cache`` function it meets there."""
+
+    _dtensor: type | None = None
+    _fake: type | tuple[()] = ()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        dtensor = _dtensor_type()
+        dtensor = self._dtensor
         if dtensor is not None and any(issubclass(t, dtensor) for t in types):
             # DTensor runs the op; the local ops it issues come back to this mode
             return NotImplemented
-        if _on_fake_or_meta(args, kwargs):
+        if _on_fake_or_meta(args, kwargs, self._fake):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -263,10 +272,9 @@ def _fake_tensor_type() -> type | tuple[()]:
     return FakeTensor
 
 
-def _on_fake_or_meta(args: Any, kwargs: Any) -> bool:
+def _on_fake_or_meta(args: Any, kwargs: Any, fake: type | tuple[()]) -> bool:
     from torch.utils._pytree import tree_leaves
 
-    fake = _fake_tensor_type()
     return any(
         isinstance(x, torch.Tensor) and (x.is_meta or isinstance(x, fake))
         for x in tree_leaves((args, kwargs or {}))
