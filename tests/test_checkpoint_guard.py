@@ -115,7 +115,8 @@ def test_a_failing_load_state_dict_keeps_the_fresh_state_and_the_callback_runnin
     with pytest.warns(RuntimeWarning, match=r"load_state_dict raised ValueError"):
         vitals2, _, _ = _run([fresh, StepCounter()], writer2, 2, state=state)
     vitals2.close()
-    assert fresh._prev == RuntimeMonitor()._prev  # the checkpoint's seconds were not kept
+    # the checkpoint's seconds were not kept (this run's own, folded in at its end, are)
+    assert all(v < 1.0 for v in fresh._prev.values()), fresh._prev
     assert writer2.key("time/train_hours")[4] < 1.0  # (1e6 s would be 277 h)
     assert _batches(writer2) == {3: MICRO_BATCHES * 1.0, 4: MICRO_BATCHES * 2.0}
     assert writer2.key("count/steps") == {3: 4.0, 4: 5.0}

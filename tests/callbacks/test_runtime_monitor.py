@@ -457,3 +457,47 @@ def test_lightning_time_limit_caps_the_remaining_time(tmp_path, monkeypatch, lim
         assert trainer.global_step < limits.get("max_steps", 10**9)
     else:
         assert trainer.global_step == limits["max_steps"]
+
+
+def test_a_second_fit_on_the_same_trainer_does_not_count_the_gap_between_fits():
+    """Another fit with the same instance keeps what the first measured (as a restore would)
+    and starts its own clock: the 500 s between the fits were counted as training time (and
+    the next step's rate, and the estimate from it)."""
+    import lightning.pytorch as pl
+
+    clock = FakeClock()
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            clock.t += 2.0  # every step 2 s
+            return self.layer(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(64, 3), batch_size=4)
+
+    writer = RecordingWriter()
+    monitor = RuntimeMonitor(clock=clock, writer=writer, time_unit="seconds", log_every_n_steps=1)
+    module = Tiny()
+    trainer = quiet_trainer(max_steps=4, callbacks=[monitor])
+    trainer.fit(module)
+    clock.t += 500.0  # the user's code between the fits (evaluation, saving, ...)
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(module)
+    assert sorted(writer.rows) == list(range(8))
+    for step, row in writer.rows.items():
+        assert row["time/train_seconds"] == pytest.approx(2.0 * (step + 1), rel=1e-12), step
+        assert row["time/total_seconds"] == pytest.approx(2.0 * (step + 1), rel=1e-12), step
+        if step > 0:  # (the warm-up step 0 has no rate; the second fit's warm-up is step 4)
+            assert row["time/seconds_per_step"] == pytest.approx(2.0, rel=1e-12), step
+            horizon = 4 if step < 4 else 8
+            assert row["time/remaining_seconds"] == pytest.approx(
+                2.0 * (horizon - step - 1), rel=1e-12
+            ), step
+    assert row["time/batches"] == 8

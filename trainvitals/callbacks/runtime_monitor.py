@@ -52,7 +52,10 @@ class RuntimeMonitor(VitalsCallback):
 
     Everything is state: a resumed run continues its clocks, its counters and its rate from the
     checkpoint (Lightning checkpoints, the driver's ``state_dict``); time between the
-    checkpoint and the restart (downtime) is not counted. On CUDA a logging step synchronises
+    checkpoint and the restart (downtime) is not counted. Another run with the same instance
+    (a second ``fit`` on the same trainer, a retry after a failure, a new driver) continues
+    the same way from where the previous run ended, with its own warm-up: the time between
+    the runs is not counted. On CUDA a logging step synchronises
     the device once before reading the clock, and so do the start and end of validation;
     non-logging steps read the clock and add a few Python numbers: no sync, no transfer, no
     collective. So on an accelerator the rate starts at the end of the first logging step at
@@ -138,6 +141,7 @@ class RuntimeMonitor(VitalsCallback):
         # advances once per optimizer, so a batch stepping two optimizers is two steps of the
         # horizon (max_steps), not one.
         self._rate_steps = 0
+        self._train_at_step_end: float | None = None  # train-clock reading at the last step end
         # Carried over from earlier processes of the run (checkpoint state).
         self._prev = {"train": 0.0, "validation": 0.0, "total": 0.0}
         self._prev_rate = {"seconds": 0.0, "steps": 0}
@@ -148,6 +152,8 @@ class RuntimeMonitor(VitalsCallback):
     # ------------------------------------------------------------------ hooks
 
     def run_start(self, ctx: RunContext) -> None:
+        if self._clock.started or self._clock.paused:  # (a previous run that did not end)
+            self._fold_into_previous()
         self._groups = ctx.groups
         device = ctx.device
         self._clock.sync_fn = (
@@ -187,6 +193,15 @@ class RuntimeMonitor(VitalsCallback):
     def validation_end(self, ctx: RunContext) -> None:
         self._clock.resume()
 
+    def run_end(self, ctx: RunContext) -> None:
+        # Another run with this instance may follow (a second fit on the same trainer, a retry,
+        # a new driver): what this one measured is kept as a restore would keep it, and the
+        # clock stops here (the time between the runs is no step's).
+        self._fold_into_previous()
+
+    def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
+        self._fold_into_previous()
+
     def step_end(self, ctx: RunContext) -> None:
         log = self.should_log(ctx)
         if log:
@@ -195,6 +210,7 @@ class RuntimeMonitor(VitalsCallback):
             self._check_epoch_horizon(ctx)
         self._clock.start()  # no-op unless no micro-batch was reported
         train_now = self._clock.train_seconds()
+        self._train_at_step_end = train_now
         self._steps_this_process += 1
         if self._rate_anchor is not None:
             self._rate_steps += ctx.step_increment
@@ -298,6 +314,27 @@ class RuntimeMonitor(VitalsCallback):
     def state_dict_collectives(self) -> tuple[CollectiveCall, ...]:
         return count_reduction_calls(1, self._groups)  # _sync_consumed's one row
 
+    def _fold_into_previous(self) -> None:
+        """Keep this run's clocks and rate as earlier runs' (what a checkpoint carries) and
+        start afresh: a new clock and warm-up, no micro-batch of an unfinished step. The rate
+        ends at the last step's end (the time after it, the run's end, belongs to no step)."""
+        if not (self._clock.started or self._clock.paused):
+            return  # nothing measured since the last fold or restore
+        now = self._clock.read()
+        last = self._train_at_step_end
+        seconds, steps = self._rate(now["train"] if last is None else last)
+        self._prev = {kind: self._prev[kind] + now[kind] for kind in self._prev}
+        self._prev_rate = {"seconds": seconds, "steps": steps}
+        self._restart()
+
+    def _restart(self) -> None:
+        self._train_at_step_end = None
+        self._counter.reset()
+        self._clock = self._clock.fresh()
+        self._steps_this_process = 0
+        self._rate_anchor = None
+        self._rate_steps = 0
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         seconds = state_dict.get("seconds", {})
         self._prev = {k: float(seconds.get(k, 0.0)) for k in self._prev}
@@ -310,13 +347,9 @@ class RuntimeMonitor(VitalsCallback):
         self._consumed = {k: float(consumed.get(k, 0.0)) for k in self._consumed}
         self._pending = dict.fromkeys(self._pending, 0.0)
         # Micro-batches of a step in progress at the restore belong to the abandoned timeline
-        # (the restored run replays that step): not counted into the next step.
-        self._counter.reset()
-        # This process starts its own clock and its own warm-up.
-        self._clock = self._clock.fresh()
-        self._steps_this_process = 0
-        self._rate_anchor = None
-        self._rate_steps = 0
+        # (the restored run replays that step): not counted into the next step. This process
+        # starts its own clock and its own warm-up.
+        self._restart()
 
 
 def _lightning_time_limit(trainer: Any) -> Callable[[], float | None] | None:
