@@ -704,3 +704,52 @@ def test_measured_flops_leave_out_validation_inside_the_first_step(tmp_path):
     )
     trainer.fit(Tiny())
     assert monitor.state_dict()["measured"] == ["samples", pytest.approx(2 * 3 + 2 * 3)]
+
+
+@pytest.mark.parametrize(
+    ("mixed_precision", "matmul", "column"),
+    [("no", "highest", "fp32"), ("no", "high", "tf32"), ("bf16", "highest", "bf16")],
+)
+def test_mfu_under_accelerate_uses_the_accelerators_precision(
+    monkeypatch, mixed_precision, matmul, column
+):
+    """An Accelerate run in fp32 was measured against the bf16 peak (MFU 2x too low against
+    tf32, ~15x against fp32); the column comes from the Accelerator's mixed_precision, as
+    Lightning's from its precision plugin."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import trainvitals.callbacks.throughput_monitor as tm
+    from trainvitals.adapters.context import RunContext
+    from trainvitals.stats.flops import peak_flops
+
+    AcceleratorState._reset_state(True)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: matmul)
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    monkeypatch.setattr(RunContext, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(tm, "device_name_of", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    clock, writer = FakeClock(), RecordingWriter()
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = ThroughputMonitor(window_size=2, clock=clock, flops_per_token=1e9)
+    try:
+        with Vitals(
+            [monitor], writer=writer, accelerator=accelerator, log_every_n_steps=1
+        ) as vitals:
+            vitals.attach(model, opt)
+            for _ in range(3):
+                ids = torch.ones(2, 5, dtype=torch.long)
+                vitals.batch({"input_ids": ids})
+                clock.t += 1.0
+                model(torch.randn(2, 3)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        AcceleratorState._reset_state(True)
+    peak = peak_flops("NVIDIA H100 80GB HBM3", column)
+    assert {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12}[column] == pytest.approx(
+        peak, rel=1e-3
+    )
+    # window of steps 1..2: 10 tokens per 1 s step
+    assert writer.rows[2]["throughput/mfu"] == pytest.approx(1e9 * 10.0 / peak, rel=1e-12)

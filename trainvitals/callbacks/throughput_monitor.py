@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -81,8 +82,11 @@ def _run_precision(ctx: RunContext) -> str | None:
     """The :data:`PRECISIONS` column of the run's matmuls: under Lightning its trainer's
     ``precision`` (as Lightning's own ``ThroughputMonitor`` picks its peak from the precision
     plugin: fp32 matmuls count as tf32 unless ``torch.get_float32_matmul_precision()`` is
-    "highest"); ``None`` when it has no column (``64-true``); elsewhere ``bf16``."""
+    "highest"); under Accelerate its ``mixed_precision`` (``"no"``: fp32 or tf32 alike);
+    ``None`` when it has no column (``64-true``); elsewhere (a plain loop) ``bf16``."""
     trainer_precision = getattr(ctx.trainer, "precision", None) if ctx.trainer else None
+    if ctx.framework == "accelerate":
+        trainer_precision = _accelerate_precision()
     if not isinstance(trainer_precision, str):
         return "bf16"
     name = trainer_precision.lower()
@@ -95,6 +99,21 @@ def _run_precision(ctx: RunContext) -> str | None:
     if name.startswith("transformer-engine"):
         return "fp8"
     return None
+
+
+def _accelerate_precision() -> str | None:
+    """The running Accelerator's ``mixed_precision`` as a Lightning precision name (``"no"``:
+    ``"32-true"``), from Accelerate's process-wide state; ``None`` when there is none."""
+    state_module = sys.modules.get("accelerate.state")
+    state = getattr(state_module, "AcceleratorState", None)
+    if state is None or not getattr(state, "_shared_state", None):
+        return None  # no Accelerator made in this process
+    try:
+        mixed = str(state().mixed_precision).lower()
+    except Exception:
+        return None
+    names = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "fp8": "transformer-engine"}
+    return names.get(mixed)
 
 
 class ThroughputMonitor(VitalsCallback):
@@ -158,7 +177,8 @@ class ThroughputMonitor(VitalsCallback):
             ``fp16``, ``fp8``. Default: the run's precision under Lightning (``bf16-*`` is
             ``bf16``, ``16-*`` ``fp16``, ``transformer-engine`` ``fp8``, ``32-true`` ``fp32``
             or, when ``torch.get_float32_matmul_precision()`` is not ``"highest"``, ``tf32``;
-            ``64-true`` has no peak), else ``bf16``.
+            ``64-true`` has no peak); under Accelerate its ``mixed_precision`` the same way
+            (``"no"`` as ``32-true``, ``"fp8"`` ``fp8``); else (a plain loop) ``bf16``.
         clock: a callable returning seconds (default ``time.perf_counter``), for tests.
         log_every_n_steps: interval in optimizer steps (default: the run's).
         writer: where values go (default: the run's writer).
