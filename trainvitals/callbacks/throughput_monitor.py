@@ -147,7 +147,8 @@ class ThroughputMonitor(VitalsCallback):
     ``torch.utils.flop_counter.FlopCounterMode`` (forward and backward of its micro-batches, up
     to the step's last ``before_optimizer_step``, validation inside the step left out, on this
     rank's model as it runs: the whole model under DDP/FSDP, the local shard under tensor
-    parallelism, DTensor included; it slows that one step; not under ``torch.compile``; a
+    parallelism, DTensor included; it slows that one step; exact under ``torch.compile`` with
+    the eager, aot_eager and inductor backends on CPU; a
     forward re-run by activation checkpointing is counted, so the MFU keys are then hardware
     flops utilisation in PaLM's terms, not model flops: give ``flops_per_token`` for MFU); the
     count is divided by the step's tokens (else samples, else batches) and kept in the

@@ -211,7 +211,7 @@ def device_flop_counter() -> Any:
             _dtensor = _dtensor_type()
             _fake = _fake_tensor_type()
 
-        return _Counter(display=False)
+        return _global_only(_Counter(display=False))
 
     class _Mode(_DeviceWorkOnly, layered):
         _dtensor = _dtensor_type()
@@ -226,7 +226,30 @@ def device_flop_counter() -> Any:
             self.mode.__enter__()
             return self
 
-    return _LayeredCounter(display=False)
+    return _global_only(_LayeredCounter(display=False))
+
+
+class _GlobalTotalOnly:
+    """Stands in for ``FlopCounterMode``'s module tracker: every op counts into ``"Global"``
+    only, the total that is read. The stock tracker puts forward hooks on every module and
+    gradient hooks on their outputs for a per-module breakdown nobody reads here, and those
+    hooks broke the user's forward under ``torch.compile(backend="aot_eager")``
+    (``AttributeError: 'NoneType' object has no attribute 'next_functions'`` from
+    ``register_multi_grad_hook``: the run died)."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _GlobalTotalOnly:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+def _global_only(counter: Any) -> Any:
+    if hasattr(counter, "mod_tracker"):
+        counter.mod_tracker = _GlobalTotalOnly()
+    return counter
 
 
 class _DeviceWorkOnly:
