@@ -302,3 +302,95 @@ def test_gan_clipping_each_network_with_accelerator_measures_it_at_its_own_step(
         assert row["l2_norm/grad/optimizer_0"] == pytest.approx(sq_d**0.5, rel=1e-6)
         assert row["l2_norm/grad/optimizer_1"] == pytest.approx(sq_g**0.5, rel=1e-6)
         assert row["l2_norm/grad/global"] == pytest.approx((sq_d + sq_g) ** 0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_fp16_gan_without_clipping_measures_each_network_at_its_scaler_step(tmp_path, skip):
+    """A GAN on Accelerate under fp16, no clipping: each opt.step() is the scaler's step(inner)
+    then update(). Each network's gradients are shown right after scaler.step unscales them,
+    as that optimizer uses them (NormMonitor's and TensorStatsMonitor's grad values against
+    the float64 unscaled gradients), also at a discriminator step the scaler skips (batch 1,
+    an inf gradient), which stays in its batch's step although update() follows it at once.
+    The GradScaler is the fp16 one Accelerate makes on CUDA, set up by hand on CPU."""
+    import math
+    import warnings
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from tests.callbacks.test_tensor_stats_monitor import check_line, read_lines
+    from tests.scripts.vitals_testing import RecordingWriter
+    from trainvitals.adapters.accelerate import Vitals
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+    from trainvitals.callbacks.tensor_stats_monitor import TensorStatsMonitor
+
+    def unscaled(net, prefix):  # float64 gradients divided by the loss scale they carry
+        scale = accelerator.scaler.get_scale()
+        return {f"{prefix}.{n}": p.grad.double() / scale for n, p in net.named_parameters()}
+
+    def sq(grads):
+        return float(sum(float(g.pow(2).sum()) for g in grads.values()))
+
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        accelerator.native_amp = True
+        torch.manual_seed(0)
+        gen = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        disc = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt_d = torch.optim.SGD(disc.parameters(), lr=0.05)
+        opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
+        gen, disc, opt_g, opt_d = accelerator.prepare(gen, disc, opt_g, opt_d)
+        writer = RecordingWriter()
+        vitals = Vitals(
+            [NormMonitor(), TensorStatsMonitor(kinds=["grad"], kernel="eager")],
+            accelerator=accelerator,
+            writer=writer,
+            run_dir=tmp_path,
+            log_every_n_steps=1,
+        )
+        vitals.attach(torch.nn.ModuleDict({"d": disc, "g": gen}), [opt_d, opt_g])
+        expected: list[tuple[dict, dict]] = []
+        counted, skipped = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                real, z = torch.randn(5, 4), torch.randn(5, 3)
+                vitals.batch(real)
+                opt_d.zero_grad()
+                accelerator.backward(disc(gen(z).detach()).mean() - disc(real).mean())
+                if skip and step == 1:
+                    disc[2].weight.grad[0, 3] = math.inf
+                grads_d = unscaled(disc, "d")
+                opt_d.step()
+                skipped.append(opt_d.step_was_skipped)
+                opt_g.zero_grad()
+                accelerator.backward(-disc(gen(z)).mean())
+                grads_g = unscaled(gen, "g")
+                opt_g.step()
+                counted.append(vitals.step)
+                expected.append((grads_d, grads_g))
+            vitals.close()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+    assert skipped == [False, skip, False]
+    assert counted == [0, 1, 2] and vitals.step == 3
+    lines = [line for line in read_lines(tmp_path / "tensor_stats.jsonl") if line["kind"] == "grad"]
+    assert sorted(writer.rows) == [line["step"] for line in lines] == [0, 1, 2]
+    for step, (grads_d, grads_g) in enumerate(expected):
+        row = writer.rows[step]
+        sq_d, sq_g = sq(grads_d), sq(grads_g)
+        if skip and step == 1:
+            assert row["l2_norm/grad/optimizer_0"] == math.inf
+            assert row["l2_norm/grad/global"] == math.inf
+            assert row["l2_norm/grad/nonfinite_count"] == 1
+        else:
+            assert row["l2_norm/grad/optimizer_0"] == pytest.approx(sq_d**0.5, rel=1e-6)
+            assert row["l2_norm/grad/global"] == pytest.approx((sq_d + sq_g) ** 0.5, rel=1e-6)
+        assert row["l2_norm/grad/optimizer_1"] == pytest.approx(sq_g**0.5, rel=1e-6)
+        check_line(lines[step], {**grads_d, **grads_g}, f"grad step {step}")
+    assert not [w for w in caught if "still scaled" in str(w.message)]

@@ -427,8 +427,9 @@ def _global_grad_norm(model: torch.nn.Module, divide_by: float = 1.0) -> float:
 
 
 def test_several_optimizers_sharing_a_scaler_never_show_scaled_gradients():
-    # torch.amp's multi-optimizer pattern, scaler.step(opt0); scaler.step(opt1): opt0 steps
-    # (its pre-hook runs) while opt1's gradients are still multiplied by the loss scale.
+    # torch.amp's multi-optimizer pattern, scaler.step(opt0); scaler.step(opt1): each
+    # optimizer's own gradients are shown inside its scaler.step, unscaled, never opt1's scaled
+    # ones with opt0 (tests/test_driver_amp_several_optimizers.py checks their values).
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     first = torch.optim.SGD(model[0].parameters(), lr=0.1)
@@ -453,7 +454,7 @@ def test_several_optimizers_sharing_a_scaler_never_show_scaled_gradients():
         scaler.update()
         first.zero_grad()
         second.zero_grad()
-        assert any("still scaled" in str(w.message) for w in caught) == (not explicit)
+        assert not any("still scaled" in str(w.message) for w in caught)
     # a scaler that is off (bf16/fp32 with GradScaler(enabled=False)) never scaled anything
     off = torch.amp.GradScaler("cpu", enabled=False)
     model_off = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
@@ -471,10 +472,12 @@ def test_several_optimizers_sharing_a_scaler_never_show_scaled_gradients():
     vitals.close()
     vitals_off.close()
     assert min(expected) > 1e-2  # so that neither a clipped norm (1e-3) could pass
-    # Step 0: nothing at the first optimizer's step (the second's gradients still scaled);
-    # the second's pre-hook shows them, all unscaled by then. Step 1: all at once, unclipped.
-    assert rec.grad_norms == [pytest.approx(e, rel=1e-5) for e in expected]
+    # Step 0: each optimizer at its own scaler.step (the Recorder's norm over every gradient
+    # is not the measure there: the second's are still scaled at the first's). Step 1: all at
+    # once, unclipped.
+    assert rec.grad_norms[-1] == pytest.approx(expected[1], rel=1e-5)
     assert [e for e in rec.events if e[0] in ("grads", "end")] == [
+        ("grads", 0),
         ("grads", 0),
         ("end", 0, 1),
         ("grads", 1),

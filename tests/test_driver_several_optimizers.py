@@ -190,35 +190,37 @@ def test_clipping_one_network_shows_its_unclipped_gradients_before_its_step():
     assert rec.events == _two_steps_per_batch(2)
 
 
-def test_gan_on_one_grad_scaler_shows_the_generator_unscaled_and_never_scaled_gradients():
-    # fp16 GAN on one scaler: at scaler.step(opt_d) the generator's gradients are not unscaled
-    # yet, so nothing is shown there (warned); scaler.step(opt_g) unscales the generator's and
-    # its pre-hook shows them, as opt_g alone (opt_d's weights are updated by then).
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_gan_on_one_grad_scaler_shows_each_network_unscaled_at_its_scaler_step():
+    # fp16 GAN on one scaler: scaler.step(opt_d) unscales the discriminator's gradients (the
+    # generator's are still scaled: the previous batch's) and the driver shows them there, as
+    # opt_d alone; scaler.step(opt_g) likewise for the generator. Never a scaled gradient, and
+    # no warning.
     model, generator, discriminator, opt_d, opt_g = _gan()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     rec = GradRecorder()
     vitals = Vitals([rec], writer=RecordingWriter()).attach(model, [opt_d, opt_g], scaler=scaler)
     expected = []
-    with pytest.warns(RuntimeWarning, match="still scaled"):
-        for _ in range(2):
-            real, z = torch.randn(5, 4), torch.randn(5, 3)
-            vitals.batch(real)
-            opt_d.zero_grad()
-            loss_d = discriminator(generator(z).detach()).mean() - discriminator(real).mean()
-            scaler.scale(loss_d).backward()
-            scaler.step(opt_d)
-            opt_g.zero_grad()
-            scaler.scale(-discriminator(generator(z)).mean()).backward()
-            scale = scaler.get_scale()
-            expected.append({k: g / scale for k, g in _snapshot(generator).items()})
-            scaler.step(opt_g)
-            scaler.update()
+    for _ in range(2):
+        real, z = torch.randn(5, 4), torch.randn(5, 3)
+        vitals.batch(real)
+        opt_d.zero_grad()
+        loss_d = discriminator(generator(z).detach()).mean() - discriminator(real).mean()
+        scaler.scale(loss_d).backward()
+        scale = scaler.get_scale()
+        expected.append((opt_d, {k: g / scale for k, g in _snapshot(discriminator).items()}))
+        scaler.step(opt_d)
+        opt_g.zero_grad()
+        scaler.scale(-discriminator(generator(z)).mean()).backward()
+        expected.append((opt_g, {k: g / scale for k, g in _snapshot(generator).items()}))
+        scaler.step(opt_g)
+        scaler.update()
     vitals.close()
-    assert [stepping for stepping, _ in rec.seen] == [opt_g, opt_g]
-    for (_, grads), want in zip(rec.seen, expected, strict=True):
+    assert [stepping for stepping, _ in rec.seen] == [opt_d, opt_g, opt_d, opt_g]
+    for (_, grads), (_, want) in zip(rec.seen, expected, strict=True):
         for key, value in want.items():
             torch.testing.assert_close(grads[key], value, rtol=1e-6, atol=0)
-    assert rec.events == [e for s in range(2) for e in (("mb", s), ("grads", s), ("end", s, 1))]
+    assert rec.events == _two_steps_per_batch(2)
 
 
 def test_norm_monitor_in_a_gan_loop_measures_each_network_at_its_own_step():

@@ -20,13 +20,22 @@ with ``accelerator.clip_grad_norm_`` or :meth:`Vitals.clip_grad_norm_`, and when
 ``GradScaler`` unscales (``attach(..., scaler=scaler)``; Accelerate's own scaler is found by
 itself). A step whose gradients were observed but that the optimizer skipped (``GradScaler`` on
 inf/nan gradients) ends at the scaler's ``update()`` (else at the next :meth:`Vitals.batch`
-call), so its micro-batches are not counted into the next step. Without the scaler attached,
-``GradScaler.step`` skips such a step before the optimizer's hooks run: the callbacks never see
-its (non-finite) gradients. Several optimizers sharing one scaler: the gradients are shown once
-every attached optimizer's are unscaled (``scaler.unscale_(opt)`` for each, or
-``accelerator.clip_grad_norm_``); an optimizer that steps while another's are still scaled
-shows none, with a warning, rather than gradients still multiplied by the loss scale (those
-stepping after it, once all are unscaled, are shown at their own step).
+call; with several optimizers, with its batch, below), so its micro-batches are not counted
+into the next step. Without the scaler attached, ``GradScaler.step`` skips such a step before
+the optimizer's hooks run: the callbacks never see its (non-finite) gradients. Several
+optimizers sharing one scaler: every gradient is shown at once when every attached
+optimizer's are unscaled before any steps (``scaler.unscale_(opt)`` for each, or
+``accelerator.clip_grad_norm_``); else each optimizer's own gradients are shown when the
+scaler unscales them inside ``scaler.step(opt)`` (torch.amp's ``scaler.step(opt0);
+scaler.step(opt1)``, a GAN's ``scaler.step`` after each backward, every optimizer's step under
+Accelerate fp16), also when the scaler then skips that step, or at an explicit
+``scaler.unscale_(opt)`` once another optimizer stepped or was shown in the batch. An optimizer
+that steps while another's gradients are still scaled after an explicit
+``scaler.unscale_(opt)`` of its own that came first in the batch (the loop may have clipped
+them since, unseen) or without the scaler unscaling it, shows none, with a warning, rather
+than clipped or scaled gradients. (The scaler unscales optimizers' parameters only: the
+gradient of a trainable parameter in no optimizer, shown with the batch's first step or all at
+once, still carries the loss scale, with one optimizer as with several.)
 
 Several optimizers (``attach(model, [opt_d, opt_g])``: a GAN, or parameters split over two
 optimizers): the step is the batch (its micro-batches under accumulation), and ``ctx.step``
@@ -181,9 +190,12 @@ class Vitals:
         # stepped since, and those that stepped in the step in progress.
         self._awaiting_step: set[int] = set()
         self._stepped: set[int] = set()
+        self._shown_in_step = False  # gradients shown in the step in progress (any of them)
         self._patches: list[AttributePatch] = []  # our wrappers, undone by close()
         # inside accelerator.clip_grad_norm_/clip_grad_value_: the parameters it clips
         self._accelerator_clipping: list[Any] | None = None
+        # inside GradScaler.step(optimizer): the id of that (innermost) optimizer
+        self._scaler_stepping: int | None = None
         self._loop_calls_batch = False
         self._warned_scaled = False
         self._closed = False
@@ -234,28 +246,57 @@ class Vitals:
         # skips optimizer.step() on inf/nan gradients (torch.amp.GradScaler.step): an instance
         # attribute catches both the explicit and the implicit call, before any skip.
         original = scaler.unscale_
+        original_step = scaler.step
         original_update = scaler.update
         accelerator = self._accelerator
 
         def unscale_(optimizer: Any) -> None:
             original(optimizer)
+            inner = None
+            with contextlib.suppress(TypeError):  # (the scaler took it: an optimizer)
+                inner = _inner_optimizer(optimizer)
             if callable(getattr(scaler, "is_enabled", None)) and not scaler.is_enabled():
                 self._unscaled |= self._attached  # a disabled scaler never scaled anything
-            else:
-                self._unscaled.add(id(_inner_optimizer(optimizer)))
-            # Once every attached optimizer's gradients are unscaled (several optimizers share
-            # one scaler), and, under Accelerate, only when the optimizer will step. Not once
-            # one of them stepped: its weights are updated, and the pre-hook of each optimizer
-            # still to step shows its gradients (scaler.step unscales them first).
-            # (Inside accelerator.clip_grad_*, which unscales every optimizer's gradients, the
-            # unscale_gradients wrapper decides: it knows which parameters are clipped.)
-            if (
-                self._attached <= self._unscaled
-                and not self._stepped
-                and self._accelerator_clipping is None
-                and getattr(accelerator, "sync_gradients", True)
+            elif inner is not None:
+                self._unscaled.add(id(inner))
+            # Not inside accelerator.clip_grad_*, which unscales every optimizer's gradients:
+            # its unscale_gradients wrapper decides, as it knows which parameters are clipped.
+            # Under Accelerate, only when the optimizer will step.
+            if self._accelerator_clipping is not None or not getattr(
+                accelerator, "sync_gradients", True
             ):
+                return
+            if self._attached <= self._unscaled and not self._stepped and not self._awaiting_step:
+                # Every attached optimizer's gradients unscaled (several optimizers share one
+                # scaler) before any of them stepped or was shown: all at once. Not once one
+                # stepped: its weights are updated.
                 self.gradients_ready()
+            elif (
+                len(self._attached) > 1
+                and inner is not None
+                and id(inner) in self._attached
+                and (self._scaler_stepping == id(inner) or self._stepped or self._awaiting_step)
+            ):
+                # Several optimizers, this one's own gradients unscaled: shown now, alone, as
+                # its step() would (ctx.stepping_optimizer), when nothing can come between this
+                # and its step: inside scaler.step(optimizer), which unscales and then steps, or
+                # skips the step on inf/nan gradients (its hooks never run: shown here, as with
+                # one optimizer). Or when the gradients cannot be shown all at once any more
+                # (another optimizer stepped or was shown alone in this step): now, before
+                # the loop clips them. An explicit scaler.unscale_(opt) before any of that
+                # waits: the loop may unscale every optimizer before the first step (all at
+                # once, above); if it steps instead, clipping may have come between (see
+                # _on_pre_step).
+                self._show_optimizer(inner)
+
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            outer = self._scaler_stepping
+            with contextlib.suppress(TypeError):
+                self._scaler_stepping = id(_inner_optimizer(optimizer))
+            try:
+                return original_step(optimizer, *args, **kwargs)
+            finally:
+                self._scaler_stepping = outer
 
         def update(*args: Any, **kwargs: Any) -> None:
             original_update(*args, **kwargs)
@@ -263,10 +304,14 @@ class Vitals:
             # calls it in AcceleratedOptimizer.step): a step whose gradients were seen and that is
             # still open was skipped. End it now, so that a checkpoint or close() taken before
             # the next batch counts it, as the loop's own step counter does.
-            # (Several optimizers, some of which stepped: the step ends with its batch, at the
-            # next batch(), validating(), state_dict() or close().)
+            # (Several optimizers: the step is the batch and ends with it, at the next batch(),
+            # validating(), state_dict() or close(), also when every step() in it was skipped;
+            # Accelerate calls update() after each optimizer's step. Those shown and skipped
+            # are shown again if they step again in the batch: a critic stepped k times.)
             shown = self._grads_seen_for_step or self._awaiting_step
-            if shown and not self._stepped and not self._closed:
+            if len(self._attached) > 1:
+                self._awaiting_step.clear()
+            elif shown and not self._stepped and not self._closed:
                 self._end_step()
             # and, as the scaler itself does, forget what was unscaled: an optimizer stepped
             # after the step ended (scaler.step(opt1)) is scaled again in the next iteration
@@ -274,6 +319,7 @@ class Vitals:
 
         self._patches += [
             AttributePatch(scaler, "unscale_", unscale_),
+            AttributePatch(scaler, "step", step),
             AttributePatch(scaler, "update", update),
         ]
 
@@ -418,13 +464,13 @@ class Vitals:
 
     def _micro_batch(self, batch: Any, batch_size: int | None, num_tokens: int | None) -> None:
         self._start()
-        if self._grads_seen_for_step or self._awaiting_step or self._stepped:
+        if self._grads_seen_for_step or self._shown_in_step or self._stepped:
             # The gradients of the previous step were observed but the optimizer did not step
             # (AMP's GradScaler skips steps with inf/nan gradients), or, with several
             # optimizers, some stepped in it (all of them, in a loop that calls batch(), or
-            # not all: a generator stepped every k batches): that step is over. Under
-            # accumulation no optimizer steps before the step's last micro-batch, so its
-            # micro-batches stay in one step.
+            # not all: a generator stepped every k batches) or had their gradients shown: that
+            # step is over. Under accumulation no optimizer steps before the step's last
+            # micro-batch, so its micro-batches stay in one step.
             self._end_step()
         ctx = self.ctx
         if ctx.micro_batches_in_step == 0:
@@ -465,7 +511,7 @@ class Vitals:
         if self._grads_seen_for_step or self._closed:  # (closed: the run has ended)
             return
         self._start()
-        self._grads_seen_for_step = True
+        self._grads_seen_for_step = self._shown_in_step = True
         self._awaiting_step |= self._attached
         self._each("before_optimizer_step")
 
@@ -478,6 +524,7 @@ class Vitals:
             return
         self._start()
         self._awaiting_step.add(id(optimizer))
+        self._shown_in_step = True
         self.ctx.stepping_optimizer = optimizer
         try:
             self._each("before_optimizer_step")
@@ -486,17 +533,22 @@ class Vitals:
 
     def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._unscaled and not self._attached <= self._unscaled:
-            # The scaler unscaled this optimizer but another attached one still holds gradients
-            # multiplied by the loss scale (scaler.step(opt0); scaler.step(opt1), as in the
-            # torch.amp examples): no gradients rather than wrong ones at this step. (Unless
-            # they were shown already: accelerator.unscale_gradients(this optimizer).)
+            # The scaler is in use and another attached optimizer's gradients are still
+            # multiplied by the loss scale. This one's were shown when the scaler unscaled them
+            # (inside scaler.step(opt), as in torch.amp's scaler.step(opt0); scaler.step(opt1)
+            # example, or in Accelerate's clipping), else they cannot be shown right: still
+            # scaled (stepped without scaler.step), or unscaled by an explicit
+            # scaler.unscale_(opt) that waited for the others (all at once) and may have been
+            # clipped since. No gradients rather than wrong ones at this step.
             if id(optimizer) not in self._awaiting_step and not self._warned_scaled:
                 self._warned_scaled = True
                 warnings.warn(
                     "trainvitals Vitals: an optimizer stepped while another attached optimizer's "
-                    "gradients were still scaled by the GradScaler; gradients are not shown to "
-                    "the callbacks at such steps. Call scaler.unscale_(opt) for every optimizer "
-                    "before the first step (warned once)",
+                    "gradients were still scaled by the GradScaler, after scaler.unscale_(opt) "
+                    "or without scaler.step(opt); gradients are not shown to the callbacks at "
+                    "such steps. Call scaler.unscale_(opt) for every optimizer before the first "
+                    "step, or clip with vitals.clip_grad_norm_, or let scaler.step(opt) unscale "
+                    "(warned once)",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -520,9 +572,12 @@ class Vitals:
             self._end_step()
 
     def _end_stepped_step(self) -> None:
-        """End the step in progress if an attached optimizer stepped in it (else a no-op): its
-        batch is over (several optimizers; with one, the step ended at its step())."""
-        if self._stepped and not self._closed:
+        """End the step in progress if an attached optimizer stepped in it, or (several
+        optimizers) had its gradients shown, its step() skipped by the GradScaler (else a
+        no-op): its batch is over (several optimizers; with one, the step ended at its step()
+        or at the scaler's update())."""
+        shown = len(self._attached) > 1 and self._shown_in_step
+        if (self._stepped or shown) and not self._closed:
             self._end_step()
 
     def _end_step(self) -> None:
@@ -534,7 +589,7 @@ class Vitals:
         """The step in ``ctx.step`` starts from its first micro-batch: nothing of it seen yet."""
         self.ctx.micro_batch = 0
         self.ctx.micro_batches_in_step = 0
-        self._grads_seen_for_step = False
+        self._grads_seen_for_step = self._shown_in_step = False
         self._awaiting_step.clear()
         self._stepped.clear()
         self._unscaled.clear()
