@@ -287,6 +287,37 @@ def test_wall_time_is_the_time_of_the_steps_first_value() -> None:
     assert before <= sink.steps[0][2] <= after
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 1e300, "12.5", True])
+def test_a_bad_walltime_raises_in_the_caller_and_the_sinks_keep_every_step(tmp_path, bad) -> None:
+    # A NaN, infinite or negative walltime= used to be stored as the step's time: the JSONL
+    # sink (JSON has no NaN) and MLflow (int64 milliseconds >= 0) failed on every retry of
+    # that step and were switched off after max_failures, missing every later step too.
+    from mlflow import MlflowClient
+
+    from trainvitals.adapters import MLflowSink
+
+    sinks = [JsonlSink(tmp_path / "m.jsonl"), MLflowSink(run_dir=tmp_path / "ml")]
+    writer = FanoutWriter(sinks, rank=0, max_failures=2, retry_backoff=(0.01, 0.01))
+    with writer:
+        writer.add_scalar("a", 0.5, 0, walltime=1_700_000_000.25)
+        with pytest.raises((TypeError, ValueError), match="walltime"):
+            writer.add_scalar("a", 1.0, 1, walltime=bad)
+        with pytest.raises((TypeError, ValueError), match="walltime"):
+            writer.add_scalars({"b": 1.0}, 1, walltime=bad)
+        for step in range(1, 4):
+            writer.add_scalar("a", float(step), step)
+    for name, st in writer.status().items():
+        assert (st["delivered"], st["missed"], st["failures"]) == (4, 0, 0), name
+    records = read_jsonl(tmp_path / "m.jsonl")
+    assert [(r["step"], r["metrics"]) for r in records] == [
+        (s, {"a": 0.5 if s == 0 else float(s)}) for s in range(4)
+    ]
+    assert records[0]["time"] == 1_700_000_000.25
+    history = MlflowClient(sinks[1].tracking_uri).get_metric_history(sinks[1].run_id, "a")
+    assert [(m.step, m.value) for m in history] == [(0, 0.5), (1, 1.0), (2, 2.0), (3, 3.0)]
+    assert history[0].timestamp == 1_700_000_000_250
+
+
 # ---- ranks
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.adapters.conftest import free_port, read_mlflow
+from tests.adapters.conftest import (
+    _wandb_records,
+    free_port,
+    offline_wandb_run,
+    read_mlflow,
+    read_wandb_offline,
+)
 from trainvitals.adapters import FanoutWriter, MLflowSink
 
 
@@ -59,3 +65,61 @@ def test_a_run_the_sink_created_ends_failed_after_an_exception(tmp_path, crash: 
     run = client.get_run(sink.run_id)
     assert run.info.status == ("FAILED" if crash else "FINISHED")
     assert [m.value for m in client.get_metric_history(sink.run_id, "loss")] == [1.0]
+
+
+def _wandb_declared(wandb_dir) -> dict[str, str]:
+    """name (or glob) -> step metric of every define_metric record in the offline run file."""
+    import glob
+    import os
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    pattern = os.path.join(wandb_dir, "**", "offline-run-*", "run-*.wandb")
+    (path,) = glob.glob(pattern, recursive=True)
+    declared = {}
+    for raw in _wandb_records(path):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") == "metric":
+            declared[rec.metric.name or rec.metric.glob_name] = rec.metric.step_metric
+    return declared
+
+
+@pytest.mark.timeout(120)
+def test_shared_wandb_sink_takes_keys_with_a_star_and_declares_each_one(tmp_path) -> None:
+    # WandbSink(shared_step=True) (Accelerate's wandb tracker) declares every key's x-axis with
+    # run.define_metric(key, ...), which raises for "*" inside a name: every step failed and
+    # the sink was switched off after 10 tries, losing every key of every step; a trailing "*"
+    # is a glob there, which would declare the loop's own keys starting alike as trainvitals'.
+    from trainvitals.adapters import WandbSink, unmap_key
+
+    keys = ["loss", "attn*scale", "grad/norm*", "_step"]
+    run = offline_wandb_run(tmp_path, "tv")
+    try:
+        writer = FanoutWriter(
+            [WandbSink(run, shared_step=True)], rank=0, max_failures=2, retry_backoff=(0.01, 0.01)
+        )
+        for step in range(4):
+            writer.add_scalars({k: i + step / 8 for i, k in enumerate(keys)}, step)
+            writer.end_step()
+            run.log({"grad/norm_of_the_loop": 1.0}, step=step + 1)  # the loop's own key
+        writer.close()
+    finally:
+        run.finish()
+    status = writer.status()["wandb"]
+    assert (status["delivered"], status["missed"], status["failures"]) == (4, 0, 0)
+    mapped = {"loss": "loss", "attn*scale": "attn_x2ascale", "grad/norm*": "grad/norm_x2a"}
+    mapped["_step"] = "_x5fstep"
+    assert all(unmap_key(m) == k for k, m in mapped.items())
+    got: dict[str, dict[int, float]] = {}
+    for row in read_wandb_offline(tmp_path):
+        if "trainvitals/step" in row:
+            for k in mapped.values():
+                if k in row:
+                    got.setdefault(k, {})[row["trainvitals/step"]] = row[k]
+    assert got == {mapped[k]: {s: i + s / 8 for s in range(4)} for i, k in enumerate(keys)}
+    declared = _wandb_declared(tmp_path)
+    assert {k: declared.get(k) for k in mapped.values()} == dict.fromkeys(
+        mapped.values(), "trainvitals/step"
+    )
+    assert not any("*" in name for name in declared)  # no glob over the loop's keys

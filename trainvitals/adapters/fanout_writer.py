@@ -49,6 +49,7 @@ import atexit
 import contextlib
 import functools
 import logging
+import math
 import numbers
 import os
 import queue
@@ -154,6 +155,25 @@ def _as_step(step: Any) -> int:
     if s < 0:
         raise ValueError(f"step must be >= 0, got {s}")
     return s
+
+
+def _as_walltime(walltime: Any) -> float:
+    """``walltime=`` as Unix seconds; raises for what a backend would refuse at delivery (the
+    JSONL and MLflow sinks failed on every retry of such a step and were switched off, losing
+    the rest of the run)."""
+    if not isinstance(walltime, numbers.Real) or isinstance(walltime, (bool, np.bool_)):
+        raise TypeError(f"walltime must be a number of seconds, got {type(walltime).__name__}")
+    try:
+        seconds = float(walltime)
+    except OverflowError:
+        seconds = math.inf
+    # (MLflow stores int64 milliseconds and refuses negative ones; JSON has no NaN or Inf)
+    if not 0.0 <= seconds < _MAX_WALLTIME:
+        raise ValueError(f"walltime must be finite Unix seconds >= 0, got {walltime!r:.40}")
+    return seconds
+
+
+_MAX_WALLTIME = 2.0**63 / 1000.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -900,7 +920,7 @@ class FanoutWriter:
 
         Raises ``TypeError``/``ValueError`` (naming the key) for a non-string or empty key, a
         non-numeric value, a tensor with more than one element, a missing, negative or
-        decreasing step.
+        decreasing step, a ``walltime`` that is not a finite number of seconds ``>= 0``.
 
         Example::
 
@@ -919,6 +939,8 @@ class FanoutWriter:
                 raise TypeError(f"add_scalar({name!r}, ...) needs a step")
         if type(step) is not int or step < 0:
             step = _as_step(step)
+        if walltime is not None:
+            walltime = _as_walltime(walltime)
         with self._lock:
             if step != self._step:
                 self._advance(step, name)
@@ -927,7 +949,7 @@ class FanoutWriter:
             elif self._active:
                 values = self._values
                 if not values:
-                    self._step_time = time.time() if walltime is None else float(walltime)
+                    self._step_time = time.time() if walltime is None else walltime
                 values[name] = value
                 if type(value) is not float:
                     self._has_tensors = True
@@ -965,6 +987,8 @@ class FanoutWriter:
                 raise TypeError("add_scalars(...) needs a step")
         if type(step) is not int or step < 0:
             step = _as_step(step)
+        if walltime is not None:
+            walltime = _as_walltime(walltime)
         checked: dict[str, Any] = {}
         has_tensors = False
         for k, v in mapping.items():
@@ -989,7 +1013,7 @@ class FanoutWriter:
             elif self._active:
                 values = self._values
                 if not values:
-                    self._step_time = time.time() if walltime is None else float(walltime)
+                    self._step_time = time.time() if walltime is None else walltime
                 values.update(checked)
                 if has_tensors:
                     self._has_tensors = True

@@ -51,6 +51,7 @@ __all__ = [
     "IDENTITY_KEYS",
     "MLFLOW_KEYS",
     "WANDB_KEYS",
+    "WANDB_SHARED_KEYS",
     "KeyRule",
     "Sink",
     "StepRefused",
@@ -212,6 +213,18 @@ WANDB_KEYS = KeyRule(
     "wandb",
     reserved=frozenset({"_step", "_runtime", "_timestamp"}),
     reserved_prefixes=("_wandb",),
+)
+
+#: W&B for a run whose step other code moves (``WandbSink(shared_step=True)``): as
+#: :data:`WANDB_KEYS`, and ``*`` escaped too. That sink declares each key's x-axis with
+#: ``run.define_metric(key, step_metric=...)``, which raises for a ``*`` inside a name and reads a
+#: trailing ``*`` as a glob (which would give the loop's own keys with that start trainvitals'
+#: x-axis).
+WANDB_SHARED_KEYS = KeyRule(
+    "wandb (shared step)",
+    allowed=r"^*",
+    reserved=WANDB_KEYS.reserved,
+    reserved_prefixes=WANDB_KEYS.reserved_prefixes,
 )
 
 #: Comet: any characters, at most 100 (``comet_ml.config.MAXIMAL_KEY_LENGTH``); Comet itself

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from trainvitals.adapters.sinks.base import WANDB_KEYS, Sink, StepRefused
+from trainvitals.adapters.sinks.base import WANDB_KEYS, WANDB_SHARED_KEYS, Sink, StepRefused
 
 __all__ = ["SHARED_STEP_METRIC", "WandbSink"]
 
@@ -56,8 +56,12 @@ class WandbSink(Sink):
     loop's ``step=1``.
 
     Keys W&B writes itself (``_step``, ``_runtime``, ``_timestamp``, ``_wandb...``) are mapped
-    by :data:`~trainvitals.adapters.sinks.base.WANDB_KEYS`. NaN and infinities are stored as
-    such (``NaN``, ``Infinity``, ``-Infinity`` in the run's history JSON).
+    by :data:`~trainvitals.adapters.sinks.base.WANDB_KEYS`; with ``shared_step=True`` a ``*`` is
+    escaped too (:data:`~trainvitals.adapters.sinks.base.WANDB_SHARED_KEYS`: ``attn*scale`` ->
+    ``attn_x2ascale``), because ``define_metric`` raises for a ``*`` inside a name (every step
+    of the sink failed, and it was switched off) and takes a trailing ``*`` as a glob. NaN and
+    infinities are stored as such (``NaN``, ``Infinity``, ``-Infinity`` in the run's history
+    JSON).
 
     Example::
 
@@ -84,6 +88,8 @@ class WandbSink(Sink):
         super().__init__(name=name, owned=owned)
         self.run = run
         self.shared_step = shared_step
+        if shared_step:
+            self.key_rule = WANDB_SHARED_KEYS  # the names go to define_metric too
         self.step_metric = SHARED_STEP_METRIC if shared_step and not step_metric else step_metric
         # shared_step: the keys given their x-axis, and the W&B row that holds the last step
         # written (and which step that was): the row a later part of that step joins, and the
