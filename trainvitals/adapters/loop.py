@@ -35,7 +35,10 @@ that steps while another's gradients are still scaled after an explicit
 them since, unseen) or without the scaler unscaling it, shows none, with a warning, rather
 than clipped or scaled gradients. (The scaler unscales optimizers' parameters only: the
 gradient of a trainable parameter in no optimizer, shown with the batch's first step or all at
-once, still carries the loss scale, with one optimizer as with several.)
+once, still carries the loss scale, with one optimizer as with several.) A fused (or
+capturable) optimizer unscales inside its own ``step()``, so ``scaler.step`` alone leaves its
+gradients scaled at its step: they are not shown (warned once); ``scaler.unscale_(opt)`` first
+shows them.
 
 Several optimizers (``attach(model, [opt_d, opt_g])``: a GAN, or parameters split over two
 optimizers): the step is the batch (its micro-batches under accumulation), and ``ctx.step``
@@ -196,8 +199,10 @@ class Vitals:
         self._accelerator_clipping: list[Any] | None = None
         # inside GradScaler.step(optimizer): the id of that (innermost) optimizer
         self._scaler_stepping: int | None = None
+        self._scaled_at_step = False  # that optimizer steps with its gradients still scaled
         self._loop_calls_batch = False
         self._warned_scaled = False
+        self._warned_fused = False
         self._closed = False
         self._warned_closed: set[str] = set()  # calls after close() already warned about
 
@@ -290,13 +295,24 @@ class Vitals:
                 self._show_optimizer(inner)
 
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            outer = self._scaler_stepping
+            outer = self._scaler_stepping, self._scaled_at_step
+            inner = None
             with contextlib.suppress(TypeError):
-                self._scaler_stepping = id(_inner_optimizer(optimizer))
+                inner = _inner_optimizer(optimizer)
+            self._scaler_stepping = None if inner is None else id(inner)
+            # A fused (or capturable) optimizer unscales inside its own step() (GradScaler hands
+            # it the scale, torch.amp.GradScaler.step): its gradients are still multiplied by
+            # the loss scale at its step pre-hook, unless the loop unscaled them before.
+            self._scaled_at_step = (
+                inner is not None
+                and bool(getattr(inner, "_step_supports_amp_scaling", False))
+                and id(inner) not in self._unscaled
+                and (not callable(getattr(scaler, "is_enabled", None)) or scaler.is_enabled())
+            )
             try:
                 return original_step(optimizer, *args, **kwargs)
             finally:
-                self._scaler_stepping = outer
+                self._scaler_stepping, self._scaled_at_step = outer
 
         def update(*args: Any, **kwargs: Any) -> None:
             original_update(*args, **kwargs)
@@ -532,6 +548,22 @@ class Vitals:
             self.ctx.stepping_optimizer = None
 
     def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._scaled_at_step and self._scaler_stepping == id(optimizer):
+            # scaler.step(fused optimizer): its gradients are still multiplied by the loss
+            # scale here (it unscales them inside its step): none rather than scaled ones
+            if not self._warned_fused:
+                self._warned_fused = True
+                warnings.warn(
+                    "trainvitals Vitals: a fused (or capturable) optimizer unscales its "
+                    "gradients inside its own step() under the GradScaler, so they are still "
+                    "multiplied by the loss scale when the callbacks would see them; gradients "
+                    "are not shown at such steps. Call scaler.unscale_(optimizer) before "
+                    "scaler.step(optimizer) (or clip with vitals.clip_grad_norm_) to have "
+                    "them (warned once)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return
         if self._unscaled and not self._attached <= self._unscaled:
             # The scaler is in use and another attached optimizer's gradients are still
             # multiplied by the loss scale. This one's were shown when the scaler unscaled them
