@@ -15,6 +15,7 @@ from tests.scripts.vitals_testing import (
     batch_size,
     dt,
     fake_loop,
+    fit_twice_with_a_gap,
     manual_optimization_module,
     quiet_trainer,
 )
@@ -463,33 +464,10 @@ def test_a_second_fit_on_the_same_trainer_does_not_count_the_gap_between_fits():
     """Another fit with the same instance keeps what the first measured (as a restore would)
     and starts its own clock: the 500 s between the fits were counted as training time (and
     the next step's rate, and the estimate from it)."""
-    import lightning.pytorch as pl
-
     clock = FakeClock()
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(3, 1)
-
-        def training_step(self, batch, batch_idx):
-            clock.t += 2.0  # every step 2 s
-            return self.layer(batch).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.randn(64, 3), batch_size=4)
-
     writer = RecordingWriter()
     monitor = RuntimeMonitor(clock=clock, writer=writer, time_unit="seconds", log_every_n_steps=1)
-    module = Tiny()
-    trainer = quiet_trainer(max_steps=4, callbacks=[monitor])
-    trainer.fit(module)
-    clock.t += 500.0  # the user's code between the fits (evaluation, saving, ...)
-    trainer.fit_loop.epoch_loop.max_steps = 8
-    trainer.fit(module)
+    fit_twice_with_a_gap(monitor, clock, seconds_per_step=2.0, gap=500.0)
     assert sorted(writer.rows) == list(range(8))
     for step, row in writer.rows.items():
         assert row["time/train_seconds"] == pytest.approx(2.0 * (step + 1), rel=1e-12), step

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from tests.scripts.vitals_testing import FakeClock, RecordingWriter, quiet_trainer
+from tests.scripts.vitals_testing import FakeClock, RecordingWriter, fit_twice_with_a_gap
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
 
@@ -24,35 +22,12 @@ def _mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def test_a_second_fit_on_the_same_trainer_does_not_time_the_gap_between_fits():
-    import lightning.pytorch as pl
-
     clock = FakeClock()
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(3, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            clock.t += 1.0  # every step: 4 samples in 1 s
-            return self.layer(batch).pow(2).mean()
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-        def train_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader(torch.randn(64, 3), batch_size=4)
-
     writer = RecordingWriter()
     monitor = ThroughputMonitor(
         window_size=2, warmup_steps=0, clock=clock, writer=writer, log_every_n_steps=2
     )
-    module = Tiny()
-    trainer = quiet_trainer(max_steps=4, callbacks=[monitor])
-    trainer.fit(module)
-    clock.t += 500.0  # the user's code between the fits (evaluation, saving, ...)
-    trainer.fit_loop.epoch_loop.max_steps = 8
-    trainer.fit(module)
+    fit_twice_with_a_gap(monitor, clock, seconds_per_step=1.0, gap=500.0)  # 4 samples in 1 s
     assert sorted(writer.rows) == [0, 2, 4, 6]
     # step 4, the second fit's first, is timed from its own first batch: window [3, 4], 2 s
     for step in (0, 2, 4, 6):

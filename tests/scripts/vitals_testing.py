@@ -197,3 +197,36 @@ def lsgan_manual_step(module: Any, real: torch.Tensor, generate: Any, toggle: bo
     opt_d.step()
     if toggle:
         module.untoggle_optimizer(opt_d)
+
+
+def fit_twice_with_a_gap(
+    callback: Any, clock: FakeClock, seconds_per_step: float, gap: float = 500.0
+) -> Any:
+    """Two ``fit`` calls on one Lightning trainer with ``callback``: 4 optimizer steps, then
+    ``gap`` seconds of the user's own code on ``clock`` (evaluation, saving, ...), then
+    ``max_steps`` raised to 8 and the second fit. Each step (4 samples of 3 features) moves
+    ``clock`` by ``seconds_per_step``. Returns the trainer."""
+    import lightning.pytorch as pl
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            clock.t += seconds_per_step
+            return self.layer(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.randn(64, 3), batch_size=4)
+
+    module = Tiny()
+    trainer = quiet_trainer(max_steps=4, callbacks=[callback])
+    trainer.fit(module)
+    clock.t += gap
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(module)
+    return trainer
