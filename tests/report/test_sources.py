@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import struct
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,59 @@ def test_tensorboard_double_precision_values_are_read(tmp_path: Path) -> None:
     assert set(src.values) == {"train/loss"}
     assert points_of(src.values, "train/loss") == points  # exact: float64 kept
     assert "float64 values" in src.description
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32, as a TensorBoard ``simple_value`` stores it."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+@pytest.mark.parametrize("double_precision", [False, True], ids=["float32", "float64"])
+def test_tensorboard_resume_purges_both_precisions(tmp_path: Path, double_precision: bool) -> None:
+    # A run logs steps 0..9, is resumed at step 5 (logs 5..7), then again at step 6 (logs 6),
+    # all into one folder through TensorBoardSink + FanoutWriter.resume_at: three event files,
+    # the later two opened with SummaryWriter(purge_step=N). Float64 values are tensor events,
+    # which tensorboard's EventAccumulator does not purge: the report kept the abandoned
+    # steps 8, 9 (and 7 of the first resume) behind the ones the resumed runs wrote.
+    pytest.importorskip("tensorboard")
+    from trainvitals.adapters import FanoutWriter, TensorBoardSink
+
+    logdir = tmp_path / "tb"
+    timelines = [  # (resumed at, {step: {key: value}}); third-ish values: not float32-exact
+        (0, {s: {"train/loss": 1.0 / 3.0 + s, "lr": 0.1 + s} for s in range(10)}),
+        (5, {s: {"train/loss": 100.0 + 1.0 / 7.0 + s} for s in range(5, 8)}),
+        (6, {6: {"train/loss": 1000.0 + 1.0 / 11.0}}),
+    ]
+    for start, steps in timelines:
+        writer = FanoutWriter([TensorBoardSink(logdir, double_precision=double_precision)], rank=0)
+        writer.resume_at(start)
+        for step, metrics in steps.items():
+            writer.add_scalars(metrics, step)
+        writer.close()
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 3
+    # the run that happened: each resume drops every key's steps >= its step, then writes
+    happened: dict[str, dict[int, float]] = {}
+    for start, steps in timelines:
+        for series in happened.values():
+            for step in [s for s in series if s >= start]:
+                del series[step]
+        for step, metrics in steps.items():
+            for key, value in metrics.items():
+                happened.setdefault(key, {})[step] = value
+    stored = (lambda v: v) if double_precision else as_float32
+    src = load_metrics(tmp_path, lambda key: True, None, None)
+    assert set(src.values) == {"train/loss", "lr"}
+    for key, series in happened.items():
+        want = [(step, stored(value)) for step, value in sorted(series.items())]
+        assert points_of(src.values, key) == want, key  # every step, float64 bit-exact
+    assert points_of(src.values, "train/loss")[-2:] == [
+        (5, stored(100.0 + 1.0 / 7.0 + 5)),
+        (6, stored(1000.0 + 1.0 / 11.0)),
+    ]
+    assert [s for s, _ in points_of(src.values, "lr")] == [0, 1, 2, 3, 4]
+    # one wall time per point kept (7 + 5): the purged points' wall times are gone too
+    assert len(src.times) == sum(len(series) for series in happened.values())
+    assert ("float64" if double_precision else "float32") + " values" in src.description
 
 
 def test_a_folder_of_several_tensorboard_runs_is_an_error_naming_them(tmp_path: Path, capsys):

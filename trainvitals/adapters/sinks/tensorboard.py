@@ -25,6 +25,9 @@ class TensorBoardSink(Sink):
         double_precision: store float64 values (a ``DT_DOUBLE`` tensor summary, read back with
             ``EventAccumulator.Tensors``) instead of TensorBoard's usual float32
             ``simple_value`` (read back with ``EventAccumulator.Scalars``, rounded to float32).
+            The TensorBoard UI's default loader (tensorboard-data-server 0.7.2) does not show
+            such float64 scalars; ``tensorboard --load_fast=false`` and ``trainvitals report``
+            do.
         name: the sink's name in warnings.
 
     Delivery: TensorBoard has no batch call. For torch's ``SummaryWriter`` the sink puts all
