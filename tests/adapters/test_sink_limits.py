@@ -123,3 +123,69 @@ def test_shared_wandb_sink_takes_keys_with_a_star_and_declares_each_one(tmp_path
         mapped.values(), "trainvitals/step"
     )
     assert not any("*" in name for name in declared)  # no glob over the loop's keys
+
+
+def _wandb_summary(wandb_dir) -> dict[tuple[str, ...], object]:
+    """The run's last summary: path (W&B's nested_key) -> JSON-decoded value."""
+    import glob
+    import json
+    import os
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    pattern = os.path.join(wandb_dir, "**", "offline-run-*", "run-*.wandb")
+    (path,) = glob.glob(pattern, recursive=True)
+    summary: dict[tuple[str, ...], object] = {}
+    for raw in _wandb_records(path):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") == "summary":
+            for item in rec.summary.update:
+                key = tuple(item.nested_key) or (item.key,)
+                summary[key] = json.loads(item.value_json)
+    return summary
+
+
+@pytest.mark.timeout(120)
+def test_shared_wandb_sink_declares_dotted_keys_under_the_name_wandb_reads_as_that_key(
+    tmp_path, monkeypatch
+) -> None:
+    # W&B reads a define_metric name as a path: "a.b" is the nested key a -> b (log({"a":
+    # {"b": v}})), "a\.b" the flat key "a.b". The sink declared the per-tensor keys
+    # (l2_norm/grad/model.layers.0.weight) unescaped, so their x-axis was declared for a key
+    # nobody logs. W&B's own reading is the judge here: each declaration the sink makes also
+    # asks for summary="max", which wandb-core applies to the key it reads the name as.
+    from trainvitals.adapters import WandbSink
+
+    keys = [
+        "loss",
+        "l2_norm/grad/model.layers.0.weight",
+        "tensor_stats/grad/model.layers.0.mlp.up_proj.weight/mean",
+        "a\\b.c",  # a "\" before another character stays as it is
+        "two\\\\.x",  # "\\" before a dot: each pair stays, the dot escaped after it
+        "odd\\",  # no name W&B reads as this key ("odd\" is read as "odd", the loop's key)
+    ]
+    run = offline_wandb_run(tmp_path, "tv")
+    declare = run.define_metric
+    monkeypatch.setattr(run, "define_metric", lambda *a, **kw: declare(*a, **kw, summary="max"))
+    values = {k: {s: (i + 1) * (3 - s) for s in range(3)} for i, k in enumerate(keys)}  # max at 0
+    try:
+        writer = FanoutWriter([WandbSink(run, shared_step=True)], rank=0)
+        for step in range(3):
+            writer.add_scalars({k: values[k][step] for k in keys}, step)
+            writer.end_step()
+            run.log({"odd": 7.0 - step}, step=step + 1)  # the loop's own key
+        writer.close()
+    finally:
+        run.finish()
+    status = writer.status()["wandb"]
+    assert (status["delivered"], status["missed"], status["failures"]) == (3, 0, 0)
+    rows = [r for r in read_wandb_offline(tmp_path) if "trainvitals/step" in r]
+    assert {k: {r["trainvitals/step"]: r[k] for r in rows if k in r} for k in keys} == values
+    summary = _wandb_summary(tmp_path)
+    declared = _wandb_declared(tmp_path)
+    named = [k for k in keys if k != "odd\\"]
+    assert {k: summary.get((k,)) for k in named} == {k: {"max": values[k][0]} for k in named}
+    assert summary.get(("odd\\",)) == values["odd\\"][2]  # logged, not declared
+    assert summary.get(("odd",)) == 5.0  # the loop's key was not declared as trainvitals' one
+    assert list(declared.values()) == ["trainvitals/step"] * len(named)  # each with the axis

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +12,25 @@ __all__ = ["SHARED_STEP_METRIC", "WandbSink"]
 
 #: the x-axis key that ``WandbSink(shared_step=True)`` logs with every row
 SHARED_STEP_METRIC = "trainvitals/step"
+
+
+def _metric_name(key: str) -> str | None:
+    """The name of the logged key ``key`` in ``define_metric`` (``None``: W&B has none).
+
+    W&B reads a ``define_metric`` name as a path: an unescaped ``.`` separates the levels of a
+    nested dict (``define_metric("a.b")`` is ``log({"a": {"b": v}})``), ``\\.`` is a literal
+    dot and a ``\\`` before any other character stays as it is (wandb-core's ``runmetric``,
+    W&B's own test ``test_metric_dotted``). A flat key such as
+    ``l2_norm/grad/model.layers.0.weight`` is therefore declared with its dots escaped (the key
+    itself is logged as it is). A key with an odd run of ``\\`` before a ``.`` or at its end
+    has no such name (W&B would read ``odd\\`` as ``odd``, another key).
+    """
+    if _UNNAMEABLE.search(key):
+        return None
+    return key.replace(".", "\\.")
+
+
+_UNNAMEABLE = re.compile(r"(?<!\\)(?:\\\\)*\\(?:\.|\Z)")
 
 
 class WandbSink(Sink):
@@ -59,7 +79,11 @@ class WandbSink(Sink):
     by :data:`~trainvitals.adapters.sinks.base.WANDB_KEYS`; with ``shared_step=True`` a ``*`` is
     escaped too (:data:`~trainvitals.adapters.sinks.base.WANDB_SHARED_KEYS`: ``attn*scale`` ->
     ``attn_x2ascale``), because ``define_metric`` raises for a ``*`` inside a name (every step
-    of the sink failed, and it was switched off) and takes a trailing ``*`` as a glob. NaN and
+    of the sink failed, and it was switched off) and takes a trailing ``*`` as a glob. In the
+    names it gives ``define_metric`` the sink escapes each ``.`` (``model.layers.0.weight`` ->
+    ``model\\.layers\\.0\\.weight``; the logged key keeps its dots): W&B reads an unescaped ``.``
+    there as a nested dict's level (the x-axis would go to a key nobody logs). A key W&B has no
+    such name for (an odd run of ``\\`` before a ``.`` or at its end) is not declared. NaN and
     infinities are stored as such (``NaN``, ``Infinity``, ``-Infinity`` in the run's history
     JSON).
 
@@ -123,8 +147,11 @@ class WandbSink(Sink):
     def _write_shared(self, step: int, data: dict[str, float]) -> None:
         axis = self.step_metric
         assert axis is not None
+        step_name = _metric_name(axis)
         for key in data.keys() - self._declared:
-            self.run.define_metric(key, step_metric=axis)
+            name = _metric_name(key)
+            if name is not None and step_name is not None:
+                self.run.define_metric(name, step_metric=step_name)
             self._declared.add(key)
         data[axis] = step
         current = self._run_step()
