@@ -492,7 +492,11 @@ class VitalsCallback:
         self, ctx: RunContext, trainer: Any, batch: Any, batch_idx: int
     ) -> None:
         ctx.step = trainer.global_step
-        batch_key = (trainer.global_step, batch_idx)
+        # (the epoch too: batch_idx restarts at 0 each epoch, and a batch that did not step
+        # leaves global_step as it was, so with one batch per epoch, e.g. overfit_batches=1
+        # or limit_train_batches=1 under manual optimization stepping every other batch,
+        # (global_step, batch_idx) repeats and the next epoch's batch went uncounted)
+        batch_key = (trainer.global_step, batch_idx, getattr(trainer, "current_epoch", None))
         previous = getattr(ctx, "_pl_batch_key", None)
         if previous != batch_key:
             # The context is shared by all callbacks of the trainer: only the first callback to
