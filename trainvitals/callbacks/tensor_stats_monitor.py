@@ -140,8 +140,11 @@ class TensorStatsMonitor(VitalsCallback):
     parallel style's own) and is also merged over its ``Shard`` dims, a ``Partial`` output is
     taken after the style reduced it, and a ``Partial`` dgrad (the gradient of the replicated
     input of a column-parallel layer) is summed elementwise over its group in the gradient hook
-    (an extra collective, logging steps only). Plain activation tensors are taken to be
-    replicated over tensor-parallel ranks. Moments need a
+    (an extra collective, logging steps only). A plain tensor handed out by ``to_local()``
+    (``RowwiseParallel(output_layouts=Shard(1))`` under sequence parallelism: each rank's part
+    of the sequence) is merged over the ``Shard`` dims of its ``DTensor`` (see
+    :func:`_local_shard_groups`); other plain activation tensors are taken to be replicated
+    over tensor-parallel ranks. Moments need a
     merge, not a sum: each group gets one ``all_gather`` of all per-rank moments that need it,
     merged on every rank (one collective per distinct group per logging step; a two-collective
     shared-shift scheme would need a second round trip for the same result). Min and max ride
@@ -621,14 +624,23 @@ class TensorStatsMonitor(VitalsCallback):
             # Two hooks: the first (prepended) sees a tensor-parallel module's output while it is
             # still a sharded DTensor, before the parallel style turns it into a local tensor;
             # the last sees everything else (plain tensors, and Partial outputs once reduced).
+            # ``reduced``: per slot, what the first hook saw of a Partial output (its shape and
+            # the groups it is sharded over if the style reduce-scatters it) for the last.
             taken = [False, False]
+            reduced: list[tuple[tuple[int, ...], tuple[Any, ...]] | None] = [None, None]
             for early in (True, False):
-                hook = self._make_forward_hook(idx, taken, early)
+                hook = self._make_forward_hook(idx, taken, reduced, early)
                 self._handles.append(
                     module.register_forward_hook(hook, with_kwargs=True, prepend=early)
                 )
 
-    def _make_forward_hook(self, idx: list[int | None], taken: list[bool], early: bool) -> Any:
+    def _make_forward_hook(
+        self,
+        idx: list[int | None],
+        taken: list[bool],
+        reduced: list[tuple[tuple[int, ...], tuple[Any, ...]] | None],
+        early: bool,
+    ) -> Any:
         want_act = "activation" in self.kinds
         want_dgrad = "dgrad" in self.kinds
 
@@ -664,15 +676,37 @@ class TensorStatsMonitor(VitalsCallback):
                 if site is None or x is None:
                     continue
                 if early:
-                    if not _is_dtensor(x) or partial_groups(x):
+                    if not _is_dtensor(x):
+                        continue
+                    if partial_groups(x):
+                        # the style reduces it next (all-reduce, or reduce-scatter under
+                        # sequence parallelism); the last hook takes the result
+                        reduced[slot] = (tuple(x.shape), shard_groups(x))
                         continue
                     taken[slot] = True
                 elif taken[slot]:
                     taken[slot] = False
                     continue
                 elif partial_groups(x):
+                    reduced[slot] = None
                     self.warn_once("partial", "skipped a Partial DTensor activation")
                     continue
+                elif not _is_dtensor(x):
+                    seen, reduced[slot] = reduced[slot], None
+                    groups = _local_shard_groups(x, seen)
+                    if groups is None:
+                        self.warn_once(
+                            f"unknown-layout-{site}",
+                            f"skipped the activation at {self._sites[site]}: a DTensor's local "
+                            "part that is Partial, or whose layout (replicated or sharded) "
+                            "neither autograd nor its shape tells",
+                        )
+                        continue
+                    if groups:  # a shard of a DTensor (e.g. sequence parallel): merged over it
+                        for kind in ("activation", "dgrad"):
+                            self._site_groups.setdefault((kind, site), groups)
+                else:
+                    reduced[slot] = None
                 if rerun:  # the activation was measured in the first run
                     if self._held_back.get(site, 0) > 0 and x.requires_grad:
                         self._held_back[site] -= 1
@@ -1104,6 +1138,41 @@ def _is_router(module: nn.Module) -> bool:
 
 def _is_dtensor(x: torch.Tensor) -> bool:
     return callable(getattr(x, "to_local", None)) and hasattr(x, "placements")
+
+
+def _local_shard_groups(
+    x: torch.Tensor, reduced: tuple[tuple[int, ...], tuple[Any, ...]] | None
+) -> tuple[Any, ...] | None:
+    """The groups a plain activation ``x`` is sharded over: ``()`` for a whole (or replicated)
+    tensor, ``None`` when that cannot be told.
+
+    A parallel style hands out ``dtensor.to_local()`` (``use_local_output=True``), e.g.
+    ``RowwiseParallel(output_layouts=Shard(1))`` under sequence parallelism: each
+    tensor-parallel rank then holds a different part of the sequence, which taken as a replica
+    would leave the other ranks' parts out. With autograd on, ``to_local``'s backward node
+    keeps the DTensor's spec (the same on every rank): merge over its ``Shard`` dims. Without
+    it, a reduced ``Partial`` output (``reduced``: its global shape and the groups it is split
+    over) is whole if its shape is the global one, split otherwise; when the global shape has
+    a dim of size 0 or 1 the two cannot be told apart on every rank alike (``None``)."""
+    spec = getattr(x.grad_fn, "dtensor_spec", None) if x.grad_fn is not None else None
+    placements = getattr(spec, "placements", None)
+    if placements is not None:
+        from torch.distributed.tensor.placement_types import Partial, Replicate
+
+        if any(isinstance(p, Partial) for p in placements):
+            return None
+        mesh = spec.mesh
+        return tuple(
+            mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group()
+            for d, p in enumerate(placements)
+            if not isinstance(p, Replicate)
+        )
+    if reduced is None:
+        return ()  # assumed whole or a replica (documented)
+    shape, groups = reduced
+    if any(n <= 1 for n in shape):
+        return None
+    return () if tuple(x.shape) == shape else groups
 
 
 def _first_float(obj: Any) -> torch.Tensor | None:
