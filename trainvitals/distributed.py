@@ -539,7 +539,10 @@ class ProcessGroups:
     mesh of shape ``(2, 2)``: four token streams, each ``ep`` group of two routes only its own
     two streams' tokens to its experts), an expert's tokens are spread over ``edp``. ``None``
     (the default) means trivial, right when ``ep`` spans all of ``dp_cp``. A single process
-    means every group is ``None``.
+    means every group is ``None``. Hand-built groups are checked when made, from the local
+    group table (no collective): ``dp``, ``cp``, ``ep`` and ``edp`` outside ``dp_cp``, or
+    ``ep`` and ``edp`` sharing ranks, raise ``ValueError`` (``ProcessGroups(ep=G)`` without
+    ``dp`` would sum tokens over this rank alone).
 
     Example::
 
@@ -565,6 +568,57 @@ class ProcessGroups:
                     "data x context parallel group (ProcessGroups.from_device_mesh builds it)"
                 )
             self.dp_cp = self.dp
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Refuse groups that would leave ranks out of token sums, before any collective.
+
+        ``dp``, ``cp``, ``ep`` and ``edp`` must lie inside ``dp_cp``, and ``ep`` and ``edp``
+        share only this rank: a hand-built ``ProcessGroups(ep=G)`` without ``dp`` summed the
+        expert loads over this rank alone (the other EP ranks' tokens lost). Membership is
+        read from the local group table (``get_process_group_ranks``): no collective.
+        """
+        if not is_distributed():
+            return
+        me = dist.get_rank()
+
+        def members(name: str) -> set[int] | None:
+            group = getattr(self, name)
+            if group is None:
+                return {me}
+            try:
+                return set(dist.get_process_group_ranks(group))
+            except Exception:  # not a process group this rank can look up: not checked
+                return None
+
+        dp_cp = members("dp_cp")
+        ep = members("ep")
+        if dp_cp is not None:
+            for name in ("dp", "cp", "ep", "edp"):
+                ranks = members(name)
+                if ranks is None or ranks <= dp_cp:
+                    continue
+                hint = ""
+                if name == "ep":
+                    hint = (
+                        " (expert-parallel ranks route different tokens to each other's "
+                        "experts, so they are data parallel: pass dp (or dp_cp) holding them, "
+                        "as ProcessGroups.from_device_mesh does for an 'ep' dim; an ep group "
+                        "folded over tensor-parallel ranks (MoE parallel folding) is not "
+                        "supported)"
+                    )
+                raise ValueError(
+                    f"ProcessGroups: {name} (ranks {sorted(ranks)}) must lie inside dp_cp "
+                    f"(ranks {sorted(dp_cp)}), the ranks every token sum covers; ranks "
+                    f"{sorted(ranks - dp_cp)} would be left out{hint}"
+                )
+        edp = members("edp")
+        if ep is not None and edp is not None and ep & edp != {me}:
+            raise ValueError(
+                f"ProcessGroups: ep (ranks {sorted(ep)}) and edp (ranks {sorted(edp)}) share "
+                f"ranks {sorted(ep & edp - {me})}: edp holds the ranks with the same experts, "
+                "one per ep group"
+            )
 
     @property
     def is_trivial(self) -> bool:
@@ -691,6 +745,10 @@ def _flat_group(mesh: Any, dims: list[str]) -> Any:
         return None
     if len(dims) == 1:
         return mesh[dims[0]].get_group()
+    # a DeviceMesh slices only in its own dim order (("ep", "dp")[("dp", "ep")] raises
+    # KeyError): take the dims as the mesh orders them (the group is the same set of ranks)
+    order = list(mesh.mesh_dim_names)
+    dims = sorted(dims, key=order.index)
     sub = mesh[tuple(dims)]
     flat_name = "_".join(dims)
     try:
@@ -704,6 +762,13 @@ def _flat_group(mesh: Any, dims: list[str]) -> Any:
 def _new_group_for(mesh: Any, dims: list[str], my_ranks: list[int]) -> Any:
     # Every rank must call new_group for every subgroup, in the same order.
     full = mesh.mesh
+    if full.numel() != dist.get_world_size():
+        # a sub-mesh: the ranks of the other sub-meshes would call new_group for other
+        # blocks (mismatched calls hang); a clear error instead, on every rank
+        raise ValueError(
+            f"ProcessGroups.from_device_mesh: cannot flatten mesh dims {dims} of a sub-mesh "
+            "(DeviceMesh._flatten failed); pass the whole mesh"
+        )
     other = [i for i, n in enumerate(mesh.mesh_dim_names) if n not in dims]
     keep = [mesh.mesh_dim_names.index(n) for n in dims]
     perm = full.permute(*other, *keep)

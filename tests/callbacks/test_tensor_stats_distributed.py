@@ -220,7 +220,7 @@ def _ep_body(rank: int, world_size: int, run_dir: str) -> dict:
         writer=NullWriter(),
         run_dir=run_dir,
         log_every_n_steps=1,
-        groups=ProcessGroups(ep=world_group()),
+        groups=ProcessGroups(dp=world_group(), ep=world_group()),
     ) as vitals:
         vitals.attach(model, opt)
         vitals.batch(x)
@@ -280,7 +280,7 @@ def _ep_unhit_expert_body(rank: int, world_size: int, run_dir: str) -> dict:
         writer=NullWriter(),
         run_dir=run_dir,
         log_every_n_steps=1,
-        groups=ProcessGroups(ep=world_group()),
+        groups=ProcessGroups(dp=world_group(), ep=world_group()),
     ) as vitals:
         vitals.attach(model, opt)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
@@ -601,3 +601,113 @@ def test_an_unanticipated_failure_on_one_rank_drops_that_step_everywhere(tmp_pat
         assert site[FIELDS.index("count")] == 2 * results[0]["rows"] * D
     assert any("missing on every rank" in w for w in results[0]["warnings"])
     assert any("unexpected failure on rank 1 only" in w for w in results[1]["warnings"])
+
+
+# ------------------------------------------------------- sequence parallel: local sequence shards
+
+SB, SS = 2, 8  # batch, sequence length (sharded over the tp ranks)
+
+
+def _sequence(dp_rank: int) -> torch.Tensor:
+    return 3 + torch.randn(SB, SS, D, generator=torch.Generator().manual_seed(300 + dp_rank))
+
+
+def _sp_body(rank: int, world_size: int, run_dir: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks import TensorStatsMonitor
+    from trainvitals.distributed import ProcessGroups, collective_counter
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TPNet()
+    # Megatron-style sequence parallelism: the norm works on this rank's part of the sequence;
+    # "down" reduce-scatters its output back to sequence shards, handed out as local tensors
+    parallelize_module(
+        model,
+        mesh["tp"],
+        {
+            "norm": SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+        },
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tp_rank = mesh.get_local_rank("tp")
+    x = _sequence(mesh.get_local_rank("dp"))[:, tp_rank * SS // 2 : (tp_rank + 1) * SS // 2]
+    with Vitals(
+        [TensorStatsMonitor(kernel="eager", log_every_n_steps=2)],
+        writer=NullWriter(),
+        run_dir=run_dir,
+        log_every_n_steps=1,
+        groups=ProcessGroups.from_device_mesh(mesh),
+    ) as vitals:
+        vitals.attach(model, opt)
+        counts = []
+        for _ in range(2):  # a logging step, then one that is not
+            vitals.batch(x)
+            _loss(model(x).reshape(-1, D)).backward()
+            before = dict(collective_counter)
+            opt.step()
+            counts.append({k: v - before.get(k, 0) for k, v in collective_counter.items()})
+            opt.zero_grad()
+    return {"counts": counts}
+
+
+def _sp_float64() -> dict[str, dict[str, torch.Tensor]]:
+    """float64, one process, whole sequences: activations and dgrads of both dp ranks' batches;
+    parameters, and the gradients of dp rank 0's batch (the monitor reports a gradient that is
+    not synchronised over "dp" as a replica: rank 0's)."""
+    out: dict[str, dict[str, list[torch.Tensor]]] = {"activation": {}, "dgrad": {}}
+
+    def keep(kind: str, site: str, t: torch.Tensor) -> None:
+        out[kind].setdefault(site, []).append(t.detach().reshape(-1).clone())
+
+    def hook(name: str):
+        def fn(module, args, output):
+            for suffix, t in (("input0", args[0]), ("output0", output)):
+                keep("activation", f"{name}/{suffix}", t)
+                t.register_hook(lambda g, s=f"{name}/{suffix}": keep("dgrad", s, g))
+
+        return fn
+
+    torch.manual_seed(0)
+    model = TPNet().double()
+    model.up.register_forward_hook(hook("up"))
+    model.down.register_forward_hook(hook("down"))
+    for r in range(2):
+        x = _sequence(r).double().requires_grad_()
+        _loss(model(x).reshape(-1, D)).backward()
+        if r == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want = {k: {s: torch.cat(v) for s, v in d.items()} for k, d in out.items()}
+    torch.manual_seed(0)
+    want["param"] = {n: p.detach().double() for n, p in TPNet().named_parameters()}
+    want["grad"] = grads
+    return want
+
+
+def test_sequence_parallel_local_shards_are_merged_over_tp(tmp_path: Path) -> None:
+    """dp x tp (2 x 2) with sequence parallelism: "down" (RowwiseParallel with
+    output_layouts=Shard(1)) hands out each tp rank's part of the sequence as a plain tensor.
+    Taken as a replica, its activation and dgrad held tp rank 0's half of the sequence only
+    (count 2048 where float64 says 4096). One all_gather per group on the logging step, no
+    collective on the other."""
+    results = run_distributed(_sp_body, world_size=4, args=(str(tmp_path),), timeout=240)
+    lines = _lines(tmp_path)
+    assert set(lines) == {"param", "grad", "activation", "dgrad"}
+    want = _sp_float64()
+    for kind in ("param", "grad", "activation", "dgrad"):
+        _check(lines[kind], want[kind], kind)
+    for res in results:
+        logging, quiet = res["counts"]
+        assert logging.get("all_gather", 0) == 2, logging  # one per group: dp and tp
+        assert sum(quiet.values()) == 0, quiet
