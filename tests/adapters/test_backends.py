@@ -230,6 +230,24 @@ def test_mlflow_sink_on_an_existing_client_and_run_leaves_the_run_open(tmp_path:
     assert len(client.get_run(run_id).data.metrics) == 1001
 
 
+def test_mlflow_sink_on_a_run_id_in_the_run_folders_store(tmp_path: Path, monkeypatch) -> None:
+    # MLflowSink(run_id=..., run_dir=...) ignored run_dir and looked for the run in MLflow's
+    # default store (./mlruns or MLFLOW_TRACKING_URI): every step failed on an unknown run
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(tmp_path)  # (MLflow's default store would be ./mlruns here)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("resumed")).info.run_id
+    with FanoutWriter([MLflowSink(run_id=run_id, run_dir=run_dir)], rank=0) as writer:
+        for step in range(3):
+            writer.add_scalars({"loss": 1.0 / (step + 1)}, step)
+    assert writer.status()["mlflow"]["missed"] == 0
+    assert read_mlflow(client, run_id, ["loss"]) == {"loss": {s: 1.0 / (s + 1) for s in range(3)}}
+    assert not (tmp_path / "mlruns").exists()
+
+
 def test_mlflow_chunked_step_resumes_after_a_failed_chunk(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 

@@ -23,7 +23,8 @@ class MLflowSink(Sink):
     * ``MLflowSink(client, run_id)``: an existing ``MlflowClient`` and run (what Lightning's
       ``MLFlowLogger`` holds as ``.experiment`` and ``.run_id``). The run is left open.
     * ``MLflowSink(run_id=..., tracking_uri=...)``: an existing run in a tracking store (the
-      URI defaults to MLflow's own default). The run is left open.
+      URI defaults to ``sqlite:///<run_dir>/mlflow.db`` when ``run_dir`` is given, else to
+      MLflow's own default). The run is left open.
     * ``MLflowSink(run_dir="runs/demo")`` or ``MLflowSink(tracking_uri=...)``: the sink creates
       a run (in ``experiment_name``, named ``run_name``) in the store, by default
       ``sqlite:///<run_dir>/mlflow.db``, on its first delivery, and ends it when the writer
@@ -79,8 +80,8 @@ class MLflowSink(Sink):
         super().__init__(name=name, owned=creates_run)
         self.client = client
         self.run_id = run_id
-        if tracking_uri is None and creates_run:
-            assert run_dir is not None
+        if tracking_uri is None and run_dir is not None:
+            # (also with run_id: that run is in the run folder's store, not the default one)
             tracking_uri = f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
         self.tracking_uri = tracking_uri
         self.run_dir = Path(run_dir) if run_dir is not None else None
