@@ -29,10 +29,12 @@ user extractor              ``register_router_extractor(predicate_or_type, fn)``
                             (``global_aux_loss``: this rank's share times the size of the router's
                             ``dp_group``, so its mean over data parallel is the global loss)
 Hugging Face transformers   ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,
-routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter`` (and
-                            any ``transformers`` module whose class name ends in ``TopKRouter`` /
-                            ``TopkRouter`` with ``num_experts`` and ``top_k``): output
-                            ``(router_logits [N, E], scores [N, k], indices [N, k])``; the counts
+routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``,
+                            ``HunYuanMoEV1Gate`` (and any ``transformers`` module whose class name
+                            ends in ``TopKRouter`` / ``TopkRouter`` with ``num_experts`` and
+                            ``top_k``): output ``(router_logits [N, E], scores [N, k], indices
+                            [N, k])``; ``Llama4Router``: output ``(scores, router_logits)``, its
+                            indices ``torch.topk(router_logits, top_k, dim=1)``; the counts
                             are a scatter-add of the router's own ``indices``, without padding:
                             a pre-hook on the transformers models that contain the routers
                             records their forward's 2-d ``attention_mask`` ``[B, S]``, and the
@@ -40,11 +42,15 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             ``N = B * S``) go to the overflow column; without a 2-d mask, or
                             when its size is not ``N`` (a KV cache, a model that removes padding
                             itself; warned once per router), every token is counted. For the
-                            softmax families (all six but DeepSeek-V3) the layer's aux loss is
+                            softmax families (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS) the layer's aux loss is
                             the Switch loss from ``router_logits`` and those counts over the same
                             tokens, normalised to 1.0 at perfect balance (Hugging Face's
                             per-layer ``load_balancing_loss_func`` term with the attention mask,
-                            / ``top_k``); a forward whose mask is all 0 (a micro-batch of
+                            / ``top_k``); also for any other of these routers whose modeling
+                            module defines the standard ``load_balancing_loss_func`` (PhiMoE,
+                            GraniteMoE, Ernie 4.5, MiniMax, ...), with the counts of that
+                            function: the top-k of ``softmax(router_logits)``, which is not the
+                            router's own choice where it selects with a bias; a forward whose mask is all 0 (a micro-batch of
                             padding) has no such loss and is left out of the layer's mean over
                             micro-batches (a count kept on the device: no host read)
 torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (torchtitan 0.3) or
@@ -59,6 +65,10 @@ torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (
                             before torchtitan's zeroing, and the buffer ends bit-identical to
                             ``before + counts`` as torchtitan alone would have left it
 ==========================  =======================================================================
+
+A transformers module whose class name ends in ``Router`` or ``Gating`` and that none of these
+recognises (JetMoE, Switch Transformers, NLLB-MoE, DBRX, AFMoE) is warned about when the capture
+is built, naming the model and the classes: its layers are not counted.
 
 What is counted: each training forward once, with the module in training mode. Evaluation
 (``model.eval()``, ``torch.no_grad()``, ``torch.inference_mode()``) is not counted. Activation
@@ -113,6 +123,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -149,11 +160,26 @@ HF_ROUTER_CLASSES: frozenset[str] = frozenset(
         "OlmoeTopKRouter",
         "DeepseekV3TopkRouter",
         "GptOssTopKRouter",
+        "HunYuanMoEV1Gate",  # same output, a name the generic rule below does not match
+        "Llama4Router",  # output (scores [N, E], router_logits [N, E]): see _LLAMA4_ROUTERS
     }
 )
+# Routers whose forward returns (router_scores [N, E], router_logits [N, E]); the top-k indices
+# are torch.topk(router_logits, top_k, dim=1), which the capture recomputes (the same call).
+_LLAMA4_ROUTERS: frozenset[str] = frozenset({"Llama4Router"})
 # Families whose Hugging Face aux loss is the Switch loss over softmax(router_logits)
-# (``load_balancing_loss_func``); DeepSeek-V3 balances with a bias instead.
-_HF_SOFTMAX_AUX: frozenset[str] = frozenset(HF_ROUTER_CLASSES - {"DeepseekV3TopkRouter"})
+# (``load_balancing_loss_func``) and whose own top-k is that of softmax(router_logits), so the
+# loss can use the router's indices; DeepSeek-V3 balances with a bias instead. Other routers
+# get a Switch aux loss when their modeling module defines the standard
+# ``load_balancing_loss_func`` (_hf_switch_loss_family), with the top-k recomputed from the
+# logits as that function does (their own selection may differ: a bias, a sparsemixer).
+_HF_SOFTMAX_AUX: frozenset[str] = frozenset(
+    HF_ROUTER_CLASSES - {"DeepseekV3TopkRouter", "HunYuanMoEV1Gate", "Llama4Router"}
+)
+_HF_SWITCH_LOSS_PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
+# transformers modules that look like MoE routers; warned about when not recognised
+_HF_ROUTER_LIKE = re.compile(r"(Router|Gating)$")
+_HF_NOT_MOE = re.compile(r"Density")  # GraniteDoclingDensityRouter: a vision path switch
 _HF_GENERIC = re.compile(r"Top[kK]Router$")
 _TORCHTITAN_BUFFERS = ("tokens_per_expert_E", "tokens_per_expert")
 # The integer components of a dotted module name; the first is the layer number in keys. A
@@ -288,6 +314,9 @@ class RouterInfo:
     label: str = ""
     has_aux_loss: bool = False
     extractor: Extractor | None = field(default=None, repr=False)
+    # a Hugging Face router whose aux loss takes the top-k of softmax(router_logits), as
+    # load_balancing_loss_func does, instead of the router's own indices
+    aux_topk_from_logits: bool = field(default=False, repr=False)
     sort_key: tuple = field(default=(), repr=False)
 
 
@@ -321,6 +350,24 @@ def _is_hf_router(module: nn.Module) -> bool:
             return True
         if _HF_GENERIC.search(cls.__name__):
             return hasattr(module, "num_experts") and hasattr(module, "top_k")
+    return False
+
+
+def _hf_switch_loss_family(module: nn.Module) -> bool:
+    """Whether the router's transformers modeling module defines the standard
+    ``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)`` (Mixtral's,
+    copied into each MoE family that trains with the Switch loss over its routers' logits)."""
+    for cls in _router_classes(module):
+        if not cls.__module__.startswith("transformers."):
+            continue
+        fn = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if not callable(fn):
+            return False
+        try:
+            params = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            return False
+        return params == _HF_SWITCH_LOSS_PARAMS
     return False
 
 
@@ -383,6 +430,40 @@ def _hf_mask_sources(model: nn.Module, routers: list[RouterInfo]) -> list[nn.Mod
         if any(name == "" or n.startswith(name + ".") for n in names)
         and _is_hf_pretrained_model(module)
     ]
+
+
+def _warn_unrecognised_hf_routers(model: nn.Module, routers: list[RouterInfo]) -> None:
+    """Warn (naming the model) about transformers modules that look like MoE routers (class
+    names ending in ``Router`` / ``Gating``) but are not recognised: their layers would be
+    missing from the counts without a word (JetMoE, Switch Transformers, NLLB-MoE, DBRX, ...)."""
+    claimed = [r.name for r in routers]
+    missed: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if any(name == c or name.startswith(c + ".") for c in claimed):
+            continue
+        cls = _hf_class_name(module)
+        if (
+            (
+                type(module).__module__.startswith("transformers.")
+                or any(c.__module__.startswith("transformers.") for c in _router_classes(module))
+            )
+            and _HF_ROUTER_LIKE.search(cls)
+            and not _HF_NOT_MOE.search(cls)
+        ):
+            missed.setdefault(cls, []).append(name)
+    if missed:
+        detail = "; ".join(
+            f"{cls} x{len(names)} (e.g. {names[0]!r})" for cls, names in sorted(missed.items())
+        )
+        warnings.warn(
+            f"trainvitals router capture: {type(model).__name__} has Hugging Face MoE router "
+            f"modules that router capture does not recognise: {detail}. Their layers are not "
+            "counted (found "
+            f"{len(routers)} recognised router(s)); register an extractor for them with "
+            "trainvitals.moe.capture.register_router_extractor() or pass extractors=",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def find_routers(model: nn.Module, extractors: Iterable[Any] | None = None) -> list[RouterInfo]:
@@ -448,8 +529,11 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
     if _is_hf_router(module):
         num = _int_attr(module, "num_experts")
         if num is not None:
-            aux = _hf_class_name(module) in _HF_SOFTMAX_AUX
-            return RouterInfo(name, module, "hf", num, has_aux_loss=aux)
+            own_topk = _hf_class_name(module) in _HF_SOFTMAX_AUX
+            aux = own_topk or _hf_switch_loss_family(module)
+            return RouterInfo(
+                name, module, "hf", num, has_aux_loss=aux, aux_topk_from_logits=aux and not own_topk
+            )
     buffer = _torchtitan_buffer(module)
     if buffer is not None:
         return RouterInfo(name, module, "torchtitan", int(module._buffers[buffer].numel()))
@@ -530,6 +614,7 @@ class RouterCapture:
                 "get_moe_metrics_tracker().record() record)"
             )
         self.num_experts = next(iter(by_size)) if by_size else 0
+        _warn_unrecognised_hf_routers(model, self.routers)
         self.enabled = True
         self._handles: list[Any] = []
         self._acc: torch.Tensor | None = None  # [L, E + 1], last column = out-of-range indices
@@ -787,9 +872,19 @@ class RouterCapture:
     def _count(self, i: int, module: nn.Module, inputs: Any, output: Any) -> None:
         r = self.routers[i]
         if r.kind == "hf":
-            indices = output[-1] if isinstance(output, tuple | list) and len(output) >= 3 else None
-            logits = output[0] if indices is not None else None
             top_k = getattr(module, "top_k", None)
+            if _hf_class_name(module) in _LLAMA4_ROUTERS:
+                pair = isinstance(output, tuple | list) and len(output) == 2
+                logits = output[1] if pair else None
+                indices = None
+                if isinstance(logits, torch.Tensor) and logits.ndim == 2 and isinstance(top_k, int):
+                    # the router's own selection: torch.topk(router_logits, top_k, dim=1)
+                    indices = torch.topk(logits.detach(), top_k, dim=1).indices
+            else:
+                indices = (
+                    output[-1] if isinstance(output, tuple | list) and len(output) >= 3 else None
+                )
+                logits = output[0] if indices is not None else None
             if (
                 not isinstance(indices, torch.Tensor)
                 or indices.is_floating_point()
@@ -815,6 +910,8 @@ class RouterCapture:
                     # the accumulator lives on the first router's device; a model split over
                     # devices (device_map="auto") has routers elsewhere
                     counts = _copy_to(counts, logits.device)
+                if r.aux_topk_from_logits:
+                    counts = self._hf_loss_counts(logits, indices.shape[-1], valid)
                 aux = _switch_aux_loss(logits, counts, indices.shape[-1], valid)
                 self._add_aux(i, aux)
                 if aux is not None and valid is not None:
@@ -837,6 +934,20 @@ class RouterCapture:
                 return
             self._add_counts(i, local_tensor(result).detach().reshape(-1))
             self._add_aux(i, aux)
+
+    @staticmethod
+    def _hf_loss_counts(
+        logits: torch.Tensor, top_k: int, valid: _ValidTokens | None
+    ) -> torch.Tensor:
+        """The ``[E]`` top-k counts Hugging Face's ``load_balancing_loss_func`` uses: the top-k
+        of softmax(router_logits) of each token that is not padding (device kernels only)."""
+        num_experts = logits.shape[-1]
+        selected = logits.detach().float().softmax(dim=-1).topk(top_k, dim=-1).indices
+        if valid is not None:
+            selected = selected.masked_fill(valid[0], num_experts)  # padding: overflow column
+        counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=logits.device)
+        ones = torch.ones(selected.numel(), dtype=torch.float32, device=logits.device)
+        return counts.index_add_(0, selected.reshape(-1), ones)[:num_experts]
 
     def _count_topk_router(self, i: int, module: nn.Module, output: Any) -> None:
         num_experts = self.num_experts
