@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import math
 import pickle
 import time
@@ -520,8 +521,28 @@ _MESH_DIM_ALIASES: dict[str, str] = {
     "sp": "cp",
     "sequence_parallel": "cp",
 }
+# torchtitan's derived dims (torchtitan/distributed/parallel_dims.py): the flattened ones it
+# puts on its world mesh (dp, dp_shard_cp, dp_cp, ep) and the dims of the meshes it
+# unflattens from a one-dim "world" mesh (batch, loss, fsdp, efsdp). dp_shard_in_ep is part of
+# ep on the world mesh (dp_shard = dp_shard_mod_ep x dp_shard_in_ep) but the experts' FSDP dim
+# on the EP mesh of the versions that unflatten it; the ranks tell which.
+_TORCHTITAN_DIMS: dict[str, str] = {
+    "batch": "dp",
+    "dp_cp": "dp_cp",
+    "loss": "dp_cp",
+    "loss_mesh": "dp_cp",
+    "dp_shard_cp": "dp_shard_cp",
+    "dp_shard_in_ep": "ep_or_edp_part",
+    "dp_shard_mod_ep": "ep_or_edp_part",
+    "efsdp": "ep_or_edp_part",
+}
 # Roles that several mesh dims may share: their dims are flattened into one group.
-_MULTI_DIM_ROLES = frozenset({"cp"})
+_MULTI_DIM_ROLES = frozenset({"cp", "ep_or_edp_part"})
+# Set by from_device_mesh for torchtitan's expert region: the ranks that ep and edp may span
+# (dp_cp x tp), checked by ProcessGroups._check_layout instead of dp_cp.
+_EXPERT_REGION: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "trainvitals_expert_region", default=None
+)
 
 
 @dataclass
@@ -593,10 +614,13 @@ class ProcessGroups:
 
         dp_cp = members("dp_cp")
         ep = members("ep")
+        # torchtitan's ep and edp may span tensor-parallel ranks (from_device_mesh sets them)
+        region = _EXPERT_REGION.get()
         if dp_cp is not None:
             for name in ("dp", "cp", "ep", "edp"):
                 ranks = members(name)
-                if ranks is None or ranks <= dp_cp:
+                inside = dp_cp if region is None or name in ("dp", "cp") else set(region)
+                if ranks is None or ranks <= inside:
                     continue
                 hint = ""
                 if name == "ep":
@@ -607,10 +631,11 @@ class ProcessGroups:
                         "folded over tensor-parallel ranks (MoE parallel folding) is not "
                         "supported)"
                     )
+                what = "dp_cp" if inside is dp_cp else "dp_cp x tp"
                 raise ValueError(
-                    f"ProcessGroups: {name} (ranks {sorted(ranks)}) must lie inside dp_cp "
-                    f"(ranks {sorted(dp_cp)}), the ranks every token sum covers; ranks "
-                    f"{sorted(ranks - dp_cp)} would be left out{hint}"
+                    f"ProcessGroups: {name} (ranks {sorted(ranks)}) must lie inside {what} "
+                    f"(ranks {sorted(inside)}), the ranks every token sum covers; ranks "
+                    f"{sorted(ranks - inside)} would be left out{hint}"
                 )
         edp = members("edp")
         if ep is not None and edp is not None and ep & edp != {me}:
@@ -639,8 +664,8 @@ class ProcessGroups:
         return cls(dp=world_group())
 
     @classmethod
-    def from_device_mesh(cls, mesh: Any) -> ProcessGroups:
-        """Groups from a ``DeviceMesh`` whose dims carry the usual names.
+    def from_device_mesh(cls, mesh: Any, *meshes: Any) -> ProcessGroups:
+        """Groups from one or more ``DeviceMesh`` whose dims carry the usual names.
 
         Recognised: ``dp``/``data_parallel``, ``dp_shard``/``fsdp``, ``dp_replicate``/``ddp``,
         ``tp``/``tensor_parallel``, ``pp``, ``ep``, ``cp``/``context_parallel`` and
@@ -657,51 +682,155 @@ class ProcessGroups:
         flattened data-parallel and ``cp`` dims other than ``ep`` (the ranks holding the same
         experts; ``None`` when there are none). A mesh with unnamed or unknown dims raises
         ``ValueError`` naming them.
+
+        torchtitan: pass ``parallel_dims.world_mesh`` (its flattened ``dp``, ``dp_shard_cp``,
+        ``dp_cp`` and ``ep`` dims are read from it), or, for versions whose ``world_mesh`` is
+        one ``"world"`` dim, the ``ParallelDims`` itself or its meshes (``batch``, ``loss`` /
+        ``loss_mesh``, ``fsdp``, ``efsdp``, ``ep``) as further arguments. ``dp`` is
+        torchtitan's ``dp`` / ``batch``, ``dp_cp`` its ``dp_cp`` / ``loss`` (the group its
+        loss and expert-load reductions use), ``ep`` its ``ep`` (borrowed from the
+        ``dp_shard`` x ``cp`` (x ``tp``) ranks, so not added to ``dp``), and ``edp``
+        ``dp_replicate`` x ``dp_shard_mod_ep`` / ``efsdp`` (the FSDP dims of the experts).
+        Its ``ep`` may span tensor-parallel ranks (expert tensor parallel 1: the router input
+        is replicated over ``tp`` and the experts' tokens are split over it), so ``ep`` and
+        ``edp`` are checked to lie inside ``dp_cp`` x ``tp`` there. A dim name held by two
+        meshes with different ranks raises ``ValueError``.
         """
-        names = tuple(mesh.mesh_dim_names or ())
-        if len(names) != mesh.ndim:
-            raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names")
-        dims_of: dict[str, list[str]] = {}
-        unknown = []
-        for name in names:
-            role = _MESH_DIM_ALIASES.get(name)
-            if role is None:
-                unknown.append(name)
-            else:
-                dims_of.setdefault(role, []).append(name)
+        sources = [m for obj in (mesh, *meshes) for m in _meshes_of(obj)]
+        me = dist.get_rank() if is_distributed() else 0
+        # name -> (a 1-d mesh of that dim, the meshes holding it as one of their own dims:
+        # none for a dim flattened onto a root mesh)
+        dims: dict[str, tuple[Any, list[Any]]] = {}
+
+        def add(name: str, one_d: Any, owner: Any) -> None:
+            if name in dims:
+                if _ranks_of(dims[name][0]) != _ranks_of(one_d):
+                    raise ValueError(
+                        f"ProcessGroups.from_device_mesh: mesh dim {name!r} holds ranks "
+                        f"{_ranks_of(dims[name][0])} in one mesh and {_ranks_of(one_d)} in "
+                        "another; pass meshes of one layout"
+                    )
+                dims[name][1].extend([owner] if owner is not None else [])
+                return
+            dims[name] = (one_d, [owner] if owner is not None else [])
+
+        for m in sources:
+            names = tuple(m.mesh_dim_names or ())
+            if len(names) != m.ndim:
+                raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names")
+            for name in names:
+                add(name, m if m.ndim == 1 else m[name], m)
+            root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else None
+            if root is m:  # dims flattened onto a whole mesh (torchtitan's dp_cp, ep, ...)
+                for name, flat in getattr(m, "_flatten_mapping", {}).items():
+                    if name in _TORCHTITAN_DIMS or name in _MESH_DIM_ALIASES:
+                        add(name, flat, None)  # others (ours: "dp_replicate_dp_shard") derive
+        if all(tuple(m.mesh_dim_names or ()) == ("world",) for m in sources):
+            raise ValueError(
+                "ProcessGroups.from_device_mesh: a one-dim 'world' mesh does not say which "
+                "ranks are data, context, tensor, pipeline or expert parallel (torchtitan's "
+                "world_mesh since it builds its meshes by unflattening): pass the ParallelDims "
+                "or its dataloading, loss, dense and sparse meshes"
+            )
+        roles_of = {**_MESH_DIM_ALIASES, **_TORCHTITAN_DIMS}
+        unknown = [n for n in dims if n not in roles_of and n != "world"]
         if unknown:
             raise ValueError(
-                f"unknown mesh dim names {unknown}; expected some of {sorted(_MESH_DIM_ALIASES)}"
+                f"unknown mesh dim names {unknown}; expected some of {sorted(roles_of)}"
             )
-        clashes = {r: d for r, d in dims_of.items() if len(d) > 1 and r not in _MULTI_DIM_ROLES}
+        dims_of: dict[str, list[str]] = {}
+        for name in dims:
+            if name != "world":
+                dims_of.setdefault(roles_of[name], []).append(name)
+        # dims with one role and the same ranks (torchtitan's "dp" and "batch", a dim in two
+        # meshes) are one dim; keeping one of two that differ would silently leave the
+        # other's ranks out of every reduction
+        clashes = {}
+        for role, names in dims_of.items():
+            if role in _MULTI_DIM_ROLES:
+                continue
+            distinct = {tuple(_ranks_of(dims[n][0])): n for n in reversed(names)}
+            dims_of[role] = [n for n in names if n in distinct.values()]
+            if len(dims_of[role]) > 1:
+                clashes[role] = dims_of[role]
         if clashes:
-            # keeping one of them would silently leave the other's ranks out of every reduction
             raise ValueError(
                 "mesh dims with the same role: "
                 + "; ".join(f"{d} are all {r!r}" for r, d in sorted(clashes.items()))
             )
         roles = {r: d[0] for r, d in dims_of.items()}
-        # context and sequence parallel dims (both shard the sequence), flattened into one cp
+
+        def one(role: str) -> Any:
+            return dims[roles[role]][0].get_group() if role in roles else None
+
+        def flat(names: list[str]) -> Any:
+            if not names:
+                return None
+            if len(names) == 1:
+                return dims[names[0]][0].get_group()
+            owner = next(
+                (
+                    m
+                    for m in dims[names[0]][1]
+                    if all(any(m is x for x in dims[n][1]) for n in names)
+                ),
+                None,
+            )
+            if owner is None:
+                raise ValueError(
+                    f"ProcessGroups.from_device_mesh: mesh dims {names} are not dims of one "
+                    "mesh, so their flattened group cannot be built; pass a mesh holding them all"
+                )
+            return _flat_group(owner, names)
+
+        # torchtitan's expert region: ep borrows dp_shard x cp (x tp) ranks, the experts are
+        # FSDP-sharded over dp_shard_mod_ep / efsdp (and replicated over dp_replicate)
+        tt_ep = "ep_or_edp_part" in roles or ("ep" in roles and not dims[roles["ep"]][1])
+        ep = one("ep")
+        replicate = [roles["dp_replicate"]] if "dp_replicate" in roles else []
         cp_dims = dims_of.get("cp", [])
-
-        def group(role: str) -> Any:
-            return mesh[roles[role]].get_group() if role in roles else None
-
-        # ep counts as data parallel: leaving it out would sum tokens and expert loads over
-        # half the token streams of a ("dp", "ep") mesh (measured: CV 1.0 for a balanced load)
-        dp_dims = [roles[r] for r in ("dp", "dp_replicate", "dp_shard", "ep") if r in roles]
-        dp = _flat_group(mesh, dp_dims)
-        cp = _flat_group(mesh, cp_dims)
-        dp_cp = _flat_group(mesh, [*dp_dims, *cp_dims]) if cp is not None else dp
-        # expert data parallel: every token-stream dim but ep (an ep group routes only its own
-        # streams' tokens, so the copies of its experts along these dims see different tokens)
+        cp = flat(cp_dims)
+        if "dp" in roles:
+            dp_dims = [roles["dp"]]
+        else:
+            dp_dims = [roles[r] for r in ("dp_replicate", "dp_shard") if r in roles]
+            if {"dp_shard_mod_ep", "dp_shard_in_ep"} <= set(dims_of.get("ep_or_edp_part", [])):
+                dp_dims += ["dp_shard_mod_ep", "dp_shard_in_ep"]  # torchtitan's dp_shard
+        if "ep" in roles and not tt_ep:
+            # ep counts as data parallel: leaving it out would sum tokens and expert loads
+            # over half the token streams of a ("dp", "ep") mesh (measured: CV 1.0 for a
+            # balanced load)
+            dp_dims.append(roles["ep"])
+        dp = flat(dp_dims)
+        if "dp_cp" in roles:
+            dp_cp = one("dp_cp")
+        elif "dp_shard_cp" in roles:
+            dp_cp = flat([*replicate, roles["dp_shard_cp"]])
+        else:
+            dp_cp = flat([*dp_dims, *cp_dims]) if cp is not None else dp
         edp = None
-        if "ep" in roles:
+        region = None
+        if tt_ep:
+            if group_size(ep) > 1:
+                ep_ranks = set(_ranks_of(dims[roles["ep"]][0]))
+                # dp_shard_in_ep is part of ep (torchtitan's single world mesh) or the experts'
+                # FSDP dim (its unflattened EP mesh): the ranks tell
+                edp_parts = [
+                    n
+                    for n in dims_of.get("ep_or_edp_part", [])
+                    if set(_ranks_of(dims[n][0])) & ep_ranks == {me}
+                ]
+                if edp_parts:
+                    edp = flat([*replicate, *edp_parts])
+                region = _product(_members(dp_cp, me), _members(one("tp"), me), me)
+        elif "ep" in roles:
             edp_dims = [d for d in dp_dims if d != roles["ep"]]
-            edp = _flat_group(mesh, [*edp_dims, *cp_dims])
-        return cls(
-            dp=dp, tp=group("tp"), pp=group("pp"), ep=group("ep"), cp=cp, dp_cp=dp_cp, edp=edp
-        )
+            edp = flat([*edp_dims, *cp_dims])
+        token = _EXPERT_REGION.set(region)
+        try:
+            return cls(dp=dp, tp=one("tp"), pp=one("pp"), ep=ep, cp=cp, dp_cp=dp_cp, edp=edp)
+        finally:
+            _EXPERT_REGION.reset(token)
 
     @classmethod
     def from_accelerator(cls, accelerator: Any) -> ProcessGroups:
@@ -738,6 +867,40 @@ class ProcessGroups:
         if world_size > 1 and is_distributed():
             return cls.world()
         return cls()
+
+
+def _meshes_of(obj: Any) -> list[Any]:
+    """The meshes of ``obj``: a ``DeviceMesh``, or torchtitan's ``ParallelDims`` (its meshes,
+    read without importing torchtitan)."""
+    if hasattr(obj, "ndim") and hasattr(obj, "mesh_dim_names"):
+        return [obj]
+    for attr in ("_global_meshes", "_all_meshes"):
+        found = getattr(obj, attr, None)
+        if found:
+            return list(found.values()) if isinstance(found, dict) else list(found)
+    world = getattr(obj, "world_mesh", None)  # builds the meshes of a ParallelDims
+    if world is not None and world is not obj:
+        if getattr(obj, "_global_meshes", None):
+            return list(obj._global_meshes.values())
+        return [world]
+    raise TypeError(f"from_device_mesh needs a DeviceMesh, got {type(obj).__name__}")
+
+
+def _ranks_of(one_d: Any) -> list[int]:
+    """The sorted ranks of this rank's group along a one-dim mesh (local, no collective)."""
+    if not is_distributed():
+        return [0]
+    return sorted(dist.get_process_group_ranks(one_d.get_group()))
+
+
+def _members(group: Any, me: int) -> list[int]:
+    return [me] if group is None else sorted(dist.get_process_group_ranks(group))
+
+
+def _product(a: list[int], b: list[int], me: int) -> list[int]:
+    """The ranks of two groups through ``me`` along independent dims of a row-major layout
+    (rank = sum of coordinate x stride): every ``a + b - me``."""
+    return sorted({x + y - me for x in a for y in b})
 
 
 def _flat_group(mesh: Any, dims: list[str]) -> Any:
