@@ -552,9 +552,12 @@ class ProcessGroups:
     Each field is a ``torch.distributed`` process group or ``None`` (trivial: this rank alone).
     ``dp`` is the whole data-parallel group (replicate x shard); ``dp_cp`` the data- and
     context-parallel ranks together (the ranks that see different tokens), defaulting to ``dp``
-    when there is no context parallelism. ``ep`` is a subgroup of ``dp_cp`` (Megatron-LM's and
-    torchtitan's layout: expert-parallel ranks route different tokens to each other's experts),
-    so sums of tokens over ``dp_cp`` include every expert-parallel rank. ``edp`` (expert data
+    when there is no context parallelism. ``ep`` is a subgroup of ``dp_cp`` (Megatron-LM's layout:
+    expert-parallel ranks route different tokens to each other's experts), so sums of tokens
+    over ``dp_cp`` include every expert-parallel rank; torchtitan's ``ep`` read by
+    :meth:`from_device_mesh` may also borrow tensor-parallel ranks (they share their router
+    input), and is checked against ``dp_cp`` x ``tp`` there. Hand-built groups must lie inside
+    ``dp_cp``. ``edp`` (expert data
     parallel, Megatron-LM's expert-data-parallel group ``expt_dp``) holds the ranks that hold the same
     experts but see different tokens: when ``dp_cp`` is larger than ``ep`` (a ``("dp", "ep")``
     mesh of shape ``(2, 2)``: four token streams, each ``ep`` group of two routes only its own
@@ -629,7 +632,7 @@ class ProcessGroups:
                         "experts, so they are data parallel: pass dp (or dp_cp) holding them, "
                         "as ProcessGroups.from_device_mesh does for an 'ep' dim; an ep group "
                         "folded over tensor-parallel ranks (MoE parallel folding) is not "
-                        "supported)"
+                        "supported when the groups are built by hand)"
                     )
                 what = "dp_cp" if inside is dp_cp else "dp_cp x tp"
                 raise ValueError(

@@ -9,7 +9,8 @@ hook                            when
 ``micro_batch_start(ctx, b)``   before the forward pass of every training micro-batch; ``b`` (a
                                 :class:`BatchInfo`) carries the batch and its sample/token counts
 ``before_optimizer_step(ctx)``  once per optimizer step, when gradients are complete: after AMP
-                                unscaling, before clipping
+                                unscaling, before clipping (under the driver, not at a step whose
+                                gradients are still multiplied by the loss scale: warned)
 ``step_end(ctx)``               once per optimizer step, after ``optimizer.step()`` and after every
                                 micro-batch of that step has ended
 ``validation_start(ctx)``       validation begins (time until it ends is not training time)

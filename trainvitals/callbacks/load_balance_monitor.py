@@ -40,8 +40,9 @@ class LoadBalanceMonitor(VitalsCallback):
     """Expert load balance of every MoE layer, counted over all micro-batches of each step.
 
     At ``run_start`` the monitor finds the model's routers (see :mod:`trainvitals.moe.capture`:
-    ``TopKRouter``, Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3 /
-    GPT-OSS routers, torchtitan ``MoE``, and your own extractors) and hooks them, without
+    ``TopKRouter``, the Hugging Face MoE routers listed in ``docs/load_balance.md`` (Mixtral,
+    Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, HunYuan-MoE, Llama 4 and any transformers
+    ``*TopKRouter``), torchtitan ``MoE``, and your own extractors) and hooks them, without
     changing the model. Every training forward of a logging step, i.e. every micro-batch,
     is counted on the device into one ``[layers, experts]`` table (evaluation and
     activation-checkpoint re-runs are not counted); for ``TopKRouter`` the hook only keeps the
@@ -106,7 +107,8 @@ class LoadBalanceMonitor(VitalsCallback):
                                                        coefficient (1.0 = balanced), mean over the
                                                        step's micro-batches and ranks: TopKRouter's
                                                        ``last_aux_loss``, an extractor's, or from the
-                                                       router logits of HF softmax routers
+                                                       router logits of HF routers whose family
+                                                       trains with ``load_balancing_loss_func``
     ``moe/expert_utilization_<q>``                     quantiles of the utilization of all experts of   ratio
                                                        all layers together, ``<q>`` one of ``min``,
                                                        ``p25``, ``median``, ``p75``, ``max``

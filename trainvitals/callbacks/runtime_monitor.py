@@ -36,7 +36,8 @@ class RuntimeMonitor(VitalsCallback):
     finishing a validation that a restart interrupted, is validation time too). At every
     ``step_end`` the monitor notes the step; the training seconds per optimizer step are the
     training time of all steps so far divided by their number, leaving out the first
-    ``warmup_steps`` steps of each process (compilation and warm-up). The remaining time is
+    ``warmup_steps`` steps of each run (a new process, a restore, another fit or driver with the
+    same instance: compilation and warm-up). The remaining time is
     that rate times the optimizer steps left to the training horizon: ``max_steps`` given here,
     else the run's ``max_steps``, else ``max_epochs * ceil(num_training_batches /
     accumulate_grad_batches)`` (the smaller of the two when both are known; under Lightning's

@@ -143,8 +143,8 @@ class ThroughputMonitor(VitalsCallback):
 
     Flops: give ``flops_per_token`` or ``flops_per_sample`` (forward + backward flops of the
     whole model per token or sample, e.g. ``6 * n_params`` per token for a dense transformer),
-    or set ``measure_flops=True`` to count the first optimizer step of the run with
-    ``torch.utils.flop_counter.FlopCounterMode`` (forward and backward of its micro-batches, up
+    or set ``measure_flops=True`` to count the first optimizer step this instance trains (once)
+    with ``torch.utils.flop_counter.FlopCounterMode`` (forward and backward of its micro-batches, up
     to the step's last ``before_optimizer_step``, validation inside the step left out, on this
     rank's model as it runs: the whole model under DDP/FSDP, the local shard under tensor
     parallelism, DTensor included; it slows that one step; exact under ``torch.compile`` with

@@ -162,7 +162,7 @@ class FlopCounterSession:
     Used to count the flops of the first optimizer step of a run (forward and backward of its
     micro-batches) without wrapping the user's code. :meth:`stop` returns the count, or ``None``
     when the mode could not be left cleanly (another dispatch mode entered after ours is still
-    active, e.g. under ``torch.compile``); it then leaves the mode stack as it is.
+    active); it then leaves the mode stack as it is.
 
     The count is the work this device runs (:func:`device_flop_counter`): DTensor (tensor- or
     sequence-parallel) layers count their local shards, not the whole layer.
