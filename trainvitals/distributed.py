@@ -607,11 +607,8 @@ class ProcessGroups:
         me = dist.get_rank()
 
         def members(name: str) -> set[int] | None:
-            group = getattr(self, name)
-            if group is None:
-                return {me}
             try:
-                return set(dist.get_process_group_ranks(group))
+                return set(_members(getattr(self, name), me))
             except Exception:  # not a process group this rank can look up: not checked
                 return None
 

@@ -105,6 +105,22 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _inner_or_none(optimizer: Any) -> torch.optim.Optimizer | None:
+    """:func:`_inner_optimizer`, or ``None`` for something that is not an optimizer (what a
+    scaler or Accelerate was handed; they raise their own errors for it)."""
+    try:
+        return _inner_optimizer(optimizer)
+    except TypeError:
+        return None
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    """Whether ``scaler`` scales (a ``GradScaler(enabled=False)`` never does; an object without
+    ``is_enabled`` is taken to)."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return not callable(is_enabled) or bool(is_enabled())
+
+
 class Vitals:
     """Runs trainvitals callbacks in a loop that has no callback system.
 
@@ -257,10 +273,8 @@ class Vitals:
 
         def unscale_(optimizer: Any) -> None:
             original(optimizer)
-            inner = None
-            with contextlib.suppress(TypeError):  # (the scaler took it: an optimizer)
-                inner = _inner_optimizer(optimizer)
-            if callable(getattr(scaler, "is_enabled", None)) and not scaler.is_enabled():
+            inner = _inner_or_none(optimizer)  # (the scaler took it: an optimizer)
+            if not _scaler_enabled(scaler):
                 self._unscaled |= self._attached  # a disabled scaler never scaled anything
             elif inner is not None:
                 self._unscaled.add(id(inner))
@@ -296,9 +310,7 @@ class Vitals:
 
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             outer = self._scaler_stepping, self._scaled_at_step
-            inner = None
-            with contextlib.suppress(TypeError):
-                inner = _inner_optimizer(optimizer)
+            inner = _inner_or_none(optimizer)
             self._scaler_stepping = None if inner is None else id(inner)
             # A fused (or capturable) optimizer unscales inside its own step() (GradScaler hands
             # it the scale, torch.amp.GradScaler.step): its gradients are still multiplied by
@@ -307,7 +319,7 @@ class Vitals:
                 inner is not None
                 and bool(getattr(inner, "_step_supports_amp_scaling", False))
                 and id(inner) not in self._unscaled
-                and (not callable(getattr(scaler, "is_enabled", None)) or scaler.is_enabled())
+                and _scaler_enabled(scaler)
             )
             try:
                 return original_step(optimizer, *args, **kwargs)
@@ -414,10 +426,7 @@ class Vitals:
                 ]
             else:
                 listed = optimizers if isinstance(optimizers, list | tuple) else [optimizers]
-                ids = set()
-                for o in listed:
-                    with contextlib.suppress(TypeError):
-                        ids.add(id(_inner_optimizer(o)))
+                ids = {id(inner) for o in listed if (inner := _inner_or_none(o)) is not None}
                 owners = [o for o in self.ctx.optimizers if id(o) in ids]
             if owners and len(owners) < len(self.ctx.optimizers):
                 for optimizer in owners:

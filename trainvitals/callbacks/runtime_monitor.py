@@ -153,8 +153,7 @@ class RuntimeMonitor(VitalsCallback):
     # ------------------------------------------------------------------ hooks
 
     def run_start(self, ctx: RunContext) -> None:
-        if self._clock.started or self._clock.paused:  # (a previous run that did not end)
-            self._fold_into_previous()
+        self._fold_into_previous()  # (a previous run that did not end: no-op otherwise)
         self._groups = ctx.groups
         device = ctx.device
         self._clock.sync_fn = (
