@@ -733,7 +733,7 @@ def render_report(
     with gc_paused():  # millions of parsed containers, none in a cycle
         sources: list[str] = []
         series: dict[str, _Series] = {}
-        times: list[float] = []
+        times: Sequence[float] = ()
         if metrics_path is not None:
             source = load_metrics(metrics_path, keep, first, last)
             series = {key: _Series(points) for key, points in source.values.items()}
