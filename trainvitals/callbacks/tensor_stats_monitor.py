@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainvitals._hooks import eager_hook
@@ -143,8 +144,14 @@ class TensorStatsMonitor(VitalsCallback):
     (an extra collective, logging steps only). A plain tensor handed out by ``to_local()``
     (``RowwiseParallel(output_layouts=Shard(1))`` under sequence parallelism: each rank's part
     of the sequence) is merged over the ``Shard`` dims of its ``DTensor`` (see
-    :func:`_local_shard_groups`); other plain activation tensors are taken to be replicated
-    over tensor-parallel ranks. Moments need a
+    :func:`_local_layout`). Every distinct piece of data counts once, also when a
+    tensor-parallel mesh dim lies inside ``dp_cp`` (Megatron-style sequence parallelism, whose
+    dim is named ``sp``): a ``Shard`` group inside ``dp_cp`` (``edp`` for expert sites) is left
+    to the ``dp_cp`` merge, and over a group inside it where the site's tensor is a replica (a
+    ``Replicate`` dim of the ``DTensor`` or of the one ``to_local()`` came from, a ``Partial``
+    dgrad once summed) only the lowest rank's copy counts (see :func:`_count_once`; no extra
+    collective). Other plain activation tensors are taken to be replicated over tensor-parallel
+    ranks outside ``dp_cp`` and different on the ranks of ``dp_cp``. Moments need a
     merge, not a sum: each group gets one ``all_gather`` of all per-rank moments that need it,
     merged on every rank (one collective per distinct group per logging step; a two-collective
     shared-shift scheme would need a second round trip for the same result). Min and max ride
@@ -292,6 +299,9 @@ class TensorStatsMonitor(VitalsCallback):
         # (kind, site) -> shard groups of the DTensor seen there (tensor parallel), fixed at
         # its first observation so every step and rank merges the same way
         self._site_groups: dict[tuple[str, int], tuple[Any, ...]] = {}
+        # (kind, site) -> groups over which the tensor seen there is a replica (its Replicate
+        # mesh dims; a Partial dgrad's groups once summed), fixed alike: see _count_once
+        self._site_replicas: dict[tuple[str, int], tuple[Any, ...]] = {}
         self._hook_step: int | None = None
         self._hook_ctx: RunContext | None = None
         self._names: dict[str, tuple[str, bool, bool]] = {}  # see _name_info
@@ -693,8 +703,8 @@ class TensorStatsMonitor(VitalsCallback):
                     continue
                 elif not _is_dtensor(x):
                     seen, reduced[slot] = reduced[slot], None
-                    groups = _local_shard_groups(x, seen)
-                    if groups is None:
+                    layout = _local_layout(x, seen)
+                    if layout is None:
                         self.warn_once(
                             f"unknown-layout-{site}",
                             f"skipped the activation at {self._sites[site]}: a DTensor's local "
@@ -702,9 +712,11 @@ class TensorStatsMonitor(VitalsCallback):
                             "neither autograd nor its shape tells",
                         )
                         continue
-                    if groups:  # a shard of a DTensor (e.g. sequence parallel): merged over it
+                    shards, replicas = layout
+                    if shards or replicas:  # a shard (e.g. sequence parallel) or a replica
                         for kind in ("activation", "dgrad"):
-                            self._site_groups.setdefault((kind, site), groups)
+                            self._site_groups.setdefault((kind, site), shards)
+                            self._site_replicas.setdefault((kind, site), replicas)
                 else:
                     reduced[slot] = None
                 if rerun:  # the activation was measured in the first run
@@ -761,6 +773,8 @@ class TensorStatsMonitor(VitalsCallback):
                 self._site_groups.setdefault(
                     ("dgrad", site), shard_groups(grad, include_partial=False)
                 )
+                # summed, every rank of the partial groups holds the same gradient: a replica
+                self._site_replicas.setdefault(("dgrad", site), groups + _replicate_groups(grad))
                 if not self._hooks_failed:
                     self._add_parts("dgrad", site, local.to(grad.dtype))
                 return
@@ -774,6 +788,7 @@ class TensorStatsMonitor(VitalsCallback):
         into = into or kind
         if (kind, site) not in self._site_groups:
             self._site_groups[(kind, site)] = shard_groups(x, include_partial=False)
+            self._site_replicas.setdefault((kind, site), _replicate_groups(x))
         if (kind, site) in self._dropped:
             return
         local = local_tensor(x).detach()
@@ -867,11 +882,28 @@ class TensorStatsMonitor(VitalsCallback):
         # holding the same experts (expert data parallel) see the other streams' tokens.
         edp = ctx.groups.edp
         expert_groups = () if group_size(edp) == 1 else (edp,)
-        groups = [
-            self._site_groups.get((kind, i), ())
-            + (expert_groups if (expert and ep_active) else data_groups)
-            for i, expert in enumerate(self._site_expert)
-        ]
+        ranks: dict[int, frozenset[int]] = {}  # group members by id(group), this call only
+        groups, copies = [], []
+        for i, expert in enumerate(self._site_expert):
+            data = expert_groups if (expert and ep_active) else data_groups
+            site_groups, counted = _count_once(
+                self._site_groups.get((kind, i), ()),
+                self._site_replicas.get((kind, i), ()),
+                data,
+                ranks,
+            )
+            groups.append(site_groups)
+            if not counted:
+                copies.append(i)
+        if copies:
+            # Another rank of the data group holds the same values: this rank's copy counts as
+            # no elements. A NaN row stays NaN (a site one rank could not measure comes out
+            # missing everywhere); chosen on the device, nothing leaves it.
+            at = torch.tensor(copies, device=moments.device)
+            rows = moments[at]
+            moments[at] = torch.where(
+                torch.isnan(rows[:, :1]), rows, empty_moments(len(copies), device=moments.device)
+            )
         return _Kind(list(self._sites), moments, groups, list(self._site_expert))
 
     # ------------------------------------------------------------------ combine and write
@@ -1140,11 +1172,26 @@ def _is_dtensor(x: torch.Tensor) -> bool:
     return callable(getattr(x, "to_local", None)) and hasattr(x, "placements")
 
 
-def _local_shard_groups(
+def _replicate_groups(x: torch.Tensor) -> tuple[Any, ...]:
+    """The groups of the mesh dims over which ``x`` (a DTensor) is ``Replicate``: every rank of
+    such a group holds the same values. ``()`` for a plain tensor."""
+    if not _is_dtensor(x):
+        return ()
+    from torch.distributed.tensor.placement_types import Replicate
+
+    mesh = x.device_mesh
+    return tuple(
+        mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group()
+        for d, p in enumerate(x.placements)
+        if isinstance(p, Replicate)
+    )
+
+
+def _local_layout(
     x: torch.Tensor, reduced: tuple[tuple[int, ...], tuple[Any, ...]] | None
-) -> tuple[Any, ...] | None:
-    """The groups a plain activation ``x`` is sharded over: ``()`` for a whole (or replicated)
-    tensor, ``None`` when that cannot be told.
+) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """(the groups a plain activation ``x`` is sharded over, the groups it is a known replica
+    over): ``((), ())`` for a whole tensor of unknown layout, ``None`` when that cannot be told.
 
     A parallel style hands out ``dtensor.to_local()`` (``use_local_output=True``), e.g.
     ``RowwiseParallel(output_layouts=Shard(1))`` under sequence parallelism: each
@@ -1153,7 +1200,9 @@ def _local_shard_groups(
     keeps the DTensor's spec (the same on every rank): merge over its ``Shard`` dims. Without
     it, a reduced ``Partial`` output (``reduced``: its global shape and the groups it is split
     over) is whole if its shape is the global one, split otherwise; when the global shape has
-    a dim of size 0 or 1 the two cannot be told apart on every rank alike (``None``)."""
+    a dim of size 0 or 1 the two cannot be told apart on every rank alike (``None``). The
+    replicas (the spec's ``Replicate`` dims; the groups a whole reduced output was all-reduced
+    over) let :func:`_count_once` count each copy once."""
     spec = getattr(x.grad_fn, "dtensor_spec", None) if x.grad_fn is not None else None
     placements = getattr(spec, "placements", None)
     if placements is not None:
@@ -1162,17 +1211,55 @@ def _local_shard_groups(
         if any(isinstance(p, Partial) for p in placements):
             return None
         mesh = spec.mesh
-        return tuple(
-            mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group()
-            for d, p in enumerate(placements)
-            if not isinstance(p, Replicate)
+        dims = [mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group() for d in range(mesh.ndim)]
+        return (
+            tuple(g for g, p in zip(dims, placements, strict=True) if not isinstance(p, Replicate)),
+            tuple(g for g, p in zip(dims, placements, strict=True) if isinstance(p, Replicate)),
         )
     if reduced is None:
-        return ()  # assumed whole or a replica (documented)
+        return (), ()  # assumed whole or a replica over tensor-parallel ranks (documented)
     shape, groups = reduced
     if any(n <= 1 for n in shape):
         return None
-    return () if tuple(x.shape) == shape else groups
+    return ((), groups) if tuple(x.shape) == shape else (groups, ())
+
+
+def _count_once(
+    shards: tuple[Any, ...],
+    replicas: tuple[Any, ...],
+    data: tuple[Any, ...],
+    members: dict[int, frozenset[int]],
+) -> tuple[tuple[Any, ...], bool]:
+    """(the groups to merge an activation/dgrad site over, whether this rank's values count).
+
+    ``data`` is the site's data group (``(dp_cp,)``, ``(edp,)`` for an expert site, or ``()``),
+    merged over because its ranks see different tokens. A mesh dim can also lie inside it: under
+    Megatron-style sequence parallelism the tensor-parallel dim is named ``sp`` and is a ``cp``
+    dim. Each distinct piece of data must then count once: a ``Shard`` group inside ``data`` is
+    not merged over on its own (the merge over ``data`` covers its ranks already; merging both
+    counted every shard twice), and over a group inside ``data`` where the tensor is a replica
+    (``Replicate`` dims, a ``Partial`` dgrad once summed) only its lowest global rank's values
+    count; the others' count as no elements, so the merge over ``data`` takes each copy once.
+    Groups outside ``data`` (a ``tp`` dim) are merged, or not, as before. Membership comes from
+    the local group table (no collective, no new group) and is the same on every rank of a
+    group, so every rank merges over the same groups in the same order. ``members`` caches
+    each group's global ranks by ``id`` (the caller's, for one call)."""
+    if not data or group_size(data[0]) == 1:
+        return shards + data, True
+
+    def ranks(group: Any) -> frozenset[int]:
+        key = id(group)
+        if key not in members:
+            members[key] = frozenset(dist.get_process_group_ranks(group))
+        return members[key]
+
+    inside = ranks(data[0])
+    kept = tuple(g for g in shards if group_size(g) == 1 or not ranks(g) <= inside)
+    me = dist.get_rank()
+    counted = all(
+        group_size(g) == 1 or not ranks(g) <= inside or me == min(ranks(g)) for g in replicas
+    )
+    return kept + data, counted
 
 
 def _first_float(obj: Any) -> torch.Tensor | None:
