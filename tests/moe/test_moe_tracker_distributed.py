@@ -229,7 +229,7 @@ UNRECORDED = {
         2: {1: 1, 2: 0, 3: 1},  # hold a replica's value without a record of their own)
         3: {1: 1, 2: 0, 3: 0},  # layer 2: replica 1 recorded nothing
     },
-    "avg_loss": {  # AVG over tp (a member without records counts as 0 there), then over dp
+    "avg_loss": {  # AVG over the tp members that recorded, then over dp
         0: {1: 1, 2: 1, 3: 1},
         1: {1: 1, 2: 0, 3: 0},
         2: {1: 2, 2: 0, 3: 0},  # layer 2 of replica 1: rank 3's only
@@ -338,15 +338,18 @@ def test_a_data_parallel_rank_without_records_for_a_layer_counts_for_nothing(res
             expected = math.fsum(vals) / len(vals) if vals else 0.0
             assert row[f"moe/z_loss_layer_{i}"] == pytest.approx(expected, rel=1e-6), (rank, i)
             # tp SUM, tp AVG: per replica, then the mean over the replicas with a record
-            for name, combine in (
-                ("load_balancing_loss", math.fsum),
-                ("avg_loss", lambda xs: math.fsum(xs) / 2),
-            ):
-                per_replica = [
-                    combine([means[name][r][layer] for r in ranks])
-                    for ranks in replicas.values()
-                    if any(layer in recorded[name][r] for r in ranks)
-                ]
+            # (avg_loss: the mean over the replica's ranks that recorded the layer)
+            for name in ("load_balancing_loss", "avg_loss"):
+                per_replica = []
+                for ranks in replicas.values():
+                    with_records = [r for r in ranks if layer in recorded[name][r]]
+                    if not with_records:
+                        continue
+                    if name == "load_balancing_loss":  # tp SUM
+                        per_replica.append(math.fsum(means[name][r][layer] for r in ranks))
+                    else:  # tp AVG over the members that recorded
+                        vals = [means[name][r][layer] for r in with_records]
+                        per_replica.append(math.fsum(vals) / len(vals))
                 expected = math.fsum(per_replica) / len(per_replica) if per_replica else 0.0
                 key = f"moe/{name}_layer_{i}"
                 assert row[key] == pytest.approx(expected, rel=1e-6), (rank, key)

@@ -30,11 +30,22 @@ user extractor              ``register_router_extractor(predicate_or_type, fn)``
                             ``dp_group``, so its mean over data parallel is the global loss)
 Hugging Face transformers   ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,
 routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``,
-                            ``HunYuanMoEV1Gate`` (and any ``transformers`` module whose class name
-                            ends in ``TopKRouter`` / ``TopkRouter`` with ``num_experts`` and
-                            ``top_k``): output ``(router_logits [N, E], scores [N, k], indices
-                            [N, k])``; ``Llama4Router``: output ``(scores, router_logits)``, its
-                            indices ``torch.topk(router_logits, top_k, dim=1)``; the counts
+                            ``HunYuanMoEV1Gate``, ``AfmoeTokenChoiceRouter`` (and any
+                            ``transformers`` module whose class name ends in ``TopKRouter`` /
+                            ``TopkRouter`` with ``num_experts`` and ``top_k``: DeepSeek-V2/V3.2,
+                            GLM-4-MoE(-Lite), ...): output ``(router_logits [N, E], scores [N, k],
+                            indices [N, k])``; ``LongcatFlashTopkRouter``: the same, ``E`` its
+                            ``n_routed_experts`` (routed + zero experts, the last columns);
+                            ``Llama4Router``: output ``(scores, router_logits)``, its indices
+                            ``torch.topk(router_logits, top_k, dim=1)``; ``JetMoeTopKGating``
+                            (MoE attention and MoE MLP, two per layer): output ``(...,
+                            router_logits)``, indices ``torch.topk(router_logits, top_k, dim=1)``;
+                            ``DbrxRouter``: output ``router_logits``, indices the top-``k`` (its
+                            parent ``DbrxFFN.top_k``) of ``softmax(router_logits, dim=1)``, as
+                            ``DbrxFFN.route_tokens_to_experts``; each recomputed with the
+                            router's own call on the same tensor; ``SwitchTransformersTop1Router``:
+                            the sum of its one-hot dispatch mask ``[B, S, E]`` (after the
+                            per-sequence ``expert_capacity`` drop), padding left out; the counts
                             are a scatter-add of the router's own ``indices``, without padding:
                             a pre-hook on the transformers models that contain the routers
                             records their forward's 2-d ``attention_mask`` ``[B, S]``, and the
@@ -46,7 +57,10 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             the Switch loss from ``router_logits`` and those counts over the same
                             tokens, normalised to 1.0 at perfect balance (Hugging Face's
                             per-layer ``load_balancing_loss_func`` term with the attention mask,
-                            / ``top_k``); also for any other of these routers whose modeling
+                            / ``top_k``; also JetMoE and DBRX); Switch Transformers: its own
+                            per-sequence loss of the layer, ``E**2 * mean_{b,e}(f_be P_be)`` over
+                            every token (its ``load_balancing_loss_func`` takes no mask; the model
+                            adds it only with a sparse step > 1); also for any other of these routers whose modeling
                             module defines the standard ``load_balancing_loss_func`` (PhiMoE,
                             GraniteMoE, Ernie 4.5, MiniMax, ...), with the counts of that
                             function: the top-k of ``softmax(router_logits)``, which is not the
@@ -67,8 +81,11 @@ torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (
 ==========================  =======================================================================
 
 A transformers module whose class name ends in ``Router`` or ``Gating`` and that none of these
-recognises (JetMoE, Switch Transformers, NLLB-MoE, DBRX, AFMoE) is warned about when the capture
-is built, naming the model and the classes: its layers are not counted.
+recognises is warned about when the capture is built, naming the model and the classes: its
+layers are not counted. NLLB-MoE (``NllbMoeTop2Router``) is left so on purpose: in transformers
+5.x ``NllbMoeExperts`` one-hot encodes the router's ``[N, E]`` dispatch mask as if it held expert
+indices, so only ``expert_0`` and ``expert_1`` ever run and no count of the router's dispatch is
+the experts' load; its routing also depends on the attention implementation's mask format.
 
 What is counted: each training forward once, with the module in training mode. Evaluation
 (``model.eval()``, ``torch.no_grad()``, ``torch.inference_mode()``) is not counted. Activation
@@ -151,7 +168,8 @@ __all__ = [
 ]
 
 # Router classes of transformers 5.x verified against the installed source (modeling_*.py):
-# each forward returns (router_logits, top-k scores, top-k indices).
+# most forwards return (router_logits, top-k scores, top-k indices); the others are read by
+# the family rules below.
 HF_ROUTER_CLASSES: frozenset[str] = frozenset(
     {
         "MixtralTopKRouter",
@@ -161,20 +179,46 @@ HF_ROUTER_CLASSES: frozenset[str] = frozenset(
         "DeepseekV3TopkRouter",
         "GptOssTopKRouter",
         "HunYuanMoEV1Gate",  # same output, a name the generic rule below does not match
-        "Llama4Router",  # output (scores [N, E], router_logits [N, E]): see _LLAMA4_ROUTERS
+        "AfmoeTokenChoiceRouter",  # same output (sigmoid + expert_bias selection)
+        "Llama4Router",  # output (scores [N, E], router_logits [N, E]): see _TOPK_OF_LOGITS
+        "JetMoeTopKGating",  # output (..., router_logits [N, E]): see _TOPK_OF_LOGITS
+        "DbrxRouter",  # output router_logits [N, E]: see _DBRX_ROUTERS
+        "SwitchTransformersTop1Router",  # output (dispatch [B, S, E], ...): see _DISPATCH_ROUTERS
     }
 )
-# Routers whose forward returns (router_scores [N, E], router_logits [N, E]); the top-k indices
-# are torch.topk(router_logits, top_k, dim=1), which the capture recomputes (the same call).
-_LLAMA4_ROUTERS: frozenset[str] = frozenset({"Llama4Router"})
+# Routers whose forward returns the logits and whose experts are torch.topk(router_logits,
+# top_k, dim=1), which the capture recomputes (the same call on the same tensor), with the
+# position of the logits in the output tuple: Llama4Router (scores, router_logits);
+# JetMoeTopKGating (index_sorted_experts, batch_index, batch_gates, expert_size, logits).
+_TOPK_OF_LOGITS: dict[str, int] = {"Llama4Router": 1, "JetMoeTopKGating": 4}
+# DbrxRouter returns router_logits [N, E] only; its parent DbrxFFN selects
+# torch.topk(softmax(router_logits, dim=1, dtype=router_logits.dtype), ffn.top_k, dim=-1)
+# (route_tokens_to_experts), which the capture recomputes with the parent's top_k.
+_DBRX_ROUTERS: frozenset[str] = frozenset({"DbrxRouter"})
+# Routers whose forward returns a one-hot dispatch mask [B, S, E] after the capacity drop as
+# its first output and the router logits [B, S, E] as its third: the counts are the mask's sum
+# (SwitchTransformersTop1Router: top-1, expert_capacity per sequence).
+_DISPATCH_ROUTERS: frozenset[str] = frozenset({"SwitchTransformersTop1Router"})
+# Routers whose number of experts is not their num_experts attribute: LongcatFlashTopkRouter's
+# logits and indices cover n_routed_experts = the routed experts + the zero (identity) experts.
+_HF_EXPERTS_ATTR: dict[str, str] = {"LongcatFlashTopkRouter": "n_routed_experts"}
 # Families whose Hugging Face aux loss is the Switch loss over softmax(router_logits)
 # (``load_balancing_loss_func``) and whose own top-k is that of softmax(router_logits), so the
-# loss can use the router's indices; DeepSeek-V3 balances with a bias instead. Other routers
-# get a Switch aux loss when their modeling module defines the standard
-# ``load_balancing_loss_func`` (_hf_switch_loss_family), with the top-k recomputed from the
-# logits as that function does (their own selection may differ: a bias, a sparsemixer).
+# loss can use the router's indices; DeepSeek-V3 and AFMoE balance with a bias, HunYuan-MoE
+# and Llama 4 train without one. Other routers get a Switch aux loss when their modeling
+# module defines the standard ``load_balancing_loss_func`` (_hf_switch_loss_family), with the
+# top-k recomputed from the logits as that function does (their own selection may differ: a
+# bias, a sparsemixer). Switch Transformers has its own per-sequence loss (_switch_seq_aux_loss).
 _HF_SOFTMAX_AUX: frozenset[str] = frozenset(
-    HF_ROUTER_CLASSES - {"DeepseekV3TopkRouter", "HunYuanMoEV1Gate", "Llama4Router"}
+    {
+        "MixtralTopKRouter",
+        "Qwen2MoeTopKRouter",
+        "Qwen3MoeTopKRouter",
+        "OlmoeTopKRouter",
+        "GptOssTopKRouter",
+        "JetMoeTopKGating",
+        "DbrxRouter",
+    }
 )
 _HF_SWITCH_LOSS_PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
 # transformers modules that look like MoE routers; warned about when not recognised
@@ -317,6 +361,9 @@ class RouterInfo:
     # a Hugging Face router whose aux loss takes the top-k of softmax(router_logits), as
     # load_balancing_loss_func does, instead of the router's own indices
     aux_topk_from_logits: bool = field(default=False, repr=False)
+    # the number of experts each token selects, where the router module does not say it
+    # (DbrxRouter: its parent DbrxFFN's top_k)
+    top_k: int | None = field(default=None, repr=False)
     sort_key: tuple = field(default=(), repr=False)
 
 
@@ -369,6 +416,17 @@ def _hf_switch_loss_family(module: nn.Module) -> bool:
             return False
         return params == _HF_SWITCH_LOSS_PARAMS
     return False
+
+
+def _hf_num_experts(module: nn.Module) -> int | None:
+    """The number of experts a recognised Hugging Face router routes to: the width of its
+    logits (``num_experts``, ``n_routed_experts`` for LongCat-Flash, the linear layer's
+    ``out_features`` for DBRX, whose router has no such attribute)."""
+    cls = _hf_class_name(module)
+    if cls in _DBRX_ROUTERS:
+        layer = getattr(module, "layer", None)
+        return _int_attr(layer, "out_features") if isinstance(layer, nn.Module) else None
+    return _int_attr(module, _HF_EXPERTS_ATTR.get(cls, "num_experts"))
 
 
 def _hf_class_name(module: nn.Module) -> str:
@@ -487,6 +545,11 @@ def find_routers(model: nn.Module, extractors: Iterable[Any] | None = None) -> l
         if info is not None:
             found.append(info)
             claimed.append(name)
+    for r in found:
+        if r.kind == "hf" and _hf_class_name(r.module) in _DBRX_ROUTERS and "." in r.name:
+            # DbrxFFN (the router's parent) holds the top_k its route_tokens_to_experts uses
+            parent = model.get_submodule(r.name.rpartition(".")[0])
+            r.top_k = _int_attr(parent, "top_k")
     _assign_labels(found)
     return found
 
@@ -527,12 +590,19 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
         if num is not None:
             return RouterInfo(name, module, "topk_router", num, has_aux_loss=True)
     if _is_hf_router(module):
-        num = _int_attr(module, "num_experts")
+        num = _hf_num_experts(module)
         if num is not None:
-            own_topk = _hf_class_name(module) in _HF_SOFTMAX_AUX
-            aux = own_topk or _hf_switch_loss_family(module)
+            cls = _hf_class_name(module)
+            own_topk = cls in _HF_SOFTMAX_AUX
+            # Switch Transformers: its own per-sequence loss (_switch_seq_aux_loss)
+            aux = own_topk or cls in _DISPATCH_ROUTERS or _hf_switch_loss_family(module)
             return RouterInfo(
-                name, module, "hf", num, has_aux_loss=aux, aux_topk_from_logits=aux and not own_topk
+                name,
+                module,
+                "hf",
+                num,
+                has_aux_loss=aux,
+                aux_topk_from_logits=aux and not own_topk and cls not in _DISPATCH_ROUTERS,
             )
     buffer = _torchtitan_buffer(module)
     if buffer is not None:
@@ -872,19 +942,12 @@ class RouterCapture:
     def _count(self, i: int, module: nn.Module, inputs: Any, output: Any) -> None:
         r = self.routers[i]
         if r.kind == "hf":
-            top_k = getattr(module, "top_k", None)
-            if _hf_class_name(module) in _LLAMA4_ROUTERS:
-                pair = isinstance(output, tuple | list) and len(output) == 2
-                logits = output[1] if pair else None
-                indices = None
-                if isinstance(logits, torch.Tensor) and logits.ndim == 2 and isinstance(top_k, int):
-                    # the router's own selection: torch.topk(router_logits, top_k, dim=1)
-                    indices = torch.topk(logits.detach(), top_k, dim=1).indices
-            else:
-                indices = (
-                    output[-1] if isinstance(output, tuple | list) and len(output) >= 3 else None
-                )
-                logits = output[0] if indices is not None else None
+            cls = _hf_class_name(module)
+            if cls in _DISPATCH_ROUTERS:
+                self._count_hf_dispatch(i, output)
+                return
+            top_k = r.top_k if r.top_k is not None else getattr(module, "top_k", None)
+            logits, indices = _hf_logits_and_indices(cls, output, top_k)
             if (
                 not isinstance(indices, torch.Tensor)
                 or indices.is_floating_point()
@@ -934,6 +997,34 @@ class RouterCapture:
                 return
             self._add_counts(i, local_tensor(result).detach().reshape(-1))
             self._add_aux(i, aux)
+
+    def _count_hf_dispatch(self, i: int, output: Any) -> None:
+        """A router that returns its one-hot dispatch mask after the capacity drop
+        (``_DISPATCH_ROUTERS``): ``(dispatch [B, S, E], probs, router_logits [B, S, E])``. The
+        counts are the mask's sum over the tokens that are not padding; the aux loss is the
+        family's per-sequence Switch loss (:func:`_switch_seq_aux_loss`)."""
+        e = self.routers[i].num_experts
+        dispatch = output[0] if isinstance(output, tuple | list) and len(output) == 3 else None
+        logits = output[2] if dispatch is not None else None
+        if (
+            not isinstance(dispatch, torch.Tensor)
+            or dispatch.is_floating_point()
+            or dispatch.shape[-1] != e
+            or not isinstance(logits, torch.Tensor)
+            or logits.shape != dispatch.shape
+            or logits.ndim != 3
+        ):
+            self._unsupported(
+                i, "expected (dispatch mask [B, S, E] integer, probs, router_logits [B, S, E])"
+            )
+            return
+        flat = local_tensor(dispatch).detach().reshape(-1, e)
+        valid = self._hf_valid_tokens(i, flat.shape[0], flat.device)
+        if valid is not None:
+            flat = flat.masked_fill(valid[0], 0)  # padding tokens are not counted
+        self._add_counts(i, flat.sum(dim=0))
+        if self.routers[i].has_aux_loss:
+            self._add_aux(i, _switch_seq_aux_loss(local_tensor(logits)))
 
     @staticmethod
     def _hf_loss_counts(
@@ -1345,6 +1436,47 @@ def _as_aux_tensor(aux: Any) -> torch.Tensor:
             aux = torch.tensor(float(aux))
         aux = local_tensor(aux).detach().reshape(())
     return aux
+
+
+def _hf_logits_and_indices(cls: str, output: Any, top_k: Any) -> tuple[Any, Any]:
+    """``(router_logits [N, E], top-k indices [N, k])`` of one forward of a Hugging Face router
+    of class ``cls`` (``None`` where the output does not have the family's form; the caller
+    checks the shapes). The indices are the router's own output, or its own selection
+    recomputed with the same call on the same logits (:data:`_TOPK_OF_LOGITS`, DBRX)."""
+    seq = isinstance(output, tuple | list)
+    if cls in _TOPK_OF_LOGITS:
+        pos = _TOPK_OF_LOGITS[cls]
+        logits = output[pos] if seq and len(output) > pos else None
+        if isinstance(logits, torch.Tensor) and logits.ndim == 2 and isinstance(top_k, int):
+            # the router's own selection: torch.topk(router_logits, top_k, dim=1)
+            return logits, torch.topk(logits.detach(), top_k, dim=1).indices
+        return logits, None
+    if cls in _DBRX_ROUTERS:
+        logits = output if isinstance(output, torch.Tensor) else None
+        if logits is not None and logits.ndim == 2 and isinstance(top_k, int):
+            # DbrxFFN.route_tokens_to_experts: softmax in the logits' dtype, then top-k
+            probs = torch.softmax(logits.detach(), dim=1, dtype=logits.dtype)
+            return logits, torch.topk(probs, top_k, dim=-1).indices
+        return logits, None
+    indices = output[-1] if seq and len(output) >= 3 else None
+    return (output[0] if indices is not None else None), indices
+
+
+def _switch_seq_aux_loss(logits: torch.Tensor) -> Any:
+    """Switch Transformers' load-balancing loss of one layer and forward, before its
+    coefficient: transformers 5.x ``models/switch_transformers/modeling_switch_transformers.py
+    ::load_balancing_loss_func(softmax(router_logits), router_logits.argmax(-1))`` of this
+    layer's ``[B, S, E]`` logits, ``E**2 * mean_{b, e}(f_be * P_be)`` with ``f_be`` the fraction
+    of sequence ``b``'s tokens whose top-1 is ``e`` (before the capacity drop) and ``P_be`` their
+    mean softmax probability of ``e``: 1.0 at perfect balance. Over every token, padding
+    included, as transformers computes it (it takes no attention mask)."""
+    if logits.ndim != 3 or logits.shape[0] == 0 or logits.shape[1] == 0:
+        return None
+    num_experts = logits.shape[-1]
+    logits = logits.detach().float()
+    probs = logits.softmax(dim=-1)
+    top1 = torch.nn.functional.one_hot(logits.argmax(dim=-1), num_experts).float()
+    return (top1.mean(dim=1) * probs.mean(dim=1)).mean() * num_experts**2
 
 
 def _switch_aux_loss(

@@ -203,7 +203,8 @@ class MoEMetricsTracker:
             layer_number: 1-based layer number; ``None`` skips the record (as Megatron).
             num_layers: length of the per-layer vector (all layers, MTP layers included).
             reduce_group: process group to SUM over (e.g. ranks that split the tokens).
-            avg_group: process group to AVG over.
+            avg_group: process group to AVG over (with ``report(mean_over_records=True)``:
+                over the members that recorded the layer, see :meth:`_reduce`).
             needs_dp_avg: AVG over the data x context parallel group (``groups.dp_cp`` of
                 :meth:`report`) after the other reductions.
 
@@ -596,12 +597,20 @@ class MoEMetricsTracker:
         the data-parallel step averages the ranks' means as it averages their sums, over the
         ranks that recorded the layer: a per-layer has-records flag (0/1) rides with the values
         in the same collectives (the vector is ``[values, flags]``), is OR-ed by the pipeline
-        SUM, the ``reduce_group`` SUM and the ``avg_group`` AVG (a flag > 0 is a record), and
-        the data-parallel step is a SUM of values and flags, the values then divided by the
-        number of ranks that recorded (at least 1). Without it, a rank whose router recorded
-        nothing for a layer (no token in any of its forwards) entered the AVG as 0 and halved
-        the layer's value on 2 ranks. When every rank recorded, the same number as the AVG
-        (the sum divided by the group size, in float64); a layer no rank recorded stays 0."""
+        SUM and the ``reduce_group`` SUM (a flag > 0 is a record), and the ``avg_group`` step
+        and the data-parallel step are each a SUM of values and 0/1 flags, the values then
+        divided by the number of ranks that recorded (at least 1). Without it, a rank whose
+        router recorded nothing for a layer (no token in any of its forwards) entered the AVG
+        as 0 and halved the layer's value on 2 ranks. When every rank recorded, the same number
+        as the AVG (the sum divided by the group size, in float64); a layer no rank recorded
+        stays 0.
+
+        Megatron-LM's ``avg_group`` step is an all-reduce AVG, a division by the group size
+        (moe_logging.py; /work/shared/reference/nvidia-references.md, "sync order per name").
+        There every member of the group records every forward (the tensor/context-parallel
+        ranks of one router), so the two divisions agree; where a member recorded nothing its 0
+        is not a value of the metric, so ``mean_over_records`` leaves it out, as it does for the
+        data-parallel average. Without ``mean_over_records`` the AVG stays Megatron's."""
         device = self._default_device()
         values: dict[str, torch.Tensor] = {}
         if not is_distributed() or group_size(world_group()) <= 1:
@@ -612,13 +621,11 @@ class MoEMetricsTracker:
                 return sums, None
             return sums, {name: self._metrics[name].counts.to(device) for name in schema}
         dp_ranks = _group_ranks(groups.dp_cp)
-        # The metrics whose data-parallel step divides by the ranks that recorded: their
-        # vectors carry [values, has-records flags] through every collective.
-        flagged = (
-            {name for name, (_, dp_avg) in schema.items() if dp_avg}
-            if mean_over_records and dp_ranks
-            else set()
-        )
+        # The metrics whose avg_group and data-parallel steps divide by the ranks that
+        # recorded: their vectors carry [values, has-records flags] through every collective.
+        # Every metric under mean_over_records (the vector lengths depend on the gathered
+        # schema only, so all ranks agree on them whatever groups their own entries have).
+        flagged = set(schema) if mean_over_records else set()
         for name, (size, _) in schema.items():
             entry = self._metrics.get(name)
             length = 2 * size if name in flagged else size
@@ -653,7 +660,19 @@ class MoEMetricsTracker:
             # overlapping groups are issued in the same sequence everywhere.
             for ranks in sorted(by_ranks):
                 group, subset = by_ranks[ranks]
-                reduce(subset, op, group)
+                if op == "avg" and flagged:
+                    # the mean over the members that recorded the layer: SUM of the values and
+                    # of the 0/1 flags, in the same one collective, then divide
+                    for n in subset:
+                        flags = values[n][schema[n][0] :]
+                        flags.copy_(flags > 0)
+                    reduce(subset, "sum", group)
+                    for n in subset:
+                        size = schema[n][0]
+                        v = values[n]
+                        values[n] = torch.cat([v[:size] / v[size:].clamp(min=1), v[size:]])
+                else:
+                    reduce(subset, op, group)
         # Over dp x cp, not dp alone: a context-parallel rank routes other tokens of the same
         # sequences, so a metric computed on its own tokens differs across cp and its mean is
         # over cp too (averaging over dp only left each cp rank with its own shard's value,
@@ -664,7 +683,7 @@ class MoEMetricsTracker:
             if not flagged:
                 reduce(dp_names, "avg", groups.dp_cp)
                 return values, None
-            for n in dp_names:  # the flags OR-ed so far (sums, averages) as 0/1 per rank
+            for n in dp_names:  # the flags OR-ed so far (sums, counts) as 0/1 per rank
                 flags = values[n][schema[n][0] :]
                 flags.copy_(flags > 0)
             reduce(dp_names, "sum", groups.dp_cp)  # the same one collective, SUM not AVG
@@ -672,6 +691,8 @@ class MoEMetricsTracker:
                 size = schema[n][0]
                 # over the ranks that recorded the layer; a layer none recorded: 0 / 1
                 values[n] = values[n][:size] / values[n][size:].clamp(min=1)
+        for n in flagged:  # (the flags of the metrics without a data-parallel step)
+            values[n] = values[n][: schema[n][0]]
         return values, None
 
 
