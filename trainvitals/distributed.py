@@ -523,9 +523,13 @@ _MESH_DIM_ALIASES: dict[str, str] = {
 }
 # torchtitan's derived dims (torchtitan/distributed/parallel_dims.py): the flattened ones it
 # puts on its world mesh (dp, dp_shard_cp, dp_cp, ep) and the dims of the meshes it
-# unflattens from a one-dim "world" mesh (batch, loss, fsdp, efsdp). dp_shard_in_ep is part of
-# ep on the world mesh (dp_shard = dp_shard_mod_ep x dp_shard_in_ep) but the experts' FSDP dim
-# on the EP mesh of the versions that unflatten it; the ranks tell which.
+# unflattens from a one-dim "world" mesh (batch, loss, fsdp, efsdp, etp). dp_shard_in_ep is part
+# of ep on the world mesh (dp_shard = dp_shard_mod_ep x dp_shard_in_ep) but the experts' FSDP dim
+# on the EP mesh of the versions that unflatten it; the ranks tell which. etp (expert tensor
+# parallel, the last dim of the sparse mesh (pp, dp_replicate, efsdp, ep, etp) of some versions)
+# names no group of ours: its ranks are the tp ranks or this rank alone. In the meshes
+# unflattened from "world", "fsdp" is dp_shard x cp flattened (read as dp_shard_cp there,
+# see _TORCHTITAN_FSDP); elsewhere it is a plain dp_shard dim.
 _TORCHTITAN_DIMS: dict[str, str] = {
     "batch": "dp",
     "dp_cp": "dp_cp",
@@ -535,7 +539,11 @@ _TORCHTITAN_DIMS: dict[str, str] = {
     "dp_shard_in_ep": "ep_or_edp_part",
     "dp_shard_mod_ep": "ep_or_edp_part",
     "efsdp": "ep_or_edp_part",
+    "etp": "etp",
 }
+# torchtitan's dense mesh (pp, dp_replicate, fsdp, tp) sizes "fsdp" dp_shard x cp
+# (torchtitan/distributed/parallel_dims.py of early 2026, build_mesh: fsdp = dp_shard * cp)
+_TORCHTITAN_FSDP = {"fsdp": "dp_shard_cp"}
 # Roles that several mesh dims may share: their dims are flattened into one group.
 _MULTI_DIM_ROLES = frozenset({"cp", "ep_or_edp_part"})
 # Set by from_device_mesh for torchtitan's expert region: the ranks that ep and edp may span
@@ -685,8 +693,14 @@ class ProcessGroups:
 
         torchtitan: pass ``parallel_dims.world_mesh`` (its flattened ``dp``, ``dp_shard_cp``,
         ``dp_cp`` and ``ep`` dims are read from it), or, for versions whose ``world_mesh`` is
-        one ``"world"`` dim, the ``ParallelDims`` itself or its meshes (``batch``, ``loss`` /
-        ``loss_mesh``, ``fsdp``, ``efsdp``, ``ep``) as further arguments. ``dp`` is
+        one ``"world"`` dim, the ``ParallelDims`` itself (its ``_global_meshes`` or
+        ``_all_meshes``, built through ``world_mesh`` when not yet built) or its meshes
+        (``batch`` / ``dp``, ``loss`` / ``loss_mesh``, ``fsdp``, ``efsdp``, ``ep``, ``etp``) as
+        further arguments. In a mesh unflattened from the ``"world"`` mesh ``fsdp`` is
+        ``dp_shard`` x ``cp`` flattened: its dense mesh ``(pp, dp_replicate, fsdp, tp)`` (or a
+        ``dp_shard_cp`` dim) without the data loader's ``batch`` / ``dp`` dim raises
+        ``ValueError`` (naming what to pass) when ``fsdp`` has more than one rank, as its ranks
+        do not tell data from context parallelism. ``etp`` names no group here. ``dp`` is
         torchtitan's ``dp`` / ``batch``, ``dp_cp`` its ``dp_cp`` / ``loss`` (the group its
         loss and expert-load reductions use), ``ep`` its ``ep`` (borrowed from the
         ``dp_shard`` x ``cp`` (x ``tp``) ranks, so not added to ``dp``), and ``edp``
@@ -714,6 +728,7 @@ class ProcessGroups:
                 return
             dims[name] = (one_d, [owner] if owner is not None else [])
 
+        torchtitan_family = False  # a mesh unflattened from torchtitan's one-dim "world" mesh
         for m in sources:
             names = tuple(m.mesh_dim_names or ())
             if len(names) != m.ndim:
@@ -721,6 +736,8 @@ class ProcessGroups:
             for name in names:
                 add(name, m if m.ndim == 1 else m[name], m)
             root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else None
+            if root is not None and root is not m:
+                torchtitan_family |= tuple(root.mesh_dim_names or ()) == ("world",)
             if root is m:  # dims flattened onto a whole mesh (torchtitan's dp_cp, ep, ...)
                 for name, flat in getattr(m, "_flatten_mapping", {}).items():
                     if name in _TORCHTITAN_DIMS or name in _MESH_DIM_ALIASES:
@@ -733,6 +750,8 @@ class ProcessGroups:
                 "or its dataloading, loss, dense and sparse meshes"
             )
         roles_of = {**_MESH_DIM_ALIASES, **_TORCHTITAN_DIMS}
+        if torchtitan_family:
+            roles_of.update(_TORCHTITAN_FSDP)
         unknown = [n for n in dims if n not in roles_of and n != "world"]
         if unknown:
             raise ValueError(
@@ -796,6 +815,8 @@ class ProcessGroups:
             dp_dims = [roles[r] for r in ("dp_replicate", "dp_shard") if r in roles]
             if {"dp_shard_mod_ep", "dp_shard_in_ep"} <= set(dims_of.get("ep_or_edp_part", [])):
                 dp_dims += ["dp_shard_mod_ep", "dp_shard_in_ep"]  # torchtitan's dp_shard
+            elif "dp_shard" not in roles and "dp_shard_cp" in roles:
+                dp_dims += _shard_of_shard_cp(roles["dp_shard_cp"], one("dp_shard_cp"), cp_dims, cp)
         if "ep" in roles and not tt_ep:
             # ep counts as data parallel: leaving it out would sum tokens and expert loads
             # over half the token streams of a ("dp", "ep") mesh (measured: CV 1.0 for a
@@ -869,19 +890,51 @@ class ProcessGroups:
         return cls()
 
 
+def _shard_of_shard_cp(name: str, shard_cp: Any, cp_dims: list[str], cp: Any) -> list[str]:
+    """The dims holding dp_shard when a mesh has only dp_shard x cp flattened (torchtitan's
+    ``dp_shard_cp`` dim, its dense mesh's ``fsdp``) and no dim of the data loader (``dp`` /
+    ``batch``): ``[name]`` when cp is one rank, ``[]`` when cp spans all of it (dp_shard is one
+    rank); otherwise its ranks do not tell the ranks that load different samples (dp) from those
+    that split one sequence (cp), and a guess would count samples cp times or miss some."""
+    size = group_size(shard_cp)
+    if size == 1:
+        return []
+    if cp_dims and group_size(cp) == 1:
+        return [name]
+    if cp_dims and group_size(cp) == size:
+        return []
+    raise ValueError(
+        f"ProcessGroups.from_device_mesh: mesh dim {name!r} ({size} ranks) is dp_shard x cp "
+        "flattened (torchtitan's dense mesh (pp, dp_replicate, fsdp, tp), or its dp_shard_cp), "
+        "so it cannot tell the ranks that load different samples (dp) from those that split "
+        "one sequence (cp); pass torchtitan's ParallelDims, or its dataloading mesh (a 'batch' "
+        "or 'dp' dim, with 'cp') and loss mesh as well"
+    )
+
+
 def _meshes_of(obj: Any) -> list[Any]:
     """The meshes of ``obj``: a ``DeviceMesh``, or torchtitan's ``ParallelDims`` (its meshes,
     read without importing torchtitan)."""
     if hasattr(obj, "ndim") and hasattr(obj, "mesh_dim_names"):
         return [obj]
-    for attr in ("_global_meshes", "_all_meshes"):
-        found = getattr(obj, attr, None)
-        if found:
-            return list(found.values()) if isinstance(found, dict) else list(found)
+
+    def built() -> list[Any]:
+        # _global_meshes: the dict of the versions that unflatten a "world" mesh; _all_meshes:
+        # the list of a 2025 development version (its world_mesh returns the ParallelDims)
+        for attr in ("_global_meshes", "_all_meshes"):
+            found = getattr(obj, attr, None)
+            if found:
+                return list(found.values()) if isinstance(found, dict) else list(found)
+        return []
+
+    found = built()
+    if found:
+        return found
     world = getattr(obj, "world_mesh", None)  # builds the meshes of a ParallelDims
-    if world is not None and world is not obj:
-        if getattr(obj, "_global_meshes", None):
-            return list(obj._global_meshes.values())
+    found = built()
+    if found:
+        return found
+    if world is not None and world is not obj and hasattr(world, "ndim"):
         return [world]
     raise TypeError(f"from_device_mesh needs a DeviceMesh, got {type(obj).__name__}")
 
