@@ -155,16 +155,21 @@ def test_shared_wandb_sink_declares_dotted_keys_under_the_name_wandb_reads_as_th
     # (l2_norm/grad/model.layers.0.weight) unescaped, so their x-axis was declared for a key
     # nobody logs. W&B's own reading is the judge here: each declaration the sink makes also
     # asks for summary="max", which wandb-core applies to the key it reads the name as.
-    from trainvitals.adapters import WandbSink
+    # A "\" is escaped in the logged key (WANDB_SHARED_KEYS): wandb-core has no name for a key
+    # with an odd run of "\" before a "." or at its end ("odd\" would be read as "odd").
+    from trainvitals.adapters import WandbSink, unmap_key
 
     keys = [
         "loss",
         "l2_norm/grad/model.layers.0.weight",
         "tensor_stats/grad/model.layers.0.mlp.up_proj.weight/mean",
-        "a\\b.c",  # a "\" before another character stays as it is
-        "two\\\\.x",  # "\\" before a dot: each pair stays, the dot escaped after it
-        "odd\\",  # no name W&B reads as this key ("odd\" is read as "odd", the loop's key)
+        "a\\b.c",
+        "two\\\\.x",
+        "odd\\",
     ]
+    logged = dict(zip(keys, keys, strict=True))
+    logged |= {"a\\b.c": "a_x5cb.c", "two\\\\.x": "two_x5c_x5c.x", "odd\\": "odd_x5c"}
+    assert all(unmap_key(name) == k for k, name in logged.items())
     run = offline_wandb_run(tmp_path, "tv")
     declare = run.define_metric
     monkeypatch.setattr(run, "define_metric", lambda *a, **kw: declare(*a, **kw, summary="max"))
@@ -181,11 +186,12 @@ def test_shared_wandb_sink_declares_dotted_keys_under_the_name_wandb_reads_as_th
     status = writer.status()["wandb"]
     assert (status["delivered"], status["missed"], status["failures"]) == (3, 0, 0)
     rows = [r for r in read_wandb_offline(tmp_path) if "trainvitals/step" in r]
-    assert {k: {r["trainvitals/step"]: r[k] for r in rows if k in r} for k in keys} == values
+    got = {k: {r["trainvitals/step"]: r[n] for r in rows if n in r} for k, n in logged.items()}
+    assert got == values
     summary = _wandb_summary(tmp_path)
     declared = _wandb_declared(tmp_path)
-    named = [k for k in keys if k != "odd\\"]
-    assert {k: summary.get((k,)) for k in named} == {k: {"max": values[k][0]} for k in named}
-    assert summary.get(("odd\\",)) == values["odd\\"][2]  # logged, not declared
+    assert {k: summary.get((n,)) for k, n in logged.items()} == {
+        k: {"max": values[k][0]} for k in keys
+    }
     assert summary.get(("odd",)) == 5.0  # the loop's key was not declared as trainvitals' one
-    assert list(declared.values()) == ["trainvitals/step"] * len(named)  # each with the axis
+    assert list(declared.values()) == ["trainvitals/step"] * len(keys)  # each with the axis

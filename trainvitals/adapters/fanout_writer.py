@@ -175,6 +175,46 @@ def _as_walltime(walltime: Any) -> float:
 
 _MAX_WALLTIME = 2.0**63 / 1000.0
 
+_UNSET: Any = object()  # an argument not given (None is a value add_scalar refuses by name)
+
+
+def _scalar_args(name: Any, value: Any, tag: Any, scalar_value: Any) -> tuple[Any, Any]:
+    """``add_scalar``'s key and value from ours (``name``, ``value``) or ``SummaryWriter``'s
+    names (``tag``, ``scalar_value``); raises ``TypeError`` for both names of one, or none."""
+    if tag is not None:
+        if name is not None:
+            raise TypeError("add_scalar() got both name= and tag= (the same argument)")
+        name = tag
+    if scalar_value is not _UNSET:
+        if value is not _UNSET:
+            raise TypeError("add_scalar() got both value= and scalar_value= (the same argument)")
+        value = scalar_value
+    if name is None:
+        raise TypeError("add_scalar() needs a key: add_scalar(name, value, step)")
+    if value is _UNSET:
+        raise TypeError(f"add_scalar({name!r}, ...) needs a value")
+    return name, value
+
+
+def _tagged_scalars_args(
+    mapping: Any, second: Any, main_tag: Any, tag_scalar_dict: Any
+) -> tuple[Any, Any]:
+    """``add_scalars`` called with ``SummaryWriter``'s keywords ``main_tag=`` and/or
+    ``tag_scalar_dict=``: its positional form ``(main_tag, tag_scalar_dict)``."""
+    if main_tag is not None:
+        if mapping is not None:
+            raise TypeError("add_scalars() got main_tag= and a first positional argument")
+        if not isinstance(main_tag, str):
+            raise TypeError(f"main_tag must be a str, got {type(main_tag).__name__}")
+        mapping = main_tag
+    elif not isinstance(mapping, str):
+        raise TypeError("add_scalars(tag_scalar_dict=...) needs main_tag (a str) too")
+    if tag_scalar_dict is not None:
+        if second is not None:
+            raise TypeError("add_scalars() got tag_scalar_dict= and a second positional argument")
+        second = tag_scalar_dict
+    return mapping, second
+
 
 # --------------------------------------------------------------------------------------------
 # steps in flight
@@ -746,8 +786,9 @@ class FanoutWriter:
     anything. The sinks that keep files then drop what an earlier run of the same files wrote
     for steps ``>= N`` (:class:`~trainvitals.adapters.JsonlSink` cuts its file; a
     :class:`~trainvitals.adapters.TensorBoardSink` with its own log directory opens its
-    ``SummaryWriter`` with ``purge_step=N``); ``resume_at(0)`` says the run is a new one. Without
-    the call a ``JsonlSink`` guesses the resume step from the first step it writes.
+    ``SummaryWriter`` with ``purge_step=N``), and an ``MLflowSink(run_dir=...)`` continues the
+    MLflow run it recorded there; ``resume_at(0)`` says the run is a new one. Without the call a
+    ``JsonlSink`` or ``MLflowSink`` guesses the resume step from the first step it writes.
 
     Example::
 
@@ -904,28 +945,42 @@ class FanoutWriter:
 
     def add_scalar(
         self,
-        name: str,
-        value: Any,
+        name: str | None = None,
+        value: Any = _UNSET,
         step: int | None = None,
         walltime: float | None = None,
+        new_style: bool = False,
+        double_precision: bool = False,
         *,
         global_step: int | None = None,
+        tag: str | None = None,
+        scalar_value: Any = _UNSET,
     ) -> None:
         """Log one scalar for ``step``.
 
         ``value``: a real number, bool, numpy scalar, or a tensor with one element on any
-        device (kept by reference: do not modify it in place afterwards). ``global_step`` is
-        accepted as an alias of ``step`` (``SummaryWriter.add_scalar``'s name); ``walltime``
-        (Unix seconds) sets the step's time when it is the step's first value.
+        device (kept by reference: do not modify it in place afterwards). ``walltime`` (Unix
+        seconds) sets the step's time when it is the step's first value.
 
-        Raises ``TypeError``/``ValueError`` (naming the key) for a non-string or empty key, a
-        non-numeric value, a tensor with more than one element, a missing, negative or
-        decreasing step, a ``walltime`` that is not a finite number of seconds ``>= 0``.
+        Takes the arguments of ``torch.utils.tensorboard.SummaryWriter.add_scalar`` in its
+        order, ``(tag, scalar_value, global_step, walltime, new_style, double_precision)``, and
+        under its names: ``tag=``, ``scalar_value=`` and ``global_step=`` are the same as
+        ``name=``, ``value=`` and ``step=`` (giving both names of one argument raises
+        ``TypeError``). ``new_style`` and ``double_precision`` are accepted and ignored: the
+        sinks decide how values are stored (``TensorBoardSink(..., double_precision=True)``).
+
+        Raises ``TypeError``/``ValueError`` (naming the key) for a missing, non-string or empty
+        key, a missing or non-numeric value, a tensor with more than one element, a missing,
+        negative or decreasing step, a ``walltime`` that is not a finite number of seconds
+        ``>= 0``.
 
         Example::
 
             writer.add_scalar("train/loss", loss.detach(), step=global_step)
+            writer.add_scalar(tag="train/loss", scalar_value=2.3, global_step=7)
         """
+        if tag is not None or scalar_value is not _UNSET or value is _UNSET:
+            name, value = _scalar_args(name, value, tag, scalar_value)
         if type(name) is not str or not name or name.isspace():
             _bad_key(name)
         tv = type(value)
@@ -956,22 +1011,30 @@ class FanoutWriter:
 
     def add_scalars(
         self,
-        mapping: Mapping[str, Any] | str,
+        mapping: Mapping[str, Any] | str | None = None,
         step: Any = None,
         global_step: int | None = None,
         walltime: float | None = None,
+        *,
+        main_tag: str | None = None,
+        tag_scalar_dict: Mapping[str, Any] | None = None,
     ) -> None:
         """Log several scalars for one step: ``add_scalars({"a": 1.0, "b": t}, step)``.
 
         The whole mapping is checked before any of it is stored: one bad entry raises and
-        nothing of the call is logged. ``SummaryWriter``'s form
-        ``add_scalars(main_tag, {tag: value}, global_step)`` is accepted too and logs the keys
-        ``main_tag/tag``.
+        nothing of the call is logged. ``SummaryWriter.add_scalars``'s form
+        ``add_scalars(main_tag, tag_scalar_dict, global_step, walltime)`` is accepted too, in
+        that order and under those names (``main_tag=``, ``tag_scalar_dict=``,
+        ``global_step=``, ``walltime=``), and logs the keys ``main_tag/tag``. ``global_step=``
+        is also the same as ``step=`` in the mapping form.
 
         Example::
 
             writer.add_scalars({"memory/allocated_gb": a, "memory/reserved_gb": r}, step)
+            writer.add_scalars("loss", {"train": 2.3, "val": 2.5}, global_step=step)
         """
+        if main_tag is not None or tag_scalar_dict is not None:
+            mapping, step = _tagged_scalars_args(mapping, step, main_tag, tag_scalar_dict)
         if isinstance(mapping, str):
             main_tag, mapping, step = mapping, step, global_step
             if not isinstance(mapping, Mapping):
@@ -1204,7 +1267,10 @@ class FanoutWriter:
         :meth:`close` when nothing was written by then (a rollback, then the end of the run
         or a crash before its next logging step; see
         :class:`~trainvitals.adapters.JsonlSink` and
-        :class:`~trainvitals.adapters.TensorBoardSink`); other sinks ignore it.
+        :class:`~trainvitals.adapters.TensorBoardSink`). An
+        :class:`~trainvitals.adapters.MLflowSink` built from a ``run_dir`` continues the MLflow
+        run recorded there when ``step > 0`` and creates a new one for ``0``; other sinks
+        ignore it.
 
         Raises ``TypeError``/``ValueError`` for a step that is not an int ``>= 0`` (on every
         rank). Called again with another step once values were logged, it warns and does

@@ -216,13 +216,16 @@ WANDB_KEYS = KeyRule(
 )
 
 #: W&B for a run whose step other code moves (``WandbSink(shared_step=True)``): as
-#: :data:`WANDB_KEYS`, and ``*`` escaped too. That sink declares each key's x-axis with
-#: ``run.define_metric(key, step_metric=...)``, which raises for a ``*`` inside a name and reads a
-#: trailing ``*`` as a glob (which would give the loop's own keys with that start trainvitals'
-#: x-axis).
+#: :data:`WANDB_KEYS`, and ``*`` and ``\`` escaped too. That sink declares each key's x-axis
+#: with ``run.define_metric(name, step_metric=...)``, which raises for a ``*`` inside a name
+#: and reads a trailing ``*`` as a glob (which would give the loop's own keys with that start
+#: trainvitals' x-axis). It reads ``\`` in a name as an escape: wandb-core (0.31) has no name
+#: for a key with an odd run of ``\`` before a ``.`` or at its end (``a\.b``, ``odd\``), so
+#: such a key was logged without its x-axis; with every ``\`` escaped (``a\.b`` ->
+#: ``a_x5c.b``) the only ``\`` in a declared name is the one before each ``.``.
 WANDB_SHARED_KEYS = KeyRule(
     "wandb (shared step)",
-    allowed=r"^*",
+    allowed=r"^*\\",
     reserved=WANDB_KEYS.reserved,
     reserved_prefixes=WANDB_KEYS.reserved_prefixes,
 )

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from trainvitals.adapters.sinks.base import MLFLOW_KEYS, Sink
 
-__all__ = ["MLFLOW_BATCH_LIMIT", "MLflowSink"]
+__all__ = ["MLFLOW_BATCH_LIMIT", "MLFLOW_RUN_ID_FILE", "MLflowSink"]
 
 #: ``mlflow.utils.validation.MAX_METRICS_PER_BATCH``: metrics per ``log_batch`` call.
 MLFLOW_BATCH_LIMIT = 1000
+
+#: The file in ``run_dir`` where ``MLflowSink(run_dir=...)`` records the id of the run it
+#: created, to continue that run when the training resumes in the same ``run_dir``.
+MLFLOW_RUN_ID_FILE = "mlflow_run_id.txt"
 
 
 class MLflowSink(Sink):
@@ -31,6 +37,24 @@ class MLflowSink(Sink):
       closes (``FINISHED``; ``FAILED`` after an exception: ``close(failed=True)``; ``KILLED``,
       MLflow's "run killed by user", after ``KeyboardInterrupt``: ``close(interrupted=True)``).
       Its id is :attr:`run_id` from then on.
+
+    Resuming in the same ``run_dir`` continues the same run (as Lightning's ``MLFlowLogger``
+    with ``run_id=`` and W&B's ``resume=`` do), so that a resumed job's curves are one run,
+    not two. ``MLflowSink(run_dir=...)`` records the id of the run it creates in
+    ``<run_dir>/mlflow_run_id.txt`` (:data:`MLFLOW_RUN_ID_FILE`). A later sink on that
+    ``run_dir`` whose run resumes, that is whose resume step is above 0, reopens that run
+    (status ``RUNNING`` again, as ``mlflow.start_run(run_id=...)`` does) and logs into it,
+    provided the run is still in the store, not deleted, and in ``experiment_name``; else it
+    creates a new run and records that one. The resume step is the one given to
+    :meth:`FanoutWriter.resume_at` (the checkpoint's step), or, when the run did not say, the
+    first step the sink writes (or the lower of the two), as for
+    :class:`~trainvitals.adapters.JsonlSink`: a run starting at step 0 is a new run and gets
+    a new MLflow run. ``resume=False`` creates a new run each time. MLflow keeps every point
+    it was given: steps that an interrupted job logged after its checkpoint stay in the
+    history beside the resumed job's values of the same steps (MLflow has no call to delete
+    points); the resumed values have the later timestamps. With ``tracking_uri`` and no
+    ``run_dir`` there is no folder to record the id in: each sink creates a run (pass
+    ``run_id=`` to continue a known one).
 
     A step of N metrics is sent as ceil(N / 1000) ``log_batch`` calls (MLflow's limit per call).
     A retried step resumes after the last chunk that went through (and MLflow's SQL store
@@ -52,6 +76,7 @@ class MLflowSink(Sink):
     Example::
 
         sink = MLflowSink(run_dir="runs/demo", experiment_name="demo")
+        sink = MLflowSink(run_dir="runs/demo", resume=False)   # a new run even on a resume
         sink = MLflowSink(mlflow_logger.experiment, mlflow_logger.run_id)
     """
 
@@ -68,6 +93,7 @@ class MLflowSink(Sink):
         experiment_name: str = "trainvitals",
         run_name: str | None = None,
         tags: Mapping[str, str] | None = None,
+        resume: bool = True,
         name: str | None = None,
     ) -> None:
         if client is not None and run_id is None:
@@ -88,28 +114,92 @@ class MLflowSink(Sink):
         self.experiment_name = experiment_name
         self.run_name = run_name
         self.tags = dict(tags or {})
+        self.resume = resume
+        # where the id of the run this sink creates is recorded (and read back on a resume)
+        self._run_id_file = (
+            self.run_dir / MLFLOW_RUN_ID_FILE if creates_run and self.run_dir is not None else None
+        )
+        self._resume_step: int | None = None  # from FanoutWriter.resume_at
         # (the metrics object of a step that failed part-way, chunks of it already logged)
         self._resume: tuple[Any, int] = (None, 0)
 
+    def resume_at(self, step: int) -> None:
+        self._resume_step = step
+
     def open(self) -> None:
+        # The run itself is created (or reopened) by the first write, which knows its step.
         if self.client is None:
             from mlflow import MlflowClient
 
             if self.run_dir is not None:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             self.client = MlflowClient(tracking_uri=self.tracking_uri)
-        if self.run_id is None:
-            experiment = self.client.get_experiment_by_name(self.experiment_name)
-            if experiment is not None:
-                experiment_id = experiment.experiment_id
-            else:
-                experiment_id = self.client.create_experiment(self.experiment_name)
-            run = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
-            self.run_id = run.info.run_id
+
+    def _start_run(self, first_step: int) -> None:
+        """Reopen the run recorded in ``run_dir`` when this run resumes, else create one."""
+        experiment = self.client.get_experiment_by_name(self.experiment_name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            experiment_id = self.client.create_experiment(self.experiment_name)
+        resume_step = (
+            first_step if self._resume_step is None else min(first_step, self._resume_step)
+        )
+        run_id = None
+        if self.resume and resume_step > 0:
+            run_id = self._recorded_run(experiment_id)
+        if run_id is not None:
+            # what mlflow.start_run(run_id=...) does to resume a run: RUNNING again
+            self.client.update_run(run_id, status="RUNNING")
+            self.run_id = run_id
+            return
+        run = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
+        self.run_id = run.info.run_id
+        if self._run_id_file is not None:
+            try:  # whole or not at all: a crash must not leave half an id
+                tmp = self._run_id_file.with_name(self._run_id_file.name + ".tmp")
+                tmp.write_text(self.run_id + "\n", encoding="utf-8")
+                os.replace(tmp, self._run_id_file)
+            except OSError as e:  # the run is there; only a later resume will not find it
+                message = (
+                    f"MLflowSink: could not record the run id in {self._run_id_file}: {e!r}; "
+                    "a resumed run will create a new MLflow run"
+                )
+                try:
+                    warnings.warn(message, RuntimeWarning, stacklevel=2)
+                except Exception:  # warnings turned into errors must not fail the write
+                    logging.getLogger(__name__).warning(message)
+
+    def _recorded_run(self, experiment_id: str) -> str | None:
+        """The run recorded in ``run_dir``, if it is in the store, active and in the
+        experiment; ``None`` otherwise (raises when the store cannot be asked)."""
+        if self._run_id_file is None:
+            return None
+        try:
+            run_id = self._run_id_file.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            return None
+        if not run_id:
+            return None
+        try:
+            run = self.client.get_run(run_id)
+        except Exception as e:
+            if getattr(e, "error_code", None) in (
+                "RESOURCE_DOES_NOT_EXIST",
+                "INVALID_PARAMETER_VALUE",
+            ):
+                return None  # a store made anew, or a file that is not ours
+            raise
+        info = run.info
+        if info.lifecycle_stage != "active" or info.experiment_id != experiment_id:
+            return None
+        return run_id
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
-        if self.client is None or self.run_id is None:
+        if self.client is None:
             self.open()
+        if self.run_id is None:
+            self._start_run(step)
         from mlflow.entities import Metric
 
         timestamp = int(wall_time * 1000)

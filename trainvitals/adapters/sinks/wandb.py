@@ -23,7 +23,9 @@ def _metric_name(key: str) -> str | None:
     W&B's own test ``test_metric_dotted``). A flat key such as
     ``l2_norm/grad/model.layers.0.weight`` is therefore declared with its dots escaped (the key
     itself is logged as it is). A key with an odd run of ``\\`` before a ``.`` or at its end
-    has no such name (W&B would read ``odd\\`` as ``odd``, another key).
+    has no such name (W&B would read ``odd\\`` as ``odd``, another key); the sink's key rule
+    (:data:`~trainvitals.adapters.sinks.base.WANDB_SHARED_KEYS`) escapes every ``\\`` of a
+    logged key, so this only happens for a ``step_metric`` name, which ``WandbSink`` refuses.
     """
     if _UNNAMEABLE.search(key):
         return None
@@ -76,16 +78,18 @@ class WandbSink(Sink):
     loop's ``step=1``.
 
     Keys W&B writes itself (``_step``, ``_runtime``, ``_timestamp``, ``_wandb...``) are mapped
-    by :data:`~trainvitals.adapters.sinks.base.WANDB_KEYS`; with ``shared_step=True`` a ``*`` is
-    escaped too (:data:`~trainvitals.adapters.sinks.base.WANDB_SHARED_KEYS`: ``attn*scale`` ->
-    ``attn_x2ascale``), because ``define_metric`` raises for a ``*`` inside a name (every step
-    of the sink failed, and it was switched off) and takes a trailing ``*`` as a glob. In the
-    names it gives ``define_metric`` the sink escapes each ``.`` (``model.layers.0.weight`` ->
-    ``model\\.layers\\.0\\.weight``; the logged key keeps its dots): W&B reads an unescaped ``.``
-    there as a nested dict's level (the x-axis would go to a key nobody logs). A key W&B has no
-    such name for (an odd run of ``\\`` before a ``.`` or at its end) is not declared. NaN and
-    infinities are stored as such (``NaN``, ``Infinity``, ``-Infinity`` in the run's history
-    JSON).
+    by :data:`~trainvitals.adapters.sinks.base.WANDB_KEYS`; with ``shared_step=True`` a ``*``
+    and a ``\\`` are escaped too (:data:`~trainvitals.adapters.sinks.base.WANDB_SHARED_KEYS`:
+    ``attn*scale`` -> ``attn_x2ascale``, ``a\\.b`` -> ``a_x5c.b``), because ``define_metric``
+    raises for a ``*`` inside a name (every step of the sink failed, and it was switched off)
+    and takes a trailing ``*`` as a glob, and reads ``\\`` as an escape (a key with an odd run
+    of ``\\`` before a ``.`` or at its end has no name there: it was logged without its
+    x-axis). In the names it gives ``define_metric`` the sink escapes each ``.``
+    (``model.layers.0.weight`` -> ``model\\.layers\\.0\\.weight``; the logged key keeps its
+    dots): W&B reads an unescaped ``.`` there as a nested dict's level (the x-axis would go to
+    a key nobody logs). So every key the sink logs is declared. A ``step_metric`` W&B cannot
+    name that way raises ``ValueError``. NaN and infinities are stored as such (``NaN``,
+    ``Infinity``, ``-Infinity`` in the run's history JSON).
 
     Example::
 
@@ -115,6 +119,13 @@ class WandbSink(Sink):
         if shared_step:
             self.key_rule = WANDB_SHARED_KEYS  # the names go to define_metric too
         self.step_metric = SHARED_STEP_METRIC if shared_step and not step_metric else step_metric
+        axis = self.step_metric
+        if shared_step and axis is not None and _metric_name(axis) is None:
+            # no define_metric name W&B reads as this key: no key would get its x-axis
+            raise ValueError(
+                f"WandbSink(shared_step=True): step_metric {axis!r} ends with, or "
+                "has before a '.', an odd number of '\\', which W&B's define_metric cannot name"
+            )
         # shared_step: the keys given their x-axis, and the W&B row that holds the last step
         # written (and which step that was): the row a later part of that step joins, and the
         # one no other step may join
