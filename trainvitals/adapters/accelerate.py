@@ -19,7 +19,7 @@ Example::
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-    vitals.close()
+    accelerator.end_training()  # closes vitals first (a vitals.close() before it is fine too)
 """
 
 from trainvitals.adapters.loop import Vitals

@@ -70,12 +70,33 @@ forward, never after it.
 
 The driver's ``state_dict``/``load_state_dict`` hold its step counter and every callback's
 state, so ``accelerator.register_for_checkpointing(vitals)`` (or saving ``vitals.state_dict()``
-next to the model) resumes counters, windows and estimates.
+next to the model) resumes counters, windows and estimates. A checkpoint taken inside a
+gradient-accumulation window (after micro-batch k of a step) also holds the sizes of the
+step's micro-batches so far: Accelerate's ``save_state`` keeps its micro-batch counter
+(``Accelerator.step``), so the restored run goes on at micro-batch k + 1 and steps after the
+window's last one, and the callbacks are told of the k carried micro-batches
+(``micro_batch_start`` with ``batch=None`` and the sizes they were told then) when the restored
+run's first micro-batch starts: its batches, samples and tokens are counted as in an
+uninterrupted run. What the carried micro-batches left on the model (gradients, activations)
+is in no checkpoint, Accelerate's included: ``ctx.micro_batch``/``micro_batches_in_step``
+count the micro-batches this process ran. The restored step's time is this process's part of
+it only: ``ThroughputMonitor`` and ``RuntimeMonitor`` leave the first step after a restore out
+of their rates by default (``warmup_steps=1``). On several ranks every rank restores rank 0's
+sizes (the checkpoint keeps its copy): the batches are exact, samples and tokens when the
+ranks' carried micro-batches have the same sizes.
+
+Under Accelerate, ``accelerator.end_training()`` closes the driver first (as
+:meth:`Vitals.close`; called inside an ``except`` block, with the exception being handled):
+it finishes the trackers (a TensorBoard writer written after it opens a second event file; a
+finished W&B run refuses values) and destroys the process group the callbacks' last
+collectives use. A ``vitals.close()`` after it does nothing, so both orders log every step.
+Call it on every rank, as Accelerate's documentation does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -221,6 +242,11 @@ class Vitals:
         self._warned_fused = False
         self._closed = False
         self._warned_closed: set[str] = set()  # calls after close() already warned about
+        # The sizes each callback was told for the micro-batches of the step in progress
+        # (state_key -> (batch_size, num_tokens), one dict per micro-batch), and those a
+        # restored checkpoint carried from inside an accumulation window, not yet told again.
+        self._step_batches: list[dict[str, tuple[Any, Any]]] = []
+        self._carried: list[dict[str, tuple[Any, Any]]] = []
 
     # ------------------------------------------------------------------ wiring
 
@@ -256,6 +282,7 @@ class Vitals:
         self._handles.append(model.register_forward_pre_hook(self._on_model_forward))
         if self._accelerator is not None:
             self._wrap_accelerator_clip()
+            self._wrap_accelerator_end()
             if scaler is None:
                 scaler = getattr(self._accelerator, "scaler", None)
         if scaler is not None:
@@ -379,6 +406,25 @@ class Vitals:
             if callable(clip):
                 self._patches.append(AttributePatch(accelerator, name, self._noting_clipped(clip)))
 
+    def _wrap_accelerator_end(self) -> None:
+        # accelerator.end_training() finishes the trackers (TensorBoard's SummaryWriter is
+        # closed; a later write opens a second event file for the last steps; a finished W&B
+        # run refuses them) and destroys the process group the callbacks' last collectives
+        # need. The run is over there: the driver closes first (a later close() is a no-op).
+        end_training = getattr(self._accelerator, "end_training", None)
+        if not callable(end_training):
+            return
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                # inside an except block: the exception being handled ended the run
+                self.close(sys.exc_info()[1])
+            finally:
+                result = end_training(*args, **kwargs)
+            return result
+
+        self._patches.append(AttributePatch(self._accelerator, "end_training", wrapper))
+
     def _noting_clipped(self, clip: Any) -> Any:
         def wrapper(parameters: Any, *args: Any, **kwargs: Any) -> Any:
             if not isinstance(parameters, torch.Tensor):
@@ -497,6 +543,7 @@ class Vitals:
             # step is over. Under accumulation no optimizer steps before the step's last
             # micro-batch, so its micro-batches stay in one step.
             self._end_step()
+        self._replay_carried()
         ctx = self.ctx
         if ctx.micro_batches_in_step == 0:
             # A new step: the previous step's values go to the sinks now, not when a later
@@ -509,6 +556,8 @@ class Vitals:
         ctx.micro_batch = ctx.micro_batches_in_step
         ctx.micro_batches_in_step += 1
         default: BatchInfo | None = None
+        sizes: dict[str, tuple[Any, Any]] = {}
+        self._step_batches.append(sizes)
         for cb in self.callbacks:
             if getattr(cb, "batch_size_fn", None) or getattr(cb, "num_tokens_fn", None):
                 info = cb._batch_info(batch) if batch is not None else BatchInfo(batch)
@@ -526,7 +575,27 @@ class Vitals:
                     info.batch_size if batch_size is None else batch_size,
                     info.num_tokens if num_tokens is None else num_tokens,
                 )
+            sizes[cb.state_key] = (info.batch_size, info.num_tokens)
             cb._dispatch("micro_batch_start", ctx, info)
+
+    def _replay_carried(self) -> None:
+        """Tell the callbacks of the micro-batches a restored checkpoint carried from inside an
+        accumulation window (saved after micro-batch k of a step), once this process trains:
+        they were consumed before the checkpoint and belong to the step in progress, which
+        Accelerate resumes at micro-batch k + 1 (``save_state`` keeps ``Accelerator.step``, its
+        micro-batch counter), so the step's counts match an uninterrupted run's. Each callback
+        gets ``micro_batch_start`` with the sizes it was told then and ``batch=None``;
+        ``ctx.micro_batch``/``micro_batches_in_step`` count only the micro-batches this process
+        runs (what hooks on the model can see: the carried ones' activations and gradients are
+        not in the checkpoint)."""
+        carried, self._carried = self._carried, []
+        for sizes in carried:
+            self._step_batches.append(sizes)
+            for cb in self.callbacks:
+                if cb.state_key in sizes:
+                    batch_size, num_tokens = sizes[cb.state_key]
+                    info = BatchInfo(None, batch_size, num_tokens)
+                    cb._dispatch("micro_batch_start", self.ctx, info)
 
     def gradients_ready(self) -> None:
         """Gradients of this step are final (unscaled, unclipped): run the gradient hooks now.
@@ -622,6 +691,7 @@ class Vitals:
             self._end_step()
 
     def _end_step(self) -> None:
+        self._replay_carried()  # (a step restored inside its window ending without a batch)
         self._each("step_end")
         self.ctx.step += 1
         self._start_step()
@@ -634,6 +704,8 @@ class Vitals:
         self._awaiting_step.clear()
         self._stepped.clear()
         self._unscaled.clear()
+        self._step_batches = []
+        self._carried = []
 
     @contextlib.contextmanager
     def validating(self) -> Iterator[None]:
@@ -677,7 +749,9 @@ class Vitals:
         return self.ctx.step
 
     def state_dict(self) -> dict[str, Any]:
-        """The step counter and every callback's state (plain Python data).
+        """The step counter, every callback's state and, taken inside a gradient-accumulation
+        window, the sizes of the step's micro-batches so far (plain Python data; see the module
+        docstring).
 
         On a multi-rank run some callbacks reduce their counters over the ranks here (one small
         collective each): call it on every rank, as ``accelerator.save_state`` does, not on
@@ -692,6 +766,11 @@ class Vitals:
         return {
             "step": self.ctx.step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            # a checkpoint inside an accumulation window: the step's micro-batches so far
+            "micro_batches_in_step": [
+                {key: [_number(n) for n in pair] for key, pair in sizes.items()}
+                for sizes in self._carried + self._step_batches
+            ],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -717,8 +796,9 @@ class Vitals:
                 self.ctx.replay_run_writer = True
             self.ctx.replay_floor = max(self.ctx.replay_floor or 0, self.ctx.step)
         self.ctx.step = step
-        # A restore while a step is in progress (a rollback) replays that step from its start:
-        # the micro-batches and gradients seen since belong to the abandoned timeline.
+        # A restore while a step is in progress (a rollback) replays that step from the
+        # checkpoint on: the micro-batches and gradients seen since belong to the abandoned
+        # timeline (those the checkpoint carried are told again, below).
         self._start_step()
         states = state_dict["callbacks"]
         for cb in self.callbacks:
@@ -726,6 +806,13 @@ class Vitals:
                 cb.load_state_dict(states[cb.state_key])
             else:
                 warnings.warn(f"Vitals.load_state_dict: no state for {cb.state_key}", stacklevel=2)
+        # The micro-batches of the step in progress when the checkpoint was taken (inside an
+        # accumulation window), told to the callbacks when this process trains on: the restored
+        # step goes on from there, as Accelerate's does (_replay_carried).
+        self._carried = [
+            {str(key): (pair[0], pair[1]) for key, pair in sizes.items()}
+            for sizes in state_dict.get("micro_batches_in_step", ())
+        ]
 
     # ------------------------------------------------------------------ end
 
@@ -772,6 +859,13 @@ class Vitals:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.close(exc)
+
+
+def _number(value: Any) -> Any:
+    """A micro-batch size as plain Python data for a checkpoint (a 0-d tensor's value)."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
 
 
 def _default_writer(accelerator: Any, run_dir: Path) -> Any:
