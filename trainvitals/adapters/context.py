@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.adapters.fanout_writer import _UNSET, _scalar_args, _tagged_scalars_args
 from trainvitals.distributed import ProcessGroups, global_rank, group_size, world_group
 
 __all__ = [
@@ -132,7 +133,7 @@ class RunContext:
 class ReplayWriter:
     """A :class:`~trainvitals.adapters.FanoutWriter` that outlived a rollback
     (``Vitals(writer=...)``, a callback's own ``writer=``): values of steps below ``floor`` are
-    dropped, with one warning per run (``ctx``); every other call goes through unchanged.
+    dropped, with one warning per run (``ctx``); every other call goes to the writer unchanged.
 
     Such a writer already holds the abandoned timeline's steps up to ``floor - 1``. It refuses
     a step lower than one it was given (``ValueError``, which would disable the callback) and
@@ -140,6 +141,14 @@ class ReplayWriter:
     mix the two timelines (one step old, the next replayed). So it keeps the old timeline
     below the floor and gets the restored one from the floor on. A writer that takes any step
     (``SummaryWriter``) is not wrapped: it gets the replayed steps (:func:`needs_replay_floor`).
+
+    ``add_scalar`` and ``add_scalars`` take what the writer's take, ``SummaryWriter``'s names
+    and order included (``tag=``, ``scalar_value=``, ``global_step=``; ``main_tag=``,
+    ``tag_scalar_dict=``), and find the step as it does: ``step``, else ``global_step``; the
+    third argument or ``global_step=`` in the form ``add_scalars(main_tag, tag_scalar_dict)``.
+    A call the writer would refuse for its arguments goes to it, below the floor too, and
+    raises there. Every other attribute (``flush``, ``close``, ``end_step``, ``status``,
+    ``closed``, ...) is the writer's; ``with`` closes the writer as ``with writer:`` does.
     """
 
     def __init__(self, writer: Any, floor: int, ctx: RunContext) -> None:
@@ -147,21 +156,13 @@ class ReplayWriter:
         self._floor = floor
         self._ctx = ctx
 
-    def add_scalar(
-        self, name: str, value: Any, step: Any = None, *args: Any, **kwargs: Any
-    ) -> None:
-        if not self._dropped(step if step is not None else kwargs.get("global_step")):
-            self.writer.add_scalar(name, value, step, *args, **kwargs)
+    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
+        if not self._dropped(_call_step(_scalar_step, args, kwargs)):
+            self.writer.add_scalar(*args, **kwargs)
 
-    def add_scalars(self, mapping: Any, step: Any = None, *args: Any, **kwargs: Any) -> None:
-        if isinstance(mapping, str):
-            # SummaryWriter's form add_scalars(main_tag, {tag: value}, global_step): the
-            # second argument is the dict, the step comes third or as global_step=
-            at = args[0] if args else kwargs.get("global_step")
-        else:
-            at = step if step is not None else kwargs.get("global_step")
-        if not self._dropped(at):
-            self.writer.add_scalars(mapping, step, *args, **kwargs)
+    def add_scalars(self, *args: Any, **kwargs: Any) -> None:
+        if not self._dropped(_call_step(_scalars_step, args, kwargs)):
+            self.writer.add_scalars(*args, **kwargs)
 
     def _dropped(self, step: Any) -> bool:
         floor = self._floor
@@ -182,8 +183,66 @@ class ReplayWriter:
             )
         return True
 
+    def __enter__(self) -> ReplayWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.writer.__exit__(exc_type, exc, tb)
+
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.writer, name)  # flush, close, end_step, ...
+        # (looked up in __dict__: copy and pickle call this before __init__ has run)
+        try:
+            writer = self.__dict__["writer"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(writer, name)  # flush, close, end_step, resume_at, status, ...
+
+
+# FanoutWriter.add_scalar's and add_scalars' parameters (tests/adapters/test_replay_writer.py
+# checks that they stay the same): the step each call is for, found as those methods find it.
+
+
+def _scalar_step(
+    name: Any = None,
+    value: Any = _UNSET,
+    step: Any = None,
+    walltime: Any = None,
+    new_style: Any = False,
+    double_precision: Any = False,
+    *,
+    global_step: Any = None,
+    tag: Any = None,
+    scalar_value: Any = _UNSET,
+) -> Any:
+    if tag is not None or scalar_value is not _UNSET or value is _UNSET:
+        _scalar_args(name, value, tag, scalar_value)  # raises for what the writer refuses
+    return global_step if step is None else step
+
+
+def _scalars_step(
+    mapping: Any = None,
+    step: Any = None,
+    global_step: Any = None,
+    walltime: Any = None,
+    *,
+    main_tag: Any = None,
+    tag_scalar_dict: Any = None,
+) -> Any:
+    if main_tag is not None or tag_scalar_dict is not None:
+        mapping, step = _tagged_scalars_args(mapping, step, main_tag, tag_scalar_dict)
+    if isinstance(mapping, str):
+        # SummaryWriter's add_scalars(main_tag, tag_scalar_dict, global_step): the second
+        # argument is the dict, the step comes third or as global_step=
+        return global_step
+    return global_step if step is None else step
+
+
+def _call_step(find: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The step of a call, or ``None`` for a call the writer refuses (it raises there)."""
+    try:
+        return find(*args, **kwargs)
+    except TypeError:
+        return None
 
 
 def needs_replay_floor(writer: Any) -> bool:
