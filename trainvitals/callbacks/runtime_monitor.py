@@ -41,8 +41,14 @@ class RuntimeMonitor(VitalsCallback):
     that rate times the optimizer steps left to the training horizon: ``max_steps`` given here,
     else the run's ``max_steps``, else ``max_epochs * ceil(num_training_batches /
     accumulate_grad_batches)`` (the smaller of the two when both are known; under Lightning's
-    manual optimization the latter only while every batch steps exactly once). Validation time
-    is not in the estimate (it is reported apart). Under Lightning with a time limit
+    manual optimization the latter only while every batch steps exactly once). The horizon is
+    read again at every logging step (a few Python numbers, no sync): under Lightning off the
+    trainer, so a ``max_steps`` or ``max_epochs`` changed mid-run
+    (``trainer.fit_loop.epoch_loop.max_steps``, ``trainer.fit_loop.max_epochs``) and a
+    dataloader reloaded with another length (``reload_dataloaders_every_n_epochs``) move it;
+    the epochs part is then the steps before the epoch in progress plus the epochs left (this
+    one included) at this epoch's steps per epoch, later epochs taken to be as long as this
+    one. Validation time is not in the estimate (it is reported apart). Under Lightning with a time limit
     (``Trainer(max_time=...)``, or a ``Timer(duration=...)`` callback stopping mid-epoch, its
     default) the remaining time is at most the limit's ``Timer.time_remaining()``, which counts
     validation as the limit does; with only a time limit (no ``max_steps``, ``max_epochs=-1``)
@@ -133,7 +139,10 @@ class RuntimeMonitor(VitalsCallback):
         self._clock = TrainClock(clock)
         self._counter = StepCounter()
         self._groups = ProcessGroups()
-        self._horizon: int | None = None
+        self._horizon: int | None = None  # as of the last logging step (run_start: at the start)
+        # False once Lightning's manual optimization is seen not to step once per batch: the
+        # epochs x batches horizon is then not in optimizer steps (_check_epoch_horizon).
+        self._epoch_horizon_usable = True
         self._time_limit: Callable[[], float | None] | None = None  # Lightning Timer's
         self._epoch_horizon_unchecked = False
         self._steps_this_process = 0
@@ -159,12 +168,8 @@ class RuntimeMonitor(VitalsCallback):
         self._clock.sync_fn = (
             partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
         )
-        self._horizon = self.max_steps or training_horizon(
-            max_steps=ctx.max_steps,
-            max_epochs=ctx.max_epochs,
-            num_training_batches=ctx.num_training_batches,
-            accumulate_grad_batches=ctx.accumulate_grad_batches,
-        )
+        self._epoch_horizon_usable = True
+        self._horizon = self._current_horizon(ctx, ctx.step)
         # The epochs x batches horizon counts one optimizer step per accumulated batch. Under
         # Lightning's manual optimization the module steps its optimizers itself (two per batch,
         # or one every few batches): checked at each step_end, see _check_epoch_horizon.
@@ -229,9 +234,35 @@ class RuntimeMonitor(VitalsCallback):
             self._pending[name] = self._pending[name] + getattr(record, name)
         if log:
             self._sync_consumed()
-            self.write(ctx, self._values(ctx.step + ctx.step_increment))
+            steps_done = ctx.step + ctx.step_increment
+            # the horizon as of now (a few Python numbers): max_steps or the dataloader's
+            # length may have changed since the run started
+            self._horizon = self._current_horizon(ctx, steps_done)
+            self.write(ctx, self._values(steps_done))
 
     # ------------------------------------------------------------------ what it measures
+
+    def _current_horizon(self, ctx: RunContext, steps_done: int) -> int | None:
+        """The training horizon in optimizer steps as the run stands now: ``max_steps`` given
+        here, else the smaller of the run's ``max_steps`` and its epochs x batches (see
+        :func:`training_horizon`). Under Lightning read off the trainer each time (the context
+        holds the values of the run's start): a callback or the user may change
+        ``trainer.fit_loop.epoch_loop.max_steps`` or ``fit_loop.max_epochs`` mid-run, and
+        ``reload_dataloaders_every_n_epochs`` may load a dataloader of another length, so
+        the epochs part counts from the start of the epoch in progress with its batches."""
+        if self.max_steps is not None:
+            return self.max_steps
+        limits = _lightning_limits(ctx.trainer, steps_done)
+        if limits is None:  # the driver (or a trainer without Lightning's loops): the context's
+            limits = {
+                "max_steps": ctx.max_steps,
+                "max_epochs": ctx.max_epochs,
+                "num_training_batches": ctx.num_training_batches,
+                "accumulate_grad_batches": ctx.accumulate_grad_batches,
+            }
+        if not self._epoch_horizon_usable:
+            limits["max_epochs"] = None  # only max_steps is in optimizer steps
+        return training_horizon(**limits)
 
     def _check_epoch_horizon(self, ctx: RunContext) -> None:
         """Under manual optimization, keep the epochs x batches horizon only while each batch
@@ -241,15 +272,15 @@ class RuntimeMonitor(VitalsCallback):
         if ctx.step_increment == 1 and ctx.micro_batches_in_step <= 1:
             return
         self._epoch_horizon_unchecked = False
-        by_steps = ctx.max_steps  # the run's max_steps alone is still in ctx.step units
-        if by_steps is None:
+        self._epoch_horizon_usable = False  # the run's max_steps alone is in ctx.step units
+        self._horizon = self._current_horizon(ctx, ctx.step + ctx.step_increment)
+        if self._horizon is None:
             self.warn_once(
                 "manual_horizon",
                 "manual optimization does not step once per batch, so the horizon of "
                 "max_epochs x batches is not known in optimizer steps: time/remaining is not "
                 "written; pass max_steps=",
             )
-        self._horizon = by_steps
 
     def _sync_consumed(self) -> None:
         """Add every rank's counts since the last sync to the global counts (one collective)."""
@@ -350,6 +381,44 @@ class RuntimeMonitor(VitalsCallback):
         # (the restored run replays that step): not counted into the next step. This process
         # starts its own clock and its own warm-up.
         self._restart()
+
+
+def _positive_int(value: Any) -> int | None:
+    """``value`` as a count when it is a positive finite number (Lightning's -1 and inf: no
+    limit), else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value) if 0 < value < math.inf else None
+
+
+def _lightning_limits(trainer: Any, steps_done: int) -> dict[str, Any] | None:
+    """:func:`training_horizon`'s arguments as ``trainer`` (a Lightning ``Trainer``) stands
+    now, or ``None`` when it has no such loops (no trainer: the driver). Python attributes
+    only: no sync, no collective."""
+    if trainer is None:
+        return None
+    try:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        max_steps = trainer.max_steps
+        max_epochs = trainer.max_epochs
+        batches = trainer.num_training_batches
+        epoch = trainer.current_epoch
+        # batches of the epoch in progress so far (kept by a checkpoint taken mid-epoch)
+        done_in_epoch = epoch_loop.batch_progress.current.ready
+        accumulate = trainer.accumulate_grad_batches
+    except AttributeError:
+        return None
+    if not isinstance(epoch, int) or not isinstance(done_in_epoch, int):
+        return None
+    return {
+        "max_steps": _positive_int(max_steps),
+        "max_epochs": _positive_int(max_epochs),
+        "num_training_batches": _positive_int(batches),
+        "accumulate_grad_batches": _positive_int(accumulate) or 1,
+        "epoch": epoch,
+        "batches_done_in_epoch": done_in_epoch,
+        "steps_done": steps_done,
+    }
 
 
 def _lightning_time_limit(trainer: Any) -> Callable[[], float | None] | None:

@@ -152,7 +152,11 @@ class ThroughputMonitor(VitalsCallback):
     forward re-run by activation checkpointing is counted, so the MFU keys are then hardware
     flops utilisation in PaLM's terms, not model flops: give ``flops_per_token`` for MFU); the
     count is divided by the step's tokens (else samples, else batches) and kept in the
-    checkpoint. The global flops are, given per token (sample), the model's flops times the
+    checkpoint. A step restored from a checkpoint taken inside its accumulation window before
+    the count was made is not measured (its carried micro-batches, told again with
+    ``batch=None``, ran in the earlier process: their flops would be missing from the count,
+    not their tokens); the next full step is, and the unmeasured step's flops are unknown (no
+    flops key while it is in the window). The global flops are, given per token (sample), the model's flops times the
     tokens (samples) of all data streams, so ranks that see no tokens (pipeline stages past the
     first) need not report any; measured, every rank's own count summed over all ranks, left out
     (not written low) while some rank lacks the count its flops scale with in a step of the
@@ -300,6 +304,10 @@ class ThroughputMonitor(VitalsCallback):
         # every few batches under gradient accumulation), and its count when validation began.
         self._validation_flops = 0
         self._flops_at_validation_start: int | None = None
+        # The step in progress has micro-batches a restored checkpoint carried from inside an
+        # accumulation window (told again by the driver, not run by this process): its flops
+        # cannot be measured against its counts, so the measurement waits for the next step.
+        self._carried_in_step = False
         self._groups = ProcessGroups()
         self._peak: float | None = None
         self._mp = {"tokens": 1, "samples": 1}
@@ -342,7 +350,19 @@ class ThroughputMonitor(VitalsCallback):
         if ctx.in_validation:
             return
         self._clock.start()
-        if self.measure_flops and self._measured is None and self._session is None:
+        if ctx.micro_batches_in_step == 0 and batch.batch is None:
+            # A micro-batch the step's count of started micro-batches leaves out: one a
+            # restored checkpoint carried from inside an accumulation window, consumed before
+            # the checkpoint and told again by the driver (``batch=None``, its saved sizes).
+            # Its forward and backward ran in the earlier process: a flop count of this step
+            # would miss them while the step's samples and tokens hold them.
+            self._carried_in_step = True
+        if (
+            self.measure_flops
+            and self._measured is None
+            and self._session is None
+            and not self._carried_in_step
+        ):
             self._session = FlopCounterSession()
             self._session.start()
         self._counter.add(batch.batch_size, batch.num_tokens)
@@ -379,6 +399,12 @@ class ThroughputMonitor(VitalsCallback):
         # several optimizers under Lightning's manual optimization)
         record = self._counter.take(seconds, steps=ctx.step_increment)
         record.flops = self._device_flops(record)
+        if self._carried_in_step:
+            self._carried_in_step = False
+            if self.measure_flops and self._measured is None:
+                # to be measured in a later step: this one's flops are not known (left out
+                # of the flops keys while it is in the window, not counted as 0)
+                record.flops = math.nan
         self._count_totals(record)
         self._steps_this_run += 1
         if record.batches_missing:
@@ -585,3 +611,4 @@ class ThroughputMonitor(VitalsCallback):
         self._last_end = None
         self._steps_this_run = 0
         self._counter.reset()
+        self._carried_in_step = False

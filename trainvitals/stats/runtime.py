@@ -142,19 +142,36 @@ def training_horizon(
     max_epochs: int | None = None,
     num_training_batches: int | None = None,
     accumulate_grad_batches: int = 1,
+    epoch: int | None = None,
+    batches_done_in_epoch: int = 0,
+    steps_done: int = 0,
 ) -> int | None:
     """Total optimizer steps of the run, or ``None`` when unknown.
 
     The smaller of ``max_steps`` and ``max_epochs * ceil(num_training_batches /
     accumulate_grad_batches)`` (an epoch ends with an optimizer step even when its last
     accumulation is incomplete, as in Lightning's ``estimated_stepping_batches``).
+
+    With ``epoch`` (0-based, the epoch in progress), ``batches_done_in_epoch`` (its batches so
+    far) and ``steps_done`` (optimizer steps of the run so far) the epochs part counts from the
+    start of the epoch in progress: the steps before it (``steps_done`` less the epoch's own,
+    ``ceil(batches_done_in_epoch / accumulate_grad_batches)``) plus ``(max_epochs - epoch) *
+    ceil(num_training_batches / accumulate_grad_batches)``, ``num_training_batches`` being
+    this epoch's. The same number while every epoch has as many batches; also right when they
+    differ (a dataloader reloaded with another length), where the product is not.
     """
     candidates: list[int] = []
     if max_steps is not None and max_steps > 0:
         candidates.append(int(max_steps))
     if max_epochs and num_training_batches:
         acc = max(int(accumulate_grad_batches or 1), 1)
-        candidates.append(int(max_epochs) * math.ceil(int(num_training_batches) / acc))
+        per_epoch = math.ceil(int(num_training_batches) / acc)
+        if epoch is None:
+            candidates.append(int(max_epochs) * per_epoch)
+        else:
+            in_epoch = min(math.ceil(int(batches_done_in_epoch) / acc), per_epoch)
+            before_epoch = max(int(steps_done) - in_epoch, 0)
+            candidates.append(before_epoch + (int(max_epochs) - int(epoch)) * per_epoch)
     return min(candidates) if candidates else None
 
 
