@@ -992,6 +992,11 @@ class FanoutWriter:
             step = global_step
             if step is None:
                 raise TypeError(f"add_scalar({name!r}, ...) needs a step")
+        elif global_step is not None:
+            raise TypeError(
+                f"add_scalar({name!r}, ...) got both step= (or the third positional argument) "
+                "and global_step= (the same argument)"
+            )
         if type(step) is not int or step < 0:
             step = _as_step(step)
         if walltime is not None:
@@ -1026,7 +1031,7 @@ class FanoutWriter:
         ``add_scalars(main_tag, tag_scalar_dict, global_step, walltime)`` is accepted too, in
         that order and under those names (``main_tag=``, ``tag_scalar_dict=``,
         ``global_step=``, ``walltime=``), and logs the keys ``main_tag/tag``. ``global_step=``
-        is also the same as ``step=`` in the mapping form.
+        is also the same as ``step=`` in the mapping form (giving both raises ``TypeError``).
 
         Example::
 
@@ -1036,7 +1041,7 @@ class FanoutWriter:
         if main_tag is not None or tag_scalar_dict is not None:
             mapping, step = _tagged_scalars_args(mapping, step, main_tag, tag_scalar_dict)
         if isinstance(mapping, str):
-            main_tag, mapping, step = mapping, step, global_step
+            main_tag, mapping, step, global_step = mapping, step, global_step, None
             if not isinstance(mapping, Mapping):
                 raise TypeError("add_scalars(main_tag, tag_scalar_dict, global_step) needs a dict")
             if not main_tag or main_tag.isspace():
@@ -1048,6 +1053,11 @@ class FanoutWriter:
             step = global_step
             if step is None:
                 raise TypeError("add_scalars(...) needs a step")
+        elif global_step is not None:
+            raise TypeError(
+                "add_scalars(mapping, ...) got both step= (or the second positional argument) "
+                "and global_step= (the same argument)"
+            )
         if type(step) is not int or step < 0:
             step = _as_step(step)
         if walltime is not None:

@@ -86,8 +86,9 @@ sizes (the checkpoint keeps its copy): the batches are exact, samples and tokens
 ranks' carried micro-batches have the same sizes.
 
 Under Accelerate, ``accelerator.end_training()`` closes the driver first (as
-:meth:`Vitals.close`; called inside an ``except`` block, with the exception being handled):
-it finishes the trackers (a TensorBoard writer written after it opens a second event file; a
+:meth:`Vitals.close`; called inside an ``except`` or ``finally`` block, with the exception
+being handled, ``StopIteration`` excepted: an iterator's normal end, not a failure): it
+finishes the trackers (a TensorBoard writer written after it opens a second event file; a
 finished W&B run refuses values) and destroys the process group the callbacks' last
 collectives use. A ``vitals.close()`` after it does nothing, so both orders log every step.
 Call it on every rank, as Accelerate's documentation does.
@@ -96,6 +97,7 @@ Call it on every rank, as Accelerate's documentation does.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import sys
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -416,9 +418,14 @@ class Vitals:
             return
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # inside an except block: the exception being handled ended the run, unless it is
+            # an iterator's end (`except StopIteration:` around next(loader) ends a loop that
+            # ran out of batches, no failure)
+            exception = sys.exc_info()[1]
+            if isinstance(exception, StopIteration | StopAsyncIteration):
+                exception = None
             try:
-                # inside an except block: the exception being handled ended the run
-                self.close(sys.exc_info()[1])
+                self.close(exception)
             finally:
                 result = end_training(*args, **kwargs)
             return result
@@ -862,9 +869,15 @@ class Vitals:
 
 
 def _number(value: Any) -> Any:
-    """A micro-batch size as plain Python data for a checkpoint (a 0-d tensor's value)."""
+    """A micro-batch size as plain Python data for a checkpoint (a 0-d tensor's or a numpy
+    scalar's value: ``torch.load``'s default ``weights_only=True`` refuses numpy scalars, and
+    JSON both)."""
     if isinstance(value, torch.Tensor):
         return value.item()
+    if isinstance(value, numbers.Integral) and type(value) is not int:
+        return int(value)
+    if isinstance(value, numbers.Real) and type(value) is not float:
+        return float(value)
     return value
 
 

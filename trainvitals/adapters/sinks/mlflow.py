@@ -49,7 +49,10 @@ class MLflowSink(Sink):
     :meth:`FanoutWriter.resume_at` (the checkpoint's step), or, when the run did not say, the
     first step the sink writes (or the lower of the two), as for
     :class:`~trainvitals.adapters.JsonlSink`: a run starting at step 0 is a new run and gets
-    a new MLflow run. ``resume=False`` creates a new run each time. MLflow keeps every point
+    a new MLflow run (a new job not telling ``resume_at(0)`` whose first step is above 0
+    continues the recorded run: tell it, or pass ``resume=False``). A continued run keeps its
+    name and tags (``run_name=`` and ``tags=`` apply to a run this sink creates).
+    ``resume=False`` creates a new run each time. MLflow keeps every point
     it was given: steps that an interrupted job logged after its checkpoint stay in the
     history beside the resumed job's values of the same steps (MLflow has no call to delete
     points); the resumed values have the later timestamps. With ``tracking_uri`` and no
