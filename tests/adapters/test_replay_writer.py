@@ -210,6 +210,8 @@ def test_a_call_the_writer_refuses_raises_as_it_does_below_the_floor_too():
             ("add_scalars", ({"a": 1.0},), {"tag_scalar_dict": {"x": 1.0}, "global_step": step}),
             ("add_scalars", ("m", {"x": 1.0}), {"main_tag": "m", "global_step": step}),
             ("add_scalars", ("m", {"x": 1.0}, step, None, 9), {}),
+            ("add_scalar", ("a", 1.0, step), {"global_step": step}),  # the step twice
+            ("add_scalars", ({"a": 1.0}, step), {"global_step": step}),
         ]
 
     raised = 0
@@ -224,7 +226,7 @@ def test_a_call_the_writer_refuses_raises_as_it_does_below_the_floor_too():
                 getattr(writer, method)(*args, **kwargs)
             assert str(replayed.value) == str(direct.value), (method, args, kwargs)
             raised += 1
-    assert raised == 2 * 7
+    assert raised == 2 * 9
 
 
 def test_the_step_is_found_with_fanout_writers_own_parameters():

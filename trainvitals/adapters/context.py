@@ -216,7 +216,7 @@ def _scalar_step(
 ) -> Any:
     if tag is not None or scalar_value is not _UNSET or value is _UNSET:
         _scalar_args(name, value, tag, scalar_value)  # raises for what the writer refuses
-    return global_step if step is None else step
+    return _one_step(step, global_step)
 
 
 def _scalars_step(
@@ -234,6 +234,12 @@ def _scalars_step(
         # SummaryWriter's add_scalars(main_tag, tag_scalar_dict, global_step): the second
         # argument is the dict, the step comes third or as global_step=
         return global_step
+    return _one_step(step, global_step)
+
+
+def _one_step(step: Any, global_step: Any) -> Any:
+    if step is not None and global_step is not None:
+        raise TypeError("step and global_step given both")  # the writer raises too
     return global_step if step is None else step
 
 
