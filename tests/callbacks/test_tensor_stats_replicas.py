@@ -142,21 +142,30 @@ def _kinds(grad: bool) -> list[str]:
 
 
 def _check(run_dir: Path, dp_ranks: int, kinds: list[str]) -> None:
-    lines = {
+    want = {k: v for k, v in _float64(dp_ranks).items() if k in kinds}
+    assert_every_site_matches(run_dir, want)
+
+
+def read_lines(run_dir: Path) -> dict[str, dict]:
+    """The run's tensor_stats.jsonl lines by kind (one logged step)."""
+    return {
         r["kind"]: r
         for r in map(json.loads, (run_dir / "tensor_stats.jsonl").read_text().splitlines())
     }
-    assert sorted(lines) == kinds
-    want = {k: v for k, v in _float64(dp_ranks).items() if k in kinds}
+
+
+def assert_every_site_matches(run_dir: Path, want: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Every site of every kind in ``want`` (its float64 elements) is in the file, with its
+    count first (a site counted twice shows as 2x the elements), then every statistic."""
+    lines = read_lines(run_dir)
+    assert sorted(lines) == sorted(want)
     got = {}
-    for kind in kinds:
+    for kind, sites in want.items():
         tensors = lines[kind]["tensors"]
-        assert set(tensors) == set(want[kind]), (kind, sorted(tensors), sorted(want[kind]))
-        names = sorted(want[kind])
+        assert set(tensors) == set(sites), (kind, sorted(tensors), sorted(sites))
+        names = sorted(sites)
         rows = [dict(zip(FIELDS, tensors[n], strict=True)) for n in names]
         got[kind] = (names, derive(moments_from_dicts(rows)))
-    # the counts first, of every site at once: the defect's signature is a count 2x or 4x the
-    # number of elements
     counts = {
         f"{kind}/{n}": int(d["count"][i])
         for kind, (names, d) in got.items()

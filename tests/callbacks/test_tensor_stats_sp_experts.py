@@ -23,17 +23,15 @@ of the tokens that site really saw on all ranks, computed in one process.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from tests.callbacks.test_tensor_stats_replicas import assert_every_site_matches
 from tests.helpers.dist import run_distributed
 from tests.scripts.vitals_testing import NullWriter
-from tests.stats.test_moments import assert_matches, reference
-from trainvitals.stats.moments import FIELDS, derive, moments_from_dicts
 
 pytestmark = pytest.mark.slow
 
@@ -211,36 +209,6 @@ def _moe_float64() -> dict[str, dict[str, torch.Tensor]]:
     return {k: {s: torch.cat(v) for s, v in d.items()} for k, d in out.items()}
 
 
-def _lines(run_dir: Path) -> dict[str, dict]:
-    return {
-        r["kind"]: r
-        for r in map(json.loads, (run_dir / "tensor_stats.jsonl").read_text().splitlines())
-    }
-
-
-def _check(run_dir: Path, want: dict[str, dict[str, torch.Tensor]]) -> None:
-    lines = _lines(run_dir)
-    assert sorted(lines) == sorted(want)
-    got = {}
-    for kind, sites in want.items():
-        tensors = lines[kind]["tensors"]
-        assert set(tensors) == set(sites), (kind, sorted(tensors), sorted(sites))
-        names = sorted(sites)
-        rows = [dict(zip(FIELDS, tensors[n], strict=True)) for n in names]
-        got[kind] = (names, derive(moments_from_dicts(rows)))
-    # the counts of every site first: a site counted twice shows as 2x the elements
-    counts = {
-        f"{kind}/{n}": int(d["count"][i])
-        for kind, (names, d) in got.items()
-        for i, n in enumerate(names)
-    }
-    expected = {f"{kind}/{n}": t.numel() for kind, sites in want.items() for n, t in sites.items()}
-    assert counts == expected, f"counts {counts}, float64 has {expected}"
-    for kind, (names, d) in got.items():
-        for i, n in enumerate(names):
-            assert_matches(d, i, reference(want[kind][n]), f"{kind}/{n}")
-
-
 @pytest.mark.parametrize("layout", ["ep_sp", "ep_sp_etp", "dp_sp_ep_on_sp"])
 def test_expert_and_sp_sites_count_every_token_once(tmp_path: Path, layout: str) -> None:
     """Every expert's activation/dgrad statistics are those of all tokens routed to it from the
@@ -249,7 +217,7 @@ def test_expert_and_sp_sites_count_every_token_once(tmp_path: Path, layout: str)
     Partial over sp summed in the gradient hook (then a replica), down's input and output are
     sequence/feature shards over sp (merged over dp_cp only)."""
     results = run_distributed(_moe_body, world_size=4, args=(str(tmp_path), layout), timeout=240)
-    _check(tmp_path, _moe_float64())
+    assert_every_site_matches(tmp_path, _moe_float64())
     for res in results:
         # one all_gather per distinct group: dp_cp (the sp sites), edp (the experts) and the
         # expert gather over ep; the Partial dgrad's all_reduce ran in backward, not here
@@ -339,7 +307,7 @@ def test_dtensor_activation_sharded_over_dp_merged_once(tmp_path: Path) -> None:
     (before, over dp, sp and dp_cp: l1's sites counted 4x; l2's, sharded over the dp
     sub-mesh, 2x)."""
     results = run_distributed(_dtensor_body, world_size=4, args=(str(tmp_path),), timeout=240)
-    _check(tmp_path, _dtensor_float64())
+    assert_every_site_matches(tmp_path, _dtensor_float64())
     for res in results:
         assert res["counts"].get("all_gather", 0) == 1, res["counts"]
         assert res["counts"].get("all_reduce", 0) == 0, res["counts"]

@@ -4,7 +4,8 @@ from their configs): JetMoE, DBRX, AFMoE, Switch Transformers, LongCat-Flash (ze
 and the DeepSeek-V2 / V3.2 / GLM-4-MoE-Lite routers of the generic rule. The counts equal the
 experts' own inputs (the indices or dispatch mask the expert modules receive, recorded by a hook
 of the test's own), padding left out; the aux loss equals transformers' own per-layer
-``load_balancing_loss_func`` of the model's ``router_logits`` output; NLLB-MoE stays warned about."""
+``load_balancing_loss_func`` of the model's ``router_logits`` output. (NLLB-MoE stays warned
+about: test_router_capture_families.py.)"""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from trainvitals.moe.capture import RouterCapture
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+
+from tests.moe.test_router_capture_families import _masks  # noqa: E402
 
 VOCAB = 64
 E, K = 4, 2
@@ -187,15 +190,6 @@ class ExpertInputs:
         return hook
 
 
-def _masks() -> list[torch.Tensor]:
-    full = torch.ones(2, 6, dtype=torch.long)
-    left_padded = full.clone()
-    left_padded[0, :3] = 0
-    right_padded = torch.ones(2, 5, dtype=torch.long)
-    right_padded[1, 3:] = 0
-    return [left_padded, full, right_padded]
-
-
 def _counts(indices: torch.Tensor, mask: torch.Tensor, num_experts: int) -> np.ndarray:
     keep = mask.reshape(-1).bool()
     selected = indices[keep].reshape(-1)
@@ -357,31 +351,3 @@ def test_switch_transformers_counts_dispatch_after_capacity_and_its_own_aux_loss
             float(aux_sum[row] / aux_count[row]), np.mean(expected_aux[r.name]), rtol=1e-5
         )
     assert dropped > 0  # the capacity limit was reached: dropped tokens are not counted
-
-
-def test_nllb_moe_stays_warned_about() -> None:
-    # transformers 5.x NllbMoeExperts one-hots the [N, E] dispatch mask as if it held expert
-    # indices, so only expert_0 and expert_1 compute: its tokens per expert have no right value
-    config = transformers.NllbMoeConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        num_experts=E,
-        expert_capacity=5,
-        encoder_sparse_step=1,
-        decoder_sparse_step=1,
-        pad_token_id=0,
-        decoder_start_token_id=2,
-        max_position_embeddings=32,
-    )
-    model = transformers.NllbMoeForConditionalGeneration(config)
-    with pytest.warns(
-        RuntimeWarning, match=r"NllbMoeForConditionalGeneration .*NllbMoeTop2Router x4"
-    ):
-        capture = RouterCapture(model)
-    assert len(capture.routers) == 0
