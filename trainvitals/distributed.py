@@ -858,16 +858,55 @@ class ProcessGroups:
         """Groups from an ``accelerate.Accelerator``.
 
         Uses ``accelerator.torch_device_mesh`` (dims ``dp_replicate``, ``dp_shard``, ``cp``,
-        ``tp``) when a ``ParallelismConfig`` built one, else treats every process as a
-        data-parallel replica.
+        ``sp``, ``tp``) when a ``ParallelismConfig`` built one. Accelerate builds none for
+        DeepSpeed sequence parallelism (``ParallelismConfig(sp_size=N)``, Ulysses/ALST:
+        DeepSpeed makes its own groups): the groups are then built here from the config's
+        ``sp_size`` and ``tp_size`` in Accelerate's mesh order (data parallel, ``sp``, ``tp``,
+        row-major over the ranks; DeepSpeed's sequence-parallel groups are the same blocks of
+        ``sp_size`` consecutive ranks), with ``world_size // (sp_size * tp_size)``
+        data-parallel replicas. ``dp`` leaves the ``sp`` ranks out (they hold parts of the same
+        samples, so counting samples over them would count each ``sp_size`` times); ``cp`` is
+        the ``sp`` group and ``dp_cp`` holds both (their routers see different tokens). This
+        makes new process groups: call it on every rank, in the same order. Otherwise (no
+        mesh, no sequence parallelism) every process is a data-parallel replica.
         """
         mesh = getattr(accelerator, "torch_device_mesh", None)
         if mesh is not None:
             base_dims = [n for n in (mesh.mesh_dim_names or ()) if n in _MESH_DIM_ALIASES]
             return cls.from_device_mesh(mesh[tuple(base_dims)] if len(base_dims) > 1 else mesh)
+        config = getattr(accelerator, "parallelism_config", None)
+        if int(getattr(config, "sp_size", 1) or 1) > 1 and is_distributed():
+            return cls._from_accelerate_sp(config)
         if getattr(accelerator, "num_processes", 1) > 1:
             return cls.world()
         return cls()
+
+    @classmethod
+    def _from_accelerate_sp(cls, config: Any) -> ProcessGroups:
+        """Groups of Accelerate's DeepSpeed sequence parallelism, which builds no device mesh.
+
+        Layout (Accelerate's mesh order, DeepSpeed's ``initialize_sequence_parallel``): rank =
+        (dp * sp_size + sp) * tp_size + tp. The data-parallel size is what is left of the world:
+        Accelerate does not check its ``dp_*_size`` against the world under DeepSpeed SP, and
+        DeepSpeed's data-parallel group is ``world // sp_size`` ranks.
+        """
+        sp = int(config.sp_size)
+        tp = int(getattr(config, "tp_size", 1) or 1)
+        world = dist.get_world_size()
+        if int(getattr(config, "cp_size", 1) or 1) > 1 or world % (sp * tp):
+            raise ValueError(
+                f"ProcessGroups.from_accelerator: ParallelismConfig(sp_size={sp}, tp_size={tp}, "
+                f"cp_size={getattr(config, 'cp_size', 1)}) does not lay out {world} ranks as "
+                "data parallel x sp x tp; pass ProcessGroups(dp=..., cp=..., dp_cp=...) built "
+                "from your sequence-parallel groups"
+            )
+        shape = (world // (sp * tp), sp, tp)
+        return cls(
+            dp=_row_major_group(shape, [0]),
+            cp=_row_major_group(shape, [1]),
+            tp=_row_major_group(shape, [2]),
+            dp_cp=_row_major_group(shape, [0, 1]),
+        )
 
     @classmethod
     def from_strategy(cls, strategy: Any) -> ProcessGroups:
@@ -888,6 +927,27 @@ class ProcessGroups:
         if world_size > 1 and is_distributed():
             return cls.world()
         return cls()
+
+
+def _row_major_group(shape: tuple[int, ...], dims: list[int]) -> Any:
+    """This rank's group along ``dims`` of a row-major layout of ``shape`` over the world:
+    ``None`` when it is this rank alone, the world group when it is every rank, else a new
+    group (every rank creates every group of the layout, in the same order)."""
+    size = math.prod(shape[d] for d in dims)
+    if size == 1:
+        return None
+    if size == dist.get_world_size():
+        return world_group()
+    grid = torch.arange(math.prod(shape)).reshape(shape)
+    other = [d for d in range(len(shape)) if d not in dims]
+    blocks = grid.permute(*other, *dims).reshape(-1, size)
+    me = dist.get_rank()
+    mine = None
+    for block in blocks.tolist():
+        group = dist.new_group(block)
+        if me in block:
+            mine = group
+    return mine
 
 
 def _shard_of_shard_cp(name: str, shard_cp: Any, cp_dims: list[str], cp: Any) -> list[str]:
