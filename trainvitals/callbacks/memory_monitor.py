@@ -37,11 +37,15 @@ class MemoryMonitor(VitalsCallback):
     which max, min and mean are taken. Non-logging steps read nothing.
 
     Peaks are since the process started (as Composer's and Megatron-Bridge's reports), or since
-    the previous logging step with ``peak_since_last_log=True`` (then the allocator's peak
-    counters are reset after each reading: do not combine with other code that relies on
-    them). ``memory/peak_rss_gb`` is always since the process started: the OS's peak
-    (``VmHWM`` on Linux, ``ru_maxrss`` elsewhere) cannot be reset. Nothing here is checkpoint state: a resumed process starts
-    its own peaks.
+    the previous logging step with ``peak_since_last_log=True`` (the first logging step's since
+    the process started; the allocator's peak counters are reset after each reading: do not
+    combine with other code that relies on them). ``memory/peak_rss_gb`` is always since the
+    process started: the OS's peak (``VmHWM`` on Linux, ``ru_maxrss`` elsewhere) cannot be
+    reset. ``memory/alloc_retries`` and ``memory/ooms`` are totals since the process started
+    in either case (``reset_peak_memory_stats`` leaves them). Nothing here is checkpoint
+    state: a resumed process starts its own peaks and counts. One CUDA device per process is
+    read: a model spread over several GPUs of one process (``device_map="auto"``) reports the
+    device chosen above only.
 
     Allocator history (CUDA only): ``record_history=True`` starts
     ``torch.cuda.memory._record_memory_history`` at run start (allocations made earlier, such

@@ -30,7 +30,11 @@ NeMo Automodel uses the sample std (``n - 1``); its value is ours times ``sqrt(E
 Quantiles: linear interpolation between order statistics (``torch.quantile``'s default, numpy's
 ``"linear"``), so the median of an even count is the mean of the two middle values. NeMo takes
 ``sorted[n // 4]`` for p25 and ``sorted[3n // 4]`` for p75 (no interpolation); the two agree
-up to one order statistic.
+up to one order statistic. Where the two order statistics are equal the quantile is their
+value, infinite ones included: the median of ``[1, inf, inf]`` is ``inf`` (``np.median``'s),
+where ``torch.quantile`` and ``np.quantile`` compute ``inf + (inf - inf) * 0 = NaN``. This
+matters for the across-layer aggregates of values that can be infinite (the aux losses of
+diverged routers); utilizations of finite loads are finite.
 
 Two paths compute the same definitions: :func:`load_balance_stats` on the loads' device with
 torch kernels, and :func:`load_balance_stats_host` on a host ``numpy`` float64 array. A
@@ -202,7 +206,8 @@ def aggregate_across_layers(values: torch.Tensor) -> torch.Tensor:
 
 def nanquantile(x: torch.Tensor, qs: list[float]) -> torch.Tensor:
     """Quantiles ``qs`` of the last dim of ``x`` ignoring NaN, linear interpolation (the rule of
-    ``torch.nanquantile`` and numpy's default): shape ``[..., len(qs)]``, NaN for an all-NaN row.
+    ``torch.nanquantile`` and numpy's default; equal order statistics give their value, so an
+    infinite one gives ``inf``, not NaN): shape ``[..., len(qs)]``, NaN for an all-NaN row.
 
     Written with one sort and two gathers instead of ``torch.nanquantile``, which is several
     times slower on small CPU tensors and, given a tensor of quantiles on a GPU, checks their
@@ -215,7 +220,8 @@ def nanquantile(x: torch.Tensor, qs: list[float]) -> torch.Tensor:
     lo = pos.floor()
     lo_v = s.gather(-1, lo.long())
     hi_v = s.gather(-1, pos.ceil().long())
-    out = lo_v + (hi_v - lo_v) * (pos - lo)
+    # Equal order statistics give their value: inf + (inf - inf) * f would be NaN.
+    out = torch.where(hi_v == lo_v, lo_v, lo_v + (hi_v - lo_v) * (pos - lo))
     return torch.where(n == 0, math.nan, out)
 
 
@@ -483,8 +489,9 @@ def _cached_positions(n: int, qs: tuple[float, ...]) -> list[tuple[int, int, flo
 
 def _lerp(ordered: list[float], position: tuple[int, int, float]) -> float:
     lo, hi, frac = position
-    low = ordered[lo]
-    return low + (ordered[hi] - low) * frac
+    low, high = ordered[lo], ordered[hi]
+    # Equal order statistics give their value: inf + (inf - inf) * frac would be NaN.
+    return low if high == low else low + (high - low) * frac
 
 
 def aggregate_across_layers_host(values: np.ndarray) -> np.ndarray:
@@ -518,7 +525,8 @@ def nanquantile_host(x: np.ndarray, qs: list[float]) -> np.ndarray:
     lo_v = np.take_along_axis(s, lo.astype(np.int64), axis=-1)
     hi_v = np.take_along_axis(s, np.ceil(pos).astype(np.int64), axis=-1)
     with np.errstate(invalid="ignore"):
-        out = lo_v + (hi_v - lo_v) * (pos - lo)
+        # Equal order statistics give their value: inf + (inf - inf) * f would be NaN.
+        out = np.where(hi_v == lo_v, lo_v, lo_v + (hi_v - lo_v) * (pos - lo))
     return np.where(n == 0, math.nan, out)
 
 
@@ -529,4 +537,6 @@ def _interpolate(s: np.ndarray, n: int, qs: list[float]) -> np.ndarray:
     lo = np.floor(pos)
     lo_v = s[..., lo.astype(np.int64)]
     hi_v = s[..., np.ceil(pos).astype(np.int64)]
-    return lo_v + (hi_v - lo_v) * (pos - lo)
+    with np.errstate(invalid="ignore"):
+        # Equal order statistics give their value: inf + (inf - inf) * f would be NaN.
+        return np.where(hi_v == lo_v, lo_v, lo_v + (hi_v - lo_v) * (pos - lo))
