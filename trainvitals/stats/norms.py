@@ -24,9 +24,11 @@ vector is then reduced with one collective per distinct group
 
 A tensor holding NaN or Inf has a non-finite sum of squares (NaN and Inf propagate through the
 squares and the sums), so non-finite detection needs no extra pass over the data. On CPU a
-finite tensor whose 1024-element row has a float32 sum of squares above ~3.4e38 (elements
-above ~5e17) is also reported as non-finite; on accelerators the limit is that of the fused
-kernel's accumulation type (at least float32: a tensor norm above ~1e19).
+sum of squares outside float32's range (a finite tensor whose float32 squares overflow,
+elements above ~5e17, or whose squares are subnormal, elements below ~1e-19) is redone in
+float64, so a finite tensor is never reported as non-finite and a tiny one does not read 0
+(torch's own norms read ``inf`` and 0 there); on accelerators the limit is that of the fused
+kernel's accumulation type (at least float32: a tensor norm above ~1e19 reads ``inf``).
 
 No I/O, no framework imports; collectives only through :mod:`trainvitals.distributed`.
 """
@@ -375,7 +377,35 @@ def _cpu_sq_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     if pieces:
         sq = torch.stack(torch._foreach_norm(pieces, 2)).double().square_()
         out.index_add_(0, torch.tensor(piece_owner), sq)
+    _redo_out_of_float32_range(tensors, out)
     return out
+
+
+# Below this many times its element count, a float32 sum of squares may have lost more than
+# ~1e-7 of itself to subnormal squares (elements below ~1e-19; half a subnormal step,
+# 7e-46, lost per element at most).
+_F32_SUBNORMAL_SQ = 1.5e-38
+
+
+def _redo_out_of_float32_range(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Redo in float64 the sums of squares that float32 could not hold: ``inf`` from a finite
+    tensor (elements above ~1.8e19, or a 1024-element row above ~5.8e17: the squares overflow),
+    and the tiny ones (elements below ~1e-19, whose squares are subnormal or 0 in float32: a
+    tensor of elements below ~1e-23 reads 0). torch's own norms share both limits
+    (``clip_grad_norm_`` returns ``inf`` for such a gradient), but a finite gradient is not
+    a NaN/Inf one, and a float64 sum holds either. Rare, so the float64 pass costs nothing
+    on ordinary steps: one comparison over the per-tensor vector (CPU: no device sync), and
+    an ``any()`` pass over an all-zero tensor. A tensor holding Inf is ``inf`` again."""
+    limit = torch.tensor([t.numel() * _F32_SUBNORMAL_SQ for t in tensors], dtype=torch.float64)
+    suspect = (out == math.inf) | (out < limit)
+    if not bool(suspect.any()):
+        return
+    norm = torch.linalg.vector_norm
+    for i in suspect.nonzero().flatten().tolist():
+        t = tensors[i]
+        if t.dtype == torch.float64 or (out[i] == 0 and not bool(t.any())):
+            continue  # float64 already, or truly zero
+        out[i] = norm(t, 2, dtype=torch.float64).square()
 
 
 def reduce_sq_norms(sq_norms: torch.Tensor, groups: Sequence[tuple[Any, ...]]) -> torch.Tensor:
