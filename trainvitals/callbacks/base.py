@@ -87,6 +87,10 @@ from trainvitals.distributed import (
 )
 
 _WRITER_ATTR = "_trainvitals_writer"
+# (global_step at the start of the trainer's last training batch, that batch's ctx.step_gap):
+# on the trainer, which outlives its fits; saved in Lightning checkpoints under _CKPT_KEY
+_LAST_BATCH_ATTR = "_trainvitals_last_batch"
+_CKPT_KEY = "trainvitals_lightning"
 
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:
@@ -504,13 +508,14 @@ class VitalsCallback:
             # see this batch advances the micro-batch count.
             if previous is None or previous[0] != trainer.global_step:
                 ctx.micro_batches_in_step = 0
-                # how far the previous batch advanced global_step (1 at a fit's first batch or
-                # after a rollback): the logging decision of this batch (should_log)
-                gap = None if previous is None else trainer.global_step - previous[0]
-                ctx.step_gap = gap if gap is not None and gap > 0 else 1
+                # how far the previous batch advanced global_step: the logging decision of
+                # this batch (should_log). At a fit's first batch the previous batch is the
+                # one before the checkpoint (ckpt_path=) or of the trainer's previous fit
+                ctx.step_gap = _step_gap(trainer, previous)
             ctx._pl_batch_key = batch_key
             ctx.micro_batch = ctx.micro_batches_in_step
             ctx.micro_batches_in_step += 1
+            setattr(trainer, _LAST_BATCH_ATTR, (batch_key[0], ctx.step_gap))
         self._dispatch("micro_batch_start", ctx, self._batch_info(batch))
 
     def _batch_info(self, batch: Any) -> BatchInfo:
@@ -553,6 +558,7 @@ class VitalsCallback:
         _release_batch_start_gate(ctx)
         last = self._pl_last_global_step
         if last is not None and trainer.global_step > last:
+            _refresh_limits(ctx, trainer)
             # One optimizer step finished (the step index is the one before the increment).
             # Under manual optimization every optimizer.step() increments global_step, so one
             # batch with several optimizers advances it by more than one.
@@ -563,6 +569,10 @@ class VitalsCallback:
         self._pl_last_global_step = trainer.global_step
         if (clip := getattr(ctx, "_pl_clip", None)) is not None:
             clip.shown.clear()  # every step() of the batch is done
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if (ctx := getattr(trainer, "_trainvitals_ctx", None)) is not None:
+            _refresh_limits(ctx, trainer)  # (a dataloader reloaded for this epoch)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         ctx = getattr(trainer, "_trainvitals_ctx", None)
@@ -598,12 +608,25 @@ class VitalsCallback:
                 with contextlib.suppress(Exception):
                     writer.flush()
 
-    # Lightning's checkpoint hooks: state_dict/load_state_dict above are what it calls.
+    # Lightning's checkpoint hooks: state_dict/load_state_dict above are what it calls for each
+    # callback's own state. These two keep the trainer's batch bookkeeping that every callback
+    # shares (one entry per checkpoint, whichever trainvitals callback writes it first).
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
-        pass
+        last = getattr(trainer, _LAST_BATCH_ATTR, None)
+        if last is not None and isinstance(checkpoint, dict):
+            # plain ints: torch.load(weights_only=True) reads them
+            checkpoint[_CKPT_KEY] = {"batch_start_step": int(last[0]), "step_gap": int(last[1])}
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
-        pass
+        fn = getattr(getattr(getattr(trainer, "state", None), "fn", None), "value", None)
+        if fn != "fit":
+            return  # trainer.validate/test/predict(ckpt_path=): no training batch follows
+        saved = checkpoint.get(_CKPT_KEY) if isinstance(checkpoint, Mapping) else None
+        try:
+            last = (int(saved["batch_start_step"]), int(saved["step_gap"]))
+        except (TypeError, KeyError, ValueError):
+            last = None  # a checkpoint without it (an older one, weights only): gap unknown
+        setattr(trainer, _LAST_BATCH_ATTR, last)
 
     @property
     def _legacy_state_key(self) -> str:
@@ -886,6 +909,29 @@ class _ManualClipGate:
         self._patch.undo()
 
 
+def _step_gap(trainer: Any, previous: tuple[Any, ...] | None) -> int:
+    """``ctx.step_gap`` of a batch starting at ``trainer.global_step``: how far the previous
+    batch that stepped advanced ``global_step`` (see :meth:`VitalsCallback.should_log`).
+
+    At a fit's first batch (``previous`` None) that batch is the last one the trainer ran
+    before: in this fit's checkpoint (``ckpt_path=``, kept under ``_CKPT_KEY``) or in its
+    previous fit. Under manual optimization with two optimizers stepped per batch the gap is
+    2 there as everywhere else; taking 1 skipped the multiple of the interval just before a
+    resume point (``log_every_n_steps=3``, resumed at step 10: step 9's point, logged by the
+    batch at 10 in an uninterrupted run, was lost). 1 when unknown or after a rollback."""
+    if previous is None:
+        last = getattr(trainer, _LAST_BATCH_ATTR, None)
+        if last is None:
+            return 1
+        start, gap = last
+        if trainer.global_step == start:  # that batch did not step: its gap still holds
+            return max(1, gap)
+    else:
+        start = previous[0]
+    gap = trainer.global_step - start
+    return gap if gap > 0 else 1
+
+
 def _lightning_writer(trainer: Any, run_dir: Path, start_step: int) -> Any:
     """The trainer's shared writer: its loggers, or ``metrics.jsonl`` in the run folder; told
     the step the fit started at (a checkpoint's on a resume) before anything is logged."""
@@ -899,22 +945,36 @@ def _lightning_writer(trainer: Any, run_dir: Path, start_step: int) -> Any:
     return writer
 
 
+def _refresh_limits(ctx: RunContext, trainer: Any) -> None:
+    """Set the context's ``max_steps``, ``max_epochs``, ``num_training_batches`` and
+    ``accumulate_grad_batches`` to the trainer's as they stand now (a few Python attributes):
+    a callback or the user may change ``trainer.fit_loop.epoch_loop.max_steps`` or
+    ``fit_loop.max_epochs`` mid-run, and ``reload_dataloaders_every_n_epochs`` loads a
+    dataloader of another length at an epoch's start. Refreshed at the start of training, of
+    each epoch and before each ``step_end``."""
+    max_steps = trainer.max_steps
+    max_epochs = trainer.max_epochs
+    num_batches = trainer.num_training_batches
+    ctx.max_steps = max_steps if max_steps and max_steps > 0 else None
+    ctx.max_epochs = max_epochs if max_epochs and max_epochs > 0 else None
+    ctx.num_training_batches = (
+        int(num_batches) if num_batches is not None and 0 < num_batches < float("inf") else None
+    )
+    ctx.accumulate_grad_batches = trainer.accumulate_grad_batches
+
+
 def _context_from_trainer(trainer: Any, pl_module: Any) -> RunContext:
     writer = getattr(trainer, _WRITER_ATTR, None)  # made on first use (VitalsCallback.writer)
     run_dir = Path(getattr(trainer, "log_dir", None) or trainer.default_root_dir)
-    max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-    num_batches = trainer.num_training_batches
-    return RunContext(
+    ctx = RunContext(
         writer=writer,
         groups=ProcessGroups.from_strategy(trainer.strategy),
         model=pl_module,
         optimizers=list(trainer.optimizers),
         log_every_n_steps=trainer.log_every_n_steps,
-        accumulate_grad_batches=trainer.accumulate_grad_batches,
-        max_steps=max_steps,
-        num_training_batches=int(num_batches) if num_batches != float("inf") else None,
-        max_epochs=trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None,
         run_dir=run_dir,
         framework="lightning",
         trainer=trainer,
     )
+    _refresh_limits(ctx, trainer)
+    return ctx

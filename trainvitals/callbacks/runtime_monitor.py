@@ -245,8 +245,9 @@ class RuntimeMonitor(VitalsCallback):
     def _current_horizon(self, ctx: RunContext, steps_done: int) -> int | None:
         """The training horizon in optimizer steps as the run stands now: ``max_steps`` given
         here, else the smaller of the run's ``max_steps`` and its epochs x batches (see
-        :func:`training_horizon`). Under Lightning read off the trainer each time (the context
-        holds the values of the run's start): a callback or the user may change
+        :func:`training_horizon`). Under Lightning read off the trainer each time (with the
+        epoch in progress and its batches so far, which the context does not hold): a callback
+        or the user may change
         ``trainer.fit_loop.epoch_loop.max_steps`` or ``fit_loop.max_epochs`` mid-run, and
         ``reload_dataloaders_every_n_epochs`` may load a dataloader of another length, so
         the epochs part counts from the start of the epoch in progress with its batches."""
