@@ -8,7 +8,7 @@ from typing import Any
 
 from trainvitals.adapters.context import RunContext
 from trainvitals.callbacks.base import VitalsCallback
-from trainvitals.distributed import group_size
+from trainvitals.distributed import all_gather_objects, group_size
 from trainvitals.moe.router import TopKRouter
 from trainvitals.moe.tracker import (
     MoEMetricsTracker,
@@ -28,7 +28,11 @@ class MoEMetricsMonitor(VitalsCallback):
     ``get_moe_metrics_tracker().record(...)``) add their per-layer values into the tracker in
     every training forward, on the device. This callback:
 
-    * ``run_start``: clears the tracker (drops anything recorded before training).
+    * ``run_start``: clears the tracker (drops anything recorded before training) and finds
+      the MoE layers from the model's routers; under pipeline parallelism from every stage's
+      (one ``all_gather_object`` over ``ctx.groups.pp``, at run start only), raising
+      ``ValueError`` on every rank when two stages' routers have the same ``layer_number``
+      (stage-local numbering: the tracker's pipeline SUM would add two layers' values).
     * ``validation_start`` / ``validation_end``: keeps the training values aside during
       validation, so a model that records in evaluation does not mix into them.
     * ``step_end``: resets the routers' per-step ``global_aux_loss`` token counts. On a
@@ -68,10 +72,9 @@ class MoEMetricsMonitor(VitalsCallback):
         num_layers: transformer layers without MTP (default: the recorded vector length).
         moe_layer_freq: which layers are MoE (int ``f``: ``i % f == 0``; or a 0/1 list); the
             mean is over these layers and per-layer keys are written for these only. Default:
-            without pipeline parallelism, the layers that have a
-            :class:`~trainvitals.moe.TopKRouter` in the model (when the routers know their
-            ``layer_number`` and ``num_layers``), else every layer. Under pipeline parallelism
-            each rank holds only its stage's routers: pass it explicitly.
+            the layers that have a :class:`~trainvitals.moe.TopKRouter` in the model, on any
+            pipeline stage (when the routers know their global ``layer_number`` and
+            ``num_layers``), else every layer.
         mtp_num_layers: Multi-Token-Prediction layers after the transformer layers.
         tracker: the tracker to report (default: the global one).
         log_every_n_steps: see :class:`~trainvitals.callbacks.base.VitalsCallback`.
@@ -171,11 +174,17 @@ class MoEMetricsMonitor(VitalsCallback):
         # construction, None otherwise): find them once, not with a module attribute look-up
         # per router at every step.
         self._global_routers = [r for r in self._routers if r.global_tokens_per_expert is not None]
+        # (layer_number, num_layers) of this rank's routers; under pipeline parallelism, of
+        # every stage's: each rank holds only its stage's routers, and the mean over the MoE
+        # layers needs all of them (one object gather over the pipeline group, at run start).
+        layers = [(r.layer_number, r.num_layers) for r in self._routers]
+        if group_size(ctx.groups.pp) > 1:
+            stages = all_gather_objects(layers, ctx.groups.pp)
+            _check_stage_layer_numbers(stages)
+            layers = [pair for stage in stages for pair in stage]
         self._layer_freq = self.moe_layer_freq
-        if self._layer_freq is None and group_size(ctx.groups.pp) == 1:
-            self._layer_freq = _pattern_from_routers(
-                self._routers, self.num_layers, self.mtp_num_layers
-            )
+        if self._layer_freq is None:
+            self._layer_freq = _pattern_from_routers(layers, self.num_layers, self.mtp_num_layers)
 
     def validation_start(self, ctx: RunContext) -> None:
         self._validation_snapshot = self.tracker._snapshot()
@@ -282,31 +291,48 @@ class MoEMetricsMonitor(VitalsCallback):
             router.reset_global_tokens()
 
 
+def _check_stage_layer_numbers(stages: list[list[tuple[int | None, int | None]]]) -> None:
+    """Raise ``ValueError`` (on every pipeline rank: they all gathered the same list) when two
+    stages' routers record into the same layer slot. The tracker SUMs the stages' vectors, so
+    stage-local layer numbers (each stage's first MoE layer ``layer_number=1``, as Megatron's
+    ``decoder.layers.0`` on every stage) would add two different layers' values into one slot:
+    a load-balancing loss near 2 at perfect balance."""
+    owner: dict[int, int] = {}
+    for stage, routers in enumerate(stages):
+        for number in {n for n, _ in routers if n is not None}:
+            if number in owner:
+                raise ValueError(
+                    f"MoEMetricsMonitor: pipeline stages {owner[number]} and {stage} both have "
+                    f"a TopKRouter with layer_number={number}; the tracker sums the stages' "
+                    "per-layer values, so their values would be added together. Give each "
+                    "router its global layer number across the stages "
+                    "(router.set_layer_number(global_layer + 1, num_layers=total_layers))"
+                )
+            owner[number] = stage
+
+
 def _pattern_from_routers(
-    routers: list[TopKRouter], num_layers: int | None, mtp_num_layers: int | None
+    routers: list[tuple[int | None, int | None]],
+    num_layers: int | None,
+    mtp_num_layers: int | None,
 ) -> list[int] | None:
-    """The 0/1 MoE-layer pattern of the model's transformer layers, from its routers (``None``
-    when they do not say).
+    """The 0/1 MoE-layer pattern of the model's transformer layers, from its routers'
+    ``(layer_number, num_layers)`` (``None`` when they do not say).
 
     A router's ``num_layers`` is the tracker's vector length, the ``mtp_num_layers``
     Multi-Token-Prediction slots included; the pattern covers the transformer layers before
     them (the tracker counts the MTP slots as MoE layers by itself, as Megatron). A pattern
     that does not fit the monitor's ``num_layers`` is not guessed: ``None`` (every layer), and
     the tracker names the inconsistent sizes."""
-    sizes = {r.num_layers for r in routers}
-    if (
-        not routers
-        or len(sizes) != 1
-        or None in sizes
-        or any(r.layer_number is None for r in routers)
-    ):
+    sizes = {size for _, size in routers}
+    if not routers or len(sizes) != 1 or None in sizes or any(n is None for n, _ in routers):
         return None
     (size,) = sizes
-    layers = size - (mtp_num_layers or 0)
+    layers = size - (mtp_num_layers or 0)  # type: ignore[operator]
     if layers <= 0 or (num_layers is not None and num_layers != layers):
         return None
     pattern = [0] * layers
-    for r in routers:
-        if r.layer_number <= layers:
-            pattern[r.layer_number - 1] = 1
+    for number, _ in routers:
+        if number <= layers:  # type: ignore[operator]
+            pattern[number - 1] = 1  # type: ignore[operator]
     return pattern
