@@ -9,10 +9,20 @@ Three formats, found in this order when none is named:
    run (see :func:`find_metrics`): what a Lightning ``TensorBoardLogger``, an Accelerate
    ``tensorboard`` tracker or a :class:`~trainvitals.adapters.TensorBoardSink` wrote (float32
    values, float64 ones from ``TensorBoardSink(double_precision=True)``; read with
-   ``tensorboard``'s own reader, imported only then); a tag of a folder inside the run's folder
-   (``SummaryWriter.add_scalars``) is keyed by its folder too (:func:`_subfolder_key`);
+   ``tensorboard``'s own reader, imported only then, its expected resumed-run messages
+   silenced: :func:`_quiet_tensorboard_log`); a tag of a folder inside the run's folder
+   (``SummaryWriter.add_scalars``) is keyed by its folder too (:func:`_subfolder_key`), and
+   differently, with a warning, where that key is a tag of the run folder too;
 3. a Lightning ``CSVLogger`` file (``metrics.csv``) anywhere under the run folder, only one: a
    ``step`` column and one column per key, empty where a key was not logged.
+
+Lightning's ``epoch`` is an axis, not a metric, in both of Lightning's formats: its logger
+connector adds ``epoch`` (the trainer's ``current_epoch``) to the metrics it hands to every
+logger, so a ``TensorBoardLogger`` writes an ``epoch`` tag and a ``CSVLogger`` an ``epoch``
+column beside ``step``. Neither is read (:data:`LIGHTNING_EPOCH`): the CSV column, and the
+tag of a run folder holding Lightning's ``hparams.yaml`` (which ``TensorBoardLogger.save``
+writes there); an ``epoch`` in any other event files (an Accelerate run's
+``accelerator.log({"epoch": ...})``) or in a ``metrics.jsonl`` is a metric like any other.
 
 A report shows one run: a format found in several run folders is an error naming them, and so
 are two formats found in different run folders (event files in ``version_0``, a
@@ -31,9 +41,12 @@ import bisect
 import csv
 import functools
 import itertools
+import logging
 import os
+import warnings
 from array import array
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +58,11 @@ METRICS_FILE = "metrics.jsonl"
 CSV_FILE = "metrics.csv"  # a Lightning CSVLogger's
 _EVENTS_PREFIX = "events.out.tfevents."
 _EVENTS = _EVENTS_PREFIX + "*"
+#: the key Lightning's logger connector adds to the metrics of every logger (``current_epoch``)
+LIGHTNING_EPOCH = "epoch"
+#: what Lightning's ``TensorBoardLogger.save`` writes beside its event files (and Accelerate's
+#: tracker does not: it writes ``hparams.yml``)
+LIGHTNING_HPARAMS = "hparams.yaml"
 
 
 class StepValues:
@@ -251,7 +269,9 @@ def _tensorboard_scalars(
     """The scalars of ``files`` (sorted), read per folder when ``root`` (a folder, which
     ``files`` are every event file under), else per file; adds the dtypes read to
     ``precisions``. A tag of a folder inside a run folder (the top-most folders holding event
-    files) is keyed by :func:`_subfolder_key`."""
+    files) is keyed by :func:`_subfolder_key`; the run folder is read first, and a tag whose
+    key a tag of another folder already took is keyed ``tag/<folder>`` instead, with a warning
+    (:func:`_distinct_key`). Lightning's ``epoch`` tag is skipped (module docstring)."""
     try:
         from tensorboard.util.tensor_util import make_ndarray
 
@@ -267,6 +287,8 @@ def _tensorboard_scalars(
     # events too (_purging_accumulator). Read file by file, those abandoned steps stayed in the
     # report beyond the steps the resumed run re-logged.
     sources = list(dict.fromkeys(f.parent for f in files)) if root is not None else files
+    # the run folder first (its tags keep their names: the subfolders' keys give way to them)
+    sources = sorted(sources, key=lambda f: len(f.parts))  # (stable: name order otherwise)
     # the run folders: those holding event files not inside another such folder (``root``
     # itself, or the one folder under it holding them, as find_metrics finds it)
     tops = (
@@ -278,30 +300,79 @@ def _tensorboard_scalars(
             f"{root} holds the TensorBoard event files of {len(tops)} run folders: "
             f"{name_a_few(tops)}; a report shows one run: give one of them (--metrics, metrics=)"
         )
+    claimed: dict[str, tuple[str, str]] = {}  # key -> (folder below the run folder, tag)
     for f in sources:
         top = next((t for t in tops if t in f.parents), f)
         below = "" if f == top else f.relative_to(top).as_posix()
+        run_folder = top if f.is_dir() else f.parent
+        lightning = not below and (run_folder / LIGHTNING_HPARAMS).is_file()
         # (size 0: keep every event; the default samples 10,000 scalars and 10 tensors per tag)
         acc = accumulator(os.fspath(f), size_guidance={"scalars": 0, "tensors": 0})
-        acc.Reload()
+        with _quiet_tensorboard_log():
+            acc.Reload()
         tags = acc.Tags()
-        for tag in tags.get("scalars", []):
-            precisions.add("float32")  # (simple_value is a float32 field)
-            key = _subfolder_key(tag, below)
-            for event in acc.Scalars(tag):
-                yield event.step, key, float(event.value), event.wall_time
+        scalar_tags = tags.get("scalars", [])
         # New-style scalars are one-element tensors of the scalars plugin: what
         # TensorBoardSink(double_precision=True) writes (float64) and torch's
         # add_scalar(..., new_style=True); Scalars() does not return them.
-        for tag in tags.get("tensors", []):
-            if acc.SummaryMetadata(tag).plugin_data.plugin_name != "scalars":
+        tensor_tags = [
+            tag
+            for tag in tags.get("tensors", [])
+            if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"
+        ]
+        keys = {  # (Lightning's epoch: an axis, as the CSV reader skips its column)
+            tag: _distinct_key(claimed, tag, below)
+            for tag in dict.fromkeys([*scalar_tags, *tensor_tags])
+            if not (lightning and tag == LIGHTNING_EPOCH)
+        }
+        for tag in scalar_tags:
+            if (key := keys.get(tag)) is None:
+                continue
+            precisions.add("float32")  # (simple_value is a float32 field)
+            for event in acc.Scalars(tag):
+                yield event.step, key, float(event.value), event.wall_time
+        for tag in tensor_tags:
+            if (key := keys.get(tag)) is None:
                 continue
             for tensor_event in acc.Tensors(tag):
                 array = make_ndarray(tensor_event.tensor_proto)
                 if array.size == 1 and array.dtype.kind == "f":
                     precisions.add(str(array.dtype))
-                    key = _subfolder_key(tag, below)
                     yield tensor_event.step, key, float(array.item()), tensor_event.wall_time
+
+
+#: The starts of the messages tensorboard's reader logs (WARNING, through the ``tensorboard``
+#: logger, which Python prints to stderr when logging is not configured) for what a resumed
+#: run's folder holds by design (tensorboard 2.21, ``event_accumulator.py``): the purge of the
+#: earlier run's steps from a resumed run's first step on (``SummaryWriter(purge_step=N)``:
+#: "Detected out of order event.step likely caused by a TensorFlow restart. Purging ...", with
+#: the counts removed), and each run's ``add_graph`` (a Lightning ``log_graph=True``): a graph
+#: event and its ``run metadata`` event (tag ``step1``) per run. Printed by ``trainvitals
+#: report``, they read like errors; any other message of the reader is kept.
+_EXPECTED_TENSORBOARD_MESSAGES = (
+    "Detected out of order event.step",
+    "Found more than one graph event per run",
+    "Found more than one metagraph event per run",
+    'Found more than one "run metadata" event with tag',
+)
+
+
+class _ExpectedTensorBoardMessages(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_EXPECTED_TENSORBOARD_MESSAGES)
+
+
+@contextmanager
+def _quiet_tensorboard_log() -> Iterator[None]:
+    """Drop tensorboard's :data:`_EXPECTED_TENSORBOARD_MESSAGES` logged while inside (a filter
+    on the ``tensorboard`` logger, which the reader logs to directly, removed on leaving)."""
+    log = logging.getLogger("tensorboard")
+    quiet = _ExpectedTensorBoardMessages()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 @functools.cache
@@ -343,13 +414,41 @@ def _subfolder_key(tag: str, below: str) -> str:
     ``FanoutWriter.add_scalars(main_tag, {...})`` writes, and any other folder's tags
     ``tag/<folder>``. Keyed by the tag alone, every name of one ``add_scalars`` call fell on one
     key and the folder read last hid the others (``lr`` of two parameter groups showed the
-    second group's values only)."""
+    second group's values only). The key may be a tag of the run folder too (``lr/pg1``
+    logged with ``add_scalar`` and ``add_scalars("lr", {"pg1": ...})``, which TensorBoard
+    shows as two runs): :func:`_distinct_key` keeps them apart."""
     if not below:
         return tag
     prefix = tag.replace("/", "_") + "_"
     if below.startswith(prefix) and len(below) > len(prefix):  # (a name with / makes subfolders)
         return f"{tag}/{below[len(prefix) :]}"
     return f"{tag}/{below}"
+
+
+def _distinct_key(claimed: dict[str, tuple[str, str]], tag: str, below: str) -> str:
+    """The key of ``tag`` of the folder ``below`` the run folder (:func:`_subfolder_key`),
+    recorded in ``claimed`` (key -> folder and tag). A key another folder's tag already took (the
+    run folder is read first, so its tags keep their names) becomes ``tag/<folder>``, then
+    ``... (2)``, ``(3)``..., with a ``RuntimeWarning`` naming both: merged, the two series
+    showed one value per step, the one read last, and the other was lost without a word."""
+    key = _subfolder_key(tag, below)
+    owner = claimed.setdefault(key, (below, tag))
+    if owner == (below, tag):
+        return key
+    taken = key
+    key = f"{tag}/{below}"
+    n = 1
+    while claimed.setdefault(key, (below, tag)) != (below, tag):
+        n += 1
+        key = f"{tag}/{below} ({n})"
+    other = f"the folder {owner[0]}'s tag" if owner[0] else "a tag of the run folder"
+    warnings.warn(
+        f"TensorBoard: the tag {tag!r} of the folder {below} is shown as {key!r}, since its key "
+        f"{taken!r} is {other} ({owner[1]!r})",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return key
 
 
 def _csv_scalars(path: Path) -> Iterator[tuple[int, str, float]]:
@@ -363,7 +462,8 @@ def _csv_scalars(path: Path) -> Iterator[tuple[int, str, float]]:
             except (TypeError, ValueError):
                 continue
             for key, text in row.items():
-                if key in ("step", "epoch") or text in (None, ""):
+                # (LIGHTNING_EPOCH: an axis, not a metric; see the module docstring)
+                if key in ("step", LIGHTNING_EPOCH) or text in (None, ""):
                     continue
                 try:
                     value = float(text)  # also 'nan', 'inf'
