@@ -20,7 +20,8 @@ it resumes: before its first line, :class:`~trainvitals.adapters.JsonlSink` drop
 of a step at or after the step the run resumes at (given by ``FanoutWriter.resume_at``, else
 the first step it writes; lines the interrupted run wrote past its checkpoint would otherwise
 stay, as values of a timeline that no longer exists) and a last line cut by a crash. A new run
-(resuming at step 0) moves an earlier run's file aside (``metrics.jsonl.1``, ...) instead. A
+(resuming at step 0, or, when it did not say, whose first step no record of the file is below)
+moves an earlier run's file aside (``metrics.jsonl.1``, ...) instead. A
 symbolic link is followed: the file it points at is cut, rewritten or moved aside.
 
 Example::
@@ -212,6 +213,23 @@ def drop_steps_from(
     return dropped
 
 
+def _holds_step_below(
+    path: str | os.PathLike[str],
+    step: int,
+    *,
+    line_step: Callable[[bytes], int | None] | None = None,
+) -> bool:
+    """Whether ``path`` holds a record of a step below ``step``: read line by line, stopping at
+    the first such record (usually the file's first line)."""
+    step_of = _line_step if line_step is None else line_step
+    with open(path, "rb") as f:
+        for raw in f:
+            found = step_of(raw)
+            if found is not None and found < step:
+                return True
+    return False
+
+
 def move_aside(path: str | os.PathLike[str]) -> Path:
     """Rename ``path`` to the first free ``<name>.1``, ``<name>.2``, ... and return the new
     path: an earlier run's file is kept, never overwritten.
@@ -244,7 +262,9 @@ def _parse(raw: bytes) -> JsonlRecord | None:
         obj = json.loads(raw)
         metrics = {str(k): decode_value(v) for k, v in obj["metrics"].items()}
         return {"step": int(obj["step"]), "time": float(obj["time"]), "metrics": metrics}
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
+        # (OverflowError: a step of Infinity or a 400-digit integer value, JSON that json.loads
+        # reads, crashed read_jsonl and the sink's resume instead of being skipped)
         return None
 
 

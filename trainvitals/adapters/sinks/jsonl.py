@@ -10,7 +10,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
-from trainvitals.adapters.jsonl import drop_steps_from, encode_metrics, move_aside
+from trainvitals.adapters.jsonl import (
+    _holds_step_below,
+    drop_steps_from,
+    encode_metrics,
+    move_aside,
+)
 from trainvitals.adapters.sinks.base import Sink
 
 __all__ = ["JsonlSink"]
@@ -36,11 +41,13 @@ class JsonlSink(Sink):
     then the end of the run before its next logging step). A last line cut by a
     crash is dropped too (see :func:`~trainvitals.adapters.jsonl.drop_steps_from`); other lines
     are kept. A run resuming at step 0 is a new run: the earlier file is moved aside
-    (``metrics.jsonl.1``, ..., with a warning) and a new one started. So give each writer of a
-    run its own file: a second writer appending at a step the first one already wrote replaces
-    its lines. A path that is not a regular file (a pipe, ``/dev/stdout``) is appended to as it
-    is. A symbolic link (to shared storage) is followed: its target is cut, rewritten or moved
-    aside, and the link is kept.
+    (``metrics.jsonl.1``, ..., with a warning) and a new one started. So is a run that did not
+    call ``resume_at`` and whose first step is at or below the step of every record in the
+    file (a loop logging from step 1, run twice): a resume would keep none of its lines. So
+    give each writer of a run its own file: a second writer appending at a step the first one
+    already wrote replaces its lines. A path that is not a regular file (a pipe,
+    ``/dev/stdout``) is appended to as it is. A symbolic link (to shared storage) is followed:
+    its target is cut, rewritten or moved aside, and the link is kept.
 
     Example::
 
@@ -87,7 +94,12 @@ class JsonlSink(Sink):
         # Only a regular file holding lines: a pipe, a terminal or /dev/stdout is appended to
         # as it is (reading it would block).
         if self.path.is_file() and self.path.stat().st_size > 0:
-            if first_step == 0:  # a new run, not a resume: keep the earlier run's file
+            # A new run, not a resume: step 0, or (the run did not say) a first step that no
+            # record of the file is below, so that a resume would keep none of them (a second
+            # run of a loop logging from step 1 deleted the first run's lines). Keep that file.
+            if first_step == 0 or (
+                self._resume_step is None and not _holds_step_below(self.path, first_step)
+            ):
                 kept = move_aside(self.path)
                 message = f"JsonlSink: {self.path} held an earlier run; moved it to {kept.name}"
             else:
