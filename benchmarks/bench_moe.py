@@ -164,11 +164,14 @@ def bench_overhead(steps: int, warmup: int, writer: str, which: str) -> list[dic
 
     def ratio(samples: dict[str, list[float]], name: str) -> tuple[float, float, float]:
         med = statistics.median(samples[name]) / statistics.median(samples["baseline"])
-        n = len(samples[name]) // 5
+        # the spread: medians of five consecutive chunks (fewer, of one sample each, for a
+        # run of fewer than five steps)
+        parts = min(5, len(samples[name]))
+        n = len(samples[name]) // parts
         chunks = [
             statistics.median(samples[name][j * n : (j + 1) * n])
             / statistics.median(samples["baseline"][j * n : (j + 1) * n])
-            for j in range(5)
+            for j in range(parts)
         ]
         return med, min(chunks), max(chunks)
 
