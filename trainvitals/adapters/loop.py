@@ -55,11 +55,15 @@ parameters (Accelerate unscales every optimizer's gradients there) shows the gra
 optimizers that own them, one at a time, as their own ``step()`` would. In a loop that calls
 :meth:`Vitals.batch`, the step ends when its batch is over: at the next ``batch()`` that
 starts a step (under accumulation the step's micro-batches stay one step),
-at :meth:`Vitals.validating`, :meth:`Vitals.state_dict` or :meth:`Vitals.close`; not as soon as
-each optimizer has stepped, since one may step again after the others (a WGAN stepping the
-generator, then the critic k times). So ``vitals.step`` counts a batch once it is over. A loop
-that does not call ``batch()`` ends the step once every attached optimizer stepped in it (its
-next forward would start the next step), else (a generator stepped every k batches) as above.
+at :meth:`Vitals.state_dict` or :meth:`Vitals.close`, and at :meth:`Vitals.validating` once
+every attached optimizer stepped in it; not as soon as each optimizer has stepped, since one
+may step again after the others (a WGAN stepping the generator, then the critic k times). So
+``vitals.step`` counts a batch once it is over. A loop that does not call ``batch()`` ends the
+step once every attached optimizer stepped in it (its next forward would start the next step),
+else (a generator stepped every k batches) as above. An evaluation after only some optimizers
+stepped (``validating()`` between two optimizers' steps of one batch, or after a batch in
+which the generator did not step) leaves the step open: it ends as it would without the
+evaluation, so the batch stays one step (``vitals.step`` inside the evaluation is that step's).
 
 ``vitals.batch()`` tells the callbacks a micro-batch starts and how big it is. A loop that does
 not call it still works: each training-mode forward of the attached model (with autograd on,
@@ -249,6 +253,9 @@ class Vitals:
         # restored checkpoint carried from inside an accumulation window, not yet told again.
         self._step_batches: list[dict[str, tuple[Any, Any]]] = []
         self._carried: list[dict[str, tuple[Any, Any]]] = []
+        # the step in progress has more micro-batches than a window could have (_keep_sizes)
+        self._sizes_dropped = False
+        self._warned_no_step = False
 
     # ------------------------------------------------------------------ wiring
 
@@ -564,7 +571,7 @@ class Vitals:
         ctx.micro_batches_in_step += 1
         default: BatchInfo | None = None
         sizes: dict[str, tuple[Any, Any]] = {}
-        self._step_batches.append(sizes)
+        self._keep_sizes(sizes)  # (filled below)
         for cb in self.callbacks:
             if getattr(cb, "batch_size_fn", None) or getattr(cb, "num_tokens_fn", None):
                 info = cb._batch_info(batch) if batch is not None else BatchInfo(batch)
@@ -597,12 +604,41 @@ class Vitals:
         not in the checkpoint)."""
         carried, self._carried = self._carried, []
         for sizes in carried:
-            self._step_batches.append(sizes)
+            self._keep_sizes(sizes)
             for cb in self.callbacks:
                 if cb.state_key in sizes:
                     batch_size, num_tokens = sizes[cb.state_key]
                     info = BatchInfo(None, batch_size, num_tokens)
                     cb._dispatch("micro_batch_start", self.ctx, info)
+
+    def _keep_sizes(self, sizes: dict[str, tuple[Any, Any]]) -> None:
+        """Keep a micro-batch's sizes for a checkpoint taken inside the step's accumulation
+        window, unless the step already has more micro-batches than any window could have
+        (``accumulate_grad_batches``, at least :data:`_MAX_WINDOW_MICRO_BATCHES`): then the
+        driver sees no step end (a ``GradScaler`` not given to :meth:`attach` skipping every
+        step, an optimizer stepped that is not attached), and the list would grow by one entry
+        per micro-batch for the rest of the run (a 0-d tensor each, where the loop passes
+        ``num_tokens`` as one). Such a step is not one to checkpoint mid-window: its sizes are
+        dropped (a checkpoint carries none of its micro-batches) until a step ends."""
+        if self._sizes_dropped:
+            return
+        bound = max(self.ctx.accumulate_grad_batches, _MAX_WINDOW_MICRO_BATCHES)
+        if len(self._step_batches) < bound:
+            self._step_batches.append(sizes)
+            return
+        self._sizes_dropped = True
+        self._step_batches = []
+        if not self._warned_no_step:
+            self._warned_no_step = True
+            warnings.warn(
+                f"trainvitals Vitals: more than {bound} micro-batches without the end of an "
+                "optimizer step: no step of an attached optimizer ran (a GradScaler that skips "
+                "every step, not passed to attach(..., scaler=scaler)? an optimizer that is "
+                "not attached?); the callbacks log nothing until one does, and a checkpoint "
+                "carries none of this step's micro-batches (warned once)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def gradients_ready(self) -> None:
         """Gradients of this step are final (unscaled, unclipped): run the gradient hooks now.
@@ -713,6 +749,7 @@ class Vitals:
         self._unscaled.clear()
         self._step_batches = []
         self._carried = []
+        self._sizes_dropped = False
 
     @contextlib.contextmanager
     def validating(self) -> Iterator[None]:
@@ -721,15 +758,26 @@ class Vitals:
         with vitals.validating():
             evaluate(model)
 
+        Several optimizers: a step in which every attached optimizer stepped ends here, before
+        the evaluation; one in which only some stepped stays open (the batch may go on after
+        the evaluation) and ends as without it (module docstring).
+
         After :meth:`close` it only runs the block: the callbacks have had their last hook.
         """
         if self._closed:
             self._warn_closed("validating()")
             yield
             return
-        # Evaluation runs between batches: a step whose optimizers stepped is over (several
-        # optimizers), as Lightning ends the batch before validating.
-        self._end_stepped_step()
+        # Evaluation runs between batches (as Lightning's, after the batch ended): a step in
+        # which every attached optimizer stepped is over (several optimizers). One in which
+        # only some stepped (or had their gradients shown and skipped) may be a batch that goes
+        # on after the evaluation, the next optimizer stepping (the loop validated between two
+        # optimizers' steps of one batch): it ends with its batch, at the next micro-batch,
+        # state_dict() or close(), as without the evaluation; ended here, that batch would be
+        # two steps. Between batches (a generator stepped every k batches) its counts are the
+        # same either way (the evaluation's time is not the step's).
+        if self._stepped and self._attached <= self._stepped and not self._closed:
+            self._end_step()
         self.ctx.in_validation = True
         self._each("validation_start")
         try:
@@ -866,6 +914,12 @@ class Vitals:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.close(exc)
+
+
+# The most micro-batches of one step whose sizes a checkpoint inside its accumulation window
+# keeps (or accumulate_grad_batches, if larger): more than any window has (a single device
+# reaching a global batch of 4M tokens with micro-batches of 2048 tokens accumulates 2048).
+_MAX_WINDOW_MICRO_BATCHES = 4096
 
 
 def _number(value: Any) -> Any:
