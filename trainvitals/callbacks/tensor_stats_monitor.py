@@ -9,8 +9,10 @@ import json
 import math
 import os
 import re
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,7 +199,9 @@ class TensorStatsMonitor(VitalsCallback):
         expert_pattern: regex with one capture group for the local expert index.
         kernel: ``"auto"``, ``"compile"`` or ``"eager"`` (see
             :func:`trainvitals.stats.moments.fused_moments`).
-        filename: JSONL file name inside the run folder.
+        filename: JSONL file name inside the run folder. One file per monitor: a second
+            monitor of the same run given the same file raises a ValueError at run start (the
+            guard disables it with a warning; give it another ``filename``).
         summaries: write the scalar summaries below through the writer.
         writer: where summaries go (default: the run's writer).
 
@@ -281,6 +285,7 @@ class TensorStatsMonitor(VitalsCallback):
         self.summaries = bool(summaries)
         # run state
         self._path: Path | None = None
+        self._claimed: Path | None = None  # the resolved file claimed in _CLAIMS (rank 0)
         self._cut_line = False  # a failed append may have left part of a line in the file
         # The highest step the file may hold a line of (written by this instance, or left by
         # run_start's cleanup). Deliberately not in state_dict: after a rollback in the same
@@ -380,8 +385,44 @@ class TensorStatsMonitor(VitalsCallback):
             self._warn_unmatched_globs(params + every_site)
         self._path = Path(ctx.run_dir) / self.filename
         if ctx.global_rank == 0:
+            self._claim_file(self._path, ctx)  # before _prepare_jsonl moves another's file aside
             _prepare_jsonl(self._path, first_step=ctx.step)
         self._file_high_step = ctx.step - 1  # the file holds steps below this run's first only
+
+    def _claim_file(self, path: Path, ctx: RunContext) -> None:
+        """Claim ``path`` for this instance until its run ends; a ValueError (raised out of
+        ``run_start``: a configuration error; the guard disables this monitor with a warning)
+        when another TensorStatsMonitor of the same run (``ctx``: one trainer's, one driver's)
+        claimed the same file. Two monitors appending to one file would write each (step,
+        kind) twice, the second's run start would move the first's file aside (step 0) or cut
+        it (a resume), and readers would keep only one of the two lines of a step. A claim of
+        another run (one that never ended: a notebook cell that raised before ``close()``) is
+        taken over, not an error. Rank 0 only, the one rank that writes."""
+        resolved = path.resolve()
+        with _CLAIMS_LOCK:
+            owner = _CLAIMS.get(resolved)
+            holder = owner() if owner is not None else None
+            if holder is not None and holder is not self and holder._ctx is ctx:
+                raise ValueError(
+                    f"TensorStatsMonitor: {path} is already written by another "
+                    "TensorStatsMonitor of this run; two monitors would append the same steps "
+                    "to one file. Give one of them another filename= (e.g. "
+                    "filename='tensor_stats_acts.jsonl') or use one monitor"
+                )
+            self._unclaim_file()
+            _CLAIMS[resolved] = weakref.ref(self)
+            self._claimed = resolved
+
+    def _unclaim_file(self) -> None:
+        """Give up this instance's claim (its run ended, raised, or it was disabled)."""
+        claimed = self._claimed
+        if claimed is None:
+            return
+        with _CLAIMS_LOCK:
+            owner = _CLAIMS.get(claimed)
+            if owner is not None and owner() in (self, None):
+                del _CLAIMS[claimed]
+            self._claimed = None
 
     def _drop_abandoned_steps(self, ctx: RunContext) -> None:
         """After a rollback in the same process (the driver's ``load_state_dict`` of an earlier
@@ -472,15 +513,18 @@ class TensorStatsMonitor(VitalsCallback):
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._drop_abandoned_steps(ctx)  # a rollback, then a crash before the next batch
         self._discard_step()
+        self._unclaim_file()
 
     def release(self, ctx: RunContext) -> None:
         # Disabled by the guard: step_end and run_end no longer run, so the forward and
         # gradient hooks of this step would stay on the model, measuring and holding tensors.
         self._discard_step()
+        self._unclaim_file()  # it writes no more in this run
 
     def run_end(self, ctx: RunContext) -> None:
         self._drop_abandoned_steps(ctx)  # a rollback, then the end before the next batch
         self._discard_step()
+        self._unclaim_file()
 
     def _discard_step(self) -> None:
         """Remove the step's hooks and drop everything it collected so far."""
@@ -1348,6 +1392,12 @@ def _merge_over_groups(kinds: list[_Kind]) -> None:
             k.moments[torch.tensor(idx, device=k.moments.device)] = combine_moments(rows, dim=0).to(
                 k.moments.device
             )
+
+
+# The files claimed by the TensorStatsMonitors of this process whose run has not ended:
+# resolved path -> the instance (weakly held: a monitor garbage-collected mid-run frees its file)
+_CLAIMS: dict[Path, weakref.ref[TensorStatsMonitor]] = {}
+_CLAIMS_LOCK = threading.RLock()  # (_claim_file calls _unclaim_file holding it)
 
 
 def _prepare_jsonl(path: Path, first_step: int) -> None:

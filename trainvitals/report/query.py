@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import gc
+import itertools
 import json
 import math
 import re
@@ -41,6 +42,9 @@ KINDS = ("param", "grad", "activation", "dgrad")
 CHUNK_RECORDS = 256
 #: Skipped lines of a file warned about one by one; the rest are counted in one warning.
 MAX_LINE_WARNINGS = 5
+#: The types a moment vector's element may have once parsed: a number, or ``null`` for a
+#: non-finite value (``bool`` is not a number here, though Python counts it as an ``int``).
+_ELEMENT_TYPES = frozenset({int, float, type(None)})
 _REGEX_CHARS = re.compile(r"[\\^$()+|{}]")
 #: The TensorStatsMonitor file a run folder holds (its default ``filename``).
 TENSOR_STATS_FILE = "tensor_stats.jsonl"
@@ -67,11 +71,18 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     """Yield the records of a ``tensor_stats.jsonl`` file (or of ``<run_dir>/tensor_stats.jsonl``).
 
     A last line cut by a crash is skipped with a warning, as are other unreadable lines, lines
-    of an unknown schema version and lines without an integer ``step``, a ``kind`` string or a
-    ``tensors`` object
+    of an unknown schema version, lines without an integer ``step``, a ``kind`` string or a
+    ``tensors`` object, and lines with a moment vector that is not a list of numbers (or
+    ``null``) as long as the ``fields`` (a hand-edited or corrupted line)
     (the first :data:`MAX_LINE_WARNINGS` one by one, the rest counted in one warning at the
     end, so a wrong file does not print a warning per line). When a (step, kind) appears
     twice, the later line wins (:func:`query` applies this).
+
+    Raises:
+        FileNotFoundError: no such file (a folder's message names the files found below it).
+        ValueError: no line could be read and some are of a newer schema version than
+            :data:`SUPPORTED_VERSIONS` (a file written by a newer trainvitals: upgrade). A file
+            with some readable lines only warns about the newer ones.
     """
     path = Path(path)
     folder = path if path.is_dir() else None
@@ -80,6 +91,8 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     if not path.exists():
         raise FileNotFoundError(f"no tensor statistics file at {path}{_found_below(folder)}")
     skipped = 0
+    read = 0  # records yielded
+    newest = 0  # the highest newer-than-supported schema version skipped (0: none)
 
     def skip(message: str) -> None:
         nonlocal skipped
@@ -102,9 +115,13 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
                 continue
             version = rec.get("version") if isinstance(rec, dict) else None
             if version not in SUPPORTED_VERSIONS:
+                newer = type(version) is int and version > max(SUPPORTED_VERSIONS)
+                if newer:
+                    newest = max(newest, version)
                 skip(
-                    f"line {i} has schema version {version!r}; this reader supports "
-                    f"{SUPPORTED_VERSIONS}"
+                    f"line {i} has schema version {version!r}"
+                    + (" (written by a newer trainvitals)" if newer else "")
+                    + f"; this reader supports {SUPPORTED_VERSIONS}"
                 )
                 continue
             step = rec.get("step")
@@ -123,12 +140,23 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
                 continue
             fields = rec.get("fields", FIELDS)
             width = len(fields) if isinstance(fields, list | tuple) else -1
-            if not set(FIELDS) <= set(fields if width >= 0 else ()) or any(
-                type(v) is not list or len(v) != width for v in tensors.values()
+            if (
+                width < 0
+                or not all(type(f) is str for f in fields)  # (set() of a list: a TypeError)
+                or not set(FIELDS) <= set(fields)
+                or any(type(v) is not list or len(v) != width for v in tensors.values())
             ):
                 # (the merge indexes every vector by the fields: an IndexError before)
                 skip(f"line {i} has a moment vector that does not match its 'fields'")
                 continue
+            if not _ELEMENT_TYPES.issuperset(
+                map(type, itertools.chain.from_iterable(tensors.values()))
+            ):
+                # (a string in a hand-edited line failed the whole query in float(): "could
+                # not convert string to float")
+                skip(f"line {i} has a moment vector element that is not a number or null")
+                continue
+            read += 1
             yield rec
     if skipped > MAX_LINE_WARNINGS:
         warnings.warn(
@@ -142,6 +170,13 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
             f"{path}: skipped an unreadable line (last line, cut by a crash?)",
             RuntimeWarning,
             stacklevel=2,
+        )
+    if not read and newest:
+        # Every line skipped, some of them of a newer format: say so, not "no record" (the
+        # query's "is it a tensor_stats.jsonl file?", the report's page without tensors).
+        raise ValueError(
+            f"{path} was written by a newer trainvitals (schema version {newest}; this one "
+            f"reads up to version {max(SUPPORTED_VERSIONS)}): upgrade trainvitals to read it"
         )
 
 
