@@ -13,9 +13,9 @@ import torch
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import (
+    _collective_device,
     all_gather_objects,
     all_reduce_by_groups,
-    all_reduce_coalesced,
     group_rank,
     group_size,
 )
@@ -49,8 +49,10 @@ class LoadBalanceMonitor(VitalsCallback):
     forward's routing map and the step's maps are counted together when it is read. At the end of a logging
     step the counts of all layers, and the aux-loss sums when routers report them, are summed
     over the data- and context-parallel ranks (``ctx.groups.dp_cp``) in ONE collective (plus
-    one over ``ctx.groups.pp`` with pipeline stages), the summed ``[layers, experts]`` counts
-    come to the host in one transfer, and the statistics are computed there in float64
+    one over ``ctx.groups.pp`` with pipeline stages) of one buffer
+    (:meth:`~trainvitals.moe.capture.RouterCapture.packed`), the summed ``[layers, experts]``
+    counts come to the host in one transfer (over gloo, which reduces host tensors, that
+    transfer comes before the collective), and the statistics are computed there in float64
     (:func:`trainvitals.stats.load_balance.load_balance_stats_lists`: a matrix this small costs
     tens of microseconds on the host, against ~35 small kernels on the device) and written
     together. Ties among the top/bottom experts go to the lowest layer, then expert. The hooks count only during steps that will be logged (a host-side flag
@@ -72,6 +74,15 @@ class LoadBalanceMonitor(VitalsCallback):
     are expected to be global across stages (torchtitan keeps ``layers.<i>`` of the full
     model); when two stages report the same number (stage-local numbering, as Megatron's
     ``decoder.layers.0`` on every stage) the labels are prefixed ``pp<stage>_``, with a warning.
+
+    Configuration errors are raised at ``run_start`` (``ValueError``, or the ``TypeError`` of a
+    bad extractor), on every rank, before any training step: no router found, routers (or
+    pipeline stages) with different numbers of experts, an extractor whose number of experts
+    is unknown, and ranks of ``ctx.groups.dp_cp`` whose routers differ (their tables are summed
+    element by element: e.g. pipeline stages passed as data-parallel ranks, which would be
+    added into each other's rows). With several ranks the check costs one ``all_gather_object``
+    over ``dp_cp`` (and one over ``pp``) once per run; a rank's own error is raised after it,
+    so no rank is left waiting.
 
     Args:
         mode: ``"brief"`` (aggregates and the top/bottom experts) or ``"detailed"`` (also
@@ -158,6 +169,9 @@ class LoadBalanceMonitor(VitalsCallback):
         self.extractors = list(extractors) if extractors is not None else []
         self.capture: RouterCapture | None = None
         self._layout = _Layout([], [], 0, None)
+        # pipeline stages: (device, positions of this stage's packed values in the table of
+        # all stages' layers), made at the first logging step of a layout
+        self._table_index: tuple[torch.device, torch.Tensor] | None = None
         self._keys_cached: _Keys | None = None
         # Consecutive logging steps each expert had no token, per layer label (host ints).
         self._dead_streak: dict[str, list[int]] = {}
@@ -170,20 +184,10 @@ class LoadBalanceMonitor(VitalsCallback):
             raise ValueError("LoadBalanceMonitor needs the model (ctx.model is None)")
         if self.capture is not None:
             self.capture.remove()
-        model_name = type(ctx.model).__name__
-        if group_size(getattr(ctx.groups, "pp", None)) == 1:
-            capture = RouterCapture(ctx.model, extractors=self.extractors)
-            layout = _layout(capture, ctx.groups, model_name)
-        else:
-            # Pipeline stages: a configuration error on one stage must reach every stage
-            # (they all wait in the same gather), so it is raised after the stages agreed.
-            try:
-                capture, error = RouterCapture(ctx.model, extractors=self.extractors), None
-            except (ValueError, TypeError) as exc:
-                capture, error = RouterCapture(torch.nn.Module()), f"{type(exc).__name__}: {exc}"
-            layout = _layout(capture, ctx.groups, model_name, error)
+        capture, layout = _capture_and_layout(ctx.model, self.extractors, ctx.groups)
         self.capture = capture
         self._layout = layout
+        self._table_index = None
         for label in layout.labels:
             streak = self._dead_streak.get(label)
             if streak is None or len(streak) != layout.num_experts:
@@ -249,38 +253,48 @@ class LoadBalanceMonitor(VitalsCallback):
 
     def _reduce_to_host(self, ctx: RunContext) -> list[float]:
         """The step's loads ``[L, E]`` (row-major), aux sums and aux counts ``[L]`` summed over
-        the ranks, as host floats: one collective per group, then one device->host transfer."""
+        the ranks, as host floats: one buffer (:meth:`RouterCapture.packed`), one collective per
+        group, one device->host transfer."""
         capture = self.capture
         assert capture is not None
         layout = self._layout
-        loads = capture.loads(device=capture.device or ctx.device)
-        aux_sum, aux_count = capture.aux_losses(device=loads.device)
+        # Everything the host needs in one buffer: the [L, E] loads and the aux sums and counts
+        # (a few hundred float64 values). The statistics are then computed on the host in
+        # float64 (stats.load_balance_stats_lists): tens of microseconds instead of ~35 small
+        # device kernels, with the same formulas.
+        packed = capture.packed(device=capture.device or ctx.device)
         if layout.rows is None:
             # One SUM collective over data x context parallel carries every layer (and the aux).
-            loads, aux_sum, aux_count = all_reduce_coalesced(
-                [loads, aux_sum, aux_count], "sum", ctx.groups.dp_cp
-            )
+            groups: tuple[Any, ...] = (ctx.groups.dp_cp,)
         else:
-            # Pipeline stages: this stage's rows in the table of all stages' layers, summed
+            # Pipeline stages: this stage's values in the table of all stages' layers, summed
             # over data x context parallel, then over the stages: one collective per group.
-            rows = torch.tensor(layout.rows, dtype=torch.long).to(loads.device, non_blocking=True)
-            n = len(layout.labels)
-            loads = loads.reshape(len(layout.rows), layout.num_experts)  # a stage may have none
-            full = [
-                torch.zeros(n, *t.shape[1:], dtype=t.dtype, device=loads.device).index_copy_(
-                    0, rows, t
-                )
-                for t in (loads, aux_sum, aux_count)
-            ]
+            packed = self._stage_table(packed)
             groups = tuple(g for g in (ctx.groups.dp_cp, ctx.groups.pp) if g is not None)
-            loads, aux_sum, aux_count = all_reduce_by_groups([(t, groups) for t in full], "sum")
-        # Everything the host needs in one device->host transfer: the [L, E] loads and the aux
-        # sums and counts (a few hundred float64 values). The statistics are then computed on
-        # the host in float64 (stats.load_balance_stats_lists): tens of microseconds instead of
-        # ~35 small device kernels, with the same formulas.
-        host = torch.cat([loads.reshape(-1), aux_sum.reshape(-1), aux_count.reshape(-1)])
+        reduced = [g for g in groups if group_size(g) > 1]
+        if reduced and all(_collective_device(g, packed.device).type == "cpu" for g in reduced):
+            # gloo reduces host tensors: copy the buffer to the host once and reduce it there
+            # (from an accelerator, each reduction would copy it to the host and back)
+            packed = packed.cpu()
+        (packed,) = all_reduce_by_groups([(packed, groups)], "sum")
         # (to the host first: MPS has no float64, its counts are float32)
-        return host.cpu().to(torch.float64).tolist()
+        return packed.cpu().to(torch.float64).tolist()
+
+    def _stage_table(self, packed: torch.Tensor) -> torch.Tensor:
+        """This stage's :meth:`RouterCapture.packed` values placed in the zeroed buffer of the
+        same layout for all stages' layers (``n * (E + 2)`` values; a stage may have none)."""
+        layout = self._layout
+        rows, n, e = layout.rows, len(layout.labels), layout.num_experts
+        assert rows is not None
+        cached = self._table_index
+        if cached is None or cached[0] != packed.device:
+            # loads: row r's E values at r * E; aux sums at n * E + r; aux counts after them
+            index = [r * e + j for r in rows for j in range(e)]
+            index += [n * e + r for r in rows] + [n * (e + 1) + r for r in rows]
+            positions = torch.tensor(index, dtype=torch.long).to(packed.device, non_blocking=True)
+            cached = self._table_index = (packed.device, positions)
+        full = torch.zeros(n * (e + 2), dtype=packed.dtype, device=packed.device)
+        return full.index_copy_(0, cached[1], packed)
 
     def _values(
         self, rows: list[list[float]], aux_sum: list[float], aux_count: list[float]
@@ -433,6 +447,90 @@ class _Layout:
     has_aux: list[bool]
     num_experts: int
     rows: list[int] | None  # row of each local router in the table of all stages; None: local
+
+
+def _capture_and_layout(
+    model: torch.nn.Module, extractors: list[Any], groups: Any
+) -> tuple[RouterCapture, _Layout]:
+    """The router capture of ``model`` (hooks attached) and the layout of its reports, checked
+    at run start so that a configuration error is raised there, on every rank, before any
+    training step: no router, routers of different expert counts, an extractor without a
+    number of experts (:class:`RouterCapture`), pipeline stages of different expert counts
+    (:func:`_layout`), and ranks of ``groups.dp_cp`` whose tables would be summed element by
+    element although they hold different layers (:func:`_agree_over_dp_cp`)."""
+    model_name = type(model).__name__
+    pp, dp_cp = getattr(groups, "pp", None), getattr(groups, "dp_cp", None)
+    if group_size(pp) == 1 and group_size(dp_cp) == 1:
+        capture = RouterCapture(model, extractors=extractors)
+        try:
+            return capture, _layout(capture, groups, model_name)
+        except BaseException:
+            capture.remove()
+            raise
+    # Several ranks: a configuration error on one rank must reach every rank (they all wait
+    # in the same gathers), so it is raised after the ranks agreed.
+    error: Exception | None = None
+    try:
+        capture = RouterCapture(model, extractors=extractors)
+    except (ValueError, TypeError) as exc:
+        capture, error = RouterCapture(torch.nn.Module()), exc
+    layout: _Layout | None = None
+    try:
+        if group_size(pp) > 1:  # one gather over the stages; raises on every stage alike
+            message = None if error is None else f"{type(error).__name__}: {error}"
+            layout = _layout(capture, groups, model_name, message)
+        elif error is None:
+            layout = _layout(capture, groups, model_name)
+    except ValueError as exc:
+        error = exc
+    try:
+        _agree_over_dp_cp(layout, error, dp_cp)
+    except BaseException:
+        capture.remove()
+        raise
+    assert layout is not None
+    return capture, layout
+
+
+def _agree_over_dp_cp(layout: _Layout | None, error: Exception | None, dp_cp: Any) -> None:
+    """Raise ``error`` (this rank's configuration error), or a ``ValueError`` on every rank of
+    ``dp_cp`` when one of them had an error or when they do not all have the same layout: their
+    ``[layers, experts]`` tables are summed element by element at every logging step, so ranks
+    with other layers (e.g. pipeline stages passed in ``dp``/``cp`` instead of ``pp``) would be
+    added into the wrong rows, silently when the sizes happen to match, else failing at the
+    first logging step. One ``all_gather_object`` over ``dp_cp``, once per run."""
+    peers: list[Any] = []
+    if group_size(dp_cp) > 1:
+        mine = None
+        if layout is not None:
+            mine = (layout.num_experts, layout.labels, layout.has_aux, layout.rows)
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        peers = all_gather_objects((mine, message), dp_cp)
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, (_, message) in enumerate(peers) if message]
+    if failed:
+        rank, message = failed[0]
+        raise ValueError(f"LoadBalanceMonitor: rank {rank} of ctx.groups.dp_cp: {message}")
+    layouts = [mine for mine, _ in peers]
+    if any(other != layouts[0] for other in layouts):
+        by_layout: dict[str, list[int]] = {}
+        for rank, (num_experts, labels, has_aux, rows) in enumerate(layouts):
+            text = f"{len(labels)} MoE layers [{', '.join(labels)}] of {num_experts} experts"
+            if sum(has_aux) != len(has_aux):
+                text += f", {sum(has_aux)} with an aux loss"
+            if rows is not None:
+                text += f", rows {rows} of the pipeline table"
+            by_layout.setdefault(text, []).append(rank)
+        detail = "; ".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
+            for text, ranks in by_layout.items()
+        )
+        raise ValueError(
+            "LoadBalanceMonitor: the ranks of ctx.groups.dp_cp, whose expert loads are summed "
+            f"element by element, have different routers ({detail}); they must hold the same "
+            "MoE layers (pipeline stages belong in groups.pp, not in dp or cp)"
+        )
 
 
 def _layout(
