@@ -888,3 +888,42 @@ def test_a_data_parallel_rank_whose_router_saw_no_token_counts_for_nothing(two_r
                 assert row[f"{key}_layer_0"] == pytest.approx(layer0, rel=1e-5), (step, name)
                 assert row[f"{key}_layer_1"] == pytest.approx(layer1, rel=1e-5), (step, name)
                 assert row[key] == pytest.approx((layer0 + layer1) / 2, rel=1e-5), (step, name)
+
+
+def test_routers_of_another_size_than_num_layers_raise_at_run_start():
+    """A monitor built for 3 layers on routers that record vectors of 2: the tracker refused the
+    sizes at the first logging step (a whole logging interval of training later, then the guard
+    disabled the monitor); now a ValueError at run start names both sizes."""
+    from trainvitals.adapters.loop import Vitals
+
+    routers = torch.nn.ModuleList(
+        TopKRouter(HIDDEN, EXPERTS, TOPK, aux_loss_type="aux_loss", aux_loss_coeff=0.01)
+        for _ in range(2)
+    )
+    for i, router in enumerate(routers):
+        router.set_layer_number(i + 1, num_layers=2)
+    opt = torch.optim.SGD(routers.parameters(), lr=0.5)
+    hooks: list[str] = []
+
+    class Seen(MoEMetricsMonitor):
+        def run_start(self, ctx):
+            hooks.append("run_start")
+            super().run_start(ctx)
+
+    vitals = Vitals([Seen(num_layers=3)], writer=Recorder(), log_every_n_steps=4)
+    vitals.attach(routers, opt)
+    with pytest.raises(ValueError, match=r"num_layers=3.*expects per-layer vectors of 3.*record 2"):
+        vitals.batch(torch.randn(2, 8, HIDDEN))
+    vitals.close()
+    assert hooks == ["run_start"]
+    # the same routers with a matching monitor (2 layers, or 1 + 1 MTP) run
+    for kwargs in ({"num_layers": 2}, {"num_layers": 1, "mtp_num_layers": 1}):
+        writer = Recorder()
+        with Vitals([MoEMetricsMonitor(**kwargs)], writer=writer, log_every_n_steps=1) as v:
+            v.attach(routers, opt)
+            x = torch.randn(2, 8, HIDDEN)
+            v.batch(x)
+            sum(r(x)[0].square().sum() for r in routers).backward()
+            opt.step()
+            opt.zero_grad()
+        assert "moe/load_balancing_loss" in writer.rows[0], kwargs

@@ -32,7 +32,8 @@ class MoEMetricsMonitor(VitalsCallback):
       the MoE layers from the model's routers; under pipeline parallelism from every stage's
       (one ``all_gather_object`` over ``ctx.groups.pp``, at run start only), raising
       ``ValueError`` on every rank when two stages' routers have the same ``layer_number``
-      (stage-local numbering: the tracker's pipeline SUM would add two layers' values).
+      (stage-local numbering: the tracker's pipeline SUM would add two layers' values), and
+      when the routers' ``num_layers`` is not the monitor's ``num_layers`` (+ ``mtp_num_layers``).
     * ``validation_start`` / ``validation_end``: keeps the training values aside during
       validation, so a model that records in evaluation does not mix into them.
     * ``step_end``: resets the routers' per-step ``global_aux_loss`` token counts. On a
@@ -182,6 +183,7 @@ class MoEMetricsMonitor(VitalsCallback):
             stages = all_gather_objects(layers, ctx.groups.pp)
             _check_stage_layer_numbers(stages)
             layers = [pair for stage in stages for pair in stage]
+        _check_router_sizes(layers, self.num_layers, self.mtp_num_layers)
         self._layer_freq = self.moe_layer_freq
         if self._layer_freq is None:
             self._layer_freq = _pattern_from_routers(layers, self.num_layers, self.mtp_num_layers)
@@ -309,6 +311,28 @@ def _check_stage_layer_numbers(stages: list[list[tuple[int | None, int | None]]]
                     "(router.set_layer_number(global_layer + 1, num_layers=total_layers))"
                 )
             owner[number] = stage
+
+
+def _check_router_sizes(
+    routers: list[tuple[int | None, int | None]],
+    num_layers: int | None,
+    mtp_num_layers: int | None,
+) -> None:
+    """Raise ``ValueError`` at run start when the routers' per-layer vector length (their
+    ``num_layers``, MTP slots included) is not the monitor's ``num_layers`` plus
+    ``mtp_num_layers``: the tracker would refuse the sizes at the first logging step (the guard
+    then disables the monitor), after a logging interval of training time. Routers that do not
+    know their size, and a monitor without ``num_layers``, are not checked."""
+    if num_layers is None:
+        return
+    expected = num_layers + (mtp_num_layers or 0)
+    sizes = sorted({size for _, size in routers if size is not None and size != expected})
+    if sizes:
+        raise ValueError(
+            f"MoEMetricsMonitor(num_layers={num_layers}, mtp_num_layers={mtp_num_layers}) "
+            f"expects per-layer vectors of {expected} entries, but the model's TopKRouters "
+            f"record {sizes[0]} (router.set_layer_number(..., num_layers=)); make them agree"
+        )
 
 
 def _pattern_from_routers(

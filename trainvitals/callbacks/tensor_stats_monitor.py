@@ -200,8 +200,9 @@ class TensorStatsMonitor(VitalsCallback):
         kernel: ``"auto"``, ``"compile"`` or ``"eager"`` (see
             :func:`trainvitals.stats.moments.fused_moments`).
         filename: JSONL file name inside the run folder. One file per monitor: a second
-            monitor of the same run given the same file raises a ValueError at run start (the
-            guard disables it with a warning; give it another ``filename``).
+            monitor of the same run given the same file raises a ValueError at run start (a
+            configuration error, raised to the caller on every rank; give it another
+            ``filename``).
         summaries: write the scalar summaries below through the writer.
         writer: where summaries go (default: the run's writer).
 
@@ -391,7 +392,7 @@ class TensorStatsMonitor(VitalsCallback):
 
     def _claim_file(self, path: Path, ctx: RunContext) -> None:
         """Claim ``path`` for this instance until its run ends; a ValueError (raised out of
-        ``run_start``: a configuration error; the guard disables this monitor with a warning)
+        ``run_start``: a configuration error, which the callback guard raises to the caller)
         when another TensorStatsMonitor of the same run (``ctx``: one trainer's, one driver's)
         claimed the same file. Two monitors appending to one file would write each (step,
         kind) twice, the second's run start would move the first's file aside (step 0) or cut
