@@ -12,7 +12,10 @@ wrote:
   run folder or, if not there, the one under it (several under it, a folder of several runs:
   an error naming them, see :func:`_tensor_stats_path`): per kind, the statistics of all
   tensors merged exactly, per layer over the steps, and a table per layer and per tensor at
-  the last step (the same exact merging as :func:`trainvitals.report.query`).
+  the last step (the same exact merging as :func:`trainvitals.report.query`). A file written
+  by a newer trainvitals, none of whose lines this one reads, is an error saying to upgrade
+  when the run has no metrics; beside metrics, the page shows them with that message in its
+  Attention section (and warns it), without tensor statistics.
 
 For MoE runs logged with ``LoadBalanceMonitor(mode="detailed")``, heatmaps of every expert's
 utilization per layer (last step, and all steps summed) come next.
@@ -59,6 +62,7 @@ from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
     KINDS,
     TENSOR_STATS_FILE,
+    NewerVersionError,
     StepChunks,
     format_value,
     gc_paused,
@@ -703,6 +707,11 @@ def render_report(
     Raises:
         FileNotFoundError: ``run_dir`` holds neither metrics nor tensor statistics, or is a
             folder of several runs (see :func:`_tensor_stats_path`).
+        ValueError: bad ``steps``, ``max_points``; and
+            :class:`~trainvitals.report.query.NewerVersionError` (a ``ValueError``): the run
+            has no metrics and its ``tensor_stats.jsonl`` was written by a newer trainvitals
+            (none of its lines readable here: upgrade). Beside metrics, that file is not an
+            error: the page shows the metrics and the message (also warned, RuntimeWarning).
     """
     run = Path(run_dir)
     if not run.is_dir():
@@ -751,21 +760,33 @@ def render_report(
             sources.append(html.escape(source.description))
         kinds = {kind: _KindStats(kind) for kind in KINDS}
         tensor_steps: list[int] = []  # the first and last step of the records shown
+        newer = ""  # the tensor statistics file is of a newer trainvitals: why it is not shown
         if stats_path.exists():
             lines = 0
-            for rec in read_tensor_stats(stats_path):
-                lines += 1
-                step = int(rec["step"])
-                ks = kinds.get(rec.get("kind"))  # type: ignore[arg-type]
-                in_range = (first is None or step >= first) and (last is None or step <= last)
-                if ks is not None and in_range:
-                    ks.add(step, rec)
-                    tensor_steps = (
-                        [min(tensor_steps[0], step), max(tensor_steps[1], step)]
-                        if tensor_steps
-                        else [step, step]
-                    )
-            sources.append(f"{html.escape(str(stats_path))} ({lines} lines)")
+            try:
+                for rec in read_tensor_stats(stats_path):
+                    lines += 1
+                    step = int(rec["step"])
+                    ks = kinds.get(rec.get("kind"))  # type: ignore[arg-type]
+                    in_range = (first is None or step >= first) and (last is None or step <= last)
+                    if ks is not None and in_range:
+                        ks.add(step, rec)
+                        tensor_steps = (
+                            [min(tensor_steps[0], step), max(tensor_steps[1], step)]
+                            if tensor_steps
+                            else [step, step]
+                        )
+            except NewerVersionError as exc:
+                # (raised once the whole file was read, none of it readable: no record kept)
+                if metrics_path is None:
+                    raise  # a page with nothing on it: the error says to upgrade
+                # the metrics are still worth a page, with the reason the tensors are missing
+                newer = str(exc)
+                warnings.warn(newer, RuntimeWarning, stacklevel=2)
+            sources.append(
+                f"{html.escape(str(stats_path))} "
+                + ("(not read: of a newer trainvitals)" if newer else f"({lines} lines)")
+            )
 
         load_nav, load_html = _expert_load_section(series)
         nav, sections = _metrics_sections(series, max_points)
@@ -791,6 +812,11 @@ def render_report(
         )
     else:
         att_html = '<p class="ok">No metric and no tensor was ever NaN or infinite.</p>'
+    if newer:
+        att_html = (
+            f'<p class="warn" id="newer-format">No tensor statistics: {html.escape(newer)}.</p>'
+            + att_html.replace("No metric and no tensor was", "No metric was")
+        )
 
     # the span of what the page shows: the metrics and the tensor records within --steps
     ends = [s for ser in series.values() for s in (ser.points.steps[0], ser.points.steps[-1])]
@@ -860,7 +886,8 @@ def write_report(
 ) -> Path:
     """Write :func:`render_report` of ``run_dir`` to ``output`` (default
     ``<run_dir>/report.html``), replacing it whole (written aside, then renamed), and return
-    its path. ``options`` are those of :func:`render_report`."""
+    its path. ``options`` are those of :func:`render_report`, and so are the errors raised
+    (see its Raises), before anything is written."""
     text = render_report(run_dir, **options)
     path = Path(output) if output is not None else Path(run_dir) / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,13 @@ import torch
 from trainvitals.report.sources import name_a_few
 from trainvitals.stats.moments import DERIVED, FIELDS, combine_moments, derive
 
-__all__ = ["SUPPORTED_VERSIONS", "parse_steps", "query", "read_tensor_stats"]
+__all__ = [
+    "SUPPORTED_VERSIONS",
+    "NewerVersionError",
+    "parse_steps",
+    "query",
+    "read_tensor_stats",
+]
 
 SUPPORTED_VERSIONS = (1,)
 KINDS = ("param", "grad", "activation", "dgrad")
@@ -51,6 +57,13 @@ TENSOR_STATS_FILE = "tensor_stats.jsonl"
 #: Folder levels below a run folder searched for tensor statistics files, only to name them in
 #: the error: ``lightning_logs/version_0/``, ``runs/<name>/version_0/``.
 _SEARCH_DEPTH = 2
+
+
+class NewerVersionError(ValueError):
+    """A ``tensor_stats.jsonl`` of which no line could be read, some of them of a newer schema
+    version than :data:`SUPPORTED_VERSIONS` (written by a newer trainvitals): upgrade. A
+    ``ValueError``, so callers that handle bad input as such (the CLI's exit status 2) need
+    not know it; the HTML report catches it to show the run's metrics with the message."""
 
 
 def _found_below(folder: Path | None) -> str:
@@ -73,16 +86,18 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     A last line cut by a crash is skipped with a warning, as are other unreadable lines, lines
     of an unknown schema version, lines without an integer ``step``, a ``kind`` string or a
     ``tensors`` object, and lines with a moment vector that is not a list of numbers (or
-    ``null``) as long as the ``fields`` (a hand-edited or corrupted line)
+    ``null``) as long as the ``fields`` or that holds an integer too large for a float (a
+    hand-edited or corrupted line)
     (the first :data:`MAX_LINE_WARNINGS` one by one, the rest counted in one warning at the
     end, so a wrong file does not print a warning per line). When a (step, kind) appears
     twice, the later line wins (:func:`query` applies this).
 
     Raises:
         FileNotFoundError: no such file (a folder's message names the files found below it).
-        ValueError: no line could be read and some are of a newer schema version than
-            :data:`SUPPORTED_VERSIONS` (a file written by a newer trainvitals: upgrade). A file
-            with some readable lines only warns about the newer ones.
+        NewerVersionError: (a ``ValueError``) no line could be read and some are of a newer
+            schema version than :data:`SUPPORTED_VERSIONS` (a file written by a newer
+            trainvitals: upgrade), raised once the file was read. A file with some readable
+            lines only warns about the newer ones.
     """
     path = Path(path)
     folder = path if path.is_dir() else None
@@ -149,12 +164,16 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
                 # (the merge indexes every vector by the fields: an IndexError before)
                 skip(f"line {i} has a moment vector that does not match its 'fields'")
                 continue
-            if not _ELEMENT_TYPES.issuperset(
-                map(type, itertools.chain.from_iterable(tensors.values()))
-            ):
+            types = set(map(type, itertools.chain.from_iterable(tensors.values())))
+            if not _ELEMENT_TYPES.issuperset(types):
                 # (a string in a hand-edited line failed the whole query in float(): "could
                 # not convert string to float")
                 skip(f"line {i} has a moment vector element that is not a number or null")
+                continue
+            if not _converts_to_float(tensors.values(), type(None) in types):
+                # (the merge's float(): "OverflowError: int too large to convert to float", a
+                # traceback out of the CLI)
+                skip(f"line {i} has a moment vector element too large for a float")
                 continue
             read += 1
             yield rec
@@ -174,10 +193,27 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     if not read and newest:
         # Every line skipped, some of them of a newer format: say so, not "no record" (the
         # query's "is it a tensor_stats.jsonl file?", the report's page without tensors).
-        raise ValueError(
+        raise NewerVersionError(
             f"{path} was written by a newer trainvitals (schema version {newest}; this one "
             f"reads up to version {max(SUPPORTED_VERSIONS)}): upgrade trainvitals to read it"
         )
+
+
+def _converts_to_float(vectors: Iterable[list[Any]], has_null: bool) -> bool:
+    """Whether every element of ``vectors`` (numbers, and ``null`` where ``has_null``) converts
+    to a float, as the merge converts them: an integer of 2**1024 - 2**970 or more in magnitude
+    does not (OverflowError). JSON's ``1e400`` is parsed as inf, a float, but an integer literal
+    of 309 digits or more is a Python int. One ``sum`` from a float start is the check, at C
+    speed: floats and integers that fit a C long are added as doubles without a conversion
+    that could fail, and any other integer is added as ``float + int``, the same conversion as
+    ``float()`` (OverflowError where that fails). ``filter(None, ...)`` drops the nulls (and
+    zeros, which cannot overflow)."""
+    elements = itertools.chain.from_iterable(vectors)
+    try:
+        sum(filter(None, elements) if has_null else elements, 0.0)
+    except OverflowError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
