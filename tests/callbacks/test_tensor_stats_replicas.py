@@ -178,22 +178,61 @@ def assert_every_site_matches(run_dir: Path, want: dict[str, dict[str, torch.Ten
             assert_matches(d, i, reference(want[kind][n]), f"{kind}/{n}")
 
 
-@pytest.mark.parametrize(
-    ("dims", "grad"),
-    [(("sp",), True), (("dp", "sp"), True), (("dp", "sp"), False), (("dp", "tp"), True)],
-    ids=["sp_2_ranks", "dp_x_sp_4_ranks", "dp_x_sp_4_ranks_no_grad", "dp_x_tp_4_ranks"],
-)
-def test_replicas_and_shards_count_once(tmp_path: Path, dims: tuple[str, ...], grad: bool) -> None:
+CASES = {  # test id -> (mesh dims, whether the loss is backpropagated)
+    "sp_2_ranks": (("sp",), True),
+    "dp_x_sp_4_ranks": (("dp", "sp"), True),
+    "dp_x_sp_4_ranks_no_grad": (("dp", "sp"), False),
+    "dp_x_tp_4_ranks": (("dp", "tp"), True),
+}
+
+
+def _bodies(rank: int, world_size: int, root: str, cases: list[str]) -> dict:
+    """``_body`` of each case in turn, each with a run folder of its own (``root/<case>``), on
+    the same processes: starting them costs more than a case's step."""
+    out = {}
+    for case in cases:
+        dims, grad = CASES[case]
+        try:
+            out[case] = _body(rank, world_size, str(Path(root) / case), dims, grad)
+        except Exception as e:
+            raise RuntimeError(f"case {case!r} failed") from e
+    return out
+
+
+@pytest.fixture(scope="module")
+def case_runs(request, tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    """The run folders' root and each selected case's results by rank: one
+    ``run_distributed`` per world size, running its cases in turn."""
+    selected = {
+        item.callspec.params["case"]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        and "case" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    root = tmp_path_factory.mktemp("replicas")
+    by_world: dict[int, list[str]] = {}
+    for case, (dims, _) in CASES.items():
+        if case in selected:
+            (root / case).mkdir()
+            by_world.setdefault(2 ** len(dims), []).append(case)
+    results = {}
+    for world, cases in by_world.items():
+        ranks = run_distributed(_bodies, world_size=world, args=(str(root), cases), timeout=240)
+        results |= {case: [r[case] for r in ranks] for case in cases}
+    return root, results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replicas_and_shards_count_once(case_runs, case: str) -> None:
     """``sp``: dp_cp holds the sequence/tensor-parallel ranks, so replicas over them count once
     (the canonical rank's copy) and shards over them are merged over dp_cp alone. ``tp`` (outside
     dp_cp): replicas are not merged, shards merged over tp, then over dp. Under ``no_grad`` the
     reduced row-parallel outputs are told apart by their shapes: the all-reduced one is a replica
     over sp, the reduce-scattered one a shard."""
-    world = 2 ** len(dims)
-    results = run_distributed(
-        _body, world_size=world, args=(str(tmp_path), dims, grad), timeout=240
-    )
-    _check(tmp_path, 2 if "dp" in dims else 1, _kinds(grad))
+    dims, grad = CASES[case]
+    root, runs = case_runs
+    results = runs[case]
+    _check(root / case, 2 if "dp" in dims else 1, _kinds(grad))
     for res in results:
         # one all_gather per distinct merge group: dp_cp only under sp (its shard groups lie
         # inside it), dp and tp under tp; no other collective at step end

@@ -209,16 +209,49 @@ def _moe_float64() -> dict[str, dict[str, torch.Tensor]]:
     return {k: {s: torch.cat(v) for s, v in d.items()} for k, d in out.items()}
 
 
-@pytest.mark.parametrize("layout", ["ep_sp", "ep_sp_etp", "dp_sp_ep_on_sp"])
-def test_expert_and_sp_sites_count_every_token_once(tmp_path: Path, layout: str) -> None:
+LAYOUTS = ["ep_sp", "ep_sp_etp", "dp_sp_ep_on_sp"]
+
+
+def _moe_bodies(rank: int, world_size: int, root: str, layouts: list[str]) -> dict:
+    """``_moe_body`` of each layout in turn, each with a run folder of its own (``root/<layout>``),
+    on the same four processes: starting four processes costs more than a layout's step."""
+    out = {}
+    for layout in layouts:
+        try:
+            out[layout] = _moe_body(rank, world_size, str(Path(root) / layout), layout)
+        except Exception as e:
+            raise RuntimeError(f"layout {layout!r} failed") from e
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_runs(request, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The run folders' root and each rank's results by layout, for the layouts of the
+    selected tests, run in one ``run_distributed``."""
+    selected = {
+        item.callspec.params["layout"]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        and "layout" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    layouts = [layout for layout in LAYOUTS if layout in selected]
+    root = tmp_path_factory.mktemp("sp_moe")
+    for layout in layouts:
+        (root / layout).mkdir()
+    results = run_distributed(_moe_bodies, world_size=4, args=(str(root), layouts), timeout=240)
+    return root, results
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_and_sp_sites_count_every_token_once(moe_runs, layout: str) -> None:
     """Every expert's activation/dgrad statistics are those of all tokens routed to it from the
     four streams (merged over edp, gathered over ep); the sequence-parallel sites' those of both
     batches, each element once: up's input is a replica over sp (one copy counts), its dgrad a
     Partial over sp summed in the gradient hook (then a replica), down's input and output are
     sequence/feature shards over sp (merged over dp_cp only)."""
-    results = run_distributed(_moe_body, world_size=4, args=(str(tmp_path), layout), timeout=240)
-    assert_every_site_matches(tmp_path, _moe_float64())
-    for res in results:
+    root, results = moe_runs
+    assert_every_site_matches(root / layout, _moe_float64())
+    for res in (r[layout] for r in results):
         # one all_gather per distinct group: dp_cp (the sp sites), edp (the experts) and the
         # expert gather over ep; the Partial dgrad's all_reduce ran in backward, not here
         assert res["counts"].get("all_gather", 0) == 3, res["counts"]
