@@ -436,28 +436,44 @@ def _is_plain(tensor: Any) -> bool:
     return type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
 
 
+def replicate_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """The groups of the mesh dims where ``tensor`` (a DTensor) is ``Replicate`` (``()`` if
+    none, or a plain tensor): every rank of such a group holds the same values."""
+    if _is_plain(tensor) or not callable(getattr(tensor, "to_local", None)):
+        return ()
+    return groups_by_placement(tensor.device_mesh, tensor.placements)[2]
+
+
 def _placement_groups(tensor: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     if _is_plain(tensor):
         return (), ()
     try:
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor.placement_types import Partial, Replicate
     except ImportError:  # pragma: no cover - very old torch
         return (), ()
     if not isinstance(tensor, DTensor):
         return (), ()
-    mesh = tensor.device_mesh
-    shards = []
-    partials = []
-    for dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Replicate):
+    # (every parameter and gradient at every logging step: no group look-up for Replicate dims)
+    shards, partials, _ = groups_by_placement(tensor.device_mesh, tensor.placements, replicas=False)
+    return shards, partials
+
+
+def groups_by_placement(
+    mesh: Any, placements: Sequence[Any], *, replicas: bool = True
+) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+    """(shard, partial, replicate) groups of a DTensor layout: each mesh dim's group, by its
+    placement (``replicas=False``: the replicate groups are not looked up, ``()``). Every
+    placement other than ``Partial`` and ``Replicate`` is a shard (``Shard``,
+    ``_StridedShard``, ...)."""
+    from torch.distributed.tensor.placement_types import Partial, Replicate
+
+    found: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+    for dim, placement in enumerate(placements):
+        kind = 2 if isinstance(placement, Replicate) else 1 if isinstance(placement, Partial) else 0
+        if kind == 2 and not replicas:
             continue
-        group = mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group()
-        if isinstance(placement, Partial):
-            partials.append(group)
-        else:  # Shard, _StridedShard and any other shard-like placement
-            shards.append(group)
-    return tuple(shards), tuple(partials)
+        found[kind].append(mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group())
+    return tuple(found[0]), tuple(found[1]), tuple(found[2])
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -938,9 +954,14 @@ def _row_major_group(shape: tuple[int, ...], dims: list[int]) -> Any:
         return None
     if size == dist.get_world_size():
         return world_group()
-    grid = torch.arange(math.prod(shape)).reshape(shape)
-    other = [d for d in range(len(shape)) if d not in dims]
-    blocks = grid.permute(*other, *dims).reshape(-1, size)
+    return _new_groups_along(torch.arange(math.prod(shape)).reshape(shape), dims)
+
+
+def _new_groups_along(grid: torch.Tensor, dims: list[int]) -> Any:
+    """``dist.new_group`` for every block of the rank ``grid`` along its ``dims`` (every rank
+    must call it for every block, in the same order); returns this rank's group."""
+    other = [d for d in range(grid.ndim) if d not in dims]
+    blocks = grid.permute(*other, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims))
     me = dist.get_rank()
     mine = None
     for block in blocks.tolist():
@@ -1031,11 +1052,10 @@ def _flat_group(mesh: Any, dims: list[str]) -> Any:
         return sub._flatten(flat_name).get_group()
     except Exception:
         # Fall back to a new group with the same members (costs one new_group per call).
-        ranks = sub.mesh.flatten().tolist()
-        return _new_group_for(mesh, dims, ranks)
+        return _new_group_for(mesh, dims)
 
 
-def _new_group_for(mesh: Any, dims: list[str], my_ranks: list[int]) -> Any:
+def _new_group_for(mesh: Any, dims: list[str]) -> Any:
     # Every rank must call new_group for every subgroup, in the same order.
     full = mesh.mesh
     if full.numel() != dist.get_world_size():
@@ -1045,17 +1065,7 @@ def _new_group_for(mesh: Any, dims: list[str], my_ranks: list[int]) -> Any:
             f"ProcessGroups.from_device_mesh: cannot flatten mesh dims {dims} of a sub-mesh "
             "(DeviceMesh._flatten failed); pass the whole mesh"
         )
-    other = [i for i, n in enumerate(mesh.mesh_dim_names) if n not in dims]
-    keep = [mesh.mesh_dim_names.index(n) for n in dims]
-    perm = full.permute(*other, *keep)
-    blocks = perm.reshape(-1, math.prod(perm.shape[len(other) :]))
-    mine = None
-    for block in blocks:
-        ranks = block.tolist()
-        g = dist.new_group(ranks)
-        if ranks == sorted(my_ranks) or set(ranks) == set(my_ranks):
-            mine = g
-    return mine
+    return _new_groups_along(full, [mesh.mesh_dim_names.index(n) for n in dims])
 
 
 def unique_by_identity(items: Iterable[Any]) -> list[Any]:

@@ -32,8 +32,10 @@ from trainvitals.distributed import (
     all_reduce_by_groups,
     group_rank,
     group_size,
+    groups_by_placement,
     local_tensor,
     partial_groups,
+    replicate_groups,
     shard_groups,
     unique_by_identity,
 )
@@ -819,7 +821,7 @@ class TensorStatsMonitor(VitalsCallback):
                     ("dgrad", site), shard_groups(grad, include_partial=False)
                 )
                 # summed, every rank of the partial groups holds the same gradient: a replica
-                self._site_replicas.setdefault(("dgrad", site), groups + _replicate_groups(grad))
+                self._site_replicas.setdefault(("dgrad", site), groups + replicate_groups(grad))
                 if not self._hooks_failed:
                     self._add_parts("dgrad", site, local.to(grad.dtype))
                 return
@@ -833,7 +835,7 @@ class TensorStatsMonitor(VitalsCallback):
         into = into or kind
         if (kind, site) not in self._site_groups:
             self._site_groups[(kind, site)] = shard_groups(x, include_partial=False)
-            self._site_replicas.setdefault((kind, site), _replicate_groups(x))
+            self._site_replicas.setdefault((kind, site), replicate_groups(x))
         if (kind, site) in self._dropped:
             return
         local = local_tensor(x).detach()
@@ -1217,21 +1219,6 @@ def _is_dtensor(x: torch.Tensor) -> bool:
     return callable(getattr(x, "to_local", None)) and hasattr(x, "placements")
 
 
-def _replicate_groups(x: torch.Tensor) -> tuple[Any, ...]:
-    """The groups of the mesh dims over which ``x`` (a DTensor) is ``Replicate``: every rank of
-    such a group holds the same values. ``()`` for a plain tensor."""
-    if not _is_dtensor(x):
-        return ()
-    from torch.distributed.tensor.placement_types import Replicate
-
-    mesh = x.device_mesh
-    return tuple(
-        mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group()
-        for d, p in enumerate(x.placements)
-        if isinstance(p, Replicate)
-    )
-
-
 def _local_layout(
     x: torch.Tensor, reduced: tuple[tuple[int, ...], tuple[Any, ...]] | None
 ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
@@ -1251,16 +1238,8 @@ def _local_layout(
     spec = getattr(x.grad_fn, "dtensor_spec", None) if x.grad_fn is not None else None
     placements = getattr(spec, "placements", None)
     if placements is not None:
-        from torch.distributed.tensor.placement_types import Partial, Replicate
-
-        if any(isinstance(p, Partial) for p in placements):
-            return None
-        mesh = spec.mesh
-        dims = [mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group() for d in range(mesh.ndim)]
-        return (
-            tuple(g for g, p in zip(dims, placements, strict=True) if not isinstance(p, Replicate)),
-            tuple(g for g, p in zip(dims, placements, strict=True) if isinstance(p, Replicate)),
-        )
+        shards, partials, replicas = groups_by_placement(spec.mesh, placements)
+        return None if partials else (shards, replicas)
     if reduced is None:
         return (), ()  # assumed whole or a replica over tensor-parallel ranks (documented)
     shape, groups = reduced
