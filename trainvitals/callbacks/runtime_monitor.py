@@ -245,24 +245,24 @@ class RuntimeMonitor(VitalsCallback):
     def _current_horizon(self, ctx: RunContext, steps_done: int) -> int | None:
         """The training horizon in optimizer steps as the run stands now: ``max_steps`` given
         here, else the smaller of the run's ``max_steps`` and its epochs x batches (see
-        :func:`training_horizon`). Under Lightning read off the trainer each time (with the
-        epoch in progress and its batches so far, which the context does not hold): a callback
-        or the user may change
-        ``trainer.fit_loop.epoch_loop.max_steps`` or ``fit_loop.max_epochs`` mid-run, and
-        ``reload_dataloaders_every_n_epochs`` may load a dataloader of another length, so
-        the epochs part counts from the start of the epoch in progress with its batches."""
+        :func:`training_horizon`), from the context, which under Lightning follows the trainer
+        (a callback or the user may change ``trainer.fit_loop.epoch_loop.max_steps`` or
+        ``fit_loop.max_epochs`` mid-run, and ``reload_dataloaders_every_n_epochs`` may load a
+        dataloader of another length). Under Lightning the epochs part counts from the start
+        of the epoch in progress with its batches (:func:`_lightning_epoch_progress`)."""
         if self.max_steps is not None:
             return self.max_steps
-        limits = _lightning_limits(ctx.trainer, steps_done)
-        if limits is None:  # the driver (or a trainer without Lightning's loops): the context's
-            limits = {
-                "max_steps": ctx.max_steps,
-                "max_epochs": ctx.max_epochs,
-                "num_training_batches": ctx.num_training_batches,
-                "accumulate_grad_batches": ctx.accumulate_grad_batches,
-            }
-        if not self._epoch_horizon_usable:
-            limits["max_epochs"] = None  # only max_steps is in optimizer steps
+        limits: dict[str, Any] = {
+            "max_steps": ctx.max_steps,
+            "max_epochs": ctx.max_epochs if self._epoch_horizon_usable else None,
+            "num_training_batches": ctx.num_training_batches,
+            "accumulate_grad_batches": ctx.accumulate_grad_batches,
+        }
+        progress = _lightning_epoch_progress(ctx.trainer)
+        if progress is not None:
+            limits["epoch"], limits["batches_done_in_epoch"] = progress
+            limits["steps_done"] = steps_done
+        # (only max_steps is in optimizer steps when _epoch_horizon_usable is False)
         return training_horizon(**limits)
 
     def _check_epoch_horizon(self, ctx: RunContext) -> None:
@@ -384,42 +384,20 @@ class RuntimeMonitor(VitalsCallback):
         self._restart()
 
 
-def _positive_int(value: Any) -> int | None:
-    """``value`` as a count when it is a positive finite number (Lightning's -1 and inf: no
-    limit), else ``None``."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return int(value) if 0 < value < math.inf else None
-
-
-def _lightning_limits(trainer: Any, steps_done: int) -> dict[str, Any] | None:
-    """:func:`training_horizon`'s arguments as ``trainer`` (a Lightning ``Trainer``) stands
-    now, or ``None`` when it has no such loops (no trainer: the driver). Python attributes
-    only: no sync, no collective."""
+def _lightning_epoch_progress(trainer: Any) -> tuple[int, int] | None:
+    """(the epoch in progress, its batches so far) of ``trainer`` (a Lightning ``Trainer``;
+    the batches are kept by a checkpoint taken mid-epoch), or ``None`` when it has no such
+    loops (no trainer: the driver). Python attributes only: no sync, no collective."""
     if trainer is None:
         return None
     try:
-        epoch_loop = trainer.fit_loop.epoch_loop
-        max_steps = trainer.max_steps
-        max_epochs = trainer.max_epochs
-        batches = trainer.num_training_batches
         epoch = trainer.current_epoch
-        # batches of the epoch in progress so far (kept by a checkpoint taken mid-epoch)
-        done_in_epoch = epoch_loop.batch_progress.current.ready
-        accumulate = trainer.accumulate_grad_batches
+        done_in_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready
     except AttributeError:
         return None
     if not isinstance(epoch, int) or not isinstance(done_in_epoch, int):
         return None
-    return {
-        "max_steps": _positive_int(max_steps),
-        "max_epochs": _positive_int(max_epochs),
-        "num_training_batches": _positive_int(batches),
-        "accumulate_grad_batches": _positive_int(accumulate) or 1,
-        "epoch": epoch,
-        "batches_done_in_epoch": done_in_epoch,
-        "steps_done": steps_done,
-    }
+    return epoch, done_in_epoch
 
 
 def _lightning_time_limit(trainer: Any) -> Callable[[], float | None] | None:
