@@ -256,8 +256,12 @@ def main() -> None:
     # 8 x 128 tokens: with it the reference methods cost what the issue measured on its 25M
     # model (four power sums, params+grads: +9 to +11%; wandb.watch: +39 to +40%); at 4 x 128
     # they cost about twice that, i.e. the issue's step was about twice as long.
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="sequences per step (8; --quick: 2)"
+    )
+    parser.add_argument(
+        "--seq", type=int, default=None, help="tokens per sequence (128; --quick: 32)"
+    )
     parser.add_argument("--skip-kernel", action="store_true")
     parser.add_argument(
         "--cpu-time",
@@ -309,8 +313,8 @@ def main() -> None:
             LMConfig(vocab_size=512, d_model=64, n_layers=2, d_ff=256) if args.quick else LMConfig()
         )
         batch = lm_batch(
-            batch_size=2 if args.quick else args.batch,
-            seq_len=32 if args.quick else args.seq,
+            batch_size=args.batch or (2 if args.quick else 8),
+            seq_len=args.seq or (32 if args.quick else 128),
             vocab_size=cfg.vocab_size,
         )
         names = [

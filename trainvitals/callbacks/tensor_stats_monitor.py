@@ -193,7 +193,8 @@ class TensorStatsMonitor(VitalsCallback):
             whose name ends in ``Router``).
         include: globs (``fnmatch``) over tensor names (``layers.0.mlp.fc1.weight``,
             ``layers.0.mlp.fc1/input0``); only matching tensors are recorded. Default: all.
-        exclude: globs of tensor names to leave out (e.g. ``["lm_head/*"]`` for the logits).
+        exclude: globs of tensor names to leave out (e.g. ``["*lm_head/*"]`` for the logits; the
+            leading ``*`` also matches ``model.lm_head/output0`` under a LightningModule).
             A glob of ``include`` or ``exclude`` that matches no name is warned about once, at
             run start (rank 0).
         layer_pattern: regex with one capture group (e.g. ``r"layers\\.(\\d+)\\."``); when set,
@@ -211,7 +212,7 @@ class TensorStatsMonitor(VitalsCallback):
     Example:
         >>> import lightning
         >>> from trainvitals.callbacks import TensorStatsMonitor
-        >>> monitor = TensorStatsMonitor(activation_every_n_steps=100, exclude=["lm_head/*"])
+        >>> monitor = TensorStatsMonitor(activation_every_n_steps=100, exclude=["*lm_head/*"])
         >>> trainer = lightning.pytorch.Trainer(callbacks=[monitor], log_every_n_steps=10)
         >>> # later: trainvitals query RUN_DIR --kind grad --group 'layers.*.mlp.*' --stat kurtosis
 
