@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from trainvitals.adapters.sinks.base import COMET_KEYS, Sink
+from trainvitals.adapters.sinks.base import COMET_KEYS, Sink, StepRefused
 
 __all__ = ["CometSink"]
 
@@ -40,6 +41,20 @@ class CometSink(Sink):
     experiment's ``curr_step`` back to what it was, as Comet's own Keras callback does around
     its test batches (``comet_ml/callbacks/_base.py``). (Comet's ``curr_step`` parameter keeps
     the sink's step until the loop sets a step again.)
+
+    Context: Comet tags each metric with the experiment's context at the time it is logged
+    (``with experiment.train():``, ``.validate()``, ``.test()``), and shows it under the
+    context's prefix (``train_loss``; Comet's own summary uses ``Experiment._fullname``). A
+    step reaches a shared experiment at the writer's next call, whichever context the loop is
+    in by then (a training step delivered from the validation loop), so the sink logs without
+    the context (``log_metrics(..., include_context=False)``): every key keeps its own name, as
+    in the other sinks. (A comet_ml whose ``log_metrics`` has no ``include_context`` is called
+    without it.)
+
+    An experiment that is no longer alive (ended, by its owner or by Lightning's
+    ``CometLogger.finalize``, or disabled) drops whatever is logged to it without a word: the
+    sink reports such a step as missed (:class:`~trainvitals.adapters.sinks.base.StepRefused`,
+    one warning) instead of counting it as delivered.
 
     Keys are mapped by :data:`~trainvitals.adapters.sinks.base.COMET_KEYS`: unchanged up to
     100 characters (``_x`` followed by two hex digits is escaped as ``_x5fx..``, as by every
@@ -79,6 +94,7 @@ class CometSink(Sink):
             os.fspath(offline_directory) if offline_directory is not None else None
         )
         self.experiment_kwargs = dict(experiment_kwargs or {})
+        self._log_kwargs: dict[str, Any] | None = None  # what log_metrics is given besides step
 
     def open(self) -> None:
         if self.experiment is None:
@@ -94,15 +110,36 @@ class CometSink(Sink):
         if self.experiment is None:
             self.open()
         experiment = self.experiment
+        if getattr(experiment, "alive", True) is False:
+            # Comet's _log_metric logs nothing once the experiment is not alive
+            raise StepRefused(
+                "the Comet experiment is not alive (ended or disabled): Comet drops what is "
+                "logged to it"
+            )
+        kwargs = self._log_kwargs
+        if kwargs is None:
+            kwargs = self._log_kwargs = _no_context_kwargs(experiment.log_metrics)
         if self.owned or not hasattr(experiment, "curr_step"):
-            experiment.log_metrics(dict(self.map_metrics(metrics)), step=step)
+            experiment.log_metrics(dict(self.map_metrics(metrics)), step=step, **kwargs)
             return
         loop_step = experiment.curr_step
         try:
-            experiment.log_metrics(dict(self.map_metrics(metrics)), step=step)
+            experiment.log_metrics(dict(self.map_metrics(metrics)), step=step, **kwargs)
         finally:
             experiment.curr_step = loop_step  # see "Current step" above
 
     def close(self) -> None:
         if self.owned and self.experiment is not None:
             self.experiment.end()
+
+
+def _no_context_kwargs(log_metrics: Any) -> dict[str, Any]:
+    """``{"include_context": False}`` when ``log_metrics`` takes it (see "Context" above)."""
+    try:
+        params = inspect.signature(log_metrics).parameters
+    except (TypeError, ValueError):  # no signature to read: call it as before
+        return {}
+    takes = "include_context" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
+    return {"include_context": False} if takes else {}

@@ -49,7 +49,11 @@ class TensorBoardSink(Sink):
     the purge marker at once.
 
     Keys are written unchanged (TensorBoard accepts any tag). NaN and infinities are stored as
-    such (IEEE values in the event file) and read back as NaN/inf.
+    such (IEEE values in the event file) and read back as NaN/inf. Float32 (the default) also
+    turns a finite value outside its range into an infinity: ``|x| > 3.4028235e38`` (a
+    diverging norm of ``1e39``) reads back as ``inf``, ``|x| < 1.4e-45`` as ``0.0``, and an
+    integer above ``2**24`` is rounded (``2**25 + 1`` -> ``33554432``), as with torch's own
+    ``add_scalar``; ``double_precision=True`` keeps the float64.
 
     Example::
 

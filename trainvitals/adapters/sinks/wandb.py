@@ -61,6 +61,12 @@ class WandbSink(Sink):
     with ``writer.end_step()`` (the ``Vitals`` driver does) or ``writer.flush()`` before that
     code logs the next step. Values logged for one step in two deliveries land in the same row.
 
+    A run that was finished before the writer delivered its last steps (``run.finish()``,
+    Accelerate's ``end_training()``, before the writer's ``close()``) takes nothing more: the
+    sink reports those steps as missed (one warning) at once. (W&B raises ``UsageError`` for
+    its ``log()``, and its ``run.step`` waited 30 s for an answer at each of the writer's
+    retries, so ``close()`` stalled for its whole ``close_timeout``.)
+
     ``shared_step=True`` (what :meth:`FanoutWriter.from_accelerator` builds for Accelerate's
     wandb tracker) is for a run whose step other code moves with ``log(..., step=N)``, such as
     a loop's ``accelerator.log(values, step=completed_steps)``: a step the run has not passed
@@ -134,6 +140,10 @@ class WandbSink(Sink):
         self._last_step: int | None = None
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
+        if getattr(self.run, "_is_finished", False) is True:
+            # W&B ignores a finished run's log() (UsageError), and its run.step waits 30 s
+            # for a service that no longer answers, at every retry
+            raise StepRefused("the W&B run is finished; W&B ignores what is logged to it")
         data = dict(self.map_metrics(metrics))
         if self.shared_step:
             self._write_shared(step, data)
