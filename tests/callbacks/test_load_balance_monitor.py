@@ -716,7 +716,7 @@ def test_pipeline_stages_report_every_layer(case: str, world_size: int) -> None:
     results = run_distributed(_pipeline_body, world_size, args=(case,), timeout=180)
     dp_size = world_size // 2
     if case == "local_names":
-        labels = ["pp0_0", "pp1_0", "pp0_1", "pp1_1"]  # numeric order, then stage
+        labels = ["pp0_0", "pp0_1", "pp1_0", "pp1_1"]  # the full model's order: stage, then number
         assert all(r["warned"] for r in results)
     else:
         labels = ["2", "3"] if case == "dense_first_stage" else ["0", "1", "2", "3"]
@@ -733,8 +733,8 @@ def test_pipeline_stages_report_every_layer(case: str, world_size: int) -> None:
                     sum(np.array(m[0]) for m in mine),
                     sum(np.array(m[1]) for m in mine) / dp_size,
                 )
-        if case == "local_names":  # labels interleave the stages: pp0_0, pp1_0, pp0_1, pp1_1
-            order = [(0, 0), (1, 0), (0, 1), (1, 1)]
+        if case == "local_names":  # stage 0's layers, then stage 1's: pp0_0, pp0_1, pp1_0, pp1_1
+            order = [(0, 0), (0, 1), (1, 0), (1, 1)]
             loads = np.stack([per_stage[p][0][i] for p, i in order])
             aux = np.array([per_stage[p][1][i] for p, i in order])
         else:

@@ -73,7 +73,10 @@ class LoadBalanceMonitor(VitalsCallback):
     so every rank, the writing one included, reports the layers of all stages. Layer numbers
     are expected to be global across stages (torchtitan keeps ``layers.<i>`` of the full
     model); when two stages report the same number (stage-local numbering, as Megatron's
-    ``decoder.layers.0`` on every stage) the labels are prefixed ``pp<stage>_``, with a warning.
+    ``decoder.layers.0`` on every stage) the labels are prefixed ``pp<stage>_``, with a warning,
+    and the layers are ordered as in the full model: stage 0's, then stage 1's, ...
+    (``pp0_0, pp0_1, pp1_0, pp1_1``), which is also the order ties among the top/bottom experts
+    follow.
 
     Configuration errors are raised at ``run_start`` (``ValueError``, or the ``TypeError`` of a
     bad extractor), on every rank, before any training step: no router found, routers (or
@@ -82,7 +85,9 @@ class LoadBalanceMonitor(VitalsCallback):
     element by element: e.g. pipeline stages passed as data-parallel ranks, which would be
     added into each other's rows). With several ranks the check costs one ``all_gather_object``
     over ``dp_cp`` (and one over ``pp``) once per run; a rank's own error is raised after it,
-    so no rank is left waiting.
+    so no rank is left waiting. That holds for any exception raised while the routers are
+    found (e.g. an extractor's ``num_experts`` callable raising ``RuntimeError``): every rank
+    raises a ``ValueError`` naming it (the failing rank's chained to the original).
 
     Args:
         mode: ``"brief"`` (aggregates and the top/bottom experts) or ``"detailed"`` (also
@@ -469,10 +474,13 @@ def _capture_and_layout(
             raise
     # Several ranks: a configuration error on one rank must reach every rank (they all wait
     # in the same gathers), so it is raised after the ranks agreed.
+    # Any exception counts, not only the ValueError/TypeError of a bad configuration: an
+    # extractor's num_experts callable may raise anything, and a rank that raised before the
+    # gathers would leave its peers waiting in them.
     error: Exception | None = None
     try:
         capture = RouterCapture(model, extractors=extractors)
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:
         capture, error = RouterCapture(torch.nn.Module()), exc
     layout: _Layout | None = None
     try:
@@ -506,6 +514,10 @@ def _agree_over_dp_cp(layout: _Layout | None, error: Exception | None, dp_cp: An
             mine = (layout.num_experts, layout.labels, layout.has_aux, layout.rows)
         message = None if error is None else f"{type(error).__name__}: {error}"
         peers = all_gather_objects((mine, message), dp_cp)
+    if error is not None and peers and not isinstance(error, ValueError | TypeError):
+        # Every rank must raise what run_start lets through (the callback guard disables a
+        # callback on other exceptions): the peers raise a ValueError, so does this rank.
+        raise ValueError(f"LoadBalanceMonitor: {type(error).__name__}: {error}") from error
     if error is not None:
         raise error
     failed = [(rank, message) for rank, (_, message) in enumerate(peers) if message]
@@ -574,7 +586,13 @@ def _layout(
         for pos, (label, key, aux) in enumerate(routers):
             name = f"pp{stage}_{label}" if clash else label
             table.append((tuple(key), stage, pos, name, aux))
-    table.sort(key=lambda row: (row[0], row[1], row[2]))
+    # Global layer order. Global numbers (torchtitan's layers.<i>): by number, the stage only
+    # breaking ties. Stage-local numbers (every stage from layers.0): stage 0's layers first,
+    # then stage 1's, ..., each stage's by number (not pp0_0, pp1_0, pp0_1, ...).
+    if clash:
+        table.sort(key=lambda row: (row[1], row[0], row[2]))
+    else:
+        table.sort(key=lambda row: (row[0], row[1], row[2]))
     me = group_rank(pp)
     index = {(stage, pos): i for i, (_, stage, pos, _, _) in enumerate(table)}
     return _Layout(
