@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -32,9 +33,17 @@ class MemoryMonitor(VitalsCallback):
     an embedding table kept on the CPU); any parameter sharded over a CUDA device mesh
     (FSDP2 with ``CPUOffloadPolicy``, whose shards live on the CPU: the current CUDA device);
     else, when CUDA is initialised in the process, its current CUDA device. Without CUDA, or
-    when none applies, no CUDA key is written. The readings of all ranks are reduced in ONE
-    collective: an all-reduce MAX when only ``"max"`` is asked for, else one all-gather from
-    which max, min and mean are taken. Non-logging steps read nothing.
+    when none applies, no CUDA key is written. Every other CUDA device that holds a parameter
+    or buffer of the model at run start is read too: a model spread over several GPUs of one
+    process (Hugging Face's ``device_map="auto"``, a hand-made pipeline) reports its worst
+    device, not only its first (one more host-side ``memory_stats`` call per device on
+    logging steps, no sync). A CUDA key is reduced over every device read on every rank (its
+    ``/mean`` is the mean over devices), a host key over the ranks. The readings of all ranks
+    are reduced in ONE collective: an all-reduce MAX when only ``"max"`` is asked for, else
+    one all-gather from which max, min and mean are taken. Non-logging steps read nothing.
+    When the host memory cannot be read (at run start, or on one rank at one logging step: a
+    passing ``EMFILE``), the host keys of that step are left out on every rank, with one
+    warning, and the next logging step tries again; the CUDA keys are written regardless.
 
     Peaks are since the process started (as Composer's and Megatron-Bridge's reports), or since
     the previous logging step with ``peak_since_last_log=True`` (the first logging step's since
@@ -43,9 +52,7 @@ class MemoryMonitor(VitalsCallback):
     process started: the OS's peak (``VmHWM`` on Linux, ``ru_maxrss`` elsewhere) cannot be
     reset. ``memory/alloc_retries`` and ``memory/ooms`` are totals since the process started
     in either case (``reset_peak_memory_stats`` leaves them). Nothing here is checkpoint
-    state: a resumed process starts its own peaks and counts. One CUDA device per process is
-    read: a model spread over several GPUs of one process (``device_map="auto"``) reports the
-    device chosen above only.
+    state: a resumed process starts its own peaks and counts.
 
     Allocator history (CUDA only): ``record_history=True`` starts
     ``torch.cuda.memory._record_memory_history`` at run start (allocations made earlier, such
@@ -54,8 +61,9 @@ class MemoryMonitor(VitalsCallback):
     ``<run_dir>/memory_snapshots/rank<r>_step<s>.pickle`` (open them at
     https://pytorch.org/memory_viz); under Lightning's manual optimization with several
     optimizers stepped per batch (each ``optimizer.step()`` is a step) a step's snapshot is
-    taken at the end of its batch. Recording stops at the end of the run. On a device without
-    CUDA both are a no-op with one warning.
+    taken at the end of its batch. Recording stops at the end of the run, also when the run
+    raises and when a failing hook disables the monitor. Snapshots and history cover every
+    CUDA device of the process. On a device without CUDA both are a no-op with one warning.
 
     Args:
         reduce: which reductions over ranks to write: a non-empty subset of ``("max", "min",
@@ -72,7 +80,7 @@ class MemoryMonitor(VitalsCallback):
     Keys written on logging steps (each also as ``<key>/min`` and ``<key>/mean`` when asked):
 
     ============================  =========================================================  =====
-    key                           meaning (max over ranks)                                   unit
+    key                           meaning (max over ranks and their CUDA devices)            unit
     ============================  =========================================================  =====
     ``memory/allocated_gb``       memory held by live tensors (CUDA)                         GB
     ``memory/active_gb``          allocated plus blocks awaiting stream sync (CUDA)          GB
@@ -147,10 +155,10 @@ class MemoryMonitor(VitalsCallback):
         self.max_history_entries = max_history_entries
         self.snapshot_steps = frozenset(steps)
         self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
-        self._cuda: torch.device | None = None
+        self._cuda: tuple[torch.device, ...] = ()  # the CUDA devices read (run start)
         self._recording = False
         self._process: Any = None  # psutil.Process of this process, made at run start
-        self._read_host = self.host  # host readings possible (decided at run start)
+        self._read_host = self.host  # the host could be read at run start
         self.snapshots: list[Path] = []  # files written by this process
 
     # ------------------------------------------------------------------ hooks
@@ -168,35 +176,38 @@ class MemoryMonitor(VitalsCallback):
                 memory_stats.host_memory_readings(self._process)
             except Exception as exc:
                 # Without the host keys the CUDA keys are still worth writing: not a reason
-                # to lose the whole monitor. The same on every rank (same environment).
+                # to lose the whole monitor. The logging steps still try (NaN slots in the
+                # collective while it fails: a failure on one rank, even a passing one, must
+                # not change which collective this rank issues).
                 self._read_host = False
                 self.warn_once(
                     "host",
                     f"cannot read the host memory ({type(exc).__name__}: {exc}); "
-                    "memory/rss_gb and memory/peak_rss_gb are not written",
+                    "memory/rss_gb and memory/peak_rss_gb are not written while it fails",
                 )
-        self._cuda = _run_cuda_device(ctx)
-        if self._cuda is None and not self._read_host:
+        self._cuda = _run_cuda_devices(ctx)
+        if not self._cuda and not self._read_host:
             # Otherwise the monitor would sit in the run writing nothing, silently.
             self.warn_once(
                 "nothing",
                 f"no host readings and the run uses no CUDA device (model on {ctx.device}): "
-                "there is nothing to measure and no key is written",
+                "there is nothing to measure and no key is written"
+                + (" while the host memory cannot be read" if self.host else ""),
             )
-        if self._cuda is None and (self.record_history or self.snapshot_steps):
+        if not self._cuda and (self.record_history or self.snapshot_steps):
             self.warn_once(
                 "nocuda",
                 "allocator history and snapshots need a CUDA device; the run uses none "
                 f"(model on {ctx.device}): no history is recorded and no snapshot written",
             )
-        if self._cuda is not None and self.record_history:
+        if self._cuda and self.record_history:
             torch.cuda.memory._record_memory_history(
                 enabled="all", max_entries=self.max_history_entries
             )
             self._recording = True
 
     def step_end(self, ctx: RunContext) -> None:
-        if self._cuda is not None and self.snapshot_steps:
+        if self._cuda and self.snapshot_steps:
             # Under Lightning's manual optimization with several optimizers one step_end ends
             # the steps ctx.step .. ctx.step + step_increment - 1 (one per optimizer.step()).
             for step in range(ctx.step, ctx.step + ctx.step_increment):
@@ -209,42 +220,82 @@ class MemoryMonitor(VitalsCallback):
         self._stop_recording()
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
-        if self._cuda is not None and self._recording:
-            # The state at the failure (often an OOM) is the most useful snapshot there is.
-            self._dump_snapshot(ctx, "exception")
+        try:
+            if self._cuda and self._recording:
+                # The state at the failure (often an OOM) is the most useful snapshot there is.
+                self._dump_snapshot(ctx, "exception")
+        finally:  # a dump that fails (disk full, after an OOM) must not leave history on
+            self._stop_recording()
+
+    def release(self, ctx: RunContext) -> None:
+        # Disabled by the guard (a hook raised): run_end will not come, and the allocator
+        # would go on recording every allocation's stack for the rest of the process.
         self._stop_recording()
 
     # ------------------------------------------------------------------ what it measures
 
-    def _readings(self) -> dict[str, float]:
-        values: dict[str, float] = {}
-        if self._cuda is not None:
-            values.update(memory_stats.cuda_memory_readings(self._cuda))
+    def _readings(self) -> tuple[list[str], torch.Tensor, list[str], torch.Tensor]:
+        """CUDA key names and their readings ``[devices, keys]`` (one row per device read),
+        host key names and their readings ``[keys]``; float64 on the CPU."""
+        rows = []
+        for device in self._cuda:
+            rows.append(memory_stats.cuda_memory_readings(device))
             if self.peak_since_last_log:
-                torch.cuda.reset_peak_memory_stats(self._cuda)
-        if self._read_host:
-            values.update(memory_stats.host_memory_readings(self._process))
-        return values
+                torch.cuda.reset_peak_memory_stats(device)
+        host_names = list(memory_stats.HOST_KEYS) if self.host else []
+        host = [math.nan] * len(host_names)  # not measured: left out on every rank
+        if host_names:
+            try:
+                reading = memory_stats.host_memory_readings(self._process)
+                host = [reading[n] for n in host_names]
+            except Exception as exc:
+                if self._read_host:  # (else warned at run start)
+                    self.tolerate_failure(
+                        "host_step",
+                        "reading the host memory",
+                        exc,
+                        "memory/rss_gb and memory/peak_rss_gb are left out while it fails",
+                    )
+        cuda_names = list(memory_stats.CUDA_STATS) if rows else []
+        cuda = torch.tensor([[row[n] for n in cuda_names] for row in rows], dtype=torch.float64)
+        return cuda_names, cuda, host_names, torch.tensor(host, dtype=torch.float64)
 
     def _read_and_reduce(self) -> dict[str, Any]:
-        readings = self._readings()
-        if not readings:
+        cuda_names, cuda, host_names, host = self._readings()
+        if not cuda_names and not host_names:
             return {}
-        names = list(readings)
-        local = torch.tensor([readings[n] for n in names], dtype=torch.float64)
+        names = cuda_names + host_names
         group = world_group()
         reduced: dict[str, torch.Tensor] = {}
+        # A CUDA key is reduced over every device of every rank (a process may compute on
+        # several: device_map="auto"), a host key over the ranks.
         if self.reduce == ("max",):
+            local = torch.cat([cuda.amax(0) if cuda_names else cuda.new_empty(0), host])
             reduced["max"] = all_reduce_coalesced([local], "max", group)[0]
         else:
-            rows = all_gather_coalesced([local], group)[0]  # [ranks, n]
-            reduced = {"max": rows.amax(0), "min": rows.amin(0), "mean": rows.mean(0)}
+            # Per rank: the devices' max, min, sum and count, then the host readings; the
+            # mean over devices is the sum of the sums over the sum of the counts (ranks may
+            # read different numbers of devices).
+            k = len(cuda_names)
+            local = host
+            if k:
+                count = cuda.new_full((1,), cuda.shape[0])
+                local = torch.cat([cuda.amax(0), cuda.amin(0), cuda.sum(0), count, host])
+            rows = all_gather_coalesced([local], group)[0]  # [ranks, 3k (+1) + h]
+            hosts = rows[:, 3 * k + 1 :] if k else rows
+            reduced = {"max": hosts.amax(0), "min": hosts.amin(0), "mean": hosts.mean(0)}
+            if k:
+                mean = rows[:, 2 * k : 3 * k].sum(0) / rows[:, 3 * k].sum()
+                reduced["max"] = torch.cat([rows[:, :k].amax(0), reduced["max"]])
+                reduced["min"] = torch.cat([rows[:, k : 2 * k].amin(0), reduced["min"]])
+                reduced["mean"] = torch.cat([mean, reduced["mean"]])
         out: dict[str, Any] = {}
         for kind in self.reduce:
             suffix = "" if kind == "max" else f"/{kind}"
             # host values: the readings and the collective's result are on the CPU
             for name, value in zip(names, reduced[kind].tolist(), strict=True):
-                out[f"memory/{name}{suffix}"] = value
+                if not math.isnan(value):  # NaN: some rank could not read it this step
+                    out[f"memory/{name}{suffix}"] = value
         return out
 
     def _dump_snapshot(self, ctx: RunContext, suffix: str) -> None:
@@ -267,6 +318,27 @@ class MemoryMonitor(VitalsCallback):
                 torch.cuda.memory._record_memory_history(enabled=None)
             except Exception as exc:  # never let telemetry end a run at its end
                 warnings.warn(f"MemoryMonitor: could not stop memory history: {exc}", stacklevel=2)
+
+
+def _run_cuda_devices(ctx: RunContext) -> tuple[torch.device, ...]:
+    """The CUDA devices this process computes on, in index order: the one
+    :func:`_run_cuda_device` chooses and every other CUDA device holding a parameter or
+    buffer of the model (a model spread over several GPUs of one process, as Hugging Face's
+    ``device_map="auto"`` does); ``()`` without CUDA. Decided once, at run start."""
+    first = _run_cuda_device(ctx)
+    if first is None:
+        return ()
+    indices = {_index(first)}
+    if ctx.model is not None:
+        for tensor in itertools.chain(ctx.model.parameters(), ctx.model.buffers()):
+            if tensor.device.type == "cuda":
+                indices.add(_index(tensor.device))
+    return tuple(torch.device("cuda", i) for i in sorted(indices))
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (``cuda`` alone is the current device)."""
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def _run_cuda_device(ctx: RunContext) -> torch.device | None:

@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "BYTES_PER_GB",
     "CUDA_STATS",
+    "HOST_KEYS",
     "REDUCTIONS",
     "cuda_memory_readings",
     "host_memory_readings",
@@ -37,6 +38,9 @@ CUDA_STATS: dict[str, tuple[str, bool]] = {
     "alloc_retries": ("num_alloc_retries", False),  # mem-alloc-retires (sic)
     "ooms": ("num_ooms", False),
 }
+
+# The keys (under ``memory/``) of host_memory_readings, in this order.
+HOST_KEYS = ("rss_gb", "peak_rss_gb")
 
 # Reductions over ranks a MemoryMonitor can report.
 REDUCTIONS = ("max", "min", "mean")
