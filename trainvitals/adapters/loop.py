@@ -56,14 +56,20 @@ optimizers that own them, one at a time, as their own ``step()`` would. In a loo
 :meth:`Vitals.batch`, the step ends when its batch is over: at the next ``batch()`` that
 starts a step (under accumulation the step's micro-batches stay one step),
 at :meth:`Vitals.state_dict` or :meth:`Vitals.close`, and at :meth:`Vitals.validating` once
-every attached optimizer stepped in it; not as soon as each optimizer has stepped, since one
-may step again after the others (a WGAN stepping the generator, then the critic k times). So
+every attached optimizer stepped in it, unless the optimizers' ``step()`` calls so far are a
+strict beginning of the last batch's (a WGAN stepping the generator, then the critic k times,
+evaluated after the critic's first step: the critic steps again, the batch goes on); not as
+soon as each optimizer has stepped, since one may step again after the others. So
 ``vitals.step`` counts a batch once it is over. A loop that does not call ``batch()`` ends the
 step once every attached optimizer stepped in it (its next forward would start the next step),
 else (a generator stepped every k batches) as above. An evaluation after only some optimizers
 stepped (``validating()`` between two optimizers' steps of one batch, or after a batch in
-which the generator did not step) leaves the step open: it ends as it would without the
-evaluation, so the batch stays one step (``vitals.step`` inside the evaluation is that step's).
+which the generator did not step), or after all of them stepped in a batch whose steps so far
+begin the last batch's without completing them, leaves the step open: it ends as it would
+without the evaluation, so the batch stays one step (``vitals.step`` inside the evaluation is
+that step's). In the run's first stepped batch there is no earlier batch to compare with: an
+evaluation after every optimizer stepped ends the step there, and an optimizer that steps
+again in that batch starts the next step (the batch is two steps).
 
 ``vitals.batch()`` tells the callbacks a micro-batch starts and how big it is. A loop that does
 not call it still works: each training-mode forward of the attached model (with autograd on,
@@ -85,9 +91,16 @@ uninterrupted run. What the carried micro-batches left on the model (gradients, 
 is in no checkpoint, Accelerate's included: ``ctx.micro_batch``/``micro_batches_in_step``
 count the micro-batches this process ran. The restored step's time is this process's part of
 it only: ``ThroughputMonitor`` and ``RuntimeMonitor`` leave the first step after a restore out
-of their rates by default (``warmup_steps=1``). On several ranks every rank restores rank 0's
-sizes (the checkpoint keeps its copy): the batches are exact, samples and tokens when the
-ranks' carried micro-batches have the same sizes.
+of their rates by default (``warmup_steps=1``). On several ranks a checkpoint keeps one copy
+of the state (rank 0's), and the ranks' micro-batches may differ in size (uneven last batches,
+variable-length sequences): where the state is collective anyway (a callback whose
+``state_dict`` reduces over the ranks: ``ThroughputMonitor``, ``RuntimeMonitor``, those that
+count samples and tokens), ``state_dict`` gathers every rank's sizes into it
+(``micro_batches_in_step_by_rank``, one object gather over the world group) and each rank
+restores its own row, so samples and tokens are exact too. Without such a callback
+``state_dict`` issues no collective (a loop may call it on rank 0 alone) and every rank
+restores the saving rank's sizes (exact batches); so does a restore on another number of
+ranks (with a warning).
 
 Under Accelerate, ``accelerator.end_training()`` closes the driver first (as
 :meth:`Vitals.close`; called inside an ``except`` or ``finally`` block, with the exception
@@ -95,15 +108,27 @@ being handled, ``StopIteration`` excepted: an iterator's normal end, not a failu
 finishes the trackers (a TensorBoard writer written after it opens a second event file; a
 finished W&B run refuses values) and destroys the process group the callbacks' last
 collectives use. A ``vitals.close()`` after it does nothing, so both orders log every step.
-Call it on every rank, as Accelerate's documentation does.
+Call it on every rank, as Accelerate's documentation does. Called on rank 0 only (``if
+accelerator.is_main_process: accelerator.end_training()``), it closes rank 0's driver alone,
+and its close may have collectives to run (the last batch's step with several optimizers;
+``MoEMetricsMonitor``'s report of micro-batches after the last step): on a multi-rank run a
+driver not closed by the interpreter's exit is closed then (an ``atexit`` hook), so the other
+ranks join those collectives as their processes end, and the last step is written instead of
+failing on rank 0 ("Connection closed by peer" once a rank exited; waiting while it lives on).
+Not when the process ends on a failure (an uncaught exception, a non-zero ``sys.exit``) nor once
+its process group is destroyed. Rank 0 waits in its close until the other ranks end: a rank that
+enters another collective first (a barrier after rank 0's ``end_training()``, which destroyed
+rank 0's process group) fails or waits as it would without trainvitals.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import numbers
 import sys
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -236,6 +261,11 @@ class Vitals:
         # stepped since, and those that stepped in the step in progress.
         self._awaiting_step: set[int] = set()
         self._stepped: set[int] = set()
+        # The attached optimizers' step() calls of the step in progress, in order, and those of
+        # the last step that had any (its batch's pattern: a WGAN's generator, then the critic
+        # k times), for validating() to tell an evaluation inside a batch from one after it.
+        self._step_order: list[int] = []
+        self._last_order: list[int] = []
         self._shown_in_step = False  # gradients shown in the step in progress (any of them)
         self._patches: list[AttributePatch] = []  # our wrappers, undone by close()
         # inside accelerator.clip_grad_norm_/clip_grad_value_: the parameters it clips
@@ -501,6 +531,7 @@ class Vitals:
             raise RuntimeError("call vitals.attach(model, optimizer) before the first batch")
         self._started = True
         self.ctx.start_step = self.ctx.step  # 0, or the step load_state_dict restored
+        _close_at_exit_if_open(self)
         if self._owns_writer:
             # before anything is logged: its JSONL sink drops what an interrupted run wrote
             # from that step on (a writer given to us is the caller's to tell)
@@ -715,6 +746,7 @@ class Vitals:
         self._start()
         self._awaiting_step.discard(id(optimizer))
         self._stepped.add(id(optimizer))
+        self._step_order.append(id(optimizer))
         # The step is the batch. One optimizer: it ends now. Several, in a loop that calls
         # batch(): with the batch (_end_stepped_step), as one may step again after every
         # attached one stepped (a critic stepped k times after the generator). Several, with
@@ -746,6 +778,9 @@ class Vitals:
         self._grads_seen_for_step = self._shown_in_step = False
         self._awaiting_step.clear()
         self._stepped.clear()
+        if self._step_order:
+            self._last_order = self._step_order
+        self._step_order = []
         self._unscaled.clear()
         self._step_batches = []
         self._carried = []
@@ -759,8 +794,10 @@ class Vitals:
             evaluate(model)
 
         Several optimizers: a step in which every attached optimizer stepped ends here, before
-        the evaluation; one in which only some stepped stays open (the batch may go on after
-        the evaluation) and ends as without it (module docstring).
+        the evaluation, unless their ``step()`` calls so far begin the last batch's without
+        completing them (a generator, then the critic k times: evaluated after the critic's
+        first step); that one and one in which only some stepped stay open (the batch goes on
+        after the evaluation) and end as without it (module docstring).
 
         After :meth:`close` it only runs the block: the callbacks have had their last hook.
         """
@@ -775,8 +812,15 @@ class Vitals:
         # optimizers' steps of one batch): it ends with its batch, at the next micro-batch,
         # state_dict() or close(), as without the evaluation; ended here, that batch would be
         # two steps. Between batches (a generator stepped every k batches) its counts are the
-        # same either way (the evaluation's time is not the step's).
-        if self._stepped and self._attached <= self._stepped and not self._closed:
+        # same either way (the evaluation's time is not the step's). Likewise one in which every
+        # optimizer stepped but whose step() calls so far begin the last batch's without
+        # completing them (the generator, then the critic k times: the critic steps again).
+        if (
+            self._stepped
+            and self._attached <= self._stepped
+            and not self._batch_goes_on()
+            and not self._closed
+        ):
             self._end_step()
         self.ctx.in_validation = True
         self._each("validation_start")
@@ -786,6 +830,16 @@ class Vitals:
             self.ctx.in_validation = False
             if not self._closed:  # (closed inside the block: run_end was their last hook)
                 self._each("validation_end")
+
+    def _batch_goes_on(self) -> bool:
+        """Several optimizers, every one stepped in the step in progress: whether its batch is
+        known to go on, its optimizers' step() calls so far being a strict beginning of the last
+        batch's (a generator then the critic k times: the critic steps again). A loop steps its
+        optimizers in the same order every batch; an evaluation after the first critic step then
+        sits inside the batch, which stays one step. Unknown in the run's first stepped batch
+        (no earlier one to compare with)."""
+        order, last = self._step_order, self._last_order
+        return len(order) < len(last) and last[: len(order)] == order
 
     def _warn_closed(self, call: str) -> None:
         if call not in self._warned_closed:
@@ -809,8 +863,9 @@ class Vitals:
         docstring).
 
         On a multi-rank run some callbacks reduce their counters over the ranks here (one small
-        collective each): call it on every rank, as ``accelerator.save_state`` does, not on
-        rank 0 only.
+        collective each), and then every rank's micro-batch sizes of a step in progress are
+        gathered too (one more, see the module docstring): call it on every rank, as
+        ``accelerator.save_state`` does, not on rank 0 only.
 
         With several optimizers, a step in which they stepped (all of them, or a discriminator
         in a batch where the generator did not step) ends here, as at the next batch: a
@@ -818,15 +873,50 @@ class Vitals:
         that batch.
         """
         self._end_stepped_step()
-        return {
+        callbacks = {cb.state_key: cb.state_dict() for cb in self.callbacks}
+        # a checkpoint inside an accumulation window: the step's micro-batches so far
+        window = [
+            {key: [_number(n) for n in pair] for key, pair in sizes.items()}
+            for sizes in self._carried + self._step_batches
+        ]
+        state: dict[str, Any] = {
             "step": self.ctx.step,
-            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-            # a checkpoint inside an accumulation window: the step's micro-batches so far
-            "micro_batches_in_step": [
-                {key: [_number(n) for n in pair] for key, pair in sizes.items()}
-                for sizes in self._carried + self._step_batches
-            ],
+            "callbacks": callbacks,
+            "micro_batches_in_step": window,
         }
+        by_rank = self._gather_window(window)
+        if by_rank is not None:
+            state["micro_batches_in_step_by_rank"] = by_rank
+        return state
+
+    def _gather_window(self, window: list[Any]) -> list[Any] | None:
+        """Every rank's micro-batch sizes of the step in progress, by global rank, for the one
+        copy of the state a checkpoint keeps (rank 0's): each rank restores its own (ranks'
+        micro-batches differ in size: uneven last batches, variable-length sequences). One
+        object gather over the world group, only where the state is collective anyway (a
+        callback's ``state_dict`` reduces over the ranks: ``ThroughputMonitor``,
+        ``RuntimeMonitor``, the callbacks that count samples and tokens), so a ``state_dict``
+        that a loop may call on rank 0 alone (no such callback) stays free of collectives.
+        ``None`` in a single process, or when no callback's state is collective."""
+        from trainvitals.distributed import all_gather_objects, group_size, world_group
+
+        world = world_group()
+        if group_size(world) <= 1 or not any(_collective_state(cb) for cb in self.callbacks):
+            return None
+        try:
+            return all_gather_objects(window, world)
+        except Exception as exc:  # raised on every rank alike, after the collective
+            from trainvitals._strict import strict
+
+            if strict():
+                raise
+            warnings.warn(
+                f"trainvitals Vitals.state_dict: gathering the ranks' micro-batch sizes failed "
+                f"({type(exc).__name__}: {exc}); the checkpoint carries this rank's only",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "callbacks" not in state_dict:
@@ -866,7 +956,7 @@ class Vitals:
         # step goes on from there, as Accelerate's does (_replay_carried).
         self._carried = [
             {str(key): (pair[0], pair[1]) for key, pair in sizes.items()}
-            for sizes in state_dict.get("micro_batches_in_step", ())
+            for sizes in _own_window(state_dict)
         ]
 
     # ------------------------------------------------------------------ end
@@ -892,6 +982,7 @@ class Vitals:
             # attached optimizer stepped in it: a batch that failed before may be half done.
             self._end_stepped_step()
         self._closed = True
+        _open_at_exit.discard(self)
         if self._started:
             if exception is None:
                 self._each("run_end")
@@ -916,10 +1007,96 @@ class Vitals:
         self.close(exc)
 
 
+# Drivers of a multi-rank run, started and not closed: closed at the interpreter's exit.
+_open_at_exit: weakref.WeakSet[Vitals] = weakref.WeakSet()
+_exit_hook = [False]
+
+
+def _close_at_exit_if_open(vitals: Vitals) -> None:
+    """On a multi-rank run, have ``vitals`` closed when the interpreter exits, if nothing closed
+    it before. ``accelerator.end_training()`` called on rank 0 only (``if
+    accelerator.is_main_process: accelerator.end_training()``) closes rank 0's driver alone:
+    the last batch's step of several optimizers (and ``MoEMetricsMonitor``'s report of
+    micro-batches after the last step) ends there with its collectives, which wait for the other
+    ranks; those close at their exit and join them, so neither waits forever and every rank's
+    last step is counted (and their writers flushed). The hook is registered once, after the
+    writer module's ``atexit`` hook (the last registered runs first). The writers' threading
+    exit hook (registered once a sink opens its backend, on rank 0) runs before every
+    ``atexit`` hook: a rank-0 driver that nothing closed writes what its close logs to a
+    closed writer (dropped with the writer's warning; lost before too)."""
+    import trainvitals.adapters.fanout_writer  # noqa: F401  (its exit hooks first)
+    from trainvitals.distributed import group_size, world_group
+
+    if group_size(world_group()) <= 1:
+        return
+    _open_at_exit.add(vitals)
+    if not _exit_hook[0]:
+        _exit_hook[0] = True
+        atexit.register(_close_open_drivers)
+
+
+def _close_open_drivers() -> None:
+    """Close the drivers still open at exit (:func:`_close_at_exit_if_open`): not when the
+    process is ending on a failure (an uncaught exception, a non-zero ``sys.exit``): the other
+    ranks may not come to the collectives of a close then; nor once the process group is gone
+    (they cannot run)."""
+    from trainvitals.adapters.fanout_writer import _ProcessEnd
+    from trainvitals.distributed import is_distributed
+
+    failed, _ = _ProcessEnd.outcome()
+    if failed or not is_distributed():
+        return
+    for vitals in list(_open_at_exit):
+        try:
+            vitals.close()
+        except Exception as exc:  # never disturb the exit
+            warnings.warn(
+                f"trainvitals Vitals: closing at exit failed ({type(exc).__name__}: {exc})",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+
 # The most micro-batches of one step whose sizes a checkpoint inside its accumulation window
 # keeps (or accumulate_grad_batches, if larger): more than any window has (a single device
 # reaching a global batch of 4M tokens with micro-batches of 2048 tokens accumulates 2048).
 _MAX_WINDOW_MICRO_BATCHES = 4096
+
+
+def _collective_state(callback: Any) -> bool:
+    """Whether ``callback.state_dict()`` issues collectives (known from its configuration, the
+    same on every rank)."""
+    collectives = getattr(callback, "state_dict_collectives", None)
+    if not callable(collectives):
+        return False
+    try:
+        return bool(tuple(collectives()))
+    except Exception:
+        return False
+
+
+def _own_window(state_dict: dict[str, Any]) -> Sequence[Any]:
+    """The micro-batch sizes of the step in progress that this rank carried when the checkpoint
+    was taken: its own row of ``micro_batches_in_step_by_rank`` when the checkpoint has one for
+    a world of this size, else ``micro_batches_in_step`` (the saving rank's, rank 0's in a
+    checkpoint kept once: exact batches, and samples and tokens where the ranks' sizes were
+    equal)."""
+    from trainvitals.distributed import global_rank, group_size, world_group
+
+    by_rank = state_dict.get("micro_batches_in_step_by_rank")
+    if isinstance(by_rank, list | tuple) and by_rank:
+        if len(by_rank) == group_size(world_group()):
+            return by_rank[global_rank()]
+        warnings.warn(
+            f"Vitals.load_state_dict: the checkpoint was taken inside an accumulation window on "
+            f"{len(by_rank)} ranks, this run has {group_size(world_group())}: every rank "
+            "restores rank 0's micro-batch sizes (samples and tokens of the restored step may "
+            "differ from an uninterrupted run's)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return by_rank[0]
+    return state_dict.get("micro_batches_in_step", ())
 
 
 def _number(value: Any) -> Any:
