@@ -152,17 +152,27 @@ class ThroughputMonitor(VitalsCallback):
     forward re-run by activation checkpointing is counted, so the MFU keys are then hardware
     flops utilisation in PaLM's terms, not model flops: give ``flops_per_token`` for MFU); the
     count is divided by the step's tokens (else samples, else batches) and kept in the
-    checkpoint. A step restored from a checkpoint taken inside its accumulation window before
-    the count was made is not measured (its carried micro-batches, told again with
-    ``batch=None``, ran in the earlier process: their flops would be missing from the count,
-    not their tokens); the next full step is, and the unmeasured step's flops are unknown (no
-    flops key while it is in the window). The global flops are, given per token (sample), the model's flops times the
-    tokens (samples) of all data streams, so ranks that see no tokens (pipeline stages past the
-    first) need not report any; measured, every rank's own count summed over all ranks, left out
-    (not written low) while some rank lacks the count its flops scale with in a step of the
-    window. MFU needs the device's dense peak FLOP/s: ``peak_flops`` (per device) or the table
-    in :mod:`trainvitals.stats.flops` for the CUDA device at ``precision``; on CPU, without
-    ``peak_flops``, no MFU key is written.
+    checkpoint. Per token it is exact for steps of the measured step's sequence length only:
+    attention's flops per token grow with the length, so with variable-length batches the flops
+    keys of longer (shorter) steps come out low (high); a window whose tokens per sample differ
+    from the measured step's is warned about once (give ``flops_per_token`` or
+    ``flops_per_sample`` for such runs). On a MoE model the count is what runs: the routed top-k
+    experts when the experts compute only their tokens. A step restored from a checkpoint taken
+    inside its accumulation window before the count was made is not measured (its carried
+    micro-batches, told again with ``batch=None``, ran in the earlier process: their flops would
+    be missing from the count, not their tokens); the next full step is, and the unmeasured
+    step's flops are unknown (no flops key while it is in the window). The global flops are,
+    given per token (sample), the model's flops times the tokens (samples) of all data streams,
+    so ranks that see no tokens (pipeline stages past the first) need not report any; measured,
+    every rank's own count summed over all ranks, left out (not written low) while some rank
+    lacks the count its flops scale with in a step of the window. A device's own flops, given
+    per token (sample), are the model's flops of its tokens (samples) split evenly over the
+    devices that share its data stream (tensor-, pipeline- and context-parallel peers): pipeline
+    stages of unequal cost are each off (their sum is not); measured, they are what the device
+    ran. MFU needs the device's dense peak FLOP/s: ``peak_flops`` (per device) or the table in
+    :mod:`trainvitals.stats.flops` for the CUDA device at ``precision`` (``tf32`` on a V100,
+    which has no TF32 tensor cores, is its ``fp32`` figure); on CPU, on a MIG slice and on a
+    device not in the table, without ``peak_flops``, no MFU key is written (warned once).
 
     Args:
         window_size: optimizer steps in the rolling window.
@@ -174,7 +184,8 @@ class ThroughputMonitor(VitalsCallback):
             the first step's flops are spread over the tokens counted here: counting only real
             tokens, later steps with another share of padding are off by the ratio of the
             shares (give ``flops_per_token`` instead).
-        flops_per_token: model flops (forward + backward) per token.
+        flops_per_token: model flops (forward + backward) per token (MoE: of the active
+            parameters, the routed top-k and shared experts).
         flops_per_sample: model flops (forward + backward) per sample.
         measure_flops: measure the flops of the first step with ``FlopCounterMode``.
         peak_flops: dense peak FLOP/s of one device (overrides the table).
@@ -298,6 +309,9 @@ class ThroughputMonitor(VitalsCallback):
         self._steps_this_run = 0
         self._totals = {"steps": 0, "batches": 0, "samples": 0.0, "tokens": 0.0}
         self._measured: tuple[str, float] | None = None  # (unit, flops per unit), measured
+        # tokens per sample of the measured step (its sequence length): flops per token are
+        # exact for steps of that length only (attention grows with the length)
+        self._measured_seq: float | None = None
         self._session: FlopCounterSession | None = None
         self._flops_before_optimizer: int | None = None  # the session's count at the last one
         # Flops the session counted during validation inside the measured step (validation
@@ -473,6 +487,9 @@ class ThroughputMonitor(VitalsCallback):
         ):
             if not missing and float(count) > 0:
                 self._measured = (unit, flops / float(count))
+                self._measured_seq = None
+                if unit == "tokens" and not c.samples_missing and float(c.samples) > 0:
+                    self._measured_seq = float(c.tokens) / float(c.samples)
                 return
 
     def _flops_unit(self) -> tuple[str, float] | None:
@@ -554,6 +571,7 @@ class ThroughputMonitor(VitalsCallback):
             out["throughput/flops_per_sec"] = flops_per_sec
             if self._peak:
                 out["throughput/mfu"] = flops_per_sec / (ctx.world_size * self._peak)
+        self._check_sequence_length(loc)
         unit = self._flops_unit()
         if unit is not None and not loc[f"{unit[0]}_missing"] and not math.isnan(loc["flops"]):
             device_flops = loc["flops"] / seconds
@@ -561,6 +579,25 @@ class ThroughputMonitor(VitalsCallback):
             if self._peak:
                 out["throughput/device/mfu"] = device_flops / self._peak
         return out
+
+    def _check_sequence_length(self, loc: dict[str, float]) -> None:
+        """Warn once when measured flops per token meet a window whose tokens per sample differ
+        from the measured step's: a transformer's attention flops per token grow with the
+        sequence length, so the measured figure is exact for steps of that length only."""
+        seq = self._measured_seq
+        if seq is None or self._measured is None or self._measured[0] != "tokens":
+            return
+        if loc["samples_missing"] or loc["tokens_missing"] or loc["samples"] <= 0:
+            return
+        window_seq = loc["tokens"] / loc["samples"]
+        if not math.isclose(window_seq, seq, rel_tol=1e-6):
+            self.warn_once(
+                "seqlen",
+                f"flops were measured on a step of {seq:g} tokens per sample, the window's "
+                f"steps have {window_seq:g}: flops per token that depend on the sequence "
+                "length (attention) make the flops and MFU keys inexact; pass "
+                "flops_per_token= for variable-length batches",
+            )
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -585,6 +622,7 @@ class ThroughputMonitor(VitalsCallback):
             "window": self._window.state_dict(),
             "totals": {k: float(v) for k, v in self._totals.items()},
             "measured": list(self._measured) if self._measured is not None else None,
+            "measured_tokens_per_sample": self._measured_seq,
         }
 
     def state_dict_collectives(self) -> tuple[CollectiveCall, ...]:
@@ -598,6 +636,8 @@ class ThroughputMonitor(VitalsCallback):
         self._totals["batches"] = int(self._totals["batches"])
         measured = state_dict.get("measured")
         self._measured = (str(measured[0]), float(measured[1])) if measured else None
+        seq = state_dict.get("measured_tokens_per_sample")
+        self._measured_seq = None if seq is None or self._measured is None else float(seq)
         # A restore is a restart, also on an instance that has already trained (a rollback,
         # fit(ckpt_path=) with the same callbacks): its own clock and warm-up, as RuntimeMonitor,
         # so the time before the restore is not timed as the next step; micro-batches of a step

@@ -95,6 +95,11 @@ def chip_name(device_name: str) -> str | None:
     """The :data:`PEAK_FLOPS` key of a CUDA device name (``torch.cuda.get_device_name()``), e.g.
     ``"NVIDIA H100 80GB HBM3"`` -> ``"h100 sxm"``, ``"NVIDIA H200"`` -> ``"h200 sxm"``."""
     name = device_name.lower()
+    if re.search(r"\bmig\b", name):
+        # a MIG slice ("NVIDIA H100 80GB HBM3 MIG 1g.10gb") has a fraction of the GPU's
+        # multiprocessors (not simply g/7 of them): the whole GPU's peak would put the MFU
+        # several times too low
+        return None
     if "gh200" in name:
         return "h100 sxm"
     if "gb200" in name:
@@ -124,13 +129,21 @@ def chip_name(device_name: str) -> str | None:
 
 
 def peak_flops(device_name: str, precision: str = "bf16") -> float | None:
-    """Dense peak FLOP/s of one device of this name at ``precision``; ``None`` if unknown."""
+    """Dense peak FLOP/s of one device of this name at ``precision``; ``None`` if unknown (a
+    device not in the table, a MIG slice, a precision the device has no figure for). ``tf32``
+    on a device without TF32 tensor cores (V100) is its ``fp32`` figure."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     chip = chip_name(device_name)
     if chip is None:
         return None
-    return PEAK_FLOPS[chip].get(precision)
+    peaks = PEAK_FLOPS[chip]
+    if precision == "tf32" and "tf32" not in peaks:
+        # no TF32 tensor cores (Volta): fp32 matmuls run at the fp32 rate whatever
+        # torch.get_float32_matmul_precision() says (Lightning's get_available_flops asks
+        # for tf32 only on Ampere or later)
+        precision = "fp32"
+    return peaks.get(precision)
 
 
 def measure_flops(fn: Callable[[], Any]) -> int:
