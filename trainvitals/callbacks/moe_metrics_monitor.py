@@ -73,9 +73,10 @@ class MoEMetricsMonitor(VitalsCallback):
         num_layers: transformer layers without MTP (default: the recorded vector length).
         moe_layer_freq: which layers are MoE (int ``f``: ``i % f == 0``; or a 0/1 list); the
             mean is over these layers and per-layer keys are written for these only. Default:
-            the layers that have a :class:`~trainvitals.moe.TopKRouter` in the model, on any
-            pipeline stage (when the routers know their global ``layer_number`` and
-            ``num_layers``), else every layer.
+            the layers that have a recording :class:`~trainvitals.moe.TopKRouter` in the model
+            (one that knows its global ``layer_number`` and ``num_layers``; a router without
+            them records nothing and is ignored), on any pipeline stage; every layer when no
+            router records or the recording routers disagree on ``num_layers``.
         mtp_num_layers: Multi-Token-Prediction layers after the transformer layers.
         tracker: the tracker to report (default: the global one).
         log_every_n_steps: see :class:`~trainvitals.callbacks.base.VitalsCallback`.
@@ -101,7 +102,7 @@ class MoEMetricsMonitor(VitalsCallback):
     ``moe/z_loss``                            mean logsumexp(logits)^2 (before its coeff)       logit^2
     ``moe/dropped_token_fraction``            fraction of top-k selections dropped by the       1
                                               capacity limit, mean over MoE layers
-    ``moe/{name}_p{100q}``                    quantile q over the layers with non-zero value    as name
+    ``moe/{name}_p{100q}``                    quantile q over the layers with positive value    as name
                                               (``_p50`` for 0.5, ``_p99.9`` for 0.999)
     ``moe/{name}_layer_{i}``                  the value of layer ``i`` (0-based module index,   as name
                                               ``layers.{i}``), with ``per_layer_logging``
@@ -347,9 +348,15 @@ def _pattern_from_routers(
     Multi-Token-Prediction slots included; the pattern covers the transformer layers before
     them (the tracker counts the MTP slots as MoE layers by itself, as Megatron). A pattern
     that does not fit the monitor's ``num_layers`` is not guessed: ``None`` (every layer), and
-    the tracker names the inconsistent sizes."""
+    the tracker names the inconsistent sizes.
+
+    Only the routers that record count: a router without its ``layer_number`` or
+    ``num_layers`` records nothing into the tracker (a side router, a router of another
+    model part). Counting it made every layer slot a MoE layer, so the mean over the MoE
+    layers was divided by the dense layers too (0.67 instead of 1.0 with ``[1, 0, 1]``)."""
+    routers = [(n, size) for n, size in routers if n is not None and size is not None]
     sizes = {size for _, size in routers}
-    if not routers or len(sizes) != 1 or None in sizes or any(n is None for n, _ in routers):
+    if not routers or len(sizes) != 1:
         return None
     (size,) = sizes
     layers = size - (mtp_num_layers or 0)  # type: ignore[operator]

@@ -16,6 +16,10 @@ def quantiles_of_positive(values: torch.Tensor, qs: Sequence[float]) -> torch.Te
     (boolean indexing); here the positive entries are sorted to the front (the others become
     ``+inf``) and the interpolation indices are computed on the device. Returns a tensor of
     ``len(qs)`` values, ``nan`` where there is no positive entry.
+
+    Infinite entries: between two equal neighbours (``+inf`` and ``+inf``) the quantile is that
+    value, and toward ``+inf`` it is ``+inf`` (``torch.quantile``'s ``lerp`` gives NaN there,
+    and the tracker leaves a NaN percentile out as if no layer were positive).
     """
     values = values.reshape(-1)
     positive = values > 0
@@ -27,15 +31,18 @@ def quantiles_of_positive(values: torch.Tensor, qs: Sequence[float]) -> torch.Te
     hi = pos.ceil().long()
     low = ordered[lo]
     high = ordered[hi]
-    # lo == hi gives high - low == 0 (or nan for inf - inf, masked below when n == 0).
-    out = low + torch.where(hi > lo, high - low, torch.zeros_like(low)) * (pos - lo.to(pos.dtype))
+    # Equal neighbours (lo == hi, or two +inf entries whose difference is nan) give low; with
+    # no positive entry (n == 0, every entry +inf here) the result is masked to nan below.
+    step = torch.where((hi > lo) & (high != low), high - low, torch.zeros_like(low))
+    out = low + step * (pos - lo.to(pos.dtype))
     return torch.where(n > 0, out, torch.full_like(out, math.nan))
 
 
 def quantiles_of_positive_host(values: Sequence[float], qs: Sequence[float]) -> list[float]:
     """:func:`quantiles_of_positive` of host floats (after the report's one transfer), with the
     same float64 formula: ``low + (high - low) * (pos - lo)``, ``pos = q * (n - 1)`` over the
-    sorted positive entries; ``nan`` for each ``q`` when no entry is positive."""
+    sorted positive entries (equal neighbours, two ``+inf`` included, give their value); ``nan``
+    for each ``q`` when no entry is positive."""
     ordered = sorted(x for x in values if x > 0)
     n = len(ordered)
     if n == 0:
@@ -46,5 +53,7 @@ def quantiles_of_positive_host(values: Sequence[float], qs: Sequence[float]) -> 
         lo = math.floor(pos)
         hi = math.ceil(pos)
         low = ordered[lo]
-        out.append(low + (ordered[hi] - low) * (pos - lo) if hi > lo else low)
+        high = ordered[hi]
+        # (high == low: also two +inf entries, whose inf - inf would be a nan percentile)
+        out.append(low + (high - low) * (pos - lo) if high != low else low)
     return out

@@ -44,7 +44,7 @@ key                                 meaning
                                     mean), times ``loss_scale`` (Megatron writes the bare
                                     ``{name}``; the ``moe/`` prefix follows the project's
                                     ``area/metric`` keys)
-``moe/{name}_p{100q}``              quantile ``q`` over the layers with a non-zero value (``_p50``
+``moe/{name}_p{100q}``              quantile ``q`` over the layers with a positive value (``_p50``
                                     for 0.5, ``_p99.9`` for 0.999; :func:`percentile_key`)
 ``moe/{name}_layer_{i}``            the value of layer slot ``i`` (0-based, so the module
                                     ``layers.{i}`` of the model), with ``per_layer_logging``;
@@ -53,7 +53,8 @@ key                                 meaning
 
 Units are those of the recorded metric (the router's losses are dimensionless, 1.0 at perfect
 balance for the load-balancing losses). A NaN value (e.g. a diverged router) is written as NaN;
-only a percentile with no non-zero layer is left out.
+only a percentile with no positive layer is left out (Megatron's ``v[v > 0]``: a
+layer whose value is 0, or negative, or NaN, is not one of the quantile's layers).
 """
 
 from __future__ import annotations
@@ -370,7 +371,7 @@ class MoEMetricsTracker:
                 ``num_layers`` transformer layers.
             total_loss_dict: keys ending in ``loss`` get this report's value (a float),
                 replacing any previous value; they are left out of the console string.
-            percentiles: per metric, quantiles in ``[0, 1]`` over the non-zero layers, e.g.
+            percentiles: per metric, quantiles in ``[0, 1]`` over the positive layers, e.g.
                 ``{"load_balancing_loss": [0.5, 0.95]}`` -> ``load_balancing_loss_p50``, ``_p95``.
             groups: the run's :class:`~trainvitals.distributed.ProcessGroups`; ``pp`` is
                 summed over, ``dp_cp`` (data x context parallel: every rank that sees other
@@ -443,7 +444,7 @@ class MoEMetricsTracker:
             numbers.append(_fsum(v) / plan.num_moe_layers)
             qs = pct.get(plan.name)
             if qs:
-                # NaN = no non-zero layer: that percentile is not written. Only here: a NaN
+                # NaN = no positive layer: that percentile is not written. Only here: a NaN
                 # mean or layer value (a diverged router) must reach the writer, not vanish.
                 for key, x in zip(
                     self._percentile_keys(plan.name, qs),
