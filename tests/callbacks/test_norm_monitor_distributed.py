@@ -7,7 +7,16 @@ full tensors gathered with ``full_tensor()`` and normed in float64.
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import math
+import os
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +37,142 @@ pytestmark = pytest.mark.slow
 STEPS = 2
 LR = 0.5
 REL = 2e-5  # fp32 training vs the float64 rebuild, after at most one SGD step
+
+
+# ----------------------------------------------------------- ranks shared by the cases of a file
+#
+# Starting gloo processes costs more than most cases here (about 2 s for 2 ranks, 4 s for 4):
+# each test registers its case with ``on_ranks``, and ``case_runs`` runs the selected cases of
+# one world size in turn on the same processes, each in a folder of its own and with the state a
+# fresh process would give it (environment, warning filters, RNG state, thread count and
+# DTensor's sharding caches are put back; a global hook, an open writer or a claimed file left
+# behind fails the case).
+
+CASE_DIR = object()  # stands, in a case's args, for the case's own folder
+
+
+@dataclass(frozen=True)
+class Case:
+    world_size: int
+    body: Callable[..., dict]
+    args: tuple
+    needs: str | None = None  # a package the case cannot run without (its test is skipped)
+
+
+CASES: dict[str, Case] = {}  # test function name -> its case, in file order
+
+
+def on_ranks(world_size: int, body: Callable[..., dict], *args: Any, needs: str | None = None):
+    """Register the decorated test's case: ``body(rank, world_size, *args)``, with ``CASE_DIR``
+    in ``args`` replaced by the case's folder, on the file's shared ranks of ``world_size``."""
+
+    def register(test: Callable) -> Callable:
+        CASES[test.__name__] = Case(world_size, body, args, needs)
+        return test
+
+    return register
+
+
+def _left_behind() -> list[str]:
+    """What a finished case left in its process that a later case could run into."""
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    from trainvitals.adapters import fanout_writer
+    from trainvitals.callbacks import tensor_stats_monitor
+
+    gc.collect()
+    hooks = {
+        "module forward pre-hook": module._global_forward_pre_hooks,
+        "module forward hook": module._global_forward_hooks,
+        "module backward pre-hook": module._global_backward_pre_hooks,
+        "module backward hook": module._global_backward_hooks,
+        "optimizer pre-hook": optimizer._global_optimizer_pre_hooks,
+        "optimizer post-hook": optimizer._global_optimizer_post_hooks,
+    }
+    left = [f"a global {what}" for what, registered in hooks.items() if registered]
+    if len(fanout_writer._live_writers):
+        left.append("an open writer")
+    if any(ref() is not None for ref in tensor_stats_monitor._CLAIMS.values()):
+        left.append("a claimed tensor-stats file")
+    return left
+
+
+def _run_cases(rank: int, world_size: int, root: str, names: list[str]) -> dict[str, dict]:
+    """Each case of ``names`` in turn on this rank, in its folder ``root/<name>``."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    rng, threads, env = torch.get_rng_state(), torch.get_num_threads(), dict(os.environ)
+    out = {}
+    for name in names:
+        (Path(root) / f"running.rank{rank}").write_text(name)  # names the case of a hang
+        case = CASES[name]
+        args = tuple(str(Path(root) / name) if a is CASE_DIR else a for a in case.args)
+        torch.set_rng_state(rng)
+        try:
+            with warnings.catch_warnings():
+                out[name] = case.body(rank, world_size, *args)
+            if left := _left_behind():
+                raise RuntimeError(f"the case left {', '.join(left)} behind")
+        except Exception as e:
+            raise RuntimeError(f"case {name!r} failed") from e
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            torch.set_num_threads(threads)
+            # DTensor's sharding propagation caches key on meshes compared by value: a later
+            # case's equal mesh would get DTensors on this case's mesh and groups (other group
+            # objects for the same ranks, one more collective where the monitor merges)
+            _clear_sharding_prop_cache()
+    return out
+
+
+@pytest.fixture(scope="module")
+def case_runs(request, tmp_path_factory) -> dict[str, tuple[Path, list[dict]] | str]:
+    """Each selected test's case: its folder and its results by rank, or why it failed. One
+    ``run_distributed`` per world size runs its cases in turn; when a case fails, the ranks stop
+    there and the other cases run again without it, so that it fails its own test alone."""
+    selected = {
+        item.originalname
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+    }
+    groups: dict[int, list[str]] = {}
+    for name, case in CASES.items():
+        if name in selected and (case.needs is None or importlib.util.find_spec(case.needs)):
+            groups.setdefault(case.world_size, []).append(name)
+    out: dict[str, tuple[Path, list[dict]] | str] = {}
+    for world, todo in groups.items():
+        while todo:
+            root = tmp_path_factory.mktemp(f"ranks{world}_")
+            for name in todo:
+                (root / name).mkdir()
+            try:
+                ranks = run_distributed(_run_cases, world, args=(str(root), todo), timeout=240)
+            except (AssertionError, TimeoutError) as e:
+                # the failing rank's error names its case; a hang, the case a rank is still in
+                named = re.search(r"case '(\w+)' failed", str(e))
+                running = {p.read_text() for p in root.glob("running.rank*")}
+                hung = [n for n in todo if n in running]
+                failed = [named[1]] if named and named[1] in todo else hung[:1] or todo
+                out |= {n: f"case {n!r} failed on its ranks: {e}" for n in failed}
+                todo = [n for n in todo if n not in failed]
+            else:
+                out |= {name: (root / name, [r[name] for r in ranks]) for name in todo}
+                todo = []
+    return out
+
+
+@pytest.fixture
+def ran(request, case_runs) -> tuple[Path, list[dict]]:
+    """This test's case (registered with ``on_ranks``): its folder and its results by rank."""
+    case = CASES[request.node.originalname]
+    if case.needs is not None:
+        pytest.importorskip(case.needs)
+    result = case_runs[request.node.originalname]
+    if isinstance(result, str):
+        pytest.fail(result, pytrace=False)
+    return result
 
 
 def _lm_batch(dp_rank: int, step: int) -> torch.Tensor:
@@ -99,8 +244,9 @@ def _ddp_body(rank: int, world_size: int) -> dict:
     return _train(model, opt, batches, NormMonitor(per_param="up.weight"))
 
 
-def test_ddp_replicas_are_not_counted_twice():
-    results = run_distributed(_ddp_body, world_size=2, timeout=120)
+@on_ranks(2, _ddp_body)
+def test_ddp_replicas_are_not_counted_twice(ran):
+    _, results = ran
     ref = _reference(TiedLM, _lm_batch, lm_loss, dp_size=2)
     for res in results:
         for step in range(STEPS):
@@ -146,8 +292,9 @@ def _per_param_reference(step: int) -> dict[str, float]:
     return {n: float(p.grad.norm()) for n, p in model.named_parameters()}
 
 
-def test_fsdp2_shards_are_summed_once():
-    results = run_distributed(_fsdp2_body, world_size=2, timeout=120)
+@on_ranks(2, _fsdp2_body)
+def test_fsdp2_shards_are_summed_once(ran):
+    _, results = ran
     ref = _reference(TiedLM, _lm_batch, lm_loss, dp_size=2)
     per_param = _per_param_reference(1)
     for res in results:
@@ -193,8 +340,9 @@ def _fsdp_tp_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_fsdp2_tp_sums_shard_dims_never_replicate_dims():
-    results = run_distributed(_fsdp_tp_body, world_size=4, timeout=180)
+@on_ranks(4, _fsdp_tp_body)
+def test_fsdp2_tp_sums_shard_dims_never_replicate_dims(ran):
+    _, results = ran
     ref = _reference(MLP, _mlp_batch, _mlp_loss, dp_size=2)
     # the layout under test: sharded over dp and tp, over dp only, and Replicate over tp
     assert "Replicate()" in results[0]["placements"]["down.bias"]
@@ -299,19 +447,17 @@ def _check_lightning(results: list[dict]) -> None:
     assert results[0]["steps"] == results[1]["steps"]
 
 
-def test_lightning_ddp_two_devices(tmp_path):
-    pytest.importorskip("lightning.pytorch")
-    results = run_distributed(_lightning_body, 2, args=("ddp", str(tmp_path)), timeout=180)
+@on_ranks(2, _lightning_body, "ddp", CASE_DIR, needs="lightning.pytorch")
+def test_lightning_ddp_two_devices(ran):
+    _, results = ran
     _check_lightning(results)
     assert results[0]["dtensor"] == "Parameter"
     assert results[0]["sizes"]["dp"] == 2 and results[0]["sizes"]["tp"] == 1
 
 
-def test_lightning_model_parallel_fsdp2_tp_four_devices(tmp_path):
-    pytest.importorskip("lightning.pytorch")
-    results = run_distributed(
-        _lightning_body, 4, args=("model_parallel", str(tmp_path)), timeout=240
-    )
+@on_ranks(4, _lightning_body, "model_parallel", CASE_DIR, needs="lightning.pytorch")
+def test_lightning_model_parallel_fsdp2_tp_four_devices(ran):
+    _, results = ran
     _check_lightning(results)
     assert results[0]["dtensor"] == "DTensor"
     assert results[0]["sizes"]["dp"] == 2 and results[0]["sizes"]["tp"] == 2
@@ -353,8 +499,9 @@ def _pp_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_pipeline_stages_sum_their_totals():
-    results = run_distributed(_pp_body, 2, timeout=120)
+@on_ranks(2, _pp_body)
+def test_pipeline_stages_sum_their_totals(ran):
+    _, results = ran
     p2 = g2 = 0.0
     for rank in range(2):
         model, x = _stage(rank)
@@ -406,8 +553,9 @@ def _fsdp2_nan_body(rank: int, world_size: int) -> dict:
     return {"steps": writer.steps, "warnings": [str(w.message) for w in caught]}
 
 
-def test_fsdp2_nonfinite_shard_on_one_rank_is_seen_and_named_by_the_reporting_rank():
-    results = run_distributed(_fsdp2_nan_body, 2, timeout=120)
+@on_ranks(2, _fsdp2_nan_body)
+def test_fsdp2_nonfinite_shard_on_one_rank_is_seen_and_named_by_the_reporting_rank(ran):
+    _, results = ran
     for res in results:
         assert res["steps"][0]["l2_norm/grad/nonfinite_count"] == 1
         assert math.isnan(res["steps"][0]["l2_norm/grad/global"])
@@ -444,8 +592,9 @@ def _placements_body(rank: int, world_size: int) -> dict:
     return {"sq": sq.tolist(), "collectives": sum(collective_counter.values()) - before}
 
 
-def test_sq_norms_of_partial_shard_and_replicate_placements():
-    results = run_distributed(_placements_body, 2, timeout=120)
+@on_ranks(2, _placements_body)
+def test_sq_norms_of_partial_shard_and_replicate_placements(ran):
+    _, results = ran
     parts = [_local_part(r).double() for r in range(2)]
     expected = [
         float((parts[0] + parts[1]).pow(2).sum()),

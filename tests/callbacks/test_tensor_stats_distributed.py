@@ -9,9 +9,16 @@ Expert parallelism on 2 ranks with a stand-in MoE layer: global expert indices i
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import json
+import os
 import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +32,142 @@ from trainvitals.stats.moments import FIELDS, derive, moments_from_dicts
 pytestmark = pytest.mark.slow
 
 D, F = 128, 512
+
+
+# ----------------------------------------------------------- ranks shared by the cases of a file
+#
+# Starting gloo processes costs more than most cases here (about 2 s for 2 ranks, 4 s for 4):
+# each test registers its case with ``on_ranks``, and ``case_runs`` runs the selected cases of
+# one world size in turn on the same processes, each in a folder of its own and with the state a
+# fresh process would give it (environment, warning filters, RNG state, thread count and
+# DTensor's sharding caches are put back; a global hook, an open writer or a claimed file left
+# behind fails the case).
+
+CASE_DIR = object()  # stands, in a case's args, for the case's own folder
+
+
+@dataclass(frozen=True)
+class Case:
+    world_size: int
+    body: Callable[..., dict]
+    args: tuple
+    needs: str | None = None  # a package the case cannot run without (its test is skipped)
+
+
+CASES: dict[str, Case] = {}  # test function name -> its case, in file order
+
+
+def on_ranks(world_size: int, body: Callable[..., dict], *args: Any, needs: str | None = None):
+    """Register the decorated test's case: ``body(rank, world_size, *args)``, with ``CASE_DIR``
+    in ``args`` replaced by the case's folder, on the file's shared ranks of ``world_size``."""
+
+    def register(test: Callable) -> Callable:
+        CASES[test.__name__] = Case(world_size, body, args, needs)
+        return test
+
+    return register
+
+
+def _left_behind() -> list[str]:
+    """What a finished case left in its process that a later case could run into."""
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    from trainvitals.adapters import fanout_writer
+    from trainvitals.callbacks import tensor_stats_monitor
+
+    gc.collect()
+    hooks = {
+        "module forward pre-hook": module._global_forward_pre_hooks,
+        "module forward hook": module._global_forward_hooks,
+        "module backward pre-hook": module._global_backward_pre_hooks,
+        "module backward hook": module._global_backward_hooks,
+        "optimizer pre-hook": optimizer._global_optimizer_pre_hooks,
+        "optimizer post-hook": optimizer._global_optimizer_post_hooks,
+    }
+    left = [f"a global {what}" for what, registered in hooks.items() if registered]
+    if len(fanout_writer._live_writers):
+        left.append("an open writer")
+    if any(ref() is not None for ref in tensor_stats_monitor._CLAIMS.values()):
+        left.append("a claimed tensor-stats file")
+    return left
+
+
+def _run_cases(rank: int, world_size: int, root: str, names: list[str]) -> dict[str, dict]:
+    """Each case of ``names`` in turn on this rank, in its folder ``root/<name>``."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    rng, threads, env = torch.get_rng_state(), torch.get_num_threads(), dict(os.environ)
+    out = {}
+    for name in names:
+        (Path(root) / f"running.rank{rank}").write_text(name)  # names the case of a hang
+        case = CASES[name]
+        args = tuple(str(Path(root) / name) if a is CASE_DIR else a for a in case.args)
+        torch.set_rng_state(rng)
+        try:
+            with warnings.catch_warnings():
+                out[name] = case.body(rank, world_size, *args)
+            if left := _left_behind():
+                raise RuntimeError(f"the case left {', '.join(left)} behind")
+        except Exception as e:
+            raise RuntimeError(f"case {name!r} failed") from e
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            torch.set_num_threads(threads)
+            # DTensor's sharding propagation caches key on meshes compared by value: a later
+            # case's equal mesh would get DTensors on this case's mesh and groups (other group
+            # objects for the same ranks, one more collective where the monitor merges)
+            _clear_sharding_prop_cache()
+    return out
+
+
+@pytest.fixture(scope="module")
+def case_runs(request, tmp_path_factory) -> dict[str, tuple[Path, list[dict]] | str]:
+    """Each selected test's case: its folder and its results by rank, or why it failed. One
+    ``run_distributed`` per world size runs its cases in turn; when a case fails, the ranks stop
+    there and the other cases run again without it, so that it fails its own test alone."""
+    selected = {
+        item.originalname
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+    }
+    groups: dict[int, list[str]] = {}
+    for name, case in CASES.items():
+        if name in selected and (case.needs is None or importlib.util.find_spec(case.needs)):
+            groups.setdefault(case.world_size, []).append(name)
+    out: dict[str, tuple[Path, list[dict]] | str] = {}
+    for world, todo in groups.items():
+        while todo:
+            root = tmp_path_factory.mktemp(f"ranks{world}_")
+            for name in todo:
+                (root / name).mkdir()
+            try:
+                ranks = run_distributed(_run_cases, world, args=(str(root), todo), timeout=240)
+            except (AssertionError, TimeoutError) as e:
+                # the failing rank's error names its case; a hang, the case a rank is still in
+                named = re.search(r"case '(\w+)' failed", str(e))
+                running = {p.read_text() for p in root.glob("running.rank*")}
+                hung = [n for n in todo if n in running]
+                failed = [named[1]] if named and named[1] in todo else hung[:1] or todo
+                out |= {n: f"case {n!r} failed on its ranks: {e}" for n in failed}
+                todo = [n for n in todo if n not in failed]
+            else:
+                out |= {name: (root / name, [r[name] for r in ranks]) for name in todo}
+                todo = []
+    return out
+
+
+@pytest.fixture
+def ran(request, case_runs) -> tuple[Path, list[dict]]:
+    """This test's case (registered with ``on_ranks``): its folder and its results by rank."""
+    case = CASES[request.node.originalname]
+    if case.needs is not None:
+        pytest.importorskip(case.needs)
+    result = case_runs[request.node.originalname]
+    if isinstance(result, str):
+        pytest.fail(result, pytrace=False)
+    return result
 
 
 class TPNet(nn.Module):
@@ -150,11 +293,12 @@ def _check(line: dict, want: dict[str, torch.Tensor], what: str) -> None:
         assert_matches(got, i, reference(want[n]), f"{what}/{n}")
 
 
-def test_fsdp2_tp_every_statistic_equals_the_unsharded_float64(tmp_path: Path) -> None:
-    results = run_distributed(_fsdp_tp_body, world_size=4, args=(str(tmp_path),), timeout=240)
+@on_ranks(4, _fsdp_tp_body, CASE_DIR)
+def test_fsdp2_tp_every_statistic_equals_the_unsharded_float64(ran) -> None:
+    run_dir, results = ran
     placements = results[0]["placements"]
     assert "Replicate()" in placements["down.bias"] and "Shard" in placements["up.weight"]
-    lines = _lines(tmp_path)
+    lines = _lines(run_dir)
     assert set(lines) == {"param", "grad", "activation", "dgrad"}
     full = {
         k: {n: torch.from_numpy(a) for n, a in d.items()} for k, d in results[0]["full"].items()
@@ -235,9 +379,10 @@ def _ep_body(rank: int, world_size: int, run_dir: str) -> dict:
     return {"experts": experts, "outs": outs, "shared": shared}
 
 
-def test_expert_parallel_names_carry_global_expert_index(tmp_path: Path) -> None:
-    results = run_distributed(_ep_body, world_size=2, args=(str(tmp_path),), timeout=120)
-    lines = _lines(tmp_path)
+@on_ranks(2, _ep_body, CASE_DIR)
+def test_expert_parallel_names_carry_global_expert_index(ran) -> None:
+    run_dir, results = ran
+    lines = _lines(run_dir)
     params = lines["param"]["tensors"]
     assert sorted(n for n in params if "experts" in n) == [
         f"moe.experts.{i}.{p}" for i in range(4) for p in ("bias", "weight")
@@ -298,16 +443,17 @@ def _ep_unhit_expert_body(rank: int, world_size: int, run_dir: str) -> dict:
     return {"grads": grads}
 
 
-def test_expert_without_gradient_on_one_ep_rank(tmp_path: Path) -> None:
+@on_ranks(2, _ep_unhit_expert_body, CASE_DIR)
+def test_expert_without_gradient_on_one_ep_rank(ran) -> None:
     # The expert gather needs the same rows on every EP rank: a gradient missing on one rank
     # made the ranks' buffers differ (gloo aborted, or the ranks hung).
-    results = run_distributed(_ep_unhit_expert_body, world_size=2, args=(str(tmp_path),))
+    run_dir, results = ran
     want: dict[str, torch.Tensor] = {}
     for r in results:
         for name, g in r["grads"].items():
             want.setdefault(name, torch.from_numpy(g))  # shared (not an expert): rank 0's
     assert "experts.3.weight" not in want and "experts.2.weight" in want
-    _check(_lines(tmp_path)["grad"], want, "grads, one expert unhit")
+    _check(_lines(run_dir)["grad"], want, "grads, one expert unhit")
 
 
 # -------------------------------------------------- experts on a ("dp", "ep") mesh: edp merge
@@ -418,21 +564,23 @@ def _all_tokens_float64() -> dict[str, dict[str, torch.Tensor]]:
     return {k: {s: torch.cat(v) for s, v in d.items()} for k, d in out.items()}
 
 
-def test_dp_ep_mesh_merges_expert_sites_over_expert_data_parallel(tmp_path: Path) -> None:
+@on_ranks(4, _dp_ep_body, CASE_DIR, False)
+def test_dp_ep_mesh_merges_expert_sites_over_expert_data_parallel(ran) -> None:
     """("dp", "ep") of shape (2, 2): 4 token streams, each EP group routes only its own two
     streams' tokens, and each expert is held by one rank of each EP group. Every expert's
     activation/dgrad statistics must be those of all tokens routed to it from all 4 ranks
     (merged over groups.edp); the shared site's those of all 4 streams (groups.dp_cp)."""
-    results = run_distributed(_dp_ep_body, world_size=4, args=(str(tmp_path), False), timeout=120)
-    lines = _lines(tmp_path)
+    run_dir, results = ran
+    lines = _lines(run_dir)
     want = _all_tokens_float64()
     for kind in ("activation", "dgrad"):
         _check(lines[kind], want[kind], kind)
     assert not any("edp" in w for r in results for w in r["warnings"])
 
 
-def test_dp_ep_without_edp_warns_that_experts_miss_tokens(tmp_path: Path) -> None:
-    results = run_distributed(_dp_ep_body, world_size=4, args=(str(tmp_path), True), timeout=120)
+@on_ranks(4, _dp_ep_body, CASE_DIR, True)
+def test_dp_ep_without_edp_warns_that_experts_miss_tokens(ran) -> None:
+    _, results = ran
     for r in results:
         assert sum("edp=" in w for w in r["warnings"]) == 1, r["warnings"]
 
@@ -474,9 +622,10 @@ def _pp_body(rank: int, world_size: int, run_dir: str) -> dict:
     return {"weight": weight, "x": x.double().numpy(), "objects": objects}
 
 
-def test_pipeline_stages_are_gathered_to_rank0(tmp_path: Path) -> None:
-    results = run_distributed(_pp_body, world_size=2, args=(str(tmp_path),), timeout=120)
-    lines = _lines(tmp_path)
+@on_ranks(2, _pp_body, CASE_DIR)
+def test_pipeline_stages_are_gathered_to_rank0(ran) -> None:
+    run_dir, results = ran
+    lines = _lines(run_dir)
     want = {f"layers.{r}.weight": torch.from_numpy(res["weight"]) for r, res in enumerate(results)}
     params = lines["param"]["tensors"]
     assert sorted(params) == [
@@ -541,17 +690,21 @@ def _failing_rank_body(rank: int, world_size: int, run_dir: str) -> dict:
         return original(self, *args, **kwargs)
 
     mod.MomentAccumulator.add = add
-    monitor = TensorStatsMonitor(kinds=["param", "activation", "dgrad"], kernel="eager")
-    _train_data_parallel(rank, monitor, run_dir, 3, state)
+    try:  # the ranks run other cases after this one
+        monitor = TensorStatsMonitor(kinds=["param", "activation", "dgrad"], kernel="eager")
+        _train_data_parallel(rank, monitor, run_dir, 3, state)
+    finally:
+        mod.MomentAccumulator.add = original
     return {}
 
 
-def test_a_rank_whose_hook_work_fails_leaves_the_sites_out_everywhere(tmp_path: Path) -> None:
+@on_ranks(2, _failing_rank_body, CASE_DIR)
+def test_a_rank_whose_hook_work_fails_leaves_the_sites_out_everywhere(ran) -> None:
     # Rank 1's kernel fails inside its forward hooks at step 1 (rank-local, e.g. out of
     # memory): no hang, no partial merge (rank 0's tokens alone would be a wrong number), the
     # other kinds and steps complete.
-    run_distributed(_failing_rank_body, world_size=2, args=(str(tmp_path),), timeout=120)
-    lines = [json.loads(x) for x in (tmp_path / "tensor_stats.jsonl").read_text().splitlines()]
+    run_dir, _ = ran
+    lines = [json.loads(x) for x in (run_dir / "tensor_stats.jsonl").read_text().splitlines()]
     by = {(line["step"], line["kind"]): line["tensors"] for line in lines}
     for kind in ("activation", "dgrad"):
         assert by[(1, kind)] == {}, kind
@@ -580,19 +733,23 @@ def _failing_emit_body(rank: int, world_size: int, run_dir: str) -> dict:
     monitor = TensorStatsMonitor(
         kinds=["param", "grad", "activation"], kernel="eager", activation_every_n_steps=2
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        rows = _train_data_parallel(rank, monitor, run_dir, 6, state)
+    try:  # the ranks run other cases after this one
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = _train_data_parallel(rank, monitor, run_dir, 6, state)
+    finally:
+        mod._merge_over_groups = original
     return {"warnings": [str(w.message) for w in caught], "rows": rows}
 
 
-def test_an_unanticipated_failure_on_one_rank_drops_that_step_everywhere(tmp_path: Path) -> None:
+@on_ranks(2, _failing_emit_body, CASE_DIR)
+def test_an_unanticipated_failure_on_one_rank_drops_that_step_everywhere(ran) -> None:
     """Rank 1 raises inside step_end before its collectives at step 2 (an activation step: the
     two intervals give that hook different collectives at odd and even steps): the guard
     issues the rest of step 2's collectives for it, rank 0 leaves step 2 out, and every other
     step's activations are merged over both ranks' tokens."""
-    results = run_distributed(_failing_emit_body, world_size=2, args=(str(tmp_path),), timeout=120)
-    lines = [json.loads(x) for x in (tmp_path / "tensor_stats.jsonl").read_text().splitlines()]
+    run_dir, results = ran
+    lines = [json.loads(x) for x in (run_dir / "tensor_stats.jsonl").read_text().splitlines()]
     by = {(line["step"], line["kind"]): line["tensors"] for line in lines}
     assert sorted({step for step, _ in by}) == [0, 1, 3, 4, 5]
     assert sorted(step for step, kind in by if kind == "activation") == [0, 4]
@@ -695,14 +852,15 @@ def _sp_float64() -> dict[str, dict[str, torch.Tensor]]:
     return want
 
 
-def test_sequence_parallel_local_shards_are_merged_over_tp(tmp_path: Path) -> None:
+@on_ranks(4, _sp_body, CASE_DIR)
+def test_sequence_parallel_local_shards_are_merged_over_tp(ran) -> None:
     """dp x tp (2 x 2) with sequence parallelism: "down" (RowwiseParallel with
     output_layouts=Shard(1)) hands out each tp rank's part of the sequence as a plain tensor.
     Taken as a replica, its activation and dgrad held tp rank 0's half of the sequence only
     (count 2048 where float64 says 4096). One all_gather per group on the logging step, no
     collective on the other."""
-    results = run_distributed(_sp_body, world_size=4, args=(str(tmp_path),), timeout=240)
-    lines = _lines(tmp_path)
+    run_dir, results = ran
+    lines = _lines(run_dir)
     assert set(lines) == {"param", "grad", "activation", "dgrad"}
     want = _sp_float64()
     for kind in ("param", "grad", "activation", "dgrad"):
