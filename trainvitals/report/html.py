@@ -51,6 +51,7 @@ import math
 import os
 import re
 import statistics
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -154,11 +155,48 @@ class _Series:
             "last": values[-1],
             "min": min(finite) if finite else math.nan,
             "max": max(finite) if finite else math.nan,
-            "mean": math.fsum(finite) / len(finite) if finite else math.nan,
+            "mean": _mean(finite),
             "points": len(steps),
             "nonfinite": len(bad),
             "first_nonfinite": bad[0] if bad else None,
         }
+
+
+def _fsum(values: Sequence[float]) -> float:
+    """The correctly rounded sum of finite ``values`` (``math.fsum``), ``+-inf`` where that sum
+    is beyond float64's range. ``math.fsum`` raises ``OverflowError`` when a partial sum
+    overflows, even where the total fits (``[1e308, 1e308, -1e308]``): a diverged run's
+    ``exp(loss)`` near ``1e308`` logged twice ended the report with a traceback. Then the
+    values are summed divided by a power of two above ``2 * len(values)`` (exact, bar
+    subnormals), which no partial sum can overflow, and scaled back."""
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        scale = 2.0 ** (len(values).bit_length() + 1)
+        return math.fsum(v / scale for v in values) * scale  # (inf where the sum is)
+
+
+def _mean(values: Sequence[float]) -> float:
+    """The mean of finite ``values`` (NaN for none), also where their sum is beyond float64's
+    range (:func:`_fsum`): ``1e308`` and ``1.5e308`` average ``1.25e308``."""
+    n = len(values)
+    if not n:
+        return math.nan
+    try:
+        return math.fsum(values) / n
+    except OverflowError:
+        scale = 2.0 ** (n.bit_length() + 1)
+        return math.fsum(v / scale for v in values) / n * scale
+
+
+def _median(ordered: Sequence[float]) -> float:
+    """The median of sorted finite values: ``statistics.median``, whose ``(a + b) / 2`` of the
+    middle pair is ``inf`` when ``a + b`` overflows (then ``a / 2 + b / 2``, which cannot)."""
+    mid = statistics.median(ordered)
+    if math.isinf(mid):
+        n = len(ordered)
+        mid = ordered[n // 2 - 1] / 2 + ordered[n // 2] / 2
+    return mid
 
 
 # -------------------------------------------------------------------------------- drawing
@@ -205,17 +243,22 @@ def _chart(
     x0, x1 = min(all_steps), max(all_steps)
     if values:
         y0, y1 = min(values), max(values)
-        if y0 == y1:  # a flat line: give it a band around the value
+        if y0 == y1:  # a flat line: give it a band around the value (within float64's range)
             pad = abs(y0) * 0.05 or 1.0
-            y0, y1 = y0 - pad, y1 + pad
+            y0, y1 = max(y0 - pad, -sys.float_info.max), min(y1 + pad, sys.float_info.max)
     else:
         y0, y1 = 0.0, 1.0
+    span = y1 - y0  # inf for values from below -9e307 to above 9e307: then of halves
+    halves = math.isinf(span)
 
     def px(s: float) -> float:
         return left + (pw * (s - x0) / (x1 - x0) if x1 > x0 else pw / 2)
 
     def py(v: float) -> float:
-        return top + ph * (y1 - v) / (y1 - y0)
+        # (the fraction first: ph * (y1 - v) overflowed to inf for spans above 1.6e306)
+        if halves:  # ((y1 - v) / inf put every point at the top, and the extremes at nan)
+            return top + ph * ((y1 / 2 - v / 2) / (y1 / 2 - y0 / 2))
+        return top + ph * ((y1 - v) / span)
 
     out.append(
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>'
@@ -374,7 +417,7 @@ def _band(members: Sequence[_Series]) -> list[tuple[str, list[tuple[int, float]]
             hi.append((step, math.nan))
             continue
         lo.append((step, vals[0]))
-        mid.append((step, statistics.median(vals)))
+        mid.append((step, _median(vals)))
         hi.append((step, vals[-1] if len(vals) == len(by_step[step]) else math.nan))
     n = len(members)
     return [(f"min of {n}", lo), (f"median of {n}", mid), (f"max of {n}", hi)]
@@ -411,7 +454,7 @@ def _expert_load_section(series: dict[str, _Series]) -> tuple[list[str], str]:
         return ser.points.get(last, math.nan)
 
     def summed(ser: _Series) -> float:
-        return math.fsum(v for v in ser.points.values if math.isfinite(v))
+        return _fsum([v for v in ser.points.values if math.isfinite(v)])
 
     maps = [
         (f"expert-load/step-{last}", f"step {last}", at_last),
@@ -456,7 +499,7 @@ def _heatmap(
         finite = [v for v in row.values() if math.isfinite(v)]
         # over the layer's own experts (those logged), as LoadBalanceMonitor defines it: the
         # columns are every layer's experts, and a layer with fewer would be diluted
-        mean = math.fsum(finite) / len(finite) if finite else math.nan
+        mean = _mean(finite)
         y = top + i * ch
         out.append(
             f'<text x="{left - 4}" y="{y + ch - 1}" text-anchor="end" class="ax">'
