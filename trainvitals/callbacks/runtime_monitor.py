@@ -48,7 +48,12 @@ class RuntimeMonitor(VitalsCallback):
     dataloader reloaded with another length (``reload_dataloaders_every_n_epochs``) move it;
     the epochs part is then the steps before the epoch in progress plus the epochs left (this
     one included) at this epoch's steps per epoch, later epochs taken to be as long as this
-    one. Validation time is not in the estimate (it is reported apart). Under Lightning with a time limit
+    one (and an accumulation changed by epoch, ``GradientAccumulationScheduler``, taken to
+    stay as it is now). The horizon is where the run ends at the latest, so the estimate is an
+    upper bound: ``EarlyStopping`` (any ``trainer.should_stop``) may end the run before it,
+    and ``min_steps``/``min_epochs`` never extend it (Lightning stops at ``max_steps`` or
+    ``max_epochs`` even when a minimum is not met). Validation time is not in the estimate (it
+    is reported apart). Under Lightning with a time limit
     (``Trainer(max_time=...)``, or a ``Timer(duration=...)`` callback stopping mid-epoch, its
     default) the remaining time is at most the limit's ``Timer.time_remaining()``, which counts
     validation as the limit does; with only a time limit (no ``max_steps``, ``max_epochs=-1``)
