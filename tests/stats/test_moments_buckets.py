@@ -1,0 +1,81 @@
+"""MomentAccumulator.add_bucketed: the accelerator path of partial_moments (bodies of many
+tensors concatenated, one compiled call per bucket), checked on CPU with the masked row kernel
+run eagerly in place of its compiled form, against float64 numpy statistics of each tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.stats.test_moments import assert_matches, reference
+from trainvitals.stats import moments as moments_module
+from trainvitals.stats.moments import CHUNK, SMALL_NUMEL, MomentAccumulator, combine_moments, derive
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(3 * CHUNK * 10 + 7, generator=g),  # body of 30 rows and a tail
+        torch.randn(100, generator=g),  # small
+        5.0 + 0.01 * torch.randn(64, CHUNK, generator=g),  # |mean|/std 500, no tail
+        torch.randn(SMALL_NUMEL + 5, generator=g).double(),  # another dtype: its own bucket
+        torch.randn(40 * CHUNK, generator=g).exp(),  # skewed
+        torch.randn(9 * CHUNK + 1, generator=g),
+        torch.full((12 * CHUNK,), 2.5),  # constant
+    ]
+
+
+def _run(tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    acc = MomentAccumulator(len(tensors), kernel="compile")
+    acc.add_bucketed(tensors)
+    acc.fix_nonfinite(tensors)
+    parts, owner = acc.parts()
+    return derive(combine_moments(parts, owner, len(tensors)))
+
+
+@pytest.mark.parametrize("bucket", [16 * CHUNK, 48 * CHUNK, 1 << 25])
+def test_buckets_give_each_tensor_its_own_moments(monkeypatch, bucket: int) -> None:
+    calls: list[tuple[int, ...]] = []
+
+    def masked_rows(x2: torch.Tensor, masked: bool = True) -> torch.Tensor:
+        assert masked
+        calls.append(tuple(x2.shape))
+        return moments_module._rows_masked(x2)
+
+    monkeypatch.setattr(moments_module, "_compiled", masked_rows)
+    monkeypatch.setattr(moments_module, "_BUCKET_NUMEL", bucket)
+    tensors = _tensors()
+    got = _run(tensors)
+    for i, t in enumerate(tensors):
+        assert_matches(got, i, reference(t), f"tensor {i}, bucket {bucket}")
+    # the float32 bodies (30, 64, 40 and 9 rows; the float64 one apart): one call per bucket,
+    # no bucket over its size unless one body alone is
+    rows = bucket // CHUNK
+    if rows >= 200:
+        assert sorted(calls) == sorted([(30 + 64 + 40 + 9 + 12, CHUNK), (8, CHUNK)])
+    for shape in calls:
+        assert shape[0] <= rows or shape[0] in (30, 64, 40, 9, 12, 8)
+    assert sum(c[0] for c in calls) == 30 + 64 + 40 + 9 + 12 + 8
+
+
+def test_nonfinite_values_are_masked_in_buckets(monkeypatch) -> None:
+    monkeypatch.setattr(
+        moments_module, "_compiled", lambda x2, masked=True: moments_module._rows_masked(x2)
+    )
+    tensors = _tensors()
+    tensors[0][5] = float("nan")
+    tensors[4][7] = float("inf")
+    got = _run(tensors)
+    assert float(got["nonfinite"][0]) == 1 and float(got["nonfinite"][4]) == 1
+    for i in (0, 4):
+        finite = tensors[i][torch.isfinite(tensors[i])]
+        assert_matches(got, i, {**reference(finite), "nonfinite": 1.0}, f"tensor {i}")
+
+
+def test_a_failed_compilation_falls_back_to_the_eager_rows(monkeypatch) -> None:
+    monkeypatch.setattr(moments_module, "_compiled", lambda x2, masked=True: None)
+    tensors = _tensors()
+    tensors[2] = tensors[2] * 1e-30  # tiny: float32 powers underflow, redone exactly
+    got = _run(tensors)
+    for i, t in enumerate(tensors):
+        assert_matches(got, i, reference(t), f"tensor {i} (eager fallback)")

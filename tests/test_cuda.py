@@ -1,0 +1,316 @@
+"""Checks that need a CUDA device (skipped without one; CI has none).
+
+- No callback synchronises the host with the device on a step that does not log: every public
+  callback on the tiny MoE model on CUDA, under the ``Vitals`` driver (float32, bf16 autocast,
+  fp16 with a ``GradScaler``) and under a Lightning ``Trainer``, with
+  ``torch.cuda.set_sync_debug_mode("warn")``: each synchronising CUDA call is a warning, noted
+  with the Python stack it came from. Calls under a ``trainvitals`` frame on a non-logging step
+  fail the test (the user's model, Lightning and torch are theirs to sync). This sees what the
+  CPU stand-in (tests/test_no_host_reads_on_non_logging_steps.py) cannot: syncs inside C++
+  operators. The writer's own thread may wait for the device (it waits on the logged step's
+  event, off the training thread).
+- The moments kernels (eager and ``torch.compile``/Triton) against float64 on the host.
+- NormMonitor's float64 norms of gradients whose float32 sum of squares overflows.
+- MemoryMonitor's keys against ``torch.cuda.memory_stats`` read at the same point.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import trainvitals
+from tests.test_no_host_reads_on_non_logging_steps import (
+    CHECKED_STEPS,
+    INTERVAL,
+    LOGGING_STEPS,
+    MICRO_BATCHES,
+    STEPS,
+    _batch,
+    _callbacks,
+    _model,
+)
+from trainvitals.adapters import FanoutWriter, JsonlSink
+from trainvitals.adapters.jsonl import read_jsonl
+from trainvitals.adapters.loop import Vitals
+from trainvitals.moe import destroy_moe_metrics_tracker
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+_PACKAGE = str(Path(trainvitals.__file__).resolve().parent)
+_USER_MODEL = str(Path(_PACKAGE, "moe", "tiny_model.py"))
+# A line of ours that only hands the user's call on to the original (our optimizer.step wrapper)
+_PASS_THROUGH = re.compile(r"return original\w*\(")
+
+
+@dataclass(frozen=True)
+class _Sync:
+    step: int | None
+    thread: str
+    where: str  # innermost trainvitals frame (file:line function: code), or "" for none
+    stack: str  # the last frames, for the failure message
+
+    def describe(self) -> str:
+        return f"step {self.step} [{self.thread}] {self.where or '(not trainvitals)'}\n{self.stack}"
+
+
+class _SyncWatch:
+    """``torch.cuda.set_sync_debug_mode("warn")`` while active; each synchronising call's
+    warning is noted with its step (``step_of()`` when it is made) and Python stack."""
+
+    def __init__(self, step_of: Any) -> None:
+        self.step_of = step_of
+        self.syncs: list[_Sync] = []
+
+    def __enter__(self) -> _SyncWatch:
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        self._show = warnings.showwarning
+        warnings.showwarning = self._seen
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        self._warnings.__exit__(*exc)
+
+    def _seen(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchronizing CUDA operation" not in str(message):
+            return
+        stack = traceback.extract_stack()[:-1]
+        where = ""
+        for frame in reversed(stack):
+            if frame.filename.startswith(_PACKAGE) and frame.filename != _USER_MODEL:
+                if _PASS_THROUGH.match(frame.line or ""):
+                    # our wrapper of the user's call (optimizer.step, scaler.step) calling it:
+                    # the sync is inside the user's call (GradScaler reads found_inf itself)
+                    continue
+                rel = Path(frame.filename).relative_to(_PACKAGE)
+                where = f"trainvitals/{rel}:{frame.lineno} {frame.name}: {frame.line}"
+                break
+        self.syncs.append(
+            _Sync(
+                step=self.step_of(),
+                thread=threading.current_thread().name,
+                where=where,
+                stack="".join(traceback.format_list(stack[-6:])),
+            )
+        )
+
+    def ours_on(self, steps: set[int]) -> list[_Sync]:
+        """Our syncs on ``steps``, except the writer thread's wait for a logged step."""
+        return [
+            s
+            for s in self.syncs
+            if s.step in steps
+            and s.where
+            and not ("adapters/fanout_writer.py" in s.where and s.thread != "MainThread")
+        ]
+
+
+def _check(watch: _SyncWatch) -> None:
+    found = watch.ours_on(CHECKED_STEPS)
+    assert not found, "trainvitals synchronised on non-logging steps:\n" + "\n".join(
+        dict.fromkeys(s.describe() for s in found)
+    )
+
+
+def _to(batch: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "fp16-scaler"])
+def test_driver_does_not_sync_on_non_logging_steps(precision: str, tmp_path: Path) -> None:
+    destroy_moe_metrics_tracker()
+    model = _model().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16-scaler" else None
+    dtype = {"bf16-autocast": torch.bfloat16, "fp16-scaler": torch.float16}.get(precision)
+    writer = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")])
+    vitals = Vitals(_callbacks(), writer=writer, log_every_n_steps=INTERVAL, run_dir=tmp_path)
+    vitals.attach(model, optimizer, scaler=scaler)
+    generator = torch.Generator().manual_seed(1)
+    batches = [_to(_batch(generator), "cuda") for _ in range(STEPS * MICRO_BATCHES)]
+    torch.cuda.synchronize()
+    with _SyncWatch(lambda: vitals.ctx.step) as watch, vitals:
+        for step in range(STEPS):
+            for micro in range(MICRO_BATCHES):
+                batch = batches[step * MICRO_BATCHES + micro]
+                vitals.batch(batch)
+                with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+                    loss = model(batch["input_ids"], labels=batch["labels"]).loss
+                loss = loss / MICRO_BATCHES
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+        watch.step_of = lambda: None
+    writer.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert {row["step"] for row in rows} == LOGGING_STEPS
+    keys = {k for row in rows for k in row["metrics"]}
+    assert any(k.startswith("memory/") for k in keys)  # CUDA keys arrive
+    # The watch sees syncs where they are allowed (a logging step's reads), so it is working.
+    assert watch.ours_on(LOGGING_STEPS), "the sync watch saw nothing on logging steps"
+    _check(watch)
+
+
+def test_lightning_does_not_sync_on_non_logging_steps(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger
+
+    destroy_moe_metrics_tracker()
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _model()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch["input_ids"], labels=batch["labels"]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    generator = torch.Generator().manual_seed(2)
+    data = [_batch(generator) for _ in range(STEPS * MICRO_BATCHES)]
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        accumulate_grad_batches=MICRO_BATCHES,
+        log_every_n_steps=INTERVAL,
+        accelerator="gpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name="csv"),
+        callbacks=_callbacks(),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+
+    def step_of() -> int | None:
+        ctx = getattr(trainer, "_trainvitals_ctx", None)
+        return None if ctx is None or ctx.step >= STEPS else ctx.step
+
+    with _SyncWatch(step_of) as watch:
+        trainer.fit(Module(), loader)
+    assert trainer.global_step == STEPS
+    assert watch.ours_on(LOGGING_STEPS), "the sync watch saw nothing on logging steps"
+    _check(watch)
+
+
+def test_sync_watch_sees_a_read_in_an_every_step_hook(tmp_path: Path, monkeypatch) -> None:
+    """The watch itself: an ``.item()`` of a CUDA parameter added to a hook that runs every
+    micro-batch is found on every checked step."""
+    from trainvitals import callbacks as tv_callbacks
+
+    cls = tv_callbacks.ThroughputMonitor
+    original = cls.micro_batch_start
+
+    def micro_batch_start(self, ctx, batch):
+        original(self, ctx, batch)
+        next(ctx.model.parameters()).sum().item()
+
+    monkeypatch.setattr(cls, "micro_batch_start", micro_batch_start)
+    with pytest.raises(AssertionError, match="synchronised on non-logging steps") as failure:
+        test_driver_does_not_sync_on_non_logging_steps("fp32", tmp_path)
+    text = str(failure.value)
+    assert all(f"step {s} [MainThread]" in text for s in CHECKED_STEPS), text
+
+
+# ------------------------------------------------------------------------------ kernels
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compile"])
+def test_moments_on_cuda_equal_float64(kernel: str) -> None:
+    from tests.stats.test_moments import assert_matches, reference
+    from trainvitals.stats.moments import derive, fused_moments
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [
+        torch.randn(3000, 1024, device="cuda", generator=g),  # rows of the chunked kernel
+        100.0 + 0.5 * torch.randn(1_000_003, device="cuda", generator=g),  # |mean|/std 200
+        torch.randn(5000, device="cuda", generator=g),  # the small batched path
+        torch.randn(4096, 513, device="cuda", generator=g).exp(),  # skewed, heavy tail
+        (1e-12 * torch.randn(300_000, device="cuda", generator=g)),  # tiny variance
+        torch.randn(2048, 1024, device="cuda", generator=g).to(torch.bfloat16) - 3,
+    ]
+    moments = fused_moments(tensors, kernel=kernel)
+    assert moments.device.type == "cuda"
+    got = {k: v.cpu() for k, v in derive(moments).items()}
+    for i, t in enumerate(tensors):  # the CPU kernels' tolerance (tests/stats/test_moments.py)
+        assert_matches(got, i, reference(t.cpu()), f"tensor {i} ({kernel})")
+
+
+# ------------------------------------------------------------------------------ norms, memory
+
+
+def test_norm_monitor_huge_gradients_on_cuda_are_exact(tmp_path: Path) -> None:
+    """Gradients of 1e20 per element: their float32 squares overflow (1e40 > 3.4e38); the
+    norms must still be the float64 norm, finite."""
+    from tests.scripts.vitals_testing import RecordingWriter
+    from trainvitals.callbacks import NormMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    writer = RecordingWriter()
+    vitals = Vitals([NormMonitor()], writer=writer, log_every_n_steps=1)
+    vitals.attach(model, optimizer)
+    with vitals:
+        vitals.batch(torch.zeros(8, 256, device="cuda"))
+        model(torch.randn(8, 256, device="cuda")).sum().backward()
+        for p in model.parameters():
+            p.grad.mul_(0).add_(1e20 * torch.randn_like(p.grad).sign())
+        grads = [p.grad.detach().to("cpu", torch.float64) for p in model.parameters()]
+        params = [p.detach().to("cpu", torch.float64) for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    row = writer.rows[0]
+    expected_grad = math.sqrt(sum(float(g.square().sum()) for g in grads))
+    expected_param = math.sqrt(sum(float(p.square().sum()) for p in params))
+    assert row["l2_norm/grad/global"] == pytest.approx(expected_grad, rel=1e-9)
+    assert row["l2_norm/param/global"] == pytest.approx(expected_param, rel=1e-9)
+    assert row["l2_norm/grad/nonfinite_count"] == 0
+
+
+def test_memory_monitor_reads_the_allocator(tmp_path: Path) -> None:
+    from trainvitals.callbacks import MemoryMonitor
+    from trainvitals.stats.memory import BYTES_PER_GB, CUDA_STATS
+
+    model = torch.nn.Linear(1024, 1024).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    from tests.scripts.vitals_testing import RecordingWriter
+
+    monitor = MemoryMonitor(host=False)
+    vitals = Vitals([monitor], writer=RecordingWriter(), log_every_n_steps=1)
+    vitals.attach(model, optimizer)
+    with vitals:
+        vitals.batch(torch.zeros(4, 1024, device="cuda"))
+        keep = torch.empty(64 * 1024 * 1024, device="cuda")  # 256 MiB held
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
+        got = monitor._read_and_reduce()
+        after = torch.cuda.memory_stats()
+        del keep
+    for key, (stat, is_bytes) in CUDA_STATS.items():
+        scale = BYTES_PER_GB if is_bytes else 1.0
+        low = min(before.get(stat, 0), after.get(stat, 0)) / scale
+        high = max(before.get(stat, 0), after.get(stat, 0)) / scale
+        assert low <= got[f"memory/{key}"] <= high, (key, got[f"memory/{key}"], low, high)
+    assert got["memory/allocated_gb"] >= 64 * 1024 * 1024 * 4 / BYTES_PER_GB
