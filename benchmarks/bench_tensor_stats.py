@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import statistics
 import sys
@@ -41,6 +42,7 @@ from benchmarks.common import (
     count_parameters,
     interleaved_ratios,
     lm_batch,
+    sync,
 )
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import TensorStatsMonitor
@@ -63,13 +65,14 @@ def power_sum_partial(tensors, *, kernel="auto"):
     numbers are the naive raw-sum conversion; only the time matters here)."""
     tensors = list(tensors)
     sums = power_sums(tensors).double()
-    n = torch.tensor([float(t.numel()) for t in tensors], dtype=torch.float64)
+    device = sums.device
+    n = torch.tensor([float(t.numel()) for t in tensors], dtype=torch.float64, device=device)
     mean = sums[:, 0] / n
-    parts = torch.zeros(len(tensors), NUM_FIELDS, dtype=torch.float64)
+    parts = torch.zeros(len(tensors), NUM_FIELDS, dtype=torch.float64, device=device)
     parts[:, 0] = n
     parts[:, 1] = mean
     parts[:, 2] = sums[:, 1] - n * mean * mean
-    return parts, torch.arange(len(tensors))
+    return parts, torch.arange(len(tensors), device=device)
 
 
 class PowerSumAccumulator:
@@ -81,11 +84,14 @@ class PowerSumAccumulator:
 
     def add(self, slot, tensor, **kwargs):
         s = power_sums([tensor])[0]
+        self.sums = self.sums.to(s.device)  # (the device of the first tensor added)
         self.sums[slot, 0] += tensor.numel()
         self.sums[slot, 1:] += s.double()
 
     def result(self):
-        parts = torch.zeros(self.num_slots, NUM_FIELDS, dtype=torch.float64)
+        parts = torch.zeros(
+            self.num_slots, NUM_FIELDS, dtype=torch.float64, device=self.sums.device
+        )
         n = self.sums[:, 0].clamp_min(1)
         parts[:, 0] = self.sums[:, 0]
         parts[:, 1] = self.sums[:, 1] / n
@@ -138,7 +144,11 @@ def aten_floor(tensors: list[torch.Tensor]) -> None:
 
 
 def bench_kernel(
-    tensors: list[torch.Tensor], reps: int, compile_ok: bool, clock: Callable[[], float]
+    tensors: list[torch.Tensor],
+    reps: int,
+    compile_ok: bool,
+    clock: Callable[[], float],
+    sync: Callable[[], None] = lambda: None,
 ) -> dict[str, list[float]]:
     variants: dict[str, Callable[[], object]] = {
         "one torch.sum pass": lambda: [t.sum() for t in tensors],
@@ -156,8 +166,10 @@ def bench_kernel(
     names = list(variants)
     for rep in range(reps):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            sync()  # (a device: nothing queued before the start, all of it done at the end)
             start = clock()
             variants[name]()
+            sync()
             times[name].append(clock() - start)
     return times
 
@@ -191,7 +203,8 @@ def instrument(timer: HookTimer, monitor: TensorStatsMonitor) -> None:
 def make_variant(
     kind: str, tmp: Path, batch: torch.Tensor, clock: Callable[[], float], cfg: LMConfig
 ) -> Callable[[int], float]:
-    model = build_lm(cfg)
+    device = batch.device
+    model = build_lm(cfg, device=str(device))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     vitals = None
     method = "fused"
@@ -232,9 +245,11 @@ def make_variant(
         with patched_kernel(method):
             step()  # warm-up: one untimed step per call
             timer.reset()
+            sync(device)
             start = clock()
             for _ in range(n):
                 step()
+            sync(device)  # (a device: the steps' queued work is in the time)
             elapsed = clock() - start
             hook_seconds.append(timer.wall / n)
             return elapsed
@@ -264,6 +279,11 @@ def main() -> None:
     )
     parser.add_argument("--skip-kernel", action="store_true")
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="device of the kernel's tensors and of the training part's model (e.g. cuda)",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="1 thread, timed by this process's CPU time (robust on a shared machine; W&B's "
@@ -284,7 +304,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {how}, {os.cpu_count()} CPUs")
 
     if not args.skip_kernel:
-        tensors = kernel_tensors(scale)
+        device = torch.device(args.device)
+        tensors = [t.to(device) for t in kernel_tensors(scale)]
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         numel = sum(t.numel() for t in tensors)
         compile_ok = True
         try:
@@ -294,10 +316,11 @@ def main() -> None:
             compile_ok = _compiled.failed is None
         except Exception:
             compile_ok = False
-        times = bench_kernel(tensors, reps, compile_ok, clock)
+        times = bench_kernel(tensors, reps, compile_ok, clock, sync)
         base = times["one torch.sum pass"]
         print(
-            f"\n### Kernel: {numel / 1e6:.1f}M float32 values in {len(tensors)} tensors, {reps} reps\n"
+            f"\n### Kernel: {numel / 1e6:.1f}M float32 values in {len(tensors)} tensors on "
+            f"{device}, {reps} reps\n"
         )
         print("| method | median ms | median ratio to one torch.sum pass (min-max) |")
         print("|---|---|---|")
@@ -316,6 +339,7 @@ def main() -> None:
             batch_size=args.batch or (2 if args.quick else 8),
             seq_len=args.seq or (32 if args.quick else 128),
             vocab_size=cfg.vocab_size,
+            device=args.device,
         )
         names = [
             "baseline",
@@ -327,6 +351,9 @@ def main() -> None:
             "all four every step, four power sums",
             "wandb.watch(log='all', log_freq=1)",
         ]
+        if importlib.util.find_spec("wandb") is None:
+            print("(wandb is not installed: its row is left out)")
+            names.remove("wandb.watch(log='all', log_freq=1)")
         with tempfile.TemporaryDirectory() as tmp:
             variants = {n: make_variant(n, Path(tmp), batch, clock, cfg) for n in names}
             n_params = count_parameters(build_lm(cfg))
@@ -340,7 +367,7 @@ def main() -> None:
                 v.close()  # type: ignore[attr-defined]
         print(
             f"\n### Training step: {n_params / 1e6:.1f}M-parameter transformer, batch "
-            f"{tuple(batch.shape)}, {reps} reps x {steps} steps, {how}\n"
+            f"{tuple(batch.shape)} on {args.device}, {reps} reps x {steps} steps, {how}\n"
         )
         base_step = res["baseline"]["median_step_s"]
         print(
