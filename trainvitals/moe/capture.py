@@ -30,11 +30,18 @@ user extractor              ``register_router_extractor(predicate_or_type, fn)``
                             ``dp_group``, so its mean over data parallel is the global loss)
 Hugging Face transformers   ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,
 routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``,
-                            ``HunYuanMoEV1Gate``, ``AfmoeTokenChoiceRouter`` (and any
-                            ``transformers`` module whose class name ends in ``TopKRouter`` /
-                            ``TopkRouter`` with ``num_experts`` and ``top_k``: DeepSeek-V2/V3.2,
-                            GLM-4-MoE(-Lite), ...): output ``(router_logits [N, E], scores [N, k],
-                            indices [N, k])``; ``LongcatFlashTopkRouter``: the same, ``E`` its
+                            ``HunYuanMoEV1Gate``, ``AfmoeTokenChoiceRouter``,
+                            ``DeepseekV4HashRouter`` (a frozen token-id lookup; no aux loss:
+                            transformers' loss sees the ``DeepseekV4TopKRouter`` layers only)
+                            (and any ``transformers`` module whose class name ends in
+                            ``TopKRouter`` / ``TopkRouter`` with ``num_experts`` and ``top_k``:
+                            DeepSeek-V2/V3.2/V4, GLM-4-MoE(-Lite), Inkling, ...): output
+                            ``(router_logits [N, E], scores [N, k], indices [N, k], ...)``, the
+                            indices its third output (``InklingTopkRouter`` adds a fourth, its
+                            shared experts' gammas); ``Gemma4TextRouter``,
+                            ``DiffusionGemmaTextRouter``: the same with the probabilities first,
+                            ``E`` their ``proj.out_features`` (no ``num_experts`` attribute);
+                            ``LongcatFlashTopkRouter``: the same, ``E`` its
                             ``n_routed_experts`` (routed + zero experts, the last columns);
                             ``Llama4Router``: output ``(scores, router_logits)``, its indices
                             ``torch.topk(router_logits, top_k, dim=1)``; ``JetMoeTopKGating``
@@ -53,19 +60,23 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             ``N = B * S``) go to the overflow column; without a 2-d mask, or
                             when its size is not ``N`` (a KV cache, a model that removes padding
                             itself; warned once per router), every token is counted. For the
-                            softmax families (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS) the layer's aux loss is
-                            the Switch loss from ``router_logits`` and those counts over the same
-                            tokens, normalised to 1.0 at perfect balance (Hugging Face's
-                            per-layer ``load_balancing_loss_func`` term with the attention mask,
-                            / ``top_k``; also JetMoE and DBRX); Switch Transformers: its own
-                            per-sequence loss of the layer, ``E**2 * mean_{b,e}(f_be P_be)`` over
-                            every token (its ``load_balancing_loss_func`` takes no mask; the model
-                            adds it only with a sparse step > 1); also for any other of these routers whose modeling
-                            module defines the standard ``load_balancing_loss_func`` (PhiMoE,
-                            GraniteMoE, Ernie 4.5, MiniMax, ...), with the counts of that
-                            function: the top-k of ``softmax(router_logits)``, which is not the
-                            router's own choice where it selects with a bias; a forward whose mask is all 0 (a micro-batch of
-                            padding) has no such loss and is left out of the layer's mean over
+                            softmax families (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, JetMoE, DBRX)
+                            and any other of these routers whose modeling module defines the
+                            standard ``load_balancing_loss_func`` (PhiMoE, GraniteMoE, Ernie 4.5,
+                            MiniMax, ...) the layer's aux loss is Hugging Face's per-layer
+                            ``load_balancing_loss_func`` term with the attention mask, / ``top_k``
+                            (1.0 at perfect balance), computed as that function does: the top-k
+                            counts and mean probabilities of ``softmax(router_logits)`` taken in
+                            the logits' dtype, over the tokens that are not padding. Those loss
+                            counts are not always the router's own choice, which the loads
+                            count: a router that selects with a bias or a sparsemixer, and with
+                            bf16 logits Mixtral/Qwen/OLMoE's float32 softmax against the
+                            function's bf16 one, which pick other experts at near ties; Switch
+                            Transformers: its own per-sequence loss of the layer,
+                            ``E**2 * mean_{b,e}(f_be P_be)`` over every token (its
+                            ``load_balancing_loss_func`` takes no mask; the model adds it only
+                            with a sparse step > 1); a forward whose mask is all 0 (a micro-batch
+                            of padding) has no such loss and is left out of the layer's mean over
                             micro-batches (a count kept on the device: no host read)
 torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (torchtitan 0.3) or
                             ``tokens_per_expert`` (older): torchtitan adds each training forward's
@@ -116,10 +127,14 @@ Layer numbers come from the module name: the first integer component, so
 Routers are ordered numerically by all the integers of their name (``layers.2`` before
 ``layers.10``), never as strings. A router whose name contains no integer uses its own
 1-based ``layer_number`` attribute minus one when it has one (``TopKRouter``; so labels stay the
-0-based block index of the names), else its position in discovery order; such routers sort after the numbered ones. Two routers with the same number get labels
-made of all the integers of their names (``layers.3.experts.1.router`` -> ``3_1``), and if
-that still clashes (an encoder and a decoder stack) their full module names with ``_`` for
-``.`` (``encoder_layers_3_router``), so labels are unique.
+0-based block index of the names), else its position in discovery order; such routers sort after the numbered ones. Routers of one stack (the same
+name before the first integer) with the same number get labels made of all the integers of
+their names (``layers.3.experts.1.router`` -> ``3_1``). Routers of different stacks with the
+same number (an encoder and a decoder: Switch Transformers' ``encoder.block.1.layer.1.mlp.router``
+and ``decoder.block.1.layer.2.mlp.router``, whose ``1_1`` / ``1_2`` would read as two routers
+of one block), and routers whose integer labels still clash, get their full module names with
+``_`` for ``.`` (``encoder_block_1_layer_1_mlp_router``), so labels are unique and say which
+stack. The order stays numeric (encoder and decoder blocks of one number side by side).
 
 Why a scatter-add and not ``torch.bincount``: on CUDA ``bincount`` reads the maximum index back
 to the host to size its output, a device synchronisation on every forward. Indices outside
@@ -184,6 +199,10 @@ HF_ROUTER_CLASSES: frozenset[str] = frozenset(
         "JetMoeTopKGating",  # output (..., router_logits [N, E]): see _TOPK_OF_LOGITS
         "DbrxRouter",  # output router_logits [N, E]: see _DBRX_ROUTERS
         "SwitchTransformersTop1Router",  # output (dispatch [B, S, E], ...): see _DISPATCH_ROUTERS
+        # the same output as the generic rule, names it does not match:
+        "DeepseekV4HashRouter",  # indices a frozen token-id lookup; in no aux loss
+        "Gemma4TextRouter",  # (router_probabilities, weights, indices); E: proj.out_features
+        "DiffusionGemmaTextRouter",  # as Gemma4TextRouter
     }
 )
 # Routers whose forward returns the logits and whose experts are torch.topk(router_logits,
@@ -202,13 +221,24 @@ _DISPATCH_ROUTERS: frozenset[str] = frozenset({"SwitchTransformersTop1Router"})
 # Routers whose number of experts is not their num_experts attribute: LongcatFlashTopkRouter's
 # logits and indices cover n_routed_experts = the routed experts + the zero (identity) experts.
 _HF_EXPERTS_ATTR: dict[str, str] = {"LongcatFlashTopkRouter": "n_routed_experts"}
+# Routers with no num_experts attribute whose number of experts is the width of a linear
+# layer of theirs (Gemma 4's router: proj = nn.Linear(hidden_size, num_experts)).
+_HF_EXPERTS_LINEAR: dict[str, str] = {
+    "Gemma4TextRouter": "proj",
+    "DiffusionGemmaTextRouter": "proj",
+}
+# Routers whose logits transformers leaves out of load_balancing_loss_func although their
+# modeling module defines it: DeepSeek-V4 records router_logits of DeepseekV4TopKRouter only
+# (OutputRecorder(DeepseekV4TopKRouter, index=0)), so its hash-routed layers have no aux loss.
+_HF_NO_AUX: frozenset[str] = frozenset({"DeepseekV4HashRouter"})
 # Families whose Hugging Face aux loss is the Switch loss over softmax(router_logits)
-# (``load_balancing_loss_func``) and whose own top-k is that of softmax(router_logits), so the
-# loss can use the router's indices; DeepSeek-V3 and AFMoE balance with a bias, HunYuan-MoE
-# and Llama 4 train without one. Other routers get a Switch aux loss when their modeling
-# module defines the standard ``load_balancing_loss_func`` (_hf_switch_loss_family), with the
-# top-k recomputed from the logits as that function does (their own selection may differ: a
-# bias, a sparsemixer). Switch Transformers has its own per-sequence loss (_switch_seq_aux_loss).
+# (``load_balancing_loss_func``); DeepSeek-V3 and AFMoE balance with a bias, HunYuan-MoE and
+# Llama 4 train without one. Other routers get a Switch aux loss when their modeling module
+# defines the standard ``load_balancing_loss_func`` (_hf_switch_loss_family). For all of them
+# the loss's top-k is recomputed from the logits as that function does (_hf_loss_counts): it is
+# not always the router's own selection (a bias, a sparsemixer; and in bf16 the router's
+# float32 softmax against the function's bf16 one, which differ at near ties). Switch
+# Transformers has its own per-sequence loss (_switch_seq_aux_loss).
 _HF_SOFTMAX_AUX: frozenset[str] = frozenset(
     {
         "MixtralTopKRouter",
@@ -358,9 +388,6 @@ class RouterInfo:
     label: str = ""
     has_aux_loss: bool = False
     extractor: Extractor | None = field(default=None, repr=False)
-    # a Hugging Face router whose aux loss takes the top-k of softmax(router_logits), as
-    # load_balancing_loss_func does, instead of the router's own indices
-    aux_topk_from_logits: bool = field(default=False, repr=False)
     # the number of experts each token selects, where the router module does not say it
     # (DbrxRouter: its parent DbrxFFN's top_k)
     top_k: int | None = field(default=None, repr=False)
@@ -423,8 +450,8 @@ def _hf_num_experts(module: nn.Module) -> int | None:
     logits (``num_experts``, ``n_routed_experts`` for LongCat-Flash, the linear layer's
     ``out_features`` for DBRX, whose router has no such attribute)."""
     cls = _hf_class_name(module)
-    if cls in _DBRX_ROUTERS:
-        layer = getattr(module, "layer", None)
+    if cls in _DBRX_ROUTERS or cls in _HF_EXPERTS_LINEAR:
+        layer = getattr(module, _HF_EXPERTS_LINEAR.get(cls, "layer"), None)
         return _int_attr(layer, "out_features") if isinstance(layer, nn.Module) else None
     return _int_attr(module, _HF_EXPERTS_ATTR.get(cls, "num_experts"))
 
@@ -593,17 +620,11 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
         num = _hf_num_experts(module)
         if num is not None:
             cls = _hf_class_name(module)
-            own_topk = cls in _HF_SOFTMAX_AUX
             # Switch Transformers: its own per-sequence loss (_switch_seq_aux_loss)
-            aux = own_topk or cls in _DISPATCH_ROUTERS or _hf_switch_loss_family(module)
-            return RouterInfo(
-                name,
-                module,
-                "hf",
-                num,
-                has_aux_loss=aux,
-                aux_topk_from_logits=aux and not own_topk and cls not in _DISPATCH_ROUTERS,
+            aux = cls not in _HF_NO_AUX and (
+                cls in _HF_SOFTMAX_AUX or cls in _DISPATCH_ROUTERS or _hf_switch_loss_family(module)
             )
+            return RouterInfo(name, module, "hf", num, has_aux_loss=aux)
     buffer = _torchtitan_buffer(module)
     if buffer is not None:
         return RouterInfo(name, module, "torchtitan", int(module._buffers[buffer].numel()))
@@ -625,17 +646,40 @@ def _assign_labels(routers: list[RouterInfo]) -> None:
             r.sort_key = (1, (r.layer,), pos)
         r.label = str(r.layer)
     routers.sort(key=lambda r: r.sort_key)
-    _dedupe(routers, lambda r: "_".join(str(i) for i in r.sort_key[1]))
+    # Routers of one block (layers.3.experts.1.router, layers.3.experts.2.router) are told apart
+    # by all the integers of their names (3_1, 3_2). Routers of different stacks that share a
+    # block number (an encoder and a decoder: Switch Transformers' encoder.block.1.layer.1 and
+    # decoder.block.1.layer.2) are not: their other integers are no expert or router index
+    # (1_1 / 1_2 would read as two routers of one block), so their labels are full names.
+    _dedupe(
+        routers,
+        lambda r: "_".join(str(i) for i in r.sort_key[1]),
+        same_stack=lambda group: len({_stack_of(r.name) for r in group}) == 1,
+    )
     _dedupe(routers, lambda r: r.name.replace(".", "_"))
 
 
-def _dedupe(routers: list[RouterInfo], relabel: Callable[[RouterInfo], str]) -> None:
-    counts: dict[str, int] = {}
+def _stack_of(name: str) -> str:
+    """The part of a module name before its first integer component (``encoder.block`` of
+    ``encoder.block.1.layer.1.mlp.router``): the stack of layers the router's block is in."""
+    match = LAYER_NUMBER.search(name)
+    return name[: match.start()] if match else name
+
+
+def _dedupe(
+    routers: list[RouterInfo],
+    relabel: Callable[[RouterInfo], str],
+    same_stack: Callable[[list[RouterInfo]], bool] | None = None,
+) -> None:
+    """Relabel the routers whose labels clash with ``relabel``; with ``same_stack``, only the
+    groups of clashing routers it accepts (the others keep their label for the next pass)."""
+    groups: dict[str, list[RouterInfo]] = {}
     for r in routers:
-        counts[r.label] = counts.get(r.label, 0) + 1
-    for r in routers:
-        if counts[r.label] > 1:
-            r.label = relabel(r)
+        groups.setdefault(r.label, []).append(r)
+    for group in groups.values():
+        if len(group) > 1 and (same_stack is None or same_stack(group)):
+            for r in group:
+                r.label = relabel(r)
 
 
 class RouterCapture:
@@ -966,16 +1010,12 @@ class RouterCapture:
             if valid is not None:
                 # padding tokens go to the overflow column (never reported)
                 indices = indices.masked_fill(valid[0], r.num_experts)
-            counts = self._add_indices(i, indices)
+            self._add_indices(i, indices)  # the router's own selection: the loads
             if r.has_aux_loss and logits.ndim == 2:
-                logits = local_tensor(logits)
-                if counts is not None and counts.device != logits.device:
-                    # the accumulator lives on the first router's device; a model split over
-                    # devices (device_map="auto") has routers elsewhere
-                    counts = _copy_to(counts, logits.device)
-                if r.aux_topk_from_logits:
-                    counts = self._hf_loss_counts(logits, indices.shape[-1], valid)
-                aux = _switch_aux_loss(logits, counts, indices.shape[-1], valid)
+                # the loss's own top-k (not the router's) and probabilities, as Hugging Face's
+                # load_balancing_loss_func takes them, on the logits' device
+                probs, counts = self._hf_loss_counts(local_tensor(logits), indices.shape[-1], valid)
+                aux = _switch_aux_loss(probs, counts, indices.shape[-1], valid)
                 self._add_aux(i, aux)
                 if aux is not None and valid is not None:
                     self._add_aux_empty(i, valid[3])
@@ -1029,16 +1069,27 @@ class RouterCapture:
     @staticmethod
     def _hf_loss_counts(
         logits: torch.Tensor, top_k: int, valid: _ValidTokens | None
-    ) -> torch.Tensor:
-        """The ``[E]`` top-k counts Hugging Face's ``load_balancing_loss_func`` uses: the top-k
-        of softmax(router_logits) of each token that is not padding (device kernels only)."""
-        num_experts = logits.shape[-1]
-        selected = logits.detach().float().softmax(dim=-1).topk(top_k, dim=-1).indices
-        if valid is not None:
-            selected = selected.masked_fill(valid[0], num_experts)  # padding: overflow column
-        counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=logits.device)
-        ones = torch.ones(selected.numel(), dtype=torch.float32, device=logits.device)
-        return counts.index_add_(0, selected.reshape(-1), ones)[:num_experts]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs [N, E] float32, counts [E])``: the router probabilities and the top-k counts
+        of the tokens that are not padding that Hugging Face's ``load_balancing_loss_func`` uses
+        (device kernels only).
+
+        As transformers 5.x ``models/mixtral/modeling_mixtral.py::load_balancing_loss_func``
+        (the same in every family that copies it): ``softmax(router_logits, dim=-1)`` in the
+        logits' own dtype, its top-k, and the probabilities cast ``.float()`` afterwards. So
+        with bf16 logits the softmax is bf16, where the router itself (Mixtral, Qwen-MoE,
+        OLMoE) takes the top-k of a float32 softmax: near ties (probabilities equal in bf16)
+        pick other experts, and these counts are the loss's, not the loads. The call is the
+        same as transformers' and runs inside the same model forward, so an autocast context
+        turns both into the same float32 softmax."""
+        probs = torch.nn.functional.softmax(logits.detach(), dim=-1)
+        selected = torch.topk(probs, top_k, dim=-1).indices  # [N, k]
+        if valid is None:
+            weights = torch.ones(selected.numel(), dtype=torch.float32, device=logits.device)
+        else:  # each selection weighted by its token's mask (0 for padding), as transformers
+            weights = valid[1].unsqueeze(-1).expand(selected.shape).reshape(-1)
+        counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+        return probs.float(), counts.index_add_(0, selected.reshape(-1), weights)
 
     def _count_topk_router(self, i: int, module: nn.Module, output: Any) -> None:
         num_experts = self.num_experts
@@ -1093,8 +1144,8 @@ class RouterCapture:
             self._acc_device = acc.device
         return self._acc
 
-    def _add_indices(self, i: int, indices: torch.Tensor) -> torch.Tensor | None:
-        """Add the forward's counts; return them (``[E]``) when the router has an aux loss."""
+    def _add_indices(self, i: int, indices: torch.Tensor) -> None:
+        """Add the forward's counts of the top-k ``indices`` ``[N, k]`` to row ``i``."""
         acc = self._accumulator(indices.device)
         e = self.num_experts
         idx = indices.detach().reshape(-1)
@@ -1102,15 +1153,8 @@ class RouterCapture:
             idx = _copy_to(idx, acc.device)
         # Out-of-range indices (sentinels) go to the overflow column e.
         idx = idx.clamp(-1, e).remainder_(e + 1)
-        ones = self._ones_for(acc, idx.numel())
-        if not self.routers[i].has_aux_loss:
-            self._rows[i].index_add_(0, idx, ones)
-            self._dirty = True
-            return None
-        counts = torch.zeros_like(self._rows[i]).index_add_(0, idx, ones)
-        self._rows[i].add_(counts)
+        self._rows[i].index_add_(0, idx, self._ones_for(acc, idx.numel()))
         self._dirty = True
-        return counts[:e]
 
     def _ones_for(self, acc: torch.Tensor, n: int) -> torch.Tensor:
         ones = self._ones.get(acc.device)
@@ -1458,7 +1502,9 @@ def _hf_logits_and_indices(cls: str, output: Any, top_k: Any) -> tuple[Any, Any]
             probs = torch.softmax(logits.detach(), dim=1, dtype=logits.dtype)
             return logits, torch.topk(probs, top_k, dim=-1).indices
         return logits, None
-    indices = output[-1] if seq and len(output) >= 3 else None
+    # (router_logits, scores, indices[, ...]): the third output (InklingTopkRouter adds a
+    # fourth, its shared experts' gammas)
+    indices = output[2] if seq and len(output) >= 3 else None
     return (output[0] if indices is not None else None), indices
 
 
@@ -1480,24 +1526,24 @@ def _switch_seq_aux_loss(logits: torch.Tensor) -> Any:
 
 
 def _switch_aux_loss(
-    logits: torch.Tensor,
+    probs: torch.Tensor,
     counts: torch.Tensor | None,
     top_k: int,
     valid: _ValidTokens | None = None,
 ) -> Any:
     """The Switch load-balancing loss of one layer and forward, before its coefficient, with
     Megatron's normalisation (1.0 at perfect balance): ``E / (k T) * sum_i tokens_i * P_i``,
-    ``P_i`` the mean softmax probability of expert ``i``, over the ``T`` tokens that are not
+    ``P_i`` the mean of ``probs`` ``[T, E]`` (the float32 router probabilities of
+    :meth:`RouterCapture._hf_loss_counts`) for expert ``i``, over the ``T`` tokens that are not
     padding when ``valid`` (from :meth:`RouterCapture._hf_valid_tokens`) is given (``counts``
     then count only those; a forward with no such token gives 0, where Hugging Face divides
     0 by 0, and the capture leaves it out of the layer's mean over micro-batches with a
     device-side count, :meth:`RouterCapture._add_aux_empty`), else over every token. Hugging
     Face's ``load_balancing_loss_func`` term of the layer is ``top_k`` times this (it divides
     the counts by ``T``, not ``T * k``)."""
-    if counts is None or logits.shape[0] == 0:
+    if counts is None or probs.shape[0] == 0:
         return None
-    num_tokens, num_experts = logits.shape
-    probs = logits.detach().float().softmax(dim=-1)
+    num_tokens, num_experts = probs.shape
     if valid is None:
         mean_probs = probs.mean(dim=0)
         scale: Any = num_experts / (num_tokens * top_k)
