@@ -79,3 +79,41 @@ def test_a_failed_compilation_falls_back_to_the_eager_rows(monkeypatch) -> None:
     got = _run(tensors)
     for i, t in enumerate(tensors):
         assert_matches(got, i, reference(t), f"tensor {i} (eager fallback)")
+
+
+def test_add_many_buckets_and_reduces_a_repeated_key_once(monkeypatch) -> None:
+    """The hooks' batches (TensorStatsMonitor._reduce_deferred): slots as given, a tensor seen
+    at two slots reduced once, small tensors and tails copied (changed afterwards: the moments
+    are of the values at the add)."""
+    calls: list[int] = []
+
+    def masked_rows(x2: torch.Tensor, masked: bool = True) -> torch.Tensor:
+        calls.append(x2.shape[0])
+        return moments_module._rows_masked(x2)
+
+    monkeypatch.setattr(moments_module, "_compiled", masked_rows)
+    monkeypatch.setattr(moments_module, "_bucketing", lambda kernel, device: True)
+    tensors = _tensors()
+    shared = tensors[0]
+    originals = [t.clone() for t in tensors]
+    acc = MomentAccumulator(3, kernel="compile")
+    acc.add_many([(0, t, t) for t in tensors[:3]] + [(2, shared, shared)])
+    acc.add_many([(1, t, t) for t in tensors[3:]] + [(1, shared, shared)])
+    for t in tensors:
+        t.add_(1000.0)  # in place after the add: small tensors and tails were copied
+    got = derive(acc.result())
+    groups = {
+        0: originals[:3],
+        1: [*originals[3:], originals[0]],
+        2: [originals[0]],
+    }
+    for slot, members in groups.items():
+        assert_matches(
+            got,
+            slot,
+            reference(torch.cat([m.reshape(-1).double() for m in members])),
+            f"slot {slot}",
+        )
+    # the float32 bodies of a call in one bucket: 30 + 64 rows, then 40 + 9 + 12 rows; the
+    # float64 body its own; the repeated tensor not reduced again
+    assert sorted(calls) == sorted([30 + 64, 8, 40 + 9 + 12])

@@ -162,6 +162,10 @@ SMALL_NUMEL = 8 * CHUNK
 # blocks, 512K are 11% faster on 2 threads and 6% on 1 (fewer fixed costs per operation); 1M
 # are 16% faster on 2 threads but 3% on 1, and 2M slower (out of cache).
 _EAGER_BLOCK = 512 * 1024
+# The same on an accelerator (the eager fallback when compilation fails): no cache to stay in,
+# and every operation is a kernel launch of ~5-7 us, so blocks of 8M elements (two work buffers
+# of 32 MiB float32); at 512K, 117M values in 121 tensors took ~2700 launches (H100, measured).
+_DEVICE_EAGER_BLOCK = 8 * 1024 * 1024
 # Rows (float32 sums) with a mean square below this (a std below 2^-32 = 2.3e-10) are recomputed
 # in float64: their fourth powers fall into float32's subnormal range (below 2^-126) and lose
 # precision. Measured without the check, both CPU kernels, 1M values: kurtosis off by ~1e-7
@@ -444,7 +448,8 @@ def _rows_eager_fast(x2: torch.Tensor, work: list[torch.Tensor]) -> torch.Tensor
     dtype = torch.float64 if x2.dtype == torch.float64 else torch.float32
     out = torch.empty(8, c, dtype=dtype, device=x2.device)
     out[0] = b
-    rows = max(1, min(c, _EAGER_BLOCK // b))
+    block = _EAGER_BLOCK if x2.device.type == "cpu" else _DEVICE_EAGER_BLOCK
+    rows = max(1, min(c, block // b))
     if not work or work[0].numel() < rows * b:
         work[:] = [torch.empty(rows * b, dtype=dtype, device=x2.device) for _ in range(2)]
     for start in range(0, c, rows):
@@ -687,6 +692,14 @@ def _use_compile(kernel: Kernel, device: torch.device) -> bool:
     return device.type == "cuda" and _compiled.failed is None
 
 
+def _bucketing(kernel: Kernel, device: torch.device) -> bool:
+    """Whether tensors known together are reduced in buckets (:meth:`MomentAccumulator.add_many`):
+    on an accelerator with the compiled kernel, whose per-call host cost is the bottleneck. (On
+    CPU the per-call cost is a small share of the kernel's time, and a copy into a bucket is a
+    pass over memory.)"""
+    return device.type != "cpu" and _use_compile(kernel, device)
+
+
 def _small_moments(
     pieces: list[torch.Tensor], owner: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -822,7 +835,7 @@ def partial_moments(
             raise TypeError(f"tensors[{i}] must be a floating-point tensor, got {t.dtype}")
         if i and t.device != tensors[0].device:
             raise ValueError(f"all tensors must be on one device; tensors[{i}] is on {t.device}")
-    if tensors and tensors[0].device.type != "cpu" and _use_compile(kernel, tensors[0].device):
+    if tensors and _bucketing(kernel, tensors[0].device):
         acc.add_bucketed(tensors)
     else:
         for i, t in enumerate(tensors):
@@ -889,21 +902,7 @@ class MomentAccumulator:
         if key is not None:
             seen = self._seen.get(id(key))
             if seen is not None and seen[0]() is key and seen[1] == key._version:
-                for where, idx in seen[2]:
-                    if where == "rows":
-                        if (False, idx) in self._unchecked:
-                            self._unchecked.append((False, len(self._rows)))
-                        self._rows.append(self._rows[idx])
-                        self._row_slot.append(slot)
-                    elif where == "bodies":
-                        if (True, idx) in self._unchecked:
-                            self._unchecked.append((True, len(self._bodies)))
-                        self._bodies.append(self._bodies[idx])
-                        self._body_slot.append(slot)
-                        self._body_count.append(self._body_count[idx])
-                    else:
-                        self._small.append(self._small[idx])
-                        self._small_slot.append(slot)
+                self._replay(slot, seen[2])
                 return
             before = {w: len(getattr(self, f"_{w}")) for w in ("rows", "bodies", "small")}
             self._add(slot, tensor, check_finite, copy_small)
@@ -975,45 +974,122 @@ class MomentAccumulator:
         (measured, torch 2.11). The copy into a bucket is one ``torch.cat`` per bucket, a pass
         the device makes at full bandwidth; a tensor of a bucket's size or more is reduced where
         it is. The tensors must live until :meth:`parts` (their rows are computed here, their
-        tails kept as views)."""
+        tails kept as views), and :meth:`fix_nonfinite` is to be called with them."""
+        self._bucketed(list(enumerate(tensors)), check_finite=False, copy_small=False)
+
+    def add_many(self, items: Sequence[tuple[int, torch.Tensor, torch.Tensor | None]]) -> None:
+        """``add(slot, tensor, key=key)`` for each ``(slot, tensor, key)``, at once: on an
+        accelerator with the compiled kernel the tensors are bucketed as in
+        :meth:`add_bucketed` (one compiled call per bucket instead of one per tensor), small
+        tensors and tails copied (their data may change before :meth:`result`), a key seen
+        before (here or in an earlier call, unmodified) reduced once. Elsewhere one ``add``
+        each."""
+        if not items:
+            return
+        if not _bucketing(self.kernel, items[0][1].device):
+            for slot, tensor, key in items:
+                self.add(slot, tensor, key=key)
+            return
+        fresh: list[tuple[int, torch.Tensor]] = []
+        keys: list[torch.Tensor | None] = []
+        first: dict[int, int] = {}  # id(key) -> its position in fresh
+        repeats: list[tuple[int, int]] = []  # (slot, position in fresh)
+        for slot, tensor, key in items:
+            if key is not None:
+                seen = self._seen.get(id(key))
+                if seen is not None and seen[0]() is key and seen[1] == key._version:
+                    self._replay(slot, seen[2])
+                    continue
+                at = first.get(id(key))
+                if at is not None and keys[at] is key:
+                    repeats.append((slot, at))
+                    continue
+                first[id(key)] = len(fresh)
+            fresh.append((slot, tensor))
+            keys.append(key)
+        entries = self._bucketed(fresh, check_finite=True, copy_small=True)
+        for key, made in zip(keys, entries, strict=True):
+            if key is not None:
+                with contextlib.suppress(TypeError):  # not weak-referenceable: no reuse
+                    self._seen[id(key)] = (weakref.ref(key), key._version, made)
+        for slot, at in repeats:
+            self._replay(slot, entries[at])
+
+    def _replay(self, slot: int, entries: list[tuple[str, int]]) -> None:
+        """Add to ``slot`` the parts an earlier add of the same tensor made (``entries``)."""
+        for where, idx in entries:
+            if where == "rows":
+                if (False, idx) in self._unchecked:
+                    self._unchecked.append((False, len(self._rows)))
+                self._rows.append(self._rows[idx])
+                self._row_slot.append(slot)
+            elif where == "bodies":
+                if (True, idx) in self._unchecked:
+                    self._unchecked.append((True, len(self._bodies)))
+                self._bodies.append(self._bodies[idx])
+                self._body_slot.append(slot)
+                self._body_count.append(self._body_count[idx])
+            else:
+                self._small.append(self._small[idx])
+                self._small_slot.append(slot)
+
+    def _bucketed(
+        self, items: list[tuple[int, torch.Tensor]], *, check_finite: bool, copy_small: bool
+    ) -> list[list[tuple[str, int]]]:
+        """:meth:`add_bucketed` of ``(slot, tensor)`` items; returns the parts each item made
+        (``("rows"|"small", index)``), for :meth:`add_many`'s reuse of a tensor seen again.
+        ``check_finite``: rows of the eager fallback (compilation failed) are checked at once
+        (one read back per tensor) instead of left to :meth:`fix_nonfinite`."""
+        made: list[list[tuple[str, int]]] = [[] for _ in items]
         buckets: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
 
-        def run(slots: list[int], bodies: list[torch.Tensor]) -> None:
+        def run(which: list[int], bodies: list[torch.Tensor]) -> None:
             x2 = bodies[0] if len(bodies) == 1 else torch.cat(bodies)
             rows = _compiled(x2, True)
             if rows is None:  # compilation failed: the eager kernel, tensor by tensor
-                for slot, body in zip(slots, bodies, strict=True):
+                for k, body in zip(which, bodies, strict=True):
                     cdtype = torch.float64 if body.dtype == torch.float64 else torch.float32
                     work = _eager_work.setdefault((body.device, cdtype), [])
-                    self._unchecked.append((False, len(self._rows)))
-                    self._rows.append(_rows_eager_fast(body, work))
-                    self._row_slot.append(slot)
+                    eager = _rows_eager_fast(body, work)
+                    if not check_finite:
+                        self._unchecked.append((False, len(self._rows)))
+                    elif bool(_needs_exact(eager).any()):
+                        eager = _rows_exact(body)
+                    made[k].append(("rows", len(self._rows)))
+                    self._rows.append(eager)
+                    self._row_slot.append(items[k][0])
                 return
-            for slot, part in zip(slots, rows.split([b.shape[0] for b in bodies], 1), strict=True):
+            for k, part in zip(which, rows.split([b.shape[0] for b in bodies], 1), strict=True):
+                made[k].append(("rows", len(self._rows)))
                 self._rows.append(part)
-                self._row_slot.append(slot)
+                self._row_slot.append(items[k][0])
 
-        for i, tensor in enumerate(tensors):
+        for k, (slot, tensor) in enumerate(items):
             flat = tensor.detach().reshape(-1)
             if flat.numel() < SMALL_NUMEL:
-                self._add(i, tensor, False, False)
+                before = len(self._small)
+                self._add(slot, tensor, check_finite, copy_small)
+                made[k] += [("small", j) for j in range(before, len(self._small))]
                 continue
             body = _body(flat)
             if flat.numel() > body.numel():
-                self._small.append(flat[body.numel() :])
-                self._small_slot.append(i)
+                tail = flat[body.numel() :]
+                made[k].append(("small", len(self._small)))
+                self._small.append(tail.clone() if copy_small else tail)
+                self._small_slot.append(slot)
             if body.numel() >= _BUCKET_NUMEL:
-                run([i], [body])
+                run([k], [body])
                 continue
-            slots, bodies = buckets.setdefault(body.dtype, ([], []))
+            which, bodies = buckets.setdefault(body.dtype, ([], []))
             if sum(b.numel() for b in bodies) + body.numel() > _BUCKET_NUMEL:
-                run(slots, bodies)
-                slots, bodies = buckets[body.dtype] = ([], [])
-            slots.append(i)
+                run(which, bodies)
+                which, bodies = buckets[body.dtype] = ([], [])
+            which.append(k)
             bodies.append(body)
-        for slots, bodies in buckets.values():
+        for which, bodies in buckets.values():
             if bodies:
-                run(slots, bodies)
+                run(which, bodies)
+        return made
 
     def fix_nonfinite(self, tensors: Sequence[torch.Tensor]) -> None:
         """After ``add(i, tensors[i], check_finite=False)`` calls: recompute, in float64 and with
