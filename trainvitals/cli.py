@@ -22,6 +22,7 @@ import csv
 import io
 import json
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -139,6 +140,8 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
                 names = list(rec["tensors"])
             grouped = grouped or any(match(n) for n in rec["tensors"])
     if not spans:
+        if Path(args.run_dir).is_file():
+            return _query_of_a_wrong_file(Path(args.run_dir)), True
         return (
             f"{args.run_dir} holds no tensor-statistics record (is it a tensor_stats.jsonl "
             "file? `trainvitals report` reads the metrics files)",
@@ -200,7 +203,7 @@ def _add_report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "run_dir",
         help="run folder: metrics.jsonl (or TensorBoard event files, or a metrics.csv) and/or "
-        "tensor_stats.jsonl, found in it or below it",
+        "tensor_stats.jsonl, found in it or below it (a metrics file goes to --metrics)",
     )
     p.add_argument(
         "--output", "-o", default=None, help="the HTML file to write (default RUN_DIR/report.html)"
@@ -231,6 +234,8 @@ def _add_report_arguments(p: argparse.ArgumentParser) -> None:
 def _run_report(args: argparse.Namespace) -> int:
     from trainvitals.report.html import write_report
 
+    if Path(args.run_dir).is_file():
+        raise NotADirectoryError(_report_of_a_file(Path(args.run_dir), args.metrics))
     path = write_report(
         args.run_dir,
         args.output,
@@ -242,6 +247,40 @@ def _run_report(args: argparse.Namespace) -> int:
     )
     print(path)
     return 0
+
+
+def _report_of_a_file(path: Path, metrics: str | None) -> str:
+    """What to run instead of ``trainvitals report FILE``: the report takes a run folder, and a
+    metrics file goes to ``--metrics`` (its folder is the run folder: the report is written
+    there and its ``tensor_stats.jsonl`` is read)."""
+    from trainvitals.report.query import TENSOR_STATS_FILE
+
+    folder = shlex.quote(str(path.parent))
+    head = f"{path} is a file, not a run folder"
+    if path.name == TENSOR_STATS_FILE and metrics is None:
+        return f"{head}: run `trainvitals report {folder}` (the folder holding it)"
+    given = shlex.quote(str(path if metrics is None else Path(metrics)))
+    return (
+        f"{head}: a metrics file (JSONL, TensorBoard event file, CSV) goes to --metrics, "
+        f"run `trainvitals report {folder} --metrics {given}`"
+    )
+
+
+def _query_of_a_wrong_file(path: Path) -> str:
+    """What to run instead of ``trainvitals query FILE`` when FILE holds no tensor-statistics
+    record (a metrics file, say)."""
+    from trainvitals.report.query import TENSOR_STATS_FILE
+
+    folder = shlex.quote(str(path.parent))
+    todo = (
+        f"the tensor statistics of its folder: `trainvitals query {folder}`; "
+        if (path.parent / TENSOR_STATS_FILE).is_file() and path.name != TENSOR_STATS_FILE
+        else f"`trainvitals query` reads the {TENSOR_STATS_FILE} of TensorStatsMonitor; "
+    )
+    return (
+        f"{path} holds no tensor-statistics record: {todo}a metrics file is read by "
+        f"`trainvitals report {folder} --metrics {shlex.quote(str(path))}`"
+    )
 
 
 # ------------------------------------------------------------------------------------ main

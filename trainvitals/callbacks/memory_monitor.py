@@ -32,8 +32,11 @@ class MemoryMonitor(VitalsCallback):
     device when it is CUDA; any parameter or buffer on CUDA (a model whose first parameter is
     an embedding table kept on the CPU); any parameter sharded over a CUDA device mesh
     (FSDP2 with ``CPUOffloadPolicy``, whose shards live on the CPU: the current CUDA device);
-    else, when CUDA is initialised in the process, its current CUDA device. Without CUDA, or
-    when none applies, no CUDA key is written. Every other CUDA device that holds a parameter
+    else, when CUDA is initialised in the process, its current CUDA device (a loop that moves
+    the model to CUDA layer by layer), except when the Lightning strategy's ``root_device`` is
+    not CUDA (``accelerator="cpu"``): Lightning computes there, and CUDA initialised by other
+    code of the process is not the run's memory. Without CUDA, or when none applies, no CUDA
+    key is written. Every other CUDA device that holds a parameter
     or buffer of the model at run start is read too: a model spread over several GPUs of one
     process (Hugging Face's ``device_map="auto"``, a hand-made pipeline) reports its worst
     device, not only its first (one more host-side ``memory_stats`` call per device on
@@ -365,6 +368,11 @@ def _run_cuda_device(ctx: RunContext) -> torch.device | None:
             mesh = getattr(tensor, "device_mesh", None)
             if getattr(mesh, "device_type", None) == "cuda":
                 return torch.device("cuda", torch.cuda.current_device())
+    if isinstance(root, torch.device):
+        # Lightning says where the run computes, and it is not CUDA (accelerator="cpu"), nor
+        # does the model hold a tensor there: CUDA initialised by other code of the process
+        # (another model, a library) is not this run's memory.
+        return None
     if torch.cuda.is_initialized():
         # No tensor of the model on CUDA at run start, but the process uses CUDA (a model
         # moved there per layer by the loop, an offloading wrapper): its current device.

@@ -31,9 +31,10 @@ class MoEMetricsMonitor(VitalsCallback):
     * ``run_start``: clears the tracker (drops anything recorded before training) and finds
       the MoE layers from the model's routers; under pipeline parallelism from every stage's
       (one ``all_gather_object`` over ``ctx.groups.pp``, at run start only), raising
-      ``ValueError`` on every rank when two stages' routers have the same ``layer_number``
-      (stage-local numbering: the tracker's pipeline SUM would add two layers' values), and
-      when the routers' ``num_layers`` is not the monitor's ``num_layers`` (+ ``mtp_num_layers``).
+      ``ValueError`` on every rank when two stages' recording routers (with their
+      ``num_layers``) have the same ``layer_number`` (stage-local numbering: the tracker's
+      pipeline SUM would add two layers' values), and when the routers' ``num_layers`` is not
+      the monitor's ``num_layers`` (+ ``mtp_num_layers``).
     * ``validation_start`` / ``validation_end``: keeps the training values aside during
       validation, so a model that records in evaluation does not mix into them.
     * ``step_end``: resets the routers' per-step ``global_aux_loss`` token counts. On a
@@ -299,10 +300,15 @@ def _check_stage_layer_numbers(stages: list[list[tuple[int | None, int | None]]]
     stages' routers record into the same layer slot. The tracker SUMs the stages' vectors, so
     stage-local layer numbers (each stage's first MoE layer ``layer_number=1``, as Megatron's
     ``decoder.layers.0`` on every stage) would add two different layers' values into one slot:
-    a load-balancing loss near 2 at perfect balance."""
+    a load-balancing loss near 2 at perfect balance.
+
+    Only the routers that record count, as in :func:`_pattern_from_routers`: a router with a
+    ``layer_number`` but no ``num_layers`` records nothing into the tracker (a side router), so
+    it shares no slot with another stage's recording router of that number (counting it raised
+    this error on a run whose stages record into distinct slots)."""
     owner: dict[int, int] = {}
     for stage, routers in enumerate(stages):
-        for number in {n for n, _ in routers if n is not None}:
+        for number in {n for n, size in routers if n is not None and size is not None}:
             if number in owner:
                 raise ValueError(
                     f"MoEMetricsMonitor: pipeline stages {owner[number]} and {stage} both have "
