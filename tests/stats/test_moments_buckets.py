@@ -65,11 +65,12 @@ def test_nonfinite_values_are_masked_in_buckets(monkeypatch) -> None:
     tensors = _tensors()
     tensors[0][5] = float("nan")
     tensors[4][7] = float("inf")
+    tensors[5][CHUNK : 2 * CHUNK] = float("nan")  # a whole row: no finite element in it
     got = _run(tensors)
-    assert float(got["nonfinite"][0]) == 1 and float(got["nonfinite"][4]) == 1
-    for i in (0, 4):
+    bad = {0: 1.0, 4: 1.0, 5: float(CHUNK)}
+    for i, count in bad.items():
         finite = tensors[i][torch.isfinite(tensors[i])]
-        assert_matches(got, i, {**reference(finite), "nonfinite": 1.0}, f"tensor {i}")
+        assert_matches(got, i, {**reference(finite), "nonfinite": count}, f"tensor {i}")
 
 
 def test_a_failed_compilation_falls_back_to_the_eager_rows(monkeypatch) -> None:
