@@ -372,7 +372,11 @@ class _SinkWorker:
 
     def _miss(self, why: str, n: int = 1) -> None:
         self.missed += n
-        self.missed_why[why] = self.missed_why.get(why, 0) + n
+        n += self.missed_why.get(why, 0)
+        if n:
+            self.missed_why[why] = n
+        else:
+            self.missed_why.pop(why, None)
 
     def _report_once(self, what: str, message: str) -> None:
         if what not in self.reported:
@@ -445,6 +449,14 @@ class _SinkWorker:
         with self.cond:
             self.inflight = None
             self.busy_since = None
+            if self.abandoned:
+                # close() gave up on this write (hung) and counted the step as missed; it
+                # returned after all: count it once, as what the sink got
+                if error is None:
+                    self.delivered += 1
+                    self._miss("unfinished at close", -1)
+                self.cond.notify_all()
+                return True
             if error is None:
                 self.delivered += 1
                 if self.failures:
@@ -593,6 +605,25 @@ def _close_live_writers() -> None:
     failed, interrupted = _ProcessEnd.outcome()
     for writer in list(_live_writers):
         writer.close(failed=failed, interrupted=interrupted)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, ``os.fork()``) has copies of the parent's writers,
+    whose values only the parent delivers: make each copy drop what the child logs, with a
+    warning (it was silent), and give it fresh locks (another thread of the parent may have
+    held one at the fork, which would block the child's first ``add_scalar`` for ever)."""
+    for writer in list(_live_writers):
+        writer._lock = threading.Lock()
+        writer._close_done = threading.Event()
+        writer._values = {}
+        writer._has_tensors = False
+        writer._active = False
+        writer._forked = True
+        writer._fork_warned = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close_live_writers_first() -> None:
@@ -843,6 +874,10 @@ class FanoutWriter:
         self._has_tensors = False
         self._closed = False
         self._closed_warned = False
+        self._forked = False  # a copy in a forked child (set there by _after_fork_in_child)
+        self._fork_warned = False
+        self._closing_thread: int | None = None  # the thread of the first close()
+        self._close_done = threading.Event()  # that close() has returned
         self._resume_step: int | None = None
         self._seq = 0
         self._pid = os.getpid()
@@ -1013,6 +1048,8 @@ class FanoutWriter:
                 values[name] = value
                 if type(value) is not float:
                     self._has_tensors = True
+            elif self._forked:
+                self._warn_forked()
 
     def add_scalars(
         self,
@@ -1090,6 +1127,8 @@ class FanoutWriter:
                 values.update(checked)
                 if has_tensors:
                     self._has_tensors = True
+            elif self._forked:
+                self._warn_forked()
 
     def _advance(self, step: int, key: str) -> None:
         """Move to ``step`` (lock held): close the current step, or refuse a lower one."""
@@ -1104,6 +1143,15 @@ class FanoutWriter:
         self._step = step
         if threading.current_thread() is threading.main_thread():
             _ProcessEnd.main_thread_goes_on()  # (its sys.exit was caught, if it called one)
+
+    def _warn_forked(self) -> None:
+        if not self._fork_warned:
+            self._fork_warned = True
+            _warn(
+                f"trainvitals FanoutWriter: values logged in a forked child process (pid "
+                f"{os.getpid()}, e.g. a DataLoader worker) are dropped: only the process that "
+                f"created the writer (pid {self._pid}) delivers"
+            )
 
     def _warn_closed(self) -> None:
         if not self._closed_warned:
@@ -1401,28 +1449,50 @@ class FanoutWriter:
         non-zero status ends the script, as interrupted after an uncaught
         ``KeyboardInterrupt`` (``docs/writer.md``, *How a run ends*). Never raises because of
         a sink; warns once, at the end, for every sink that missed steps. Calling it again
-        does nothing.
+        does nothing more: from another thread while the first call is still delivering, it
+        waits for that call to finish (within the same time limit), so that it too returns
+        with every sink closed; the exit hook does the same for a ``close()`` still running
+        in a daemon thread.
         """
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if failed or interrupted:
-                for s in self.sinks:
-                    s.run_failed = True
-                    s.run_interrupted = interrupted
-            if self._active and self._pid == os.getpid():
-                try:
-                    self._close_step()
-                except Exception as e:  # pragma: no cover - defensive
-                    _warn(f"trainvitals FanoutWriter: could not queue the last step: {e!r}")
-        _live_writers.discard(self)
-        if not self._active or self._pid != os.getpid():
+            first = not self._closed
+            if first:
+                self._closed = True
+                self._closing_thread = threading.get_ident()
+                if failed or interrupted:
+                    for s in self.sinks:
+                        s.run_failed = True
+                        s.run_interrupted = interrupted
+                if self._active and self._pid == os.getpid():
+                    try:
+                        self._close_step()
+                    except Exception as e:  # pragma: no cover - defensive
+                        _warn(f"trainvitals FanoutWriter: could not queue the last step: {e!r}")
+        if not first:
+            self._wait_closed(self.close_timeout if timeout is None else timeout)
             return
         try:
-            self._shutdown(self.close_timeout if timeout is None else timeout)
+            if self._active and self._pid == os.getpid():
+                self._shutdown(self.close_timeout if timeout is None else timeout)
         except Exception as e:  # pragma: no cover - defensive: close never raises
             _warn(f"trainvitals FanoutWriter: error while closing: {e!r}")
+        finally:
+            # only now: the exit hook closes the writers still in the set, and its close()
+            # must wait for this one (a close() in a daemon thread is cut off at exit)
+            _live_writers.discard(self)
+            self._close_done.set()
+
+    def _wait_closed(self, timeout: float) -> None:
+        """A second ``close()``: wait until the first call, perhaps running in another thread,
+        has delivered and closed the sinks (at most ``timeout`` plus the time an abandoned
+        sink gets to close), so that every caller returns with the sinks' data written."""
+        if (
+            not self._active
+            or self._pid != os.getpid()
+            or self._closing_thread == threading.get_ident()  # re-entered from a sink's close
+        ):
+            return
+        self._close_done.wait(timeout + _ABANDONED_CLOSE_TIMEOUT)
 
     def _shutdown(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -1517,7 +1587,8 @@ class FanoutWriter:
                 w.name: {
                     "delivered": w.delivered,
                     "missed": w.missed,
-                    "pending": len(w.pending) + (w.inflight is not None),
+                    # (a write close() abandoned counts as missed until it returns)
+                    "pending": len(w.pending) + (w.inflight is not None and not w.abandoned),
                     "failures": w.total_failures,
                     "consecutive_failures": w.failures,
                     "disabled": w.disabled,
