@@ -7,16 +7,8 @@ full tensors gathered with ``full_tensor()`` and normed in float64.
 
 from __future__ import annotations
 
-import gc
-import importlib.util
 import math
-import os
-import re
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -29,7 +21,7 @@ from tests.callbacks.test_norm_monitor_helpers import (
     float64_norms,
     lm_loss,
 )
-from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import CASE_DIR, SharedRanks
 from tests.scripts.vitals_testing import quiet_trainer
 
 pytestmark = pytest.mark.slow
@@ -40,139 +32,11 @@ REL = 2e-5  # fp32 training vs the float64 rebuild, after at most one SGD step
 
 
 # ----------------------------------------------------------- ranks shared by the cases of a file
-#
-# Starting gloo processes costs more than most cases here (about 2 s for 2 ranks, 4 s for 4):
-# each test registers its case with ``on_ranks``, and ``case_runs`` runs the selected cases of
-# one world size in turn on the same processes, each in a folder of its own and with the state a
-# fresh process would give it (environment, warning filters, RNG state, thread count and
-# DTensor's sharding caches are put back; a global hook, an open writer or a claimed file left
-# behind fails the case).
+# (tests/helpers/shared_ranks.py: one set of gloo processes per world size runs every case)
 
-CASE_DIR = object()  # stands, in a case's args, for the case's own folder
-
-
-@dataclass(frozen=True)
-class Case:
-    world_size: int
-    body: Callable[..., dict]
-    args: tuple
-    needs: str | None = None  # a package the case cannot run without (its test is skipped)
-
-
-CASES: dict[str, Case] = {}  # test function name -> its case, in file order
-
-
-def on_ranks(world_size: int, body: Callable[..., dict], *args: Any, needs: str | None = None):
-    """Register the decorated test's case: ``body(rank, world_size, *args)``, with ``CASE_DIR``
-    in ``args`` replaced by the case's folder, on the file's shared ranks of ``world_size``."""
-
-    def register(test: Callable) -> Callable:
-        CASES[test.__name__] = Case(world_size, body, args, needs)
-        return test
-
-    return register
-
-
-def _left_behind() -> list[str]:
-    """What a finished case left in its process that a later case could run into."""
-    from torch.nn.modules import module
-    from torch.optim import optimizer
-
-    from trainvitals.adapters import fanout_writer
-    from trainvitals.callbacks import tensor_stats_monitor
-
-    gc.collect()
-    hooks = {
-        "module forward pre-hook": module._global_forward_pre_hooks,
-        "module forward hook": module._global_forward_hooks,
-        "module backward pre-hook": module._global_backward_pre_hooks,
-        "module backward hook": module._global_backward_hooks,
-        "optimizer pre-hook": optimizer._global_optimizer_pre_hooks,
-        "optimizer post-hook": optimizer._global_optimizer_post_hooks,
-    }
-    left = [f"a global {what}" for what, registered in hooks.items() if registered]
-    if len(fanout_writer._live_writers):
-        left.append("an open writer")
-    if any(ref() is not None for ref in tensor_stats_monitor._CLAIMS.values()):
-        left.append("a claimed tensor-stats file")
-    return left
-
-
-def _run_cases(rank: int, world_size: int, root: str, names: list[str]) -> dict[str, dict]:
-    """Each case of ``names`` in turn on this rank, in its folder ``root/<name>``."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    rng, threads, env = torch.get_rng_state(), torch.get_num_threads(), dict(os.environ)
-    out = {}
-    for name in names:
-        (Path(root) / f"running.rank{rank}").write_text(name)  # names the case of a hang
-        case = CASES[name]
-        args = tuple(str(Path(root) / name) if a is CASE_DIR else a for a in case.args)
-        torch.set_rng_state(rng)
-        try:
-            with warnings.catch_warnings():
-                out[name] = case.body(rank, world_size, *args)
-            if left := _left_behind():
-                raise RuntimeError(f"the case left {', '.join(left)} behind")
-        except Exception as e:
-            raise RuntimeError(f"case {name!r} failed") from e
-        finally:
-            os.environ.clear()
-            os.environ.update(env)
-            torch.set_num_threads(threads)
-            # DTensor's sharding propagation caches key on meshes compared by value: a later
-            # case's equal mesh would get DTensors on this case's mesh and groups (other group
-            # objects for the same ranks, one more collective where the monitor merges)
-            _clear_sharding_prop_cache()
-    return out
-
-
-@pytest.fixture(scope="module")
-def case_runs(request, tmp_path_factory) -> dict[str, tuple[Path, list[dict]] | str]:
-    """Each selected test's case: its folder and its results by rank, or why it failed. One
-    ``run_distributed`` per world size runs its cases in turn; when a case fails, the ranks stop
-    there and the other cases run again without it, so that it fails its own test alone."""
-    selected = {
-        item.originalname
-        for item in request.session.items
-        if getattr(item, "module", None) is request.module
-    }
-    groups: dict[int, list[str]] = {}
-    for name, case in CASES.items():
-        if name in selected and (case.needs is None or importlib.util.find_spec(case.needs)):
-            groups.setdefault(case.world_size, []).append(name)
-    out: dict[str, tuple[Path, list[dict]] | str] = {}
-    for world, todo in groups.items():
-        while todo:
-            root = tmp_path_factory.mktemp(f"ranks{world}_")
-            for name in todo:
-                (root / name).mkdir()
-            try:
-                ranks = run_distributed(_run_cases, world, args=(str(root), todo), timeout=240)
-            except (AssertionError, TimeoutError) as e:
-                # the failing rank's error names its case; a hang, the case a rank is still in
-                named = re.search(r"case '(\w+)' failed", str(e))
-                running = {p.read_text() for p in root.glob("running.rank*")}
-                hung = [n for n in todo if n in running]
-                failed = [named[1]] if named and named[1] in todo else hung[:1] or todo
-                out |= {n: f"case {n!r} failed on its ranks: {e}" for n in failed}
-                todo = [n for n in todo if n not in failed]
-            else:
-                out |= {name: (root / name, [r[name] for r in ranks]) for name in todo}
-                todo = []
-    return out
-
-
-@pytest.fixture
-def ran(request, case_runs) -> tuple[Path, list[dict]]:
-    """This test's case (registered with ``on_ranks``): its folder and its results by rank."""
-    case = CASES[request.node.originalname]
-    if case.needs is not None:
-        pytest.importorskip(case.needs)
-    result = case_runs[request.node.originalname]
-    if isinstance(result, str):
-        pytest.fail(result, pytrace=False)
-    return result
+ranks = SharedRanks(__name__)
+on_ranks = ranks.on_ranks
+case_runs, ran = ranks.fixtures()
 
 
 def _lm_batch(dp_rank: int, step: int) -> torch.Tensor:
@@ -475,7 +339,6 @@ def _stage(rank: int) -> tuple[nn.Module, torch.Tensor]:
 
 
 def _pp_body(rank: int, world_size: int) -> dict:
-    import warnings
 
     from trainvitals.callbacks.norm_monitor import NormMonitor
     from trainvitals.distributed import ProcessGroups, world_group
@@ -523,7 +386,6 @@ def test_pipeline_stages_sum_their_totals(ran):
 
 
 def _fsdp2_nan_body(rank: int, world_size: int) -> dict:
-    import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
