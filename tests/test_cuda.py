@@ -38,6 +38,8 @@ from tests.test_no_host_reads_on_non_logging_steps import (
     _batch,
     _callbacks,
     _model,
+    lightning_run,
+    lightning_step_of,
 )
 from trainvitals.adapters import FanoutWriter, JsonlSink
 from trainvitals.adapters.jsonl import read_jsonl
@@ -170,45 +172,9 @@ def test_driver_does_not_sync_on_non_logging_steps(precision: str, tmp_path: Pat
 
 
 def test_lightning_does_not_sync_on_non_logging_steps(tmp_path: Path) -> None:
-    pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.loggers import CSVLogger
-
-    destroy_moe_metrics_tracker()
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = _model()
-
-        def training_step(self, batch, batch_idx):
-            return self.model(batch["input_ids"], labels=batch["labels"]).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    generator = torch.Generator().manual_seed(2)
-    data = [_batch(generator) for _ in range(STEPS * MICRO_BATCHES)]
-    loader = torch.utils.data.DataLoader(data, batch_size=None)
-    trainer = pl.Trainer(
-        max_steps=STEPS,
-        accumulate_grad_batches=MICRO_BATCHES,
-        log_every_n_steps=INTERVAL,
-        accelerator="gpu",
-        devices=1,
-        logger=CSVLogger(tmp_path, name="csv"),
-        callbacks=_callbacks(),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-
-    def step_of() -> int | None:
-        ctx = getattr(trainer, "_trainvitals_ctx", None)
-        return None if ctx is None or ctx.step >= STEPS else ctx.step
-
-    with _SyncWatch(step_of) as watch:
-        trainer.fit(Module(), loader)
+    trainer, module, loader = lightning_run(tmp_path, "gpu")
+    with _SyncWatch(lightning_step_of(trainer)) as watch:
+        trainer.fit(module, loader)
     assert trainer.global_step == STEPS
     assert watch.ours_on(LOGGING_STEPS), "the sync watch saw nothing on logging steps"
     _check(watch)

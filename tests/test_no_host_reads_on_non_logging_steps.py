@@ -397,7 +397,9 @@ def test_probe_sees_a_device_read_in_an_every_step_hook(tmp_path, monkeypatch):
         _check(probe)
 
 
-def test_lightning_reads_nothing_on_non_logging_steps(tmp_path, monkeypatch):
+def lightning_run(tmp_path: Path, accelerator: str) -> tuple[Any, Any, Any]:
+    """Every callback in a Lightning ``Trainer`` on the tiny MoE model: ``(trainer, module,
+    loader)`` ready for ``trainer.fit(module, loader)`` (also used by tests/test_cuda.py)."""
     pl = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.loggers import CSVLogger
 
@@ -421,7 +423,7 @@ def test_lightning_reads_nothing_on_non_logging_steps(tmp_path, monkeypatch):
         max_steps=STEPS,
         accumulate_grad_batches=MICRO_BATCHES,
         log_every_n_steps=INTERVAL,
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         logger=CSVLogger(tmp_path, name="csv"),
         callbacks=_callbacks(),
@@ -430,15 +432,24 @@ def test_lightning_reads_nothing_on_non_logging_steps(tmp_path, monkeypatch):
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
+    return trainer, Module(), loader
+
+
+def lightning_step_of(trainer: Any) -> Callable[[], int | None]:
+    """The step a host read of a Lightning run belongs to (``None``: the run's end)."""
 
     def step_of() -> int | None:
         ctx = getattr(trainer, "_trainvitals_ctx", None)
-        # (after the last step: the run's end, no step's)
         return None if ctx is None or ctx.step >= STEPS else ctx.step
 
+    return step_of
+
+
+def test_lightning_reads_nothing_on_non_logging_steps(tmp_path, monkeypatch):
+    trainer, module, loader = lightning_run(tmp_path, "cpu")
     probe = _Probe(monkeypatch)
-    probe.step_of = step_of
-    trainer.fit(Module(), loader)
+    probe.step_of = lightning_step_of(trainer)
+    trainer.fit(module, loader)
     monkeypatch.undo()
 
     assert trainer.global_step == STEPS
