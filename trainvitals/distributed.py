@@ -271,8 +271,10 @@ def all_gather_coalesced(
     """Gather ``tensors`` from every member of ``group`` in one collective.
 
     Returns, for each input of shape ``S``, a tensor of shape ``[group_size, *S]`` whose row ``r``
-    is rank ``r``'s value. Every rank must pass tensors of the same shapes (agree on them first
-    with :func:`all_gather_objects` when they can differ).
+    is rank ``r``'s value, in ``dtype`` (float64 by default: int64 values above 2**53 round;
+    ``None``: the inputs' one dtype, a ``ValueError`` when they differ). Every rank must pass
+    tensors of the same shapes (agree on them first with :func:`all_gather_objects` when they
+    can differ).
     """
     tensors = list(tensors)
     if not tensors:
@@ -493,22 +495,49 @@ def all_reduce_by_groups(
     """Reduce each tensor over its own tuple of groups, with one collective per distinct group.
 
     ``items`` pairs a tensor with the groups it must be reduced over (typically
-    :func:`shard_groups` of the DTensor it came from). All tensors that need group ``g`` are
-    reduced in one coalesced collective on ``g``; groups are processed in a fixed order so every
-    rank issues the same sequence. ``avg`` is not allowed (an average over a sequence of groups
-    is rarely what is meant); use ``sum`` and divide.
+    :func:`shard_groups` of the DTensor it came from). All tensors that need a group of the
+    same ranks (and backend) are reduced in one coalesced collective, on the first such group
+    object: two equal meshes built separately (``init_device_mesh`` twice) have different group
+    objects for the same ranks, and cost no second collective. Groups are processed in a fixed
+    order (first appearance) so every rank issues the same sequence. A tensor is reduced once
+    per distinct group, however often its tuple names it. ``avg`` is not allowed (an average
+    over a sequence of groups is rarely what is meant); use ``sum`` and divide.
     """
     if op == "avg":
         raise ValueError("all_reduce_by_groups supports sum, max and min, not avg")
     results = [t.detach().to(dtype) for t, _ in items]
     # Order groups by first appearance: the same on every rank because ranks iterate the same
-    # parameters in the same order.
-    for g in unique_by_identity(g for _, groups in items for g in groups):
-        idx = [i for i, (_, groups) in enumerate(items) if any(g is x for x in groups)]
+    # parameters in the same order. Every member of a group sees the same groups coincide
+    # (they are the same rank set on each of them), so all pick the same group object.
+    memo: dict[int, Any] = {}
+    keyed = [{_group_key(g, memo) for g in groups} for _, groups in items]
+    first: dict[Any, Any] = {}
+    for _, groups in items:
+        for g in groups:
+            first.setdefault(_group_key(g, memo), g)
+    for key, g in first.items():
+        idx = [i for i, keys in enumerate(keyed) if key in keys]
         reduced = all_reduce_coalesced([results[i] for i in idx], op, g, dtype=dtype)
         for i, r in zip(idx, reduced, strict=True):
             results[i] = r
     return results
+
+
+def _group_key(group: Any, memo: dict[int, Any]) -> Any:
+    """What a collective on ``group`` reduces over: its backend and sorted global ranks, read
+    from the local group table (no collective; ``memo`` caches it per object for one call).
+    Objects that are not process groups this rank can look up key by identity."""
+    key = memo.get(id(group))
+    if key is None:
+        try:
+            if group is None or not is_distributed():
+                raise TypeError("no group")
+            ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+            key = ("ranks", str(dist.get_backend(group)), ranks)
+        except Exception:
+            key = ("id", id(group))
+        memo[id(group)] = key
+    return key
 
 
 # --------------------------------------------------------------------------------------------
@@ -705,7 +734,9 @@ class ProcessGroups:
         two. With an ``ep`` dim, ``edp`` is the
         flattened data-parallel and ``cp`` dims other than ``ep`` (the ranks holding the same
         experts; ``None`` when there are none). A mesh with unnamed or unknown dims raises
-        ``ValueError`` naming them.
+        ``ValueError`` naming them; so does, on that rank, a mesh that does not hold this rank,
+        and a flattened ``dp_cp`` / ``loss`` dim of more ranks than ``cp`` passed without the
+        data-parallel dims it was made of (``dp`` would be this rank alone).
 
         torchtitan: pass ``parallel_dims.world_mesh`` (its flattened ``dp``, ``dp_shard_cp``,
         ``dp_cp`` and ``ep`` dims are read from it), or, for versions whose ``world_mesh`` is
@@ -749,6 +780,14 @@ class ProcessGroups:
             names = tuple(m.mesh_dim_names or ())
             if len(names) != m.ndim:
                 raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names")
+            coordinate = getattr(m, "get_coordinate", None)
+            if is_distributed() and callable(coordinate) and coordinate() is None:
+                # (torch then fails deep inside get_group: IndexError or RuntimeError)
+                raise ValueError(
+                    f"ProcessGroups.from_device_mesh: rank {me} is not in the mesh with dims "
+                    f"{names}, so it has none of its groups; build the groups of this rank from "
+                    "a mesh that holds it (every rank's mesh, or the whole mesh)"
+                )
             for name in names:
                 add(name, m if m.ndim == 1 else m[name], m)
             root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else None
@@ -845,6 +884,16 @@ class ProcessGroups:
             dp_cp = flat([*replicate, roles["dp_shard_cp"]])
         else:
             dp_cp = flat([*dp_dims, *cp_dims]) if cp is not None else dp
+        if not dp_dims and group_size(dp_cp) > group_size(cp):
+            # a flattened dp_cp (torchtitan's loss mesh, Accelerate's dp_cp) without the dims it
+            # was made of: dp would be this rank alone, and sample counts one rank's samples
+            name = roles.get("dp_cp", roles.get("dp_shard_cp"))
+            raise ValueError(
+                f"ProcessGroups.from_device_mesh: mesh dim {name!r} holds "
+                f"{group_size(dp_cp)} data x context parallel ranks but no mesh given says "
+                "which of them are data parallel; pass the mesh with the 'dp' (or 'batch', "
+                "'dp_replicate'/'dp_shard') and 'cp' dims as well"
+            )
         edp = None
         region = None
         if tt_ep:
