@@ -1,23 +1,32 @@
-"""Benchmark of ``trainvitals report``: the time to write the HTML report of a long run.
+"""Benchmark of ``trainvitals report`` and ``trainvitals query``: the time to write the HTML
+report of a long run and to query its tensor statistics.
 
 A synthetic run is written into a temporary folder with the package's own writers:
 ``--steps`` steps of ``--keys`` scalars written by a ``JsonlSink`` (24 layers x 5 MoE metrics
-plus the rest in areas of 10 keys), and a ``tensor_stats.jsonl`` with one line per kind every
-``--stats-every`` steps, each line holding ``--tensors`` tensors' moments. Then, interleaved
+plus the rest in areas of 10 keys), and a ``tensor_stats.jsonl`` (the format of
+``docs/tensor_stats.md``, as ``TensorStatsMonitor`` writes it) with one line per kind every
+``--stats-every`` steps, each line holding ``--tensors`` tensors' moments
+(``model.layers.<i // 4>.mlp.w<i % 4>.weight``). ``--tensor-stats-mib N`` sets ``--steps``
+instead, to the number that makes ``tensor_stats.jsonl`` about N MiB. Then, interleaved
 ``--reps`` times:
 
 * baseline: reading both files with the package's readers (``read_jsonl``,
   ``read_tensor_stats``), which any report has to do;
-* the report: :func:`trainvitals.report.write_report` of the same folder.
+* the report: :func:`trainvitals.report.write_report` of the same folder;
+* three queries (:func:`trainvitals.report.query`, what ``trainvitals query`` runs) of the
+  gradients: every statistic of all tensors; kurtosis per layer (``by``); the ``w0``
+  tensors of the second half of the steps (``group``, ``steps``).
 
-Reported: the median of each, the report's ratio to the baseline of the same repetition
-(median, min-max), the report's size, and the peak memory (``ru_maxrss``) of each, measured
-in a fresh Python process of its own (with, for scale, one that only imports the package).
+Reported: the median of each, its ratio to the baseline of the same repetition (median,
+min-max), the report's size, and the peak memory (``VmHWM``) of the report, of the
+baseline and of a query, each measured in a fresh Python process of its own (with, for
+scale, one that only imports the package).
 
 Usage::
 
     python benchmarks/bench_report.py                    # 20,000 steps x 200 keys (~2 minutes)
     python benchmarks/bench_report.py --steps 2000 --reps 3
+    python benchmarks/bench_report.py --keys 50 --tensors 1000 --tensor-stats-mib 200
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import torch
 
 from trainvitals.adapters import JsonlSink
 from trainvitals.adapters.jsonl import read_jsonl
-from trainvitals.report import read_tensor_stats, write_report
+from trainvitals.report import query, read_tensor_stats, write_report
 from trainvitals.stats.moments import FIELDS, fused_moments, moments_to_dicts
 
 KINDS = ("param", "grad", "activation", "dgrad")
@@ -53,6 +62,23 @@ def metric_keys(n: int) -> list[str]:
     return (moe + rest)[:n]
 
 
+def tensor_body(tensors: int) -> dict[str, list[float | int | None]]:
+    """The ``tensors`` object of a line: ``tensors`` tensors' moments, as the monitor writes
+    them (``moments_to_rows``)."""
+    g = torch.Generator().manual_seed(0)
+    tensor_names = [f"model.layers.{i // 4}.mlp.w{i % 4}.weight" for i in range(tensors)]
+    rows = moments_to_dicts(fused_moments([torch.randn(4096, generator=g) for _ in tensor_names]))
+    return {n: [r[f] for f in FIELDS] for n, r in zip(tensor_names, rows, strict=True)}
+
+
+def steps_for_size(mib: float, stats_every: int, tensors: int) -> int:
+    """The number of steps whose ``tensor_stats.jsonl`` is about ``mib`` MiB."""
+    line = {"version": 1, "step": 10**6, "kind": "activation", "time": 0.0}
+    line.update(fields=list(FIELDS), tensors=tensor_body(tensors))
+    line_bytes = len(json.dumps(line)) + 1
+    return max(1, round(mib * 2**20 / (len(KINDS) * line_bytes))) * stats_every
+
+
 def write_run(run_dir: Path, steps: int, keys: int, stats_every: int, tensors: int) -> None:
     rng = random.Random(0)
     names = metric_keys(keys)
@@ -60,10 +86,7 @@ def write_run(run_dir: Path, steps: int, keys: int, stats_every: int, tensors: i
     for step in range(steps):  # when they come faster than it delivers them, as here
         sink.write(step, {k: rng.gauss(1.0, 0.1) for k in names}, 1.7e9 + step)
     sink.close()
-    g = torch.Generator().manual_seed(0)
-    tensor_names = [f"model.layers.{i // 4}.mlp.w{i % 4}.weight" for i in range(tensors)]
-    rows = moments_to_dicts(fused_moments([torch.randn(4096, generator=g) for _ in tensor_names]))
-    body = {n: [r[f] for f in FIELDS] for n, r in zip(tensor_names, rows, strict=True)}
+    body = tensor_body(tensors)
     with open(run_dir / "tensor_stats.jsonl", "w") as f:
         for step in range(0, steps, stats_every):
             for kind in KINDS:
@@ -95,6 +118,22 @@ PEAK_STATEMENTS = {
         "read_jsonl(run / 'metrics.jsonl')\nlist(read_tensor_stats(run))"
     ),
     "write_report": "from trainvitals.report import write_report\nwrite_report(run)",
+    "query: grad, all stats, all tensors": (
+        "from trainvitals.report import query\nquery(run, kind='grad', stat='all')"
+    ),
+}
+
+
+#: What is timed after the baseline, in this order, each given the run folder and its steps.
+TIMED = {
+    "write_report": lambda run, steps: write_report(run),
+    "query: grad, all stats, all tensors": lambda run, steps: query(run, kind="grad", stat="all"),
+    "query: grad kurtosis per layer (by)": lambda run, steps: query(
+        run, kind="grad", stat="kurtosis", by=r"layers\.(\d+)\."
+    ),
+    "query: grad rms of *.w0.*, second half of the steps": lambda run, steps: query(
+        run, kind="grad", stat="rms", group="*.w0.*", steps=f"{steps // 2}:"
+    ),
 }
 
 
@@ -105,7 +144,12 @@ def main() -> None:
     parser.add_argument("--stats-every", type=int, default=10)
     parser.add_argument("--tensors", type=int, default=45)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--tensor-stats-mib", type=float, default=None, help="sets --steps: the file's size"
+    )
     args = parser.parse_args()
+    if args.tensor_stats_mib is not None:
+        args.steps = steps_for_size(args.tensor_stats_mib, args.stats_every, args.tensors)
 
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp)
@@ -117,27 +161,30 @@ def main() -> None:
             + ", ".join(f"{n} {s:.0f} MiB" for n, s in sorted(sizes.items()))
         )
         print(f"python {platform.python_version()}, torch {torch.__version__}")
-        base, report, ratios = [], [], []
+        timings: dict[str, list[float]] = {what: [] for what in ("baseline", *TIMED)}
         for _ in range(args.reps):
             t0 = time.perf_counter()
             read_jsonl(run / "metrics.jsonl")
             list(read_tensor_stats(run))
-            t1 = time.perf_counter()
-            path = write_report(run)
-            t2 = time.perf_counter()
-            base.append(t1 - t0)
-            report.append(t2 - t1)
-            ratios.append((t2 - t1) / (t1 - t0))
-        size = path.stat().st_size / 2**20
+            timings["baseline"].append(time.perf_counter() - t0)
+            for what, call in TIMED.items():
+                t0 = time.perf_counter()
+                out = call(run, args.steps)
+                timings[what].append(time.perf_counter() - t0)
+                if what == "write_report":
+                    size = out.stat().st_size / 2**20
         peaks = {what: child_peak_gib(code, run) for what, code in PEAK_STATEMENTS.items()}
     print(f"{args.steps} steps x {args.keys} keys, {args.tensors} tensors every {args.stats_every}")
     print("| what | median s | ratio to reading the files (median, min-max) |")
     print("|---|---|---|")
+    base = timings.pop("baseline")
     print(f"| reading both files (baseline) | {statistics.median(base):.2f} | 1.00x |")
-    print(
-        f"| write_report | {statistics.median(report):.2f} | "
-        f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
-    )
+    for what, times in timings.items():
+        ratios = [t / b for t, b in zip(times, base, strict=True)]
+        print(
+            f"| {what} | {statistics.median(times):.2f} | "
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
     print(f"report: {size:.1f} MiB")
     print("| peak memory of a process doing only this | GiB |")
     print("|---|---|")

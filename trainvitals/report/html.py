@@ -63,11 +63,13 @@ from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
     KINDS,
     TENSOR_STATS_FILE,
+    Grouping,
     NewerVersionError,
     StepChunks,
     format_value,
     gc_paused,
     matcher,
+    merge_grouped,
     merge_records,
     natural_key,
     parse_steps,
@@ -423,6 +425,14 @@ def _band(members: Sequence[_Series]) -> list[tuple[str, list[tuple[int, float]]
     return [(f"min of {n}", lo), (f"median of {n}", mid), (f"max of {n}", hi)]
 
 
+def _label_order(label: str) -> tuple:
+    """Sort key of layer labels: numbers as numbers, then the label itself, so that labels of
+    one natural key (``"01"`` and ``"1"``) come in one order (sorted from a set by
+    :func:`natural_key` alone, their order followed Python's string hashing, which changes
+    from process to process: two reports of one run differed)."""
+    return natural_key(label), label
+
+
 def _member_label(key: str) -> str:
     nums = _DIGITS.findall(key)
     return "/".join(nums)
@@ -446,7 +456,7 @@ def _expert_load_section(series: dict[str, _Series]) -> tuple[list[str], str]:
             cells[(m.group(1), int(m.group(2)))] = ser
     if not cells:
         return [], ""
-    layers = sorted({lab for lab, _ in cells}, key=natural_key)
+    layers = sorted({lab for lab, _ in cells}, key=_label_order)
     experts = sorted({e for _, e in cells})
     last = max(ser.points.steps[-1] for ser in cells.values())
 
@@ -558,6 +568,10 @@ class _KindStats:
         self.last_step: int | None = None
         self.last_record: dict[str, Any] | None = None
         self.chunks = StepChunks(self._reduce)
+        everything = matcher(None)
+        # (kept for the whole file: each plans a list of tensor names once, not once per line)
+        self._all = Grouping(everything, None, False)
+        self._by_layer = Grouping(everything, LAYER_NUMBER, False)
 
     def add(self, step: int, rec: dict[str, Any]) -> None:
         self.steps.add(step)
@@ -570,10 +584,13 @@ class _KindStats:
 
     def _reduce(self, records: dict[int, dict[str, Any]]) -> dict[int, _StepStats]:
         out = {step: _StepStats(nonfinite=_nonfinite_counts(rec)) for step, rec in records.items()}
-        everything = matcher(None)
-        for r in merge_records(records, self.kind, _CHART_MERGE, everything, None, False):
+        # all tensors and each layer in one merge (the numbers of two merges of their own)
+        merged, layers = merge_grouped(
+            records, self.kind, [(_CHART_MERGE, self._all), (_LAYER_STATS, self._by_layer)]
+        )
+        for r in merged:
             out[r["step"]].merged = {s: _stat(r, s) for s in _TENSOR_STATS}
-        for r in merge_records(records, self.kind, _LAYER_STATS, everything, LAYER_NUMBER, False):
+        for r in layers:
             out[r["step"]].layers[r["group"]] = {s: _stat(r, s) for s in _LAYER_STATS}
         return out
 
@@ -628,7 +645,7 @@ def _tensor_sections(
             )
         by_step = ks.layers
         layer_steps = sorted(by_step)
-        layers = sorted({g for rows in by_step.values() for g in rows}, key=natural_key)
+        layers = sorted({g for rows in by_step.values() for g in rows}, key=_label_order)
         if len(layers) > 1:
             for stat in _LAYER_STATS:
                 lines = [

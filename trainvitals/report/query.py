@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainvitals.report.sources import name_a_few
@@ -155,16 +156,20 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
                 continue
             fields = rec.get("fields", FIELDS)
             width = len(fields) if isinstance(fields, list | tuple) else -1
+            vectors = tensors.values()
             if (
                 width < 0
                 or not all(type(f) is str for f in fields)  # (set() of a list: a TypeError)
                 or not set(FIELDS) <= set(fields)
-                or any(type(v) is not list or len(v) != width for v in tensors.values())
+                # every vector a list of the fields' length (as sets of types and lengths: the
+                # loop runs in C, where a generator over the vectors cost ~7% of the read)
+                or not set(map(type, vectors)) <= {list}
+                or not set(map(len, vectors)) <= {width}
             ):
                 # (the merge indexes every vector by the fields: an IndexError before)
                 skip(f"line {i} has a moment vector that does not match its 'fields'")
                 continue
-            types = set(map(type, itertools.chain.from_iterable(tensors.values())))
+            types = set(map(type, itertools.chain.from_iterable(vectors)))
             if not _ELEMENT_TYPES.issuperset(types):
                 # (a string in a hand-edited line failed the whole query in float(): "could
                 # not convert string to float")
@@ -357,9 +362,11 @@ def query(
         if by_rx.groups != 1:
             raise ValueError(f"by must have exactly one capture group, got {by_rx.groups}")
 
+    grouping = Grouping(match, by_rx, per_tensor)  # (its plans serve every chunk)
+
     def by_step(records: dict[int, dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
         out: dict[int, list[dict[str, Any]]] = {}
-        for row in merge_records(records, kind, stats, match, by_rx, per_tensor):
+        for row in merge_grouped(records, kind, [(stats, grouping)])[0]:
             out.setdefault(row["step"], []).append(row)
         return out
 
@@ -402,6 +409,146 @@ class StepChunks:
         self._pending = {}
 
 
+class Grouping:
+    """How the tensors of a record are grouped for a merge: those ``match`` accepts, labelled
+    by ``by_rx``'s capture (tensors it does not match are left out), by their own name
+    (``per_tensor``) or all ``"*"``. The plan of a list of tensor names (which rows of the
+    record take part, their labels in order, each row's label) is made once and reused for
+    every record with the same names: a run writes the same tensors step after step, so the
+    names are matched once per file rather than once per line."""
+
+    #: plans kept; a run's records hold a few distinct lists of names (kinds, resumes)
+    MAX_PLANS = 64
+
+    def __init__(
+        self, match: Callable[[str], bool], by_rx: re.Pattern[str] | None, per_tensor: bool
+    ) -> None:
+        self.match = match
+        self.by_rx = None if per_tensor else by_rx
+        self.per_tensor = per_tensor
+        self._plans: dict[tuple[str, ...], tuple[np.ndarray, list[str], np.ndarray]] = {}
+
+    def plan(self, names: tuple[str, ...]) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """(rows of the record taking part, their distinct labels in the order of the rows
+        of :func:`merge_records`, each taking row's index into those labels)."""
+        found = self._plans.get(names)
+        if found is not None:
+            return found
+        rows: list[int] = []
+        labels: list[str] = []
+        for j, name in enumerate(names):
+            if not self.match(name):
+                continue
+            if self.per_tensor:
+                label = name
+            elif self.by_rx is not None:
+                m = self.by_rx.search(name)
+                if m is None or m.group(1) is None:  # (an optional group that did not take part)
+                    continue
+                label = m.group(1)
+            else:
+                label = "*"
+            rows.append(j)
+            labels.append(label)
+        # the label itself breaks ties ("01" and "1" have one natural key): a stable order
+        distinct = sorted(set(labels), key=lambda g: (natural_key(g), g))
+        pos = {g: i for i, g in enumerate(distinct)}
+        found = (
+            np.array(rows, dtype=np.intp),
+            distinct,
+            np.array([pos[g] for g in labels], dtype=np.int64),
+        )
+        if len(self._plans) >= self.MAX_PLANS:
+            self._plans.clear()
+        self._plans[names] = found
+        return found
+
+
+def record_moments(rec: dict[str, Any]) -> np.ndarray:
+    """The moments of a record's tensors, ``[tensors, NUM_FIELDS]`` float64 in the order of
+    :data:`FIELDS` (the record's ``fields`` may order them otherwise): one conversion of the
+    parsed lists by numpy, the same values as ``float()`` of each element; ``null`` is the
+    identity of ``min`` / ``max`` (+inf / -inf) and NaN elsewhere."""
+    tensors = rec["tensors"]
+    fields = list(rec.get("fields", FIELDS))
+    vectors = list(tensors.values())
+    values = np.array(vectors, dtype=np.float64).reshape(len(vectors), len(fields))
+    col = [fields.index(f) for f in FIELDS]
+    if col != list(range(len(fields))):
+        values = values[:, col]
+    for j, fill in ((FIELDS.index("min"), math.inf), (FIELDS.index("max"), -math.inf)):
+        # numpy turns null into NaN: the few NaN cells are looked at one by one (a NaN written
+        # in the file, which Python's json reads, stays NaN as float() keeps it)
+        for i in np.flatnonzero(np.isnan(values[:, j])).tolist():
+            if vectors[i][col[j]] is None:
+                values[i, j] = fill
+    return values
+
+
+def merge_grouped(
+    latest: dict[int, dict[str, Any]],
+    kind: str,
+    requests: Sequence[tuple[Sequence[str], Grouping]],
+) -> list[list[dict[str, Any]]]:
+    """The rows of :func:`merge_records` for each ``(stats, grouping)`` of ``requests`` over
+    the same records, in one :func:`combine_moments`: each record's moments are converted to
+    an array once (:func:`record_moments`), the rows taking part are picked by the grouping's
+    cached plan, and every (request, step, group) is one output slot. The parts of a slot come
+    in the same order as in a merge of its own (steps in order, a record's tensors in file
+    order), so every number is the one such a merge gives."""
+    steps = sorted(latest)
+    moments: dict[int, np.ndarray] = {}
+    names: dict[int, tuple[str, ...]] = {}
+    parts: list[np.ndarray] = []
+    owners: list[np.ndarray] = []
+    layout: list[tuple[list[tuple[int, str]], list[int]]] = []  # per request: slots, counts
+    total = 0
+    for _, grouping in requests:
+        slots: list[tuple[int, str]] = []
+        counts: list[int] = []
+        for step in steps:
+            rec = latest[step]
+            if step not in names:
+                names[step] = tuple(rec["tensors"])
+            rows, labels, index = grouping.plan(names[step])
+            if not labels:
+                continue
+            if step not in moments:
+                moments[step] = record_moments(rec)
+            values = moments[step]
+            parts.append(values if len(rows) == len(values) else values[rows])
+            owners.append(index + (total + len(slots)))
+            slots.extend((step, g) for g in labels)
+            counts.extend(np.bincount(index, minlength=len(labels)).tolist())
+        layout.append((slots, counts))
+        total += len(slots)
+    if not total:
+        return [[] for _ in requests]
+    merged = combine_moments(
+        torch.from_numpy(np.concatenate(parts)), torch.from_numpy(np.concatenate(owners)), total
+    )
+    every = derive(merged)
+    wanted = dict.fromkeys(s for stats, _ in requests for s in stats)
+    derived = {s: every[s].tolist() for s in wanted}
+    out: list[list[dict[str, Any]]] = []
+    start = 0
+    for (stats, _), (slots, counts) in zip(requests, layout, strict=True):
+        rows_out: list[dict[str, Any]] = []
+        for i, (step, g) in enumerate(slots):
+            row: dict[str, Any] = {"step": step, "kind": kind, "group": g, "tensors": counts[i]}
+            for s in stats:
+                v = derived[s][start + i]
+                row[s] = (
+                    int(v)
+                    if s in ("count", "nonfinite") and math.isfinite(v)
+                    else (v if math.isfinite(v) else None)
+                )
+            rows_out.append(row)
+        out.append(rows_out)
+        start += len(slots)
+    return out
+
+
 def merge_records(
     latest: dict[int, dict[str, Any]],
     kind: str,
@@ -414,52 +561,6 @@ def merge_records(
     already checked), sorted by step, then group.
 
     Every (step, group) of the call is merged in one :func:`combine_moments` over all parts,
-    not one per step: a chunk of hundreds of steps costs a few tensor operations."""
-    keys: list[tuple[int, str]] = []  # (step, group) of each part
-    values: list[list[float]] = []
-    for step in sorted(latest):
-        rec = latest[step]
-        fields = rec.get("fields", list(FIELDS))
-        col = [fields.index(f) for f in FIELDS]
-        for name, vec in rec["tensors"].items():
-            if not match(name):
-                continue
-            if per_tensor:
-                label = name
-            elif by_rx is not None:
-                m = by_rx.search(name)
-                if m is None or m.group(1) is None:  # (an optional group that did not take part)
-                    continue
-                label = m.group(1)
-            else:
-                label = "*"
-            keys.append((step, label))
-            values.append([_num(vec[c], FIELDS[j]) for j, c in enumerate(col)])
-    if not keys:
-        return []
-    # the label itself breaks ties ("01" and "1" have one natural key): a stable order
-    slots = sorted(set(keys), key=lambda k: (k[0], natural_key(k[1]), k[1]))
-    pos = {k: i for i, k in enumerate(slots)}
-    owner = torch.tensor([pos[k] for k in keys])
-    merged = combine_moments(torch.tensor(values, dtype=torch.float64), owner, len(slots))
-    every = derive(merged)
-    derived = {s: every[s].tolist() for s in stats}
-    counts = torch.bincount(owner, minlength=len(slots)).tolist()
-    rows: list[dict[str, Any]] = []
-    for i, (step, g) in enumerate(slots):
-        row: dict[str, Any] = {"step": step, "kind": kind, "group": g, "tensors": counts[i]}
-        for s in stats:
-            v = derived[s][i]
-            row[s] = (
-                int(v)
-                if s in ("count", "nonfinite") and math.isfinite(v)
-                else (v if math.isfinite(v) else None)
-            )
-        rows.append(row)
-    return rows
-
-
-def _num(v: Any, field: str) -> float:
-    if v is None:
-        return math.inf if field == "min" else -math.inf if field == "max" else math.nan
-    return float(v)
+    not one per step: a chunk of hundreds of steps costs a few array operations
+    (:func:`merge_grouped`, which merges several groupings of the same records at once)."""
+    return merge_grouped(latest, kind, [(stats, Grouping(match, by_rx, per_tensor))])[0]
