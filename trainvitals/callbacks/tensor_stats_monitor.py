@@ -392,7 +392,11 @@ class TensorStatsMonitor(VitalsCallback):
             params = [self._global_name(canonical_name(n)) for n, _ in model.named_parameters()]
             self._warn_unmatched_globs(params + every_site)
         self._path = Path(ctx.run_dir) / self.filename
-        if ctx.global_rank == 0:
+        if ctx.trainer is not None and getattr(ctx.trainer, "fast_dev_run", False):
+            # Lightning's debug run: its loggers and checkpoints are off; so is this file (it
+            # would land in default_root_dir, the working directory by default)
+            self._path = None
+        elif ctx.global_rank == 0:
             self._claim_file(self._path, ctx)  # before _prepare_jsonl moves another's file aside
             _prepare_jsonl(self._path, first_step=ctx.step)
         self._file_high_step = ctx.step - 1  # the file holds steps below this run's first only
@@ -1038,7 +1042,8 @@ class TensorStatsMonitor(VitalsCallback):
         """Append ``lines`` to the file. After an append that failed part-way (a full disk; with
         several ranks the callback keeps running) the next one starts on a new line, so the cut
         line stays alone (readers skip it) instead of swallowing the next record."""
-        assert self._path is not None
+        if self._path is None:  # no file (Lightning's fast_dev_run)
+            return
         text = "\n".join(lines) + "\n"
         if self._cut_line:
             text = "\n" + text
