@@ -50,7 +50,10 @@ single moment at which both are current. A callback that reads every gradient at
 sees the other optimizers' as they are then (one already stepped: updated weights). Every
 gradient is shown once, at once, when the scaler's unscaling, or
 :meth:`Vitals.clip_grad_norm_` or ``accelerator.clip_grad_norm_``/``clip_grad_value_`` over
-every optimizer's parameters, comes before any of them steps; clipping one network's
+every optimizer's parameters, comes before any of them steps (Accelerate's fp16 scaler
+``update()`` after each optimizer's step makes the next one's ``scaler.step()`` unscale its
+clipped gradients a second time, as that optimizer then uses them: the callbacks keep what the
+clip saw, unclipped and unscaled once); clipping one network's
 parameters (Accelerate unscales every optimizer's gradients there) shows the gradients of the
 optimizers that own them, one at a time, as their own ``step()`` would. In a loop that calls
 :meth:`Vitals.batch`, the step ends when its batch is over: at the next ``batch()`` that
@@ -272,6 +275,8 @@ class Vitals:
         self._accelerator_clipping: list[Any] | None = None
         # inside GradScaler.step(optimizer): the id of that (innermost) optimizer
         self._scaler_stepping: int | None = None
+        # the (innermost) optimizers handed to GradScaler.step() since its last update()
+        self._scaler_stepped: set[int] = set()
         self._scaled_at_step = False  # that optimizer steps with its gradients still scaled
         self._loop_calls_batch = False
         self._warned_scaled = False
@@ -378,6 +383,8 @@ class Vitals:
             outer = self._scaler_stepping, self._scaled_at_step
             inner = _inner_or_none(optimizer)
             self._scaler_stepping = None if inner is None else id(inner)
+            if inner is not None:
+                self._scaler_stepped.add(id(inner))
             # A fused (or capturable) optimizer unscales inside its own step() (GradScaler hands
             # it the scale, torch.amp.GradScaler.step): its gradients are still multiplied by
             # the loss scale at its step pre-hook, unless the loop unscaled them before.
@@ -401,10 +408,18 @@ class Vitals:
             # (Several optimizers: the step is the batch and ends with it, at the next batch(),
             # validating(), state_dict() or close(), also when every step() in it was skipped;
             # Accelerate calls update() after each optimizer's step. Those shown and skipped
-            # are shown again if they step again in the batch: a critic stepped k times.)
+            # are shown again if they step again in the batch: a critic stepped k times. Only
+            # those the scaler stepped since its last update(): an optimizer shown and not
+            # stepped yet keeps what was shown. Accelerate's update() after the first of
+            # several optimizers that accelerator.clip_grad_norm_ showed all at once makes the
+            # next one's scaler.step() unscale its clipped gradients a second time (the
+            # scaler forgot the first unscale_ at update()): shown again there, they replaced
+            # the unclipped norms of every optimizer with that one's, clipped and divided
+            # twice by the loss scale.)
             shown = self._grads_seen_for_step or self._awaiting_step
+            stepped, self._scaler_stepped = self._scaler_stepped, set()
             if len(self._attached) > 1:
-                self._awaiting_step.clear()
+                self._awaiting_step -= stepped
             elif shown and not self._stepped and not self._closed:
                 self._end_step()
             # and, as the scaler itself does, forget what was unscaled: an optimizer stepped
