@@ -510,11 +510,11 @@ def all_reduce_by_groups(
     # parameters in the same order. Every member of a group sees the same groups coincide
     # (they are the same rank set on each of them), so all pick the same group object.
     memo: dict[int, Any] = {}
-    keyed = [{_group_key(g, memo) for g in groups} for _, groups in items]
+    keyed = [{group_key(g, memo) for g in groups} for _, groups in items]
     first: dict[Any, Any] = {}
     for _, groups in items:
         for g in groups:
-            first.setdefault(_group_key(g, memo), g)
+            first.setdefault(group_key(g, memo), g)
     for key, g in first.items():
         idx = [i for i, keys in enumerate(keyed) if key in keys]
         reduced = all_reduce_coalesced([results[i] for i in idx], op, g, dtype=dtype)
@@ -523,10 +523,12 @@ def all_reduce_by_groups(
     return results
 
 
-def _group_key(group: Any, memo: dict[int, Any]) -> Any:
+def group_key(group: Any, memo: dict[int, Any] | None = None) -> Any:
     """What a collective on ``group`` reduces over: its backend and sorted global ranks, read
     from the local group table (no collective; ``memo`` caches it per object for one call).
     Objects that are not process groups this rank can look up key by identity."""
+    if memo is None:
+        memo = {}
     key = memo.get(id(group))
     if key is None:
         try:

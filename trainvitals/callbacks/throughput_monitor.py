@@ -17,6 +17,7 @@ from trainvitals.distributed import (
     PeerRankFailed,
     ProcessGroups,
     all_reduce_coalesced,
+    group_key,
     group_size,
     world_group,
 )
@@ -52,11 +53,14 @@ def _reduction_plan(groups: ProcessGroups) -> list[tuple[Any, list[int]]]:
     the columns of :data:`COUNT_FIELDS` after ``seconds`` summed over one distinct group (groups
     of one member left out). The same on every rank (fields in a fixed order)."""
     group_of = {"dp": groups.dp, "dp_cp": groups.dp_cp, "world": world_group()}
-    plan: dict[int, tuple[Any, list[int]]] = {}  # id(group) -> (group, columns)
+    # keyed by rank set (and backend), as all_reduce_by_groups: a dp group built apart from the
+    # world group over the same ranks (a 1-D device mesh) costs no second collective
+    plan: dict[Any, tuple[Any, list[int]]] = {}
+    memo: dict[int, Any] = {}
     for i, name in enumerate(COUNT_FIELDS[1:]):
         group = group_of[_FIELD_GROUP[name]]
         if group_size(group) > 1:
-            plan.setdefault(id(group), (group, []))[1].append(i)
+            plan.setdefault(group_key(group, memo), (group, []))[1].append(i)
     return list(plan.values())
 
 
