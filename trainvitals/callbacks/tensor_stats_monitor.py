@@ -30,6 +30,7 @@ from trainvitals.distributed import (
     all_gather_coalesced,
     all_gather_objects,
     all_reduce_by_groups,
+    group_key,
     group_rank,
     group_size,
     groups_by_placement,
@@ -37,7 +38,6 @@ from trainvitals.distributed import (
     partial_groups,
     replicate_groups,
     shard_groups,
-    unique_by_identity,
 )
 from trainvitals.stats.moments import (
     FIELDS,
@@ -1373,13 +1373,25 @@ def _concat_kinds(first: _Kind, second: _Kind) -> _Kind:
 
 
 def _merge_over_groups(kinds: list[_Kind]) -> None:
-    """Merge each tensor's moments over its groups: one all_gather per distinct group, the
-    groups in order of first appearance (the same on every rank)."""
-    order = unique_by_identity(g for k in kinds for gs in k.groups for g in gs)
-    for g in order:
+    """Merge each tensor's moments over its groups: one all_gather per distinct rank set (and
+    backend), the groups in order of first appearance (the same on every rank). Keyed by rank
+    set, not by object: two group objects over the same ranks (equal meshes built apart, a
+    mesh's dim and a ProcessGroups group) would merge a tensor's moments twice (its count and
+    sums doubled) and cost a second collective."""
+    memo: dict[int, Any] = {}
+    keys = [[{group_key(g, memo) for g in gs} for gs in k.groups] for k in kinds]
+    first: dict[Any, Any] = {}
+    for k in kinds:
+        for gs in k.groups:
+            for g in gs:
+                first.setdefault(group_key(g, memo), g)
+    for key, g in first.items():
         if group_size(g) == 1:
             continue
-        sel = [(k, [i for i, gs in enumerate(k.groups) if any(g is x for x in gs)]) for k in kinds]
+        sel = [
+            (k, [i for i, ks in enumerate(kk) if key in ks])
+            for k, kk in zip(kinds, keys, strict=True)
+        ]
         sel = [(k, idx) for k, idx in sel if idx]
         blocks = [k.moments[torch.tensor(idx, device=k.moments.device)] for k, idx in sel]
         gathered = all_gather_coalesced(blocks, g)
