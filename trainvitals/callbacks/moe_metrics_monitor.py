@@ -43,7 +43,12 @@ class MoEMetricsMonitor(VitalsCallback):
       :meth:`~trainvitals.moe.MoEMetricsTracker.report` with ``mean_over_records=True``
       (``loss_scale=1``), the run's process groups and the writer: one ``all_gather_object``
       over the world (the ranks agree on the metric names), one all-reduce per group and
-      reduction kind, one device-to-host transfer; then the tracker is zeroed.
+      reduction kind, one device-to-host transfer; then the tracker is zeroed. A metric that
+      nothing recorded in the interval, in any layer on any rank of its reductions (no MoE
+      forward: a step whose micro-batches skipped the model, a frozen MoE part, another
+      monitor that reported the same tracker first), is not written at that step (no mean,
+      percentile or per-layer key; warned once): its 0.0 would be no value of the metric.
+      The has-records flags already ride in the all-reduces: no collective is added.
     * ``run_end``: reports the steps since the last logging step, at the last step, with any
       micro-batches run after the last optimizer step (when the last step logged, there is no
       step to report them with: they are not written, rather than replace its values).
@@ -64,7 +69,8 @@ class MoEMetricsMonitor(VitalsCallback):
     own counts before the reductions, so under data parallelism the ranks' means are averaged
     (over the ranks that recorded the layer: a rank whose router got no token in the interval
     counts for nothing, not as a 0) and under pipeline parallelism each layer is divided on its
-    own stage.
+    own stage. A layer no rank recorded is written as 0 when another layer of the metric has a
+    record; a metric without any record in the interval is not written at all.
 
     Args:
         per_layer_logging: also write one key per MoE layer.
@@ -91,7 +97,8 @@ class MoEMetricsMonitor(VitalsCallback):
     Keys written (``name`` is the recorded metric; :class:`~trainvitals.moe.TopKRouter`
     records those of the first five rows its configuration uses: the load-balancing loss of its
     ``aux_loss_type``, ``z_loss`` when ``z_loss_coeff > 0`` and ``dropped_token_fraction`` with
-    a capacity):
+    a capacity). A metric that nothing recorded since the previous report (on any layer and
+    rank) writes none of its keys at that step:
 
     ========================================  ================================================  ======
     key                                       meaning                                           unit
@@ -257,10 +264,23 @@ class MoEMetricsMonitor(VitalsCallback):
             percentiles=self.percentiles,
             groups=ctx.groups,
             mean_over_records=True,
+            # A metric nothing recorded in the interval (no router forward: a step whose
+            # micro-batches skipped the model, a frozen MoE part, another monitor that reported
+            # this tracker first) has no value: its 0.0 is not a possible loss (1.0 is perfect
+            # balance), so nothing is written for it at this step.
+            skip_unrecorded=True,
         )
         self.last_losses = losses
         self._pending_steps = 0
-        if not self.last_log_string and not losses and ctx.global_rank == 0:
+        unrecorded = self.tracker._last_unrecorded
+        if unrecorded and ctx.global_rank == 0:
+            self.warn_once(
+                "unrecorded",
+                f"no router recorded {', '.join(unrecorded)} since the previous report (no MoE "
+                f"forward in the logging interval), so nothing is written for that metric at "
+                f"step {step} (not 0.0); warned once",
+            )
+        elif not self.last_log_string and not losses and ctx.global_rank == 0:
             # Nothing written on any rank (the report gathers the names over all ranks): the
             # console string leaves out the losses, which go to total_loss_dict instead.
             self.warn_once(

@@ -32,7 +32,8 @@
   per micro-batch; ``loss_scale`` alone still behaves as Megatron's. The data-parallel
   average is over the ranks that recorded the layer (a per-layer flag rides in the same
   all-reduce): a rank without a record for it, e.g. no token in its forwards, is left out
-  instead of averaged in as 0.
+  instead of averaged in as 0. With ``skip_unrecorded=True`` as well (the monitor's), a metric
+  no rank recorded in any layer since the last report writes no key at all, rather than 0.0.
 
 Keys written (``name`` is the recorded metric name, e.g. ``load_balancing_loss``):
 
@@ -178,6 +179,8 @@ class MoEMetricsTracker:
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._pct_keys: dict[tuple[str, tuple[float, ...]], list[str]] = {}
         self._keys: dict[str, str] = {}
+        # The metrics the last report left out for want of any record (``skip_unrecorded``).
+        self._last_unrecorded: list[str] = []
 
     # ------------------------------------------------------------------ recording
 
@@ -350,6 +353,7 @@ class MoEMetricsTracker:
         groups: ProcessGroups | None = None,
         *,
         mean_over_records: bool = False,
+        skip_unrecorded: bool = False,
     ) -> str:
         """Reduce across ranks, aggregate, write, and clear. Returns the console string.
 
@@ -384,6 +388,16 @@ class MoEMetricsTracker:
                 that recorded it (a rank whose router recorded nothing for the layer, e.g.
                 no token in any of its forwards, counts for nothing, not as a 0). A layer no
                 rank recorded stays 0. Every rank must pass the same.
+            skip_unrecorded: with ``mean_over_records``, a metric that nothing recorded since
+                the last report, in any layer slot on any rank of its reductions (pipeline,
+                ``reduce_group``, ``avg_group``, data x context parallel), writes nothing: no
+                ``moe/{name}``, percentile or per-layer key, no ``total_loss_dict`` entry
+                (a previous one is removed) and nothing in the console string. Its 0.0 would
+                be no value of the metric (a load-balancing loss is 1.0 at perfect balance).
+                The has-records flags that ``mean_over_records`` carries through the
+                reductions decide it: no collective is added, only the flags join the one host
+                transfer. A metric with a record anywhere is written as without it (its
+                layers without records stay 0).
 
         The values and record counts of every metric (tracked or not) are zeroed afterwards.
         """
@@ -409,11 +423,16 @@ class MoEMetricsTracker:
             raise TypeError(f"total_loss_dict must be a dict or None, got {total_loss_dict!r}")
         if not isinstance(mean_over_records, bool):
             raise TypeError(f"mean_over_records must be a bool, got {mean_over_records!r}")
+        if not isinstance(skip_unrecorded, bool):
+            raise TypeError(f"skip_unrecorded must be a bool, got {skip_unrecorded!r}")
+        if skip_unrecorded and not mean_over_records:
+            # (the has-records flags travel through the reductions with mean_over_records only)
+            raise ValueError("skip_unrecorded=True needs mean_over_records=True")
 
         # 2. Agree on the metrics across ranks (one all_gather_object), then reduce.
         names = [n for n in self._metrics if names_filter is None or n in names_filter]
         schema = self._agree(names, names_filter, groups, mean_over_records)
-        reduced, divisors = self._reduce(schema, groups, mean_over_records)
+        reduced, divisors, flags = self._reduce(schema, groups, mean_over_records)
 
         # 3. One host transfer for everything (the reduced per-layer vectors, float64, and in a
         #    single process the record counts to divide by), then divide, scale, average over
@@ -424,21 +443,29 @@ class MoEMetricsTracker:
             for name, (size, _) in schema.items()
         ]
         vectors = [reduced[name] for name in schema]
-        if divisors is not None:
-            vectors += [divisors[name] for name in schema]
+        # After the values, per layer slot: the record counts (single process: the divisors)
+        # or, with skip_unrecorded, the reduced has-records flags (> 0: some rank recorded).
+        marks = divisors if divisors is not None else flags if skip_unrecorded else None
+        if marks is not None:
+            vectors += [marks[name] for name in schema]
         host = torch.cat(vectors).tolist() if schema else []
         scale = float(loss_scale)
         keys: list[str] = []
         numbers: list[float] = []
+        unrecorded: list[str] = []
         offset = 0
         count_offset = sum(plan.size for plan in plans)
         for plan in plans:
             v = host[offset : offset + plan.size]
             offset += plan.size
-            if divisors is not None:
+            if marks is not None:
                 counts = host[count_offset : count_offset + plan.size]
                 count_offset += plan.size
-                v = [x / c if c > 0 else x for x, c in zip(v, counts, strict=True)]
+                if skip_unrecorded and not any(c > 0 for c in counts):
+                    unrecorded.append(plan.name)  # no record anywhere: no value to write
+                    continue
+                if divisors is not None:
+                    v = [x / c if c > 0 else x for x, c in zip(v, counts, strict=True)]
             v = [x * scale for x in v]
             keys.append(plan.name)
             numbers.append(_fsum(v) / plan.num_moe_layers)
@@ -468,6 +495,9 @@ class MoEMetricsTracker:
             for name in loss_names:
                 if name in scalars:
                     total_loss_dict[name] = scalars[name]
+                elif name in unrecorded:  # (no value in this report: not the previous one)
+                    total_loss_dict.pop(name, None)
+        self._last_unrecorded = unrecorded
         self.clear()
         return "".join(
             f" {k}: {x:.2f} |"
@@ -584,12 +614,16 @@ class MoEMetricsTracker:
         schema: Mapping[str, tuple[int, bool]],
         groups: ProcessGroups,
         mean_over_records: bool = False,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    ) -> tuple[
+        dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None
+    ]:
         """PP SUM -> reduce_group SUM -> avg_group AVG -> DP(xCP) AVG, one collective per group
-        and stage; returns float64 vectors (new tensors, the entries are not modified) and
-        ``None``. In a single process it returns the entries' vectors themselves (their own
-        dtype, exactly converted to float64 on the host): do not modify them; and with
-        ``mean_over_records`` their record counts, for the caller to divide by on the host.
+        and stage; returns float64 vectors (new tensors, the entries are not modified), ``None``
+        and, with ``mean_over_records``, the reduced per-layer has-records flags (float64, > 0
+        where any rank of the metric's reductions recorded the layer; else ``None``). In a
+        single process it returns the entries' vectors themselves (their own dtype, exactly
+        converted to float64 on the host): do not modify them; and with ``mean_over_records``
+        their record counts, for the caller to divide by on the host, and ``None``.
 
         ``mean_over_records`` divides each rank's sums by its own counts before the first
         collective, so no count travels: a layer's count is on the pipeline stage that holds
@@ -619,8 +653,8 @@ class MoEMetricsTracker:
             # vectors (the caller concatenates them into a new tensor before it clears them).
             sums = {name: self._metrics[name].values.to(device) for name in schema}
             if not mean_over_records:
-                return sums, None
-            return sums, {name: self._metrics[name].counts.to(device) for name in schema}
+                return sums, None, None
+            return sums, {name: self._metrics[name].counts.to(device) for name in schema}, None
         dp_ranks = _group_ranks(groups.dp_cp)
         # The metrics whose avg_group and data-parallel steps divide by the ranks that
         # recorded: their vectors carry [values, has-records flags] through every collective.
@@ -641,6 +675,7 @@ class MoEMetricsTracker:
                     v = torch.cat([v, (counts > 0).to(torch.float64)])
             values[name] = v
         names = list(values)
+        recorded: dict[str, torch.Tensor] = {}  # the reduced flags, per flagged metric
 
         def reduce(subset: list[str], op: str, group: Any) -> None:
             if subset and group is not None:
@@ -683,7 +718,7 @@ class MoEMetricsTracker:
             dp_names = [n for n in names if schema[n][1]]
             if not flagged:
                 reduce(dp_names, "avg", groups.dp_cp)
-                return values, None
+                return values, None, None
             for n in dp_names:  # the flags OR-ed so far (sums, counts) as 0/1 per rank
                 flags = values[n][schema[n][0] :]
                 flags.copy_(flags > 0)
@@ -691,10 +726,13 @@ class MoEMetricsTracker:
             for n in dp_names:
                 size = schema[n][0]
                 # over the ranks that recorded the layer; a layer none recorded: 0 / 1
-                values[n] = values[n][:size] / values[n][size:].clamp(min=1)
+                recorded[n] = values[n][size:]
+                values[n] = values[n][:size] / recorded[n].clamp(min=1)
         for n in flagged:  # (the flags of the metrics without a data-parallel step)
-            values[n] = values[n][: schema[n][0]]
-        return values, None
+            if n not in recorded:
+                recorded[n] = values[n][schema[n][0] :]
+                values[n] = values[n][: schema[n][0]]
+        return values, None, (recorded if flagged else None)
 
 
 def _fsum(values: list[float]) -> float:
