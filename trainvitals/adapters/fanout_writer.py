@@ -810,8 +810,10 @@ class FanoutWriter:
     Steps: values are grouped per step. A call with a larger step closes the current step and
     queues it; ``flush()`` and ``close()`` close it too. A step lower than the last step given
     to the writer raises ``ValueError``; the same step again after a ``flush()`` is delivered as
-    a second batch of that step. Keys must be non-empty strings, values real numbers, bools,
-    numpy scalars or one-element tensors (see the module docstring for the tensor contract).
+    a second batch of that step. After ``close()`` values are dropped with one warning,
+    whatever their step; ``end_step()``, ``flush()`` and ``resume_at()`` call no sink. Keys
+    must be non-empty strings, values real numbers, bools, numpy scalars or one-element tensors
+    (see the module docstring for the tensor contract).
 
     Resuming: a run restored from a checkpoint of step N calls ``resume_at(N)`` before it logs
     anything. The sinks that keep files then drop what an earlier run of the same files wrote
@@ -1007,7 +1009,8 @@ class FanoutWriter:
         Raises ``TypeError``/``ValueError`` (naming the key) for a missing, non-string or empty
         key, a missing or non-numeric value, a tensor with more than one element, a missing,
         negative or decreasing step, a ``walltime`` that is not a finite number of seconds
-        ``>= 0``.
+        ``>= 0``. After :meth:`close` the value is dropped with one warning (for the writer's
+        lifetime), whatever its step: a lower step than the last one no longer raises.
 
         Example::
 
@@ -1133,7 +1136,9 @@ class FanoutWriter:
     def _advance(self, step: int, key: str) -> None:
         """Move to ``step`` (lock held): close the current step, or refuse a lower one."""
         current = self._step
-        if current is not None and step < current:
+        # (after close() every call only warns: a run that logs once more, at whatever step,
+        # must not be stopped by its telemetry)
+        if current is not None and step < current and not self._closed:
             raise ValueError(
                 f"step {step} for key {key!r} is lower than step {current}, already given to "
                 "this writer; steps must not decrease"
@@ -1366,11 +1371,14 @@ class FanoutWriter:
         code (``accelerator.log(..., step=)``) moves on meanwhile refuses it. Values logged
         later for the same step are delivered as a second part of that step. Sinks called from
         the training thread (``thread_safe = False``) get the steps that reached the host
-        meanwhile here, also when the current step logged nothing.
+        meanwhile here, also when the current step logged nothing. After :meth:`close` it does
+        nothing.
         """
         if not self._active or self._pid != os.getpid():
             return
         with self._lock:
+            if self._closed:  # close() delivered what there was; the sinks are closed
+                return
             self._close_step()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -1380,7 +1388,9 @@ class FanoutWriter:
         until every sink has delivered them, except a sink that is failing (its steps stay
         buffered and are retried), hung (``sink_timeout``) or disabled. Waits at most
         ``timeout`` seconds (default: the writer's ``flush_timeout``). Returns ``False`` when
-        some sink has not got everything.
+        some sink has not got everything. After :meth:`close` it calls no sink and waits for
+        nothing: it says whether every sink got every step (``False`` for a disabled or
+        abandoned sink, or while a ``close()`` in another thread is still delivering).
 
         Example::
 
@@ -1389,6 +1399,14 @@ class FanoutWriter:
         if not self._active or self._pid != os.getpid():
             return True
         with self._lock:
+            if self._closed:
+                # close() delivers (or has delivered) what there was and closes the sinks,
+                # which take no further call: say whether every sink got everything
+                with self._cond:
+                    return all(
+                        not w.disabled and not w.abandoned and w.idle_through(self._seq)
+                        for w in self._workers
+                    )
             self._close_step()
             target = self._seq
         if timeout is None:

@@ -26,6 +26,8 @@ from trainvitals.stats.throughput import COUNT_FIELDS, StepCounter, to_vector
 __all__ = ["RuntimeMonitor"]
 
 _CONSUMED = ("batches", "samples", "tokens")
+# the counts summed over the steps; batches_missing is each step's own (see step_end)
+_SUMMED = tuple(n for n in COUNT_FIELDS[1:] if n != "batches_missing")
 
 
 class RuntimeMonitor(VitalsCallback):
@@ -102,7 +104,11 @@ class RuntimeMonitor(VitalsCallback):
     Megatron-Bridge's ``report_runtime`` writes ``time/remaining_estimate`` and ``time/total``
     without a unit in the name; ours carry the unit (``time/remaining_hours``) and exclude
     validation from the estimate, which theirs does not. A count some rank could not provide
-    (no tensor in a batch, no ``input_ids``) is not written.
+    (no tensor in a batch, no ``input_ids``) is not written, from then on (the total would be
+    short). A logging step in which some rank had no micro-batch (the driver splitting a batch
+    into two steps at an evaluation, a step restored from a checkpoint) writes none of the
+    three; such a step counts as consuming nothing, and the next logging step with
+    micro-batches writes them again.
 
     Example::
 
@@ -163,6 +169,8 @@ class RuntimeMonitor(VitalsCallback):
         # Global consumed counts (synced on logging steps) and this rank's counts since then.
         self._consumed = dict.fromkeys(COUNT_FIELDS[1:], 0.0)
         self._pending = dict.fromkeys(COUNT_FIELDS[1:], 0.0)
+        # ranks whose last step had no micro-batch, as of the last sum (_sync_consumed)
+        self._empty_ranks = 0.0
 
     # ------------------------------------------------------------------ hooks
 
@@ -235,15 +243,25 @@ class RuntimeMonitor(VitalsCallback):
             # would be charged to the measured steps. No extra sync on a non-logging step.
             self._rate_anchor = train_now
         record = self._counter.take(0.0)
-        for name in COUNT_FIELDS[1:]:
+        if record.batches == 0:
+            # No micro-batch in this step (the driver split a batch into two steps at an
+            # evaluation, a restored step): nothing was reported consumed, so it adds zeros,
+            # not a gap, to the totals. Only this step's keys are left out (a loop that never
+            # reports micro-batches must not show 0 consumed): the next logging step with
+            # micro-batches writes them again. Kept in the summed missing marks, it stopped
+            # them for the rest of the run.
+            record.samples_missing = record.tokens_missing = 0
+        for name in _SUMMED:
             self._pending[name] = self._pending[name] + getattr(record, name)
+        # this step's alone (not summed over steps): whether it had no micro-batch
+        self._pending["batches_missing"] = float(record.batches_missing)
         if log:
             self._sync_consumed()
             steps_done = ctx.step + ctx.step_increment
             # the horizon as of now (a few Python numbers): max_steps or the dataloader's
             # length may have changed since the run started
             self._horizon = self._current_horizon(ctx, steps_done)
-            self.write(ctx, self._values(steps_done))
+            self.write(ctx, self._values(steps_done, consumed=self._empty_ranks == 0))
 
     # ------------------------------------------------------------------ what it measures
 
@@ -289,7 +307,9 @@ class RuntimeMonitor(VitalsCallback):
             )
 
     def _sync_consumed(self) -> None:
-        """Add every rank's counts since the last sync to the global counts (one collective)."""
+        """Add every rank's counts since the last sync to the global counts (one collective);
+        note in ``_empty_ranks`` on how many ranks the last step ended had no micro-batch
+        (``batches_missing`` is that step's alone, not a count to add up)."""
         vec = to_vector([self._pending[n] for n in COUNT_FIELDS[1:]]).unsqueeze(0)
         summed = reduce_counts(vec, self._groups)[0].tolist()
         if any(math.isnan(v) for v in summed):
@@ -297,7 +317,10 @@ class RuntimeMonitor(VitalsCallback):
             # keep this rank's pending counts for the next sum instead of adding a partial one
             raise PeerRankFailed("another rank's consumed counts are missing at this step")
         for name, value in zip(COUNT_FIELDS[1:], summed, strict=True):
-            self._consumed[name] += value
+            if name == "batches_missing":
+                self._empty_ranks = value
+            else:
+                self._consumed[name] += value
             self._pending[name] = 0.0
 
     def _rate(self, train_now: float) -> tuple[float, int]:
@@ -308,14 +331,18 @@ class RuntimeMonitor(VitalsCallback):
             steps += self._rate_steps
         return seconds, steps
 
-    def _values(self, steps_done: int) -> dict[str, Any]:
+    def _values(self, steps_done: int, *, consumed: bool = True) -> dict[str, Any]:
+        """The keys of a logging step; ``consumed=False``: without the consumed counts (a step
+        that had no micro-batch on some rank)."""
         now = self._clock.read()
         unit = self.time_unit
         out: dict[str, Any] = {
             f"time/{kind}_{unit}": seconds_to(self._prev[kind] + now[kind], unit)
             for kind in ("train", "validation", "total")
         }
-        for name in _CONSUMED:
+        for name in _CONSUMED if consumed else ():
+            # (samples or tokens: not once some micro-batch lacked its count, the total would
+            # be short from then on; batches_missing stays 0, see step_end)
             if self._consumed[f"{name}_missing"] == 0:
                 out[f"time/{name}"] = self._consumed[name]
         seconds, steps = self._rate(now["train"])
@@ -382,6 +409,7 @@ class RuntimeMonitor(VitalsCallback):
         }
         consumed = state_dict.get("consumed", {})
         self._consumed = {k: float(consumed.get(k, 0.0)) for k in self._consumed}
+        self._consumed["batches_missing"] = 0.0  # (no longer summed; older checkpoints did)
         self._pending = dict.fromkeys(self._pending, 0.0)
         # Micro-batches of a step in progress at the restore belong to the abandoned timeline
         # (the restored run replays that step): not counted into the next step. This process
