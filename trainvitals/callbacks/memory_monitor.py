@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -28,15 +29,18 @@ class MemoryMonitor(VitalsCallback):
     run computes on a CUDA device, and this process's resident set (psutil; without it
     ``/proc`` on Linux, elsewhere no host keys, with a warning) in every case.
     That device is chosen once, at run start (``_run_cuda_device``), the first that
-    applies: the Lightning strategy's ``root_device`` when it is CUDA; the first parameter's
-    device when it is CUDA; any parameter or buffer on CUDA (a model whose first parameter is
-    an embedding table kept on the CPU); any parameter sharded over a CUDA device mesh
-    (FSDP2 with ``CPUOffloadPolicy``, whose shards live on the CPU: the current CUDA device);
-    else, when CUDA is initialised in the process, its current CUDA device (a loop that moves
-    the model to CUDA layer by layer), except when the Lightning strategy's ``root_device`` is
-    not CUDA (``accelerator="cpu"``): Lightning computes there, and CUDA initialised by other
-    code of the process is not the run's memory. Without CUDA, or when none applies, no CUDA
-    key is written. Every other CUDA device that holds a parameter
+    applies: the run's declared device when it is CUDA (under Lightning the strategy's
+    ``root_device``; under the driver with an ``accelerator`` its ``accelerator.device``, read
+    from Accelerate's process-wide ``AcceleratorState``); the first parameter's device when it
+    is CUDA; any parameter or buffer on CUDA (a model whose first parameter is an embedding
+    table kept on the CPU); any parameter sharded over a CUDA device mesh (FSDP2 with
+    ``CPUOffloadPolicy``, whose shards live on the CPU: the current CUDA device); else, when
+    CUDA is initialised in the process, its current CUDA device (a plain loop that moves the
+    model to CUDA layer by layer), except when the run declares a device that is not CUDA
+    (Lightning's ``accelerator="cpu"``, ``Accelerator(cpu=True)`` or an Accelerator on a
+    machine without CUDA): the run computes there, and CUDA initialised by other code of the
+    process is not the run's memory. Without CUDA, or when none applies, no CUDA key is
+    written. Every other CUDA device that holds a parameter
     or buffer of the model at run start is read too: a model spread over several GPUs of one
     process (Hugging Face's ``device_map="auto"``, a hand-made pipeline) reports its worst
     device, not only its first (one more host-side ``memory_stats`` call per device on
@@ -352,10 +356,7 @@ def _run_cuda_device(ctx: RunContext) -> torch.device | None:
     model may keep an embedding table (its first parameter) on the CPU."""
     if not torch.cuda.is_available():
         return None
-    try:  # Lightning: the strategy's compute device
-        root = ctx.trainer.strategy.root_device if ctx.trainer is not None else None
-    except Exception:  # a strategy not set up yet, or not Lightning's
-        root = None
+    root = _declared_device(ctx)
     for device in (root, ctx.device):
         if isinstance(device, torch.device) and device.type == "cuda":
             return device
@@ -368,13 +369,50 @@ def _run_cuda_device(ctx: RunContext) -> torch.device | None:
             mesh = getattr(tensor, "device_mesh", None)
             if getattr(mesh, "device_type", None) == "cuda":
                 return torch.device("cuda", torch.cuda.current_device())
-    if isinstance(root, torch.device):
-        # Lightning says where the run computes, and it is not CUDA (accelerator="cpu"), nor
-        # does the model hold a tensor there: CUDA initialised by other code of the process
-        # (another model, a library) is not this run's memory.
+    if root is not None:
+        # The framework says where the run computes, and it is not CUDA (Lightning's
+        # accelerator="cpu", Accelerator(cpu=True)), nor does the model hold a tensor there:
+        # CUDA initialised by other code of the process (another model, a library) is not
+        # this run's memory.
         return None
     if torch.cuda.is_initialized():
         # No tensor of the model on CUDA at run start, but the process uses CUDA (a model
         # moved there per layer by the loop, an offloading wrapper): its current device.
         return torch.device("cuda", torch.cuda.current_device())
     return None
+
+
+def _declared_device(ctx: RunContext) -> torch.device | None:
+    """The device the run's framework says it computes on: under Lightning the strategy's
+    ``root_device``; under the driver with an ``accelerator`` (``ctx.framework ==
+    "accelerate"``) that Accelerator's ``device``; ``None`` for a plain loop, or when it
+    cannot be told."""
+    if ctx.trainer is not None:
+        try:
+            root = ctx.trainer.strategy.root_device
+        except Exception:  # a strategy not set up yet, or not Lightning's
+            return None
+        return root if isinstance(root, torch.device) else None
+    if ctx.framework == "accelerate":
+        return _accelerate_device()
+    return None
+
+
+def _accelerate_device() -> torch.device | None:
+    """The running Accelerator's ``device``, from Accelerate's process-wide state; ``None``
+    when no Accelerator was made in this process.
+
+    The driver's RunContext does not carry the accelerator. ``Accelerator.device`` is
+    ``self.state.device``, and every ``AcceleratorState`` instance shares one dict (the class's
+    ``_shared_state``): its ``"device"`` entry is the accelerator's device. Read without
+    constructing a state (which would set one up where none was made)."""
+    state_module = sys.modules.get("accelerate.state")
+    state = getattr(state_module, "AcceleratorState", None)
+    shared = getattr(state, "_shared_state", None)
+    if not shared:
+        return None  # no Accelerator made in this process
+    try:
+        device = shared.get("device")
+    except Exception:
+        return None
+    return device if isinstance(device, torch.device) else None
