@@ -42,10 +42,15 @@ class _Part:
 
     optimizer: int | None  # index in ctx.optimizers of the stepped optimizer (None: all at once)
     tracked: list[_Tracked]
-    has_grad: list[bool]
+    has_grad: list[bool]  # the gradient is present on this rank
+    # per parameter: its gradient's sum is reduced over some group (presence then on the device)
+    shared: list[bool]
     owned: list[int]  # positions of the parameters that belong to ``optimizer``
     selected: list[int]  # positions of the parameters reported one by one
     sq: torch.Tensor  # float64 [param sums of squares..., grad sums of squares...], reduced
+    # float64 per parameter: how many ranks of its gradient's reduction hold the gradient,
+    # reduced with the sums (0: no rank has it, its norm is undefined)
+    present: torch.Tensor
     # bool per parameter: its gradient held NaN/Inf at an earlier step() of the same optimizer
     # in this step, whose measurement this one replaced (None: no such step)
     earlier_bad: torch.Tensor | None = None
@@ -75,9 +80,11 @@ class _Part:
             optimizer=self.optimizer,
             tracked=[self.tracked[i] for i in keep],
             has_grad=[self.has_grad[i] for i in keep],
+            shared=[self.shared[i] for i in keep],
             owned=[position[i] for i in self.owned if i in position],
             selected=[position[i] for i in self.selected if i in position],
             sq=self.sq.index_select(0, torch.cat([rows, rows + n])),
+            present=self.present.index_select(0, rows.to(self.present.device)),
             earlier_bad=None if self.earlier_bad is None else flags.index_select(0, rows),
         )
         return kept, dropped
@@ -164,6 +171,12 @@ class NormMonitor(VitalsCallback):
     When a gradient holds NaN/Inf, ``l2_norm/grad/global`` is NaN/Inf too, and a
     ``RuntimeWarning`` names the first ``max_nonfinite_names`` bad tensors in parameter order
     (issued once the values reach the host, at the latest by the next logging step).
+    A gradient that is ``None`` counts 0 in the gradient norms. A grad key (``global``, ``optimizer_<i>``, per parameter) none of whose
+    gradients exists on any rank of its reduction (a step without backward: a
+    ``training_step`` returning ``None``; warned once) is not written: its norm is undefined,
+    not 0. The ranks learn it from counts of the gradients present summed in the norms'
+    collectives; only a rank holding none of a key's gradients, which other ranks share,
+    reads those counts to the host.
 
     Example::
 
@@ -387,18 +400,29 @@ class NormMonitor(VitalsCallback):
             )
             device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
             sq = torch.full((len(tensors),), -math.inf, dtype=torch.float64, device=device)
-        groups = [t.groups for t in tracked] + [
+        grad_groups = [
             t.groups if g is None else sharding_groups(g)
             for t, g in zip(tracked, grads, strict=True)
         ]
+        has_grad = [g is not None for g in grads]
+        # Whether each gradient is present rides in the sums' collectives, over its gradient's
+        # groups (no collective added): a gradient None on every rank of its reduction has no
+        # norm (a step without backward), one None on some ranks only counts 0 there.
+        present = torch.tensor(has_grad, dtype=torch.float64, device=sq.device)
+        n = len(tracked)
+        reduced = reduce_sq_norms(
+            torch.cat([sq, present]), [t.groups for t in tracked] + grad_groups * 2
+        )
         selected = set(self._selected_names)
         return _Part(
             optimizer=optimizer,
             tracked=tracked,
-            has_grad=[g is not None for g in grads],
+            has_grad=has_grad,
+            shared=[bool(g) for g in grad_groups],
             owned=[i for i, t in enumerate(tracked) if id(t.param) in owned],
             selected=[i for i, t in enumerate(tracked) if t.name in selected],
-            sq=reduce_sq_norms(sq, groups),
+            sq=reduced[: 2 * n],
+            present=reduced[2 * n :],
         )
 
     def _write(self, ctx: RunContext, parts: list[_Part], step: int) -> None:
@@ -418,40 +442,73 @@ class NormMonitor(VitalsCallback):
             sum((x.sum() for x in param_sq), zero),
             sum((x.sum() for x in grad_sq), zero),
             sum((b.sum() for b in bad), zero).to(torch.float64),
+            sum((p.present.sum() for p in parts), zero),  # gradients present (summed counts)
         ]
-        by_optimizer: dict[int, list[int]] = {}  # optimizer index -> its rows (param, grad)
+        # optimizer index -> its rows (param, grad, gradients present)
+        by_optimizer: dict[int, list[int]] = {}
         for k, part in enumerate(parts):
             if part.optimizer is None:  # (one optimizer, or all at once: no optimizer_<i> keys)
                 continue
             index = torch.tensor(part.owned, dtype=torch.long, device=part.sq.device)
-            owned = (param_sq[k].index_select(0, index), grad_sq[k].index_select(0, index))
+            owned = (
+                param_sq[k].index_select(0, index),
+                grad_sq[k].index_select(0, index),
+                part.present.index_select(0, index.to(part.present.device)),
+            )
             if part.optimizer not in by_optimizer:
-                by_optimizer[part.optimizer] = [len(rows), len(rows) + 1]
-                rows += [zero, zero]
+                by_optimizer[part.optimizer] = [len(rows), len(rows) + 1, len(rows) + 2]
+                rows += [zero, zero, zero]
             # (an optimizer stepped several times in the step: its parameters are in the
             # part of its last step(), the earlier parts hold none of them)
-            i, j = by_optimizer[part.optimizer]
-            rows[i], rows[j] = rows[i] + owned[0].sum(), rows[j] + owned[1].sum()
+            for r, x in zip(by_optimizer[part.optimizer], owned, strict=True):
+                rows[r] = rows[r] + x.sum().to(device)
         totals = torch.stack([r.to(device) for r in rows])
         if pipeline:
             totals = all_reduce_coalesced([totals], "sum", ctx.groups.pp)[0]
+        # A grad key whose gradients are None on every rank of its reduction (a step without
+        # backward) is not written: its norm is undefined, not 0. ``present``: key -> True or
+        # False where the host knows it (this rank holds one of its gradients, or they are not
+        # reduced with other ranks), else their reduced count, read below in one transfer.
+        present: dict[str, bool | torch.Tensor] = {
+            "l2_norm/grad/global": _presence(
+                [h for p in parts for h in p.has_grad],
+                pipeline or any(any(p.shared) for p in parts),
+                totals[3],
+            )
+        }
         values: dict[str, Any] = {
             "l2_norm/param/global": totals[0].sqrt(),
             "l2_norm/grad/global": totals[1].sqrt(),
             "l2_norm/grad/nonfinite_count": totals[2],
         }
-        for optimizer, (i, j) in sorted(by_optimizer.items()):
+        for optimizer, (i, j, c) in sorted(by_optimizer.items()):
             values[f"l2_norm/param/optimizer_{optimizer}"] = totals[i].sqrt()
-            values[f"l2_norm/grad/optimizer_{optimizer}"] = totals[j].sqrt()
+            key = f"l2_norm/grad/optimizer_{optimizer}"
+            values[key] = totals[j].sqrt()
+            mine = [(p, k) for p in parts if p.optimizer == optimizer for k in p.owned]
+            present[key] = _presence(
+                [p.has_grad[k] for p, k in mine],
+                pipeline or any(p.shared[k] for p, k in mine),
+                totals[c],
+            )
         for part in parts:
             n = len(part.tracked)
             norms = part.sq.sqrt() if part.selected else part.sq
             for i in part.selected:
                 name = part.tracked[i].name
-                if "grad" in self.per_param_kinds and part.has_grad[i]:
-                    values[f"l2_norm/grad/{name}"] = norms[n + i]
+                if "grad" in self.per_param_kinds:
+                    key = f"l2_norm/grad/{name}"
+                    values[key] = norms[n + i]
+                    present[key] = _presence([part.has_grad[i]], part.shared[i], part.present[i])
                 if "param" in self.per_param_kinds:
                     values[f"l2_norm/param/{name}"] = norms[i]
+        unknown = {k: v for k, v in present.items() if isinstance(v, torch.Tensor)}
+        if unknown:  # (a logging step on which this rank holds none of some keys' gradients)
+            counts = torch.stack([v.to(device) for v in unknown.values()]).tolist()
+            present.update(zip(unknown, (c > 0 for c in counts), strict=True))
+        for key, known in present.items():
+            if not known:
+                del values[key]
         self.write(ctx, values, step)
         names = [t.name for part in parts for t in part.tracked]
         flags = torch.cat([b.to(device) for b in bad]) if bad else torch.zeros(0, dtype=torch.bool)
@@ -538,6 +595,15 @@ def _unsupported_layout(model: torch.nn.Module, ctx: RunContext) -> str | None:
     if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         return "FSDP1 (FullyShardedDataParallel; use FSDP2 fully_shard)"
     return None
+
+
+def _presence(has: list[bool], shared: bool, count: torch.Tensor) -> bool | torch.Tensor:
+    """Whether some gradient of a key is present on some rank of its reduction: known on the
+    host when this rank holds one (``has``) or when none is reduced with other ranks
+    (``shared`` false); otherwise the reduced count of present gradients (on the device)."""
+    if any(has):
+        return True
+    return count if shared else False
 
 
 def _globs(per_param: str | Sequence[str] | None) -> tuple[str, ...]:
