@@ -775,11 +775,11 @@ def _segment_moments(
     """Moments of small 1-D pieces, exact to float64: two-pass over one concatenated buffer
     with a segment index, non-finite elements masked (no host sync)."""
     device = pieces[0].device
-    sizes = [p.numel() for p in pieces]
-    lengths = _host_to(torch.tensor(sizes), device)
+    lengths = _host_to(torch.tensor([p.numel() for p in pieces]), device)
     k = len(pieces)
     flat = torch.cat([p.reshape(-1) for p in pieces]).to(torch.float64)
-    seg = _owners(list(range(k)), sizes, device)
+    # (the size given: a device repeat_interleave would read it back, a sync)
+    seg = torch.repeat_interleave(torch.arange(k, device=device), lengths, output_size=flat.numel())
     fin = torch.isfinite(flat)
     n = torch.zeros(k, dtype=torch.float64, device=device).index_add_(0, seg, fin.double())
     xz = torch.where(fin, flat, 0.0)
@@ -909,8 +909,7 @@ class MomentAccumulator:
             entries = [
                 (w, i) for w, n in before.items() for i in range(n, len(getattr(self, f"_{w}")))
             ]
-            with contextlib.suppress(TypeError):  # not weak-referenceable: no reuse
-                self._seen[id(key)] = (weakref.ref(key), key._version, entries)
+            self._remember(key, entries)
             return
         self._add(slot, tensor, check_finite, copy_small)
 
@@ -946,20 +945,28 @@ class MomentAccumulator:
                 self._body_slot.append(slot)
                 self._body_count.append(c * CHUNK)
                 return
-        flagged: bool | None = None  # known without another look: the CPU eager kernel's
         if rows is None:
-            cdtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
-            work = _eager_work.setdefault((flat.device, cdtype), [])
-            if flat.device.type == "cpu":  # raw block sums need a host read: CPU only (free)
-                rows, flagged = _blocks_eager(body, work)
-            else:
-                rows = _rows_eager_fast(body, work)
-            masked = False
-        if not masked:
-            if flagged is None and not check_finite:  # deferred to one batched check
-                self._unchecked.append((False, len(self._rows)))
-            elif flagged if flagged is not None else bool(_needs_exact(rows).any()):
-                rows = _rows_exact(body)
+            self._add_eager_rows(slot, body, check_finite)
+            return
+        self._rows.append(rows)  # the masked kernel's: non-finite and range handled inside
+        self._row_slot.append(slot)
+
+    def _add_eager_rows(self, slot: int, body: torch.Tensor, check_finite: bool) -> None:
+        """The eager kernel's rows of ``body`` ``[C, CHUNK]`` into ``slot``: recomputed exactly
+        at once if they show a NaN/inf or a float32 range problem, or with ``check_finite``
+        false left to :meth:`fix_nonfinite` (on CPU the kernel has read its sums back anyway,
+        so it acts at once either way)."""
+        cdtype = torch.float64 if body.dtype == torch.float64 else torch.float32
+        work = _eager_work.setdefault((body.device, cdtype), [])
+        flagged: bool | None = None  # known without another look: the CPU eager kernel's
+        if body.device.type == "cpu":  # raw block sums need a host read: CPU only (free)
+            rows, flagged = _blocks_eager(body, work)
+        else:
+            rows = _rows_eager_fast(body, work)
+        if flagged is None and not check_finite:  # deferred to one batched check
+            self._unchecked.append((False, len(self._rows)))
+        elif flagged if flagged is not None else bool(_needs_exact(rows).any()):
+            rows = _rows_exact(body)
         self._rows.append(rows)
         self._row_slot.append(slot)
 
@@ -1010,10 +1017,14 @@ class MomentAccumulator:
         entries = self._bucketed(fresh, check_finite=True, copy_small=True)
         for key, made in zip(keys, entries, strict=True):
             if key is not None:
-                with contextlib.suppress(TypeError):  # not weak-referenceable: no reuse
-                    self._seen[id(key)] = (weakref.ref(key), key._version, made)
+                self._remember(key, made)
         for slot, at in repeats:
             self._replay(slot, entries[at])
+
+    def _remember(self, key: torch.Tensor, entries: list[tuple[str, int]]) -> None:
+        """Note the parts ``key``'s reduction made, for an add of it unmodified to reuse."""
+        with contextlib.suppress(TypeError):  # not weak-referenceable: no reuse
+            self._seen[id(key)] = (weakref.ref(key), key._version, entries)
 
     def _replay(self, slot: int, entries: list[tuple[str, int]]) -> None:
         """Add to ``slot`` the parts an earlier add of the same tensor made (``entries``)."""
@@ -1048,16 +1059,8 @@ class MomentAccumulator:
             rows = _compiled(x2, True)
             if rows is None:  # compilation failed: the eager kernel, tensor by tensor
                 for k, body in zip(which, bodies, strict=True):
-                    cdtype = torch.float64 if body.dtype == torch.float64 else torch.float32
-                    work = _eager_work.setdefault((body.device, cdtype), [])
-                    eager = _rows_eager_fast(body, work)
-                    if not check_finite:
-                        self._unchecked.append((False, len(self._rows)))
-                    elif bool(_needs_exact(eager).any()):
-                        eager = _rows_exact(body)
                     made[k].append(("rows", len(self._rows)))
-                    self._rows.append(eager)
-                    self._row_slot.append(items[k][0])
+                    self._add_eager_rows(items[k][0], body, check_finite)
                 return
             for k, part in zip(which, rows.split([b.shape[0] for b in bodies], 1), strict=True):
                 made[k].append(("rows", len(self._rows)))
