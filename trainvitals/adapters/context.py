@@ -53,6 +53,9 @@ class RunContext:
     step). Known when a batch starts, unlike its own ``step_increment``, so the logging
     decision (:meth:`~trainvitals.callbacks.base.VitalsCallback.should_log`) can use it from
     ``micro_batch_start`` to ``step_end`` alike.
+    ``trainer``: the Lightning ``Trainer`` (Lightning runs); ``accelerator``: the Accelerate
+    ``Accelerator`` given to the driver (``framework == "accelerate"``): where the run computes
+    (``accelerator.device``) and its ``mixed_precision``.
     ``stepping_optimizer``: during ``before_optimizer_step``, the optimizer whose ``step()``
     is about to run when the gradients are shown per optimizer (Lightning passes it to every
     ``on_before_optimizer_step``; the driver sets it with several attached optimizers stepped
@@ -77,6 +80,7 @@ class RunContext:
     run_dir: Path = Path("runs")
     framework: str = "loop"
     trainer: Any = None
+    accelerator: Any = None
     step: int = 0
     micro_batch: int = 0
     micro_batches_in_step: int = 0

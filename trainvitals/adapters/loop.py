@@ -253,6 +253,7 @@ class Vitals:
             max_steps=max_steps,
             run_dir=run_dir,
             framework="accelerate" if accelerator is not None else "loop",
+            accelerator=accelerator,
         )
         self._accelerator = accelerator
         self._handles: list[Any] = []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -30,9 +29,8 @@ class MemoryMonitor(VitalsCallback):
     ``/proc`` on Linux, elsewhere no host keys, with a warning) in every case.
     That device is chosen once, at run start (``_run_cuda_device``), the first that
     applies: the run's declared device when it is CUDA (under Lightning the strategy's
-    ``root_device``; under the driver with an ``accelerator`` its ``accelerator.device``, read
-    from Accelerate's process-wide ``AcceleratorState``); the first parameter's device when it
-    is CUDA; any parameter or buffer on CUDA (a model whose first parameter is an embedding
+    ``root_device``; under the driver with an ``accelerator`` its ``accelerator.device``); the
+    first parameter's device when it is CUDA; any parameter or buffer on CUDA (a model whose first parameter is an embedding
     table kept on the CPU); any parameter sharded over a CUDA device mesh (FSDP2 with
     ``CPUOffloadPolicy``, whose shards live on the CPU: the current CUDA device); else, when
     CUDA is initialised in the process, its current CUDA device (a plain loop that moves the
@@ -384,35 +382,13 @@ def _run_cuda_device(ctx: RunContext) -> torch.device | None:
 
 def _declared_device(ctx: RunContext) -> torch.device | None:
     """The device the run's framework says it computes on: under Lightning the strategy's
-    ``root_device``; under the driver with an ``accelerator`` (``ctx.framework ==
-    "accelerate"``) that Accelerator's ``device``; ``None`` for a plain loop, or when it
-    cannot be told."""
+    ``root_device``; under the driver with an ``accelerator`` that Accelerator's ``device``;
+    ``None`` for a plain loop, or when it cannot be told."""
     if ctx.trainer is not None:
         try:
             root = ctx.trainer.strategy.root_device
         except Exception:  # a strategy not set up yet, or not Lightning's
             return None
         return root if isinstance(root, torch.device) else None
-    if ctx.framework == "accelerate":
-        return _accelerate_device()
-    return None
-
-
-def _accelerate_device() -> torch.device | None:
-    """The running Accelerator's ``device``, from Accelerate's process-wide state; ``None``
-    when no Accelerator was made in this process.
-
-    The driver's RunContext does not carry the accelerator. ``Accelerator.device`` is
-    ``self.state.device``, and every ``AcceleratorState`` instance shares one dict (the class's
-    ``_shared_state``): its ``"device"`` entry is the accelerator's device. Read without
-    constructing a state (which would set one up where none was made)."""
-    state_module = sys.modules.get("accelerate.state")
-    state = getattr(state_module, "AcceleratorState", None)
-    shared = getattr(state, "_shared_state", None)
-    if not shared:
-        return None  # no Accelerator made in this process
-    try:
-        device = shared.get("device")
-    except Exception:
-        return None
+    device = getattr(ctx.accelerator, "device", None)  # (the driver's Accelerator)
     return device if isinstance(device, torch.device) else None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -90,7 +89,7 @@ def _run_precision(ctx: RunContext) -> str | None:
     ``None`` when it has no column (``64-true``); elsewhere (a plain loop) ``bf16``."""
     trainer_precision = getattr(ctx.trainer, "precision", None) if ctx.trainer else None
     if ctx.framework == "accelerate":
-        trainer_precision = _accelerate_precision()
+        trainer_precision = _accelerate_precision(ctx.accelerator)
     if not isinstance(trainer_precision, str):
         return "bf16"
     name = trainer_precision.lower()
@@ -105,15 +104,11 @@ def _run_precision(ctx: RunContext) -> str | None:
     return None
 
 
-def _accelerate_precision() -> str | None:
-    """The running Accelerator's ``mixed_precision`` as a Lightning precision name (``"no"``:
-    ``"32-true"``), from Accelerate's process-wide state; ``None`` when there is none."""
-    state_module = sys.modules.get("accelerate.state")
-    state = getattr(state_module, "AcceleratorState", None)
-    if state is None or not getattr(state, "_shared_state", None):
-        return None  # no Accelerator made in this process
+def _accelerate_precision(accelerator: Any) -> str | None:
+    """The Accelerator's ``mixed_precision`` as a Lightning precision name (``"no"``:
+    ``"32-true"``); ``None`` when it has none."""
     try:
-        mixed = str(state().mixed_precision).lower()
+        mixed = str(accelerator.mixed_precision).lower()
     except Exception:
         return None
     names = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "fp8": "transformer-engine"}
