@@ -618,7 +618,6 @@ def _after_fork_in_child() -> None:
         writer._values = {}
         writer._has_tensors = False
         writer._active = False
-        writer._forked = True
         writer._fork_warned = False
 
 
@@ -876,7 +875,6 @@ class FanoutWriter:
         self._has_tensors = False
         self._closed = False
         self._closed_warned = False
-        self._forked = False  # a copy in a forked child (set there by _after_fork_in_child)
         self._fork_warned = False
         self._closing_thread: int | None = None  # the thread of the first close()
         self._close_done = threading.Event()  # that close() has returned
@@ -1051,7 +1049,7 @@ class FanoutWriter:
                 values[name] = value
                 if type(value) is not float:
                     self._has_tensors = True
-            elif self._forked:
+            elif self._pid != os.getpid():  # a forked child's copy (_after_fork_in_child)
                 self._warn_forked()
 
     def add_scalars(
@@ -1130,7 +1128,7 @@ class FanoutWriter:
                 values.update(checked)
                 if has_tensors:
                     self._has_tensors = True
-            elif self._forked:
+            elif self._pid != os.getpid():  # a forked child's copy (_after_fork_in_child)
                 self._warn_forked()
 
     def _advance(self, step: int, key: str) -> None:
