@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.callbacks.test_memory_device import _FAKE_STATS, _expected_cuda_row
 from tests.helpers.dist import run_distributed
 from tests.scripts.vitals_testing import RecordingWriter
 
@@ -171,30 +172,7 @@ def test_pipeline_run_with_a_side_router_numbered_like_another_stages_layer():
 
 # ------------------------------------------------- MemoryMonitor: Lightning accelerator="cpu"
 
-_FAKE_STATS = {
-    "allocated_bytes.all.current": 1_250_000_000,
-    "active_bytes.all.current": 1_500_000_000,
-    "inactive_split_bytes.all.current": 125_000_000,
-    "reserved_bytes.all.current": 4_000_000_000,
-    "allocated_bytes.all.peak": 2_750_000_000,
-    "active_bytes.all.peak": 3_000_000_000,
-    "inactive_split_bytes.all.peak": 500_000_000,
-    "reserved_bytes.all.peak": 5_000_000_000,
-    "num_alloc_retries": 3,
-    "num_ooms": 2,
-}
-_CUDA_KEYS = {
-    "memory/allocated_gb": _FAKE_STATS["allocated_bytes.all.current"] / 1e9,
-    "memory/active_gb": _FAKE_STATS["active_bytes.all.current"] / 1e9,
-    "memory/inactive_gb": _FAKE_STATS["inactive_split_bytes.all.current"] / 1e9,
-    "memory/reserved_gb": _FAKE_STATS["reserved_bytes.all.current"] / 1e9,
-    "memory/peak_allocated_gb": _FAKE_STATS["allocated_bytes.all.peak"] / 1e9,
-    "memory/peak_active_gb": _FAKE_STATS["active_bytes.all.peak"] / 1e9,
-    "memory/peak_inactive_gb": _FAKE_STATS["inactive_split_bytes.all.peak"] / 1e9,
-    "memory/peak_reserved_gb": _FAKE_STATS["reserved_bytes.all.peak"] / 1e9,
-    "memory/alloc_retries": 3.0,
-    "memory/ooms": 2.0,
-}
+_CUDA_KEYS = _expected_cuda_row()
 
 
 @pytest.fixture

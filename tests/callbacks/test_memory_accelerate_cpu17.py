@@ -9,41 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.callbacks.test_memory_device import _FAKE_STATS, _expected_cuda_row
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.callbacks.memory_monitor import MemoryMonitor
 
-_FAKE_STATS = {
-    "allocated_bytes.all.current": 1_250_000_000,
-    "active_bytes.all.current": 1_500_000_000,
-    "inactive_split_bytes.all.current": 125_000_000,
-    "reserved_bytes.all.current": 4_000_000_000,
-    "allocated_bytes.all.peak": 2_750_000_000,
-    "active_bytes.all.peak": 3_000_000_000,
-    "inactive_split_bytes.all.peak": 500_000_000,
-    "reserved_bytes.all.peak": 5_000_000_000,
-    "num_alloc_retries": 3,
-    "num_ooms": 2,
-}
-
 _HOST_KEYS = {"memory/rss_gb", "memory/peak_rss_gb"}
-
-
-def _expected_cuda_row() -> dict[str, float]:
-    # the torch counter names of the docstring's table, converted by hand (GB = 1e9 bytes)
-    names = {
-        "allocated_gb": "allocated_bytes.all.current",
-        "active_gb": "active_bytes.all.current",
-        "inactive_gb": "inactive_split_bytes.all.current",
-        "reserved_gb": "reserved_bytes.all.current",
-        "peak_allocated_gb": "allocated_bytes.all.peak",
-        "peak_active_gb": "active_bytes.all.peak",
-        "peak_inactive_gb": "inactive_split_bytes.all.peak",
-        "peak_reserved_gb": "reserved_bytes.all.peak",
-    }
-    row = {f"memory/{k}": _FAKE_STATS[v] / 1e9 for k, v in names.items()}
-    row["memory/alloc_retries"] = 3.0
-    row["memory/ooms"] = 2.0
-    return row
 
 
 class _CudaParameter(torch.nn.Parameter):
