@@ -16,12 +16,17 @@ import torch
 from torch import nn
 
 from tests.callbacks.test_memory_device import _FAKE_STATS, _expected_cuda_row
+from tests.callbacks.test_moe_metrics_monitor_pipeline_layers import (
+    EXPERTS,
+    HIDDEN,
+    TOPK,
+    VOCAB,
+    _lm,
+)
 from tests.helpers.dist import run_distributed
 from tests.scripts.vitals_testing import RecordingWriter
 
 # ------------------------------------------------------ MoEMetricsMonitor: stage layer numbers
-
-VOCAB, HIDDEN, EXPERTS, TOPK = 32, 16, 4, 2
 
 
 def test_stage_check_ignores_a_router_that_records_nothing():
@@ -33,25 +38,6 @@ def test_stage_check_ignores_a_router_that_records_nothing():
     _check_stage_layer_numbers([[(1, 4), (2, None)], [(1, None), (3, 4), (None, None)]])
     with pytest.raises(ValueError, match=r"pipeline stages 0 and 1 .* layer_number=3"):
         _check_stage_layer_numbers([[(3, 4), (1, None)], [(1, None), (3, 4)]])
-
-
-def _lm(num_layers: int, pattern: list[int]) -> nn.Module:
-    from trainvitals.moe import TinyMoELM
-
-    torch.manual_seed(0)
-    return TinyMoELM(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_layers=num_layers,
-        num_experts=EXPERTS,
-        top_k=TOPK,
-        ffn_hidden_size=8,
-        num_heads=2,
-        max_seq_len=16,
-        aux_loss_coeff=0.01,
-        z_loss_coeff=0.001,
-        moe_layer_freq=pattern,
-    )
 
 
 class _Stage(nn.Module):
