@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tests.callbacks.test_memory_device import _FAKE_STATS, _expected_cuda_row
+from tests.callbacks.test_moe_metrics_monitor import ref_losses
 from tests.callbacks.test_moe_metrics_monitor_pipeline_layers import (
     EXPERTS,
     HIDDEN,
@@ -113,21 +114,6 @@ def _pp_body(rank: int, world_size: int) -> dict:
     return {"error": None, "rows": writer.rows, "seen": seen}
 
 
-def _switch_and_z(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
-    """Switch loss before its coefficient, E/(k*T^2) * sum_i P_i * tokens_i, and the z-loss
-    mean(logsumexp(logits)^2), in float64 from the formulas."""
-    logits = x @ w.T
-    p = torch.softmax(logits, dim=-1)
-    t, e = p.shape
-    tokens = torch.zeros(e, dtype=torch.float64)
-    for row in logits:
-        tokens[torch.topk(row, TOPK).indices] += 1
-    return {
-        "load_balancing_loss": e / (TOPK * t * t) * float((p.sum(dim=0) * tokens).sum()),
-        "z_loss": float(torch.logsumexp(logits, dim=-1).square().mean()),
-    }
-
-
 @pytest.mark.timeout(240)
 def test_pipeline_run_with_a_side_router_numbered_like_another_stages_layer():
     """Stage 0 records layer 1 (``layers.0``); stage 1 records layer 3 and runs a side router
@@ -140,7 +126,7 @@ def test_pipeline_run_with_a_side_router_numbered_like_another_stages_layer():
     assert sorted({layer for layer, _, _ in seen}) == [0, 2]
     by_layer: dict[int, list] = {}
     for layer, x, w in seen:
-        by_layer.setdefault(layer, []).append(_switch_and_z(torch.tensor(x), torch.tensor(w)))
+        by_layer.setdefault(layer, []).append(ref_losses(torch.tensor(x), torch.tensor(w)))
     for step in (0, 1):
         for name in ("load_balancing_loss", "z_loss"):
             layer_means = {

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.callbacks.test_moe_metrics_monitor import ref_losses
 from tests.helpers.dist import run_distributed
 
 VOCAB, HIDDEN, EXPERTS, TOPK = 32, 16, 4, 2
@@ -118,19 +119,6 @@ def results():
     return run_distributed(_body, 2, timeout=240)
 
 
-def _switch_and_z(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
-    logits = x @ w.T
-    p = torch.softmax(logits, dim=-1)
-    t, e = p.shape
-    tokens = torch.zeros(e, dtype=torch.float64)
-    for row in logits:
-        tokens[torch.topk(row, TOPK).indices] += 1
-    return {
-        "load_balancing_loss": e / (TOPK * t * t) * float((p.sum(dim=0) * tokens).sum()),
-        "z_loss": float(torch.logsumexp(logits, dim=-1).square().mean()),
-    }
-
-
 @pytest.mark.parametrize(
     ("case", "moe_layers"), [("alternate", [0, 2]), ("dense_first_stage", [2])]
 )
@@ -140,7 +128,7 @@ def test_pipeline_stages_average_over_every_stages_moe_layers(results, case, moe
     per_step = {}
     for n, (layer, x, w) in enumerate(sorted(seen, key=lambda e: e[0])):
         step = (n % 4) // 2
-        values = _switch_and_z(torch.tensor(x), torch.tensor(w))
+        values = ref_losses(torch.tensor(x), torch.tensor(w))
         for name, value in values.items():
             per_step.setdefault((step, name, layer), []).append(value)
     for step in (0, 1):

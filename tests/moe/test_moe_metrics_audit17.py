@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from tests.callbacks.test_moe_metrics_monitor import ref_losses
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.callbacks import MoEMetricsMonitor
 from trainvitals.moe import (
@@ -32,21 +33,6 @@ def fresh_tracker():
     set_moe_metrics_tracker(tracker)
     yield tracker
     destroy_moe_metrics_tracker()
-
-
-def _switch_and_z(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
-    """Switch loss before its coefficient, E/(k*T^2) * sum_i P_i * tokens_i, and the z-loss
-    mean(logsumexp(logits)^2), in float64 from the formulas."""
-    logits = x @ w.T
-    p = torch.softmax(logits, dim=-1)
-    t, e = p.shape
-    tokens = torch.zeros(e, dtype=torch.float64)
-    for row in p:
-        tokens[torch.topk(row, TOPK).indices] += 1
-    return {
-        "load_balancing_loss": e / (TOPK * t * t) * float((p.sum(dim=0) * tokens).sum()),
-        "z_loss": float(torch.logsumexp(logits, dim=-1).square().mean()),
-    }
 
 
 def test_a_router_that_records_nothing_does_not_turn_dense_layers_into_moe_layers():
@@ -100,7 +86,7 @@ def test_a_router_that_records_nothing_does_not_turn_dense_layers_into_moe_layer
     for step in (0, 1):
         per_layer: dict[str, dict[int, float]] = {}
         for layer, x, w in seen[step * 2 : step * 2 + 2]:
-            for name, value in _switch_and_z(x, w).items():
+            for name, value in ref_losses(x, w).items():
                 per_layer.setdefault(name, {})[layer] = value
         expected = {}
         for name, layers in per_layer.items():

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.callbacks.test_moe_metrics_monitor import ref_losses
 from tests.helpers.dist import run_distributed
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.callbacks import MoEMetricsMonitor
@@ -62,21 +63,6 @@ def tiny_model() -> TinyMoELM:
         z_loss_coeff=0.001,
         moe_layer_freq=PATTERN,
     )
-
-
-def ref_losses(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
-    """Switch loss before its coefficient, E/(k*T^2) * sum_i P_i * tokens_i, and the z-loss
-    mean(logsumexp(logits)^2), in float64 from the formulas."""
-    logits = x @ w.T
-    p = torch.softmax(logits, dim=-1)
-    t, e = p.shape
-    tokens = torch.zeros(e, dtype=torch.float64)
-    for row in p:
-        tokens[torch.topk(row, TOPK).indices] += 1
-    return {
-        "load_balancing_loss": e / (TOPK * t * t) * float((p.sum(dim=0) * tokens).sum()),
-        "z_loss": float(torch.logsumexp(logits, dim=-1).square().mean()),
-    }
 
 
 def run_driver(forward_steps: set[int], steps: int, log_every: int, groups=None) -> dict:
