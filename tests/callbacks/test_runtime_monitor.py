@@ -39,8 +39,16 @@ def test_times_counts_and_remaining_exact():
     clock = FakeClock()
     horizon = 30
     writer, _ = fake_loop([RuntimeMonitor(clock=clock, max_steps=horizon)], clock, steps=range(9))
-    assert sorted(writer.rows) == [0, 2, 4, 6, 8]
+    # (9: the validation after the last step is written at the run's end, at the next step)
+    assert sorted(writer.rows) == [0, 2, 4, 6, 8, 9]
     assert "time/remaining_hours" not in writer.rows[0]  # only the warm-up step so far
+    final = writer.rows[9]
+    train, val = _train_seconds(0, 8), 100.0 * _validations_before(9)
+    assert val == 300.0
+    assert final["time/train_hours"] == pytest.approx(train / 3600, rel=1e-12)
+    assert final["time/validation_hours"] == pytest.approx(val / 3600, rel=1e-12)
+    assert final["time/total_hours"] == pytest.approx((train + val) / 3600, rel=1e-12)
+    assert set(final) == {"time/train_hours", "time/validation_hours", "time/total_hours"}
     for step in (0, 2, 4, 6, 8):
         row = writer.rows[step]
         train = _train_seconds(0, step)

@@ -43,7 +43,9 @@ class RuntimeMonitor(VitalsCallback):
     that rate times the optimizer steps left to the training horizon: ``max_steps`` given here,
     else the run's ``max_steps``, else ``max_epochs * ceil(num_training_batches /
     accumulate_grad_batches)`` (the smaller of the two when both are known; under Lightning's
-    manual optimization the latter only while every batch steps exactly once). The horizon is
+    manual optimization the latter only while every batch steps exactly once; under Lightning a
+    training dataloader of unknown length, an ``IterableDataset`` without ``__len__``, has its
+    batches per epoch known once its first epoch ends, and the estimate starts then). The horizon is
     read again at every logging step (a few Python numbers, no sync): under Lightning off the
     trainer, so a ``max_steps`` or ``max_epochs`` changed mid-run
     (``trainer.fit_loop.epoch_loop.max_steps``, ``trainer.fit_loop.max_epochs``) and a
@@ -63,6 +65,11 @@ class RuntimeMonitor(VitalsCallback):
     batches, samples and tokens are summed over the ranks that see different data in one
     collective on each logging step (samples and batches over data-parallel ranks, tokens over
     data- and context-parallel ranks).
+
+    Validation time is counted at every logging step; a validation after the last logging step
+    (Lightning's at the end of the last epoch, a loop's final evaluation) is written at the
+    run's end: ``time/train_<unit>``, ``time/validation_<unit>`` and ``time/total_<unit>`` at
+    the step after the last optimizer step (where Lightning logs that validation's metrics).
 
     Everything is state: a resumed run continues its clocks, its counters and its rate from the
     checkpoint (Lightning checkpoints, the driver's ``state_dict``); time between the
@@ -171,6 +178,14 @@ class RuntimeMonitor(VitalsCallback):
         self._pending = dict.fromkeys(COUNT_FIELDS[1:], 0.0)
         # ranks whose last step had no micro-batch, as of the last sum (_sync_consumed)
         self._empty_ranks = 0.0
+        # A validation ended since the time keys were last written: the run's end writes them
+        # (the validation after the last training step is no logging step's).
+        self._validated_since_write = False
+        # Under Lightning with a training dataloader of unknown length (an IterableDataset
+        # without __len__): the epoch seen at the last step end and its batches then, and the
+        # batches of the last epoch seen to end (the length of later epochs, as with a len).
+        self._epoch_seen: tuple[int, int] | None = None
+        self._epoch_batches: int | None = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -192,7 +207,13 @@ class RuntimeMonitor(VitalsCallback):
             and not getattr(ctx.model, "automatic_optimization", True)
         )
         self._time_limit = _lightning_time_limit(ctx.trainer)
-        if self._horizon is None and self._time_limit is None:
+        if (
+            self._horizon is None
+            and self._time_limit is None
+            and not (ctx.max_epochs and _lightning_epoch_progress(ctx.trainer) is not None)
+        ):
+            # (Lightning, max_epochs and a dataloader of unknown length: the horizon is known
+            # once the first epoch ends, _note_epoch_length)
             self.warn_once(
                 "horizon",
                 "training horizon unknown (no max_steps, no epochs x "
@@ -210,8 +231,26 @@ class RuntimeMonitor(VitalsCallback):
 
     def validation_end(self, ctx: RunContext) -> None:
         self._clock.resume()
+        self._validated_since_write = True
 
     def run_end(self, ctx: RunContext) -> None:
+        if self._validated_since_write:
+            # A validation after the last logging step (Lightning's at the end of the last
+            # epoch, the loop's final evaluation): its time is in no written value yet. The
+            # clock keys only (rank-local readings, no collective), at the step after the last
+            # optimizer step, as Lightning logs that validation's own metrics.
+            now = self._clock.read()
+            self.write(
+                ctx,
+                {
+                    f"time/{kind}_{self.time_unit}": seconds_to(
+                        self._prev[kind] + now[kind], self.time_unit
+                    )
+                    for kind in ("train", "validation", "total")
+                },
+                step=ctx.step,
+            )
+            self._validated_since_write = False
         # Another run with this instance may follow (a second fit on the same trainer, a retry,
         # a new driver): what this one measured is kept as a restore would keep it, and the
         # clock stops here (the time between the runs is no step's).
@@ -226,6 +265,7 @@ class RuntimeMonitor(VitalsCallback):
             self._clock.sync()
         if self._epoch_horizon_unchecked:
             self._check_epoch_horizon(ctx)
+        self._note_epoch_length(ctx)
         self._clock.start()  # no-op unless no micro-batch was reported
         train_now = self._clock.train_seconds()
         self._train_at_step_end = train_now
@@ -262,6 +302,7 @@ class RuntimeMonitor(VitalsCallback):
             # length may have changed since the run started
             self._horizon = self._current_horizon(ctx, steps_done)
             self.write(ctx, self._values(steps_done, consumed=self._empty_ranks == 0))
+            self._validated_since_write = False
 
     # ------------------------------------------------------------------ what it measures
 
@@ -278,7 +319,8 @@ class RuntimeMonitor(VitalsCallback):
         limits: dict[str, Any] = {
             "max_steps": ctx.max_steps,
             "max_epochs": ctx.max_epochs if self._epoch_horizon_usable else None,
-            "num_training_batches": ctx.num_training_batches,
+            # (a dataloader of unknown length: the batches of the last epoch seen to end)
+            "num_training_batches": ctx.num_training_batches or self._epoch_batches,
             "accumulate_grad_batches": ctx.accumulate_grad_batches,
         }
         progress = _lightning_epoch_progress(ctx.trainer)
@@ -287,6 +329,18 @@ class RuntimeMonitor(VitalsCallback):
             limits["steps_done"] = steps_done
         # (only max_steps is in optimizer steps when _epoch_horizon_usable is False)
         return training_horizon(**limits)
+
+    def _note_epoch_length(self, ctx: RunContext) -> None:
+        """Under Lightning, note the batches of an epoch that ended (read at the first step end of
+        the next one) for a training dataloader of unknown length (``num_training_batches``
+        infinite: an ``IterableDataset`` without ``__len__``): the epochs x batches horizon then
+        takes later epochs to be as long, as it does with a length. A few Python attributes."""
+        progress = _lightning_epoch_progress(ctx.trainer)
+        if progress is None:
+            return
+        seen, self._epoch_seen = self._epoch_seen, progress
+        if seen is not None and progress[0] > seen[0] and seen[1] > 0:
+            self._epoch_batches = seen[1]
 
     def _check_epoch_horizon(self, ctx: RunContext) -> None:
         """Under manual optimization, keep the epochs x batches horizon only while each batch
@@ -373,6 +427,7 @@ class RuntimeMonitor(VitalsCallback):
             "seconds": {kind: self._prev[kind] + now[kind] for kind in self._prev},
             "rate": {"seconds": seconds, "steps": steps},
             "consumed": dict(self._consumed),
+            "epoch_batches": self._epoch_batches,
         }
 
     def state_dict_collectives(self) -> tuple[CollectiveCall, ...]:
@@ -393,6 +448,7 @@ class RuntimeMonitor(VitalsCallback):
 
     def _restart(self) -> None:
         self._train_at_step_end = None
+        self._epoch_seen = None  # (the next run's first step end reads it afresh)
         self._counter.reset()
         self._clock = self._clock.fresh()
         self._steps_this_process = 0
@@ -410,6 +466,8 @@ class RuntimeMonitor(VitalsCallback):
         consumed = state_dict.get("consumed", {})
         self._consumed = {k: float(consumed.get(k, 0.0)) for k in self._consumed}
         self._consumed["batches_missing"] = 0.0  # (no longer summed; older checkpoints did)
+        epoch_batches = state_dict.get("epoch_batches")
+        self._epoch_batches = None if epoch_batches is None else int(epoch_batches)
         self._pending = dict.fromkeys(self._pending, 0.0)
         # Micro-batches of a step in progress at the restore belong to the abandoned timeline
         # (the restored run replays that step): not counted into the next step. This process

@@ -220,7 +220,14 @@ class ThroughputMonitor(VitalsCallback):
     excluded). An optimizer step is one ``optimizer.step()`` as Lightning's ``global_step`` and
     ``max_steps`` count them: under manual optimization a batch stepping two optimizers (a GAN)
     is two steps, and ``seconds_per_step`` half its time, as ``time/seconds_per_step`` of
-    :class:`RuntimeMonitor`. A rate whose count some rank could not provide (a batch without a
+    :class:`RuntimeMonitor`. A micro-batch whose ``training_step`` returned ``None`` under
+    Lightning's automatic optimization (no backward; Lightning still advances ``global_step``)
+    counts in the batch, sample and token rates and its time in the window (data read, as
+    Lightning's ``ThroughputMonitor`` and Composer's ``SpeedMonitor`` count every batch), but
+    adds no flops: the flops and MFU keys cover trained micro-batches only, and a step holding
+    one is not the step ``measure_flops`` measures. Under the driver every micro-batch told with
+    ``vitals.batch()`` counts as trained: call it only for micro-batches that run a backward.
+    A rate whose count some rank could not provide (a batch without a
     tensor, no ``input_ids``) is not written. Names follow Composer's ``SpeedMonitor`` and
     Megatron-Bridge's ``report_throughput``; ``throughput/mfu`` (global) and
     ``throughput/seconds_per_step`` are ours, and our global rates are sums over the ranks where
@@ -321,6 +328,11 @@ class ThroughputMonitor(VitalsCallback):
         # accumulation window (told again by the driver, not run by this process): its flops
         # cannot be measured against its counts, so the measurement waits for the next step.
         self._carried_in_step = False
+        # Sizes of the last training micro-batch, and the samples and tokens of the step's
+        # micro-batches that did not train (Lightning: training_step returned None, so no
+        # backward): read, so in the counts, but no model flops (see on_train_batch_end).
+        self._last_sizes: tuple[Any, Any] | None = None
+        self._untrained: dict[str, Any] = {"batches": 0, "samples": 0, "tokens": 0}
         self._groups = ProcessGroups()
         self._peak: float | None = None
         self._mp = {"tokens": 1, "samples": 1}
@@ -379,6 +391,28 @@ class ThroughputMonitor(VitalsCallback):
             self._session = FlopCounterSession()
             self._session.start()
         self._counter.add(batch.batch_size, batch.num_tokens)
+        self._last_sizes = (batch.batch_size, batch.num_tokens)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Lightning's automatic optimization hands ``{}`` for a training_step that returned
+        # None: no backward (single process only; Lightning refuses it with several). The
+        # batch was read (its samples and tokens count, as Lightning's ThroughputMonitor counts
+        # every batch) and global_step still advances, but it adds no model flops.
+        if (
+            getattr(pl_module, "automatic_optimization", True)
+            and isinstance(outputs, dict)
+            and not outputs
+            and self._last_sizes is not None
+        ):
+            samples, tokens = self._last_sizes
+            u = self._untrained
+            u["batches"] += 1
+            u["samples"] = u["samples"] + (samples or 0)
+            u["tokens"] = u["tokens"] + (tokens or 0)
+        self._last_sizes = None
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
         if self._session is not None and self._session.active:
@@ -412,6 +446,7 @@ class ThroughputMonitor(VitalsCallback):
         # several optimizers under Lightning's manual optimization)
         record = self._counter.take(seconds, steps=ctx.step_increment)
         record.flops = self._device_flops(record)
+        self._untrained = {"batches": 0, "samples": 0, "tokens": 0}
         if self._carried_in_step:
             self._carried_in_step = False
             if self.measure_flops and self._measured is None:
@@ -456,7 +491,9 @@ class ThroughputMonitor(VitalsCallback):
         if session is None or not session.active:
             return
         flops = session.stop()
-        if not complete:
+        if not complete or self._untrained["batches"]:
+            # (a step with a micro-batch that did not train: its forward is in the count, its
+            # backward is not; the next step of this instance measures again)
             return
         if flops is not None:
             flops = before_optimizer if before_optimizer is not None else flops - validation_flops
@@ -511,7 +548,8 @@ class ThroughputMonitor(VitalsCallback):
         name, per_unit = unit
         if getattr(record, f"{name}_missing"):
             return math.nan
-        return getattr(record, name) * per_unit
+        trained = getattr(record, name) - self._untrained[name]
+        return trained * per_unit
 
     def _global_flops(self, g: dict[str, float]) -> float | None:
         """Flops of all ranks in the window (``g``: its counts summed over ranks), or ``None``
@@ -565,6 +603,15 @@ class ThroughputMonitor(VitalsCallback):
             if loc[f"{unit}_missing"] == 0:
                 out[f"throughput/device/{unit}_per_sec"] = loc[unit] / seconds
         global_flops = self._global_flops(g)
+        if (
+            global_flops is not None
+            and ctx.world_size == 1
+            and live.steps == local_sums.steps
+            and not math.isnan(loc["flops"])
+        ):
+            # one process, no entry restored from a multi-rank run: its own flops are the
+            # run's, those of trained micro-batches only (see on_train_batch_end)
+            global_flops = loc["flops"]
         if global_flops is not None:
             flops_per_sec = global_flops / seconds
             out["throughput/flops_per_sec"] = flops_per_sec
@@ -651,3 +698,5 @@ class ThroughputMonitor(VitalsCallback):
         self._steps_this_run = 0
         self._counter.reset()
         self._carried_in_step = False
+        self._last_sizes = None
+        self._untrained = {"batches": 0, "samples": 0, "tokens": 0}
