@@ -43,6 +43,14 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             ``E`` their ``proj.out_features`` (no ``num_experts`` attribute);
                             ``LongcatFlashTopkRouter``: the same, ``E`` its
                             ``n_routed_experts`` (routed + zero experts, the last columns);
+                            ``ZayaRouter``: the same, ``E`` its ``num_router_classes`` (the
+                            experts + its skip expert, the last column), the indices recomputed
+                            as it selects, top-``k`` of ``softmax(router_logits) +
+                            balancing_biases`` (its own returned indices turn a skip into
+                            expert 0); ``DogeCDMoE`` (Doge, product keys, no router module):
+                            output ``(hidden_states, router_logits [2, N, num_keys])``, its
+                            experts recomputed as it picks them (the top ``k`` of the
+                            ``num_keys**2`` pairs ``x * num_keys + y`` scored ``s_x + s_y``);
                             ``Llama4Router``: output ``(scores, router_logits)``, its indices
                             ``torch.topk(router_logits, top_k, dim=1)``; ``JetMoeTopKGating``
                             (MoE attention and MoE MLP, two per layer): output ``(...,
@@ -71,8 +79,11 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             counts are not always the router's own choice, which the loads
                             count: a router that selects with a bias or a sparsemixer, and with
                             bf16 logits Mixtral/Qwen/OLMoE's float32 softmax against the
-                            function's bf16 one, which pick other experts at near ties; Switch
-                            Transformers: its own per-sequence loss of the layer,
+                            function's bf16 one, which pick other experts at near ties; Doge:
+                            its own ``load_balancing_loss_func`` term of the layer (``softmax``
+                            of the pair scores; the counts divided by ``T * k``, so already 1.0
+                            at balance), padding left out; Switch Transformers: its own
+                            per-sequence loss of the layer,
                             ``E**2 * mean_{b,e}(f_be P_be)`` over every token (its
                             ``load_balancing_loss_func`` takes no mask; the model adds it only
                             with a sparse step > 1); a forward whose mask is all 0 (a micro-batch
@@ -203,6 +214,8 @@ HF_ROUTER_CLASSES: frozenset[str] = frozenset(
         "DeepseekV4HashRouter",  # indices a frozen token-id lookup; in no aux loss
         "Gemma4TextRouter",  # (router_probabilities, weights, indices); E: proj.out_features
         "DiffusionGemmaTextRouter",  # as Gemma4TextRouter
+        "ZayaRouter",  # E: num_router_classes (+ its skip expert): see _SKIP_EXPERT_ROUTERS
+        "DogeCDMoE",  # product-key routing, output (hidden, logits [2, N, K]): see _PRODUCT_KEY
     }
 )
 # Routers whose forward returns the logits and whose experts are torch.topk(router_logits,
@@ -220,7 +233,19 @@ _DBRX_ROUTERS: frozenset[str] = frozenset({"DbrxRouter"})
 _DISPATCH_ROUTERS: frozenset[str] = frozenset({"SwitchTransformersTop1Router"})
 # Routers whose number of experts is not their num_experts attribute: LongcatFlashTopkRouter's
 # logits and indices cover n_routed_experts = the routed experts + the zero (identity) experts.
-_HF_EXPERTS_ATTR: dict[str, str] = {"LongcatFlashTopkRouter": "n_routed_experts"}
+# ZayaRouter's logits cover num_router_classes = num_experts + 1, its last class the skip
+# expert (no compute): counted as the last column, like LongCat's zero experts.
+_HF_EXPERTS_ATTR: dict[str, str] = {
+    "LongcatFlashTopkRouter": "n_routed_experts",
+    "ZayaRouter": "num_router_classes",
+}
+# Routers whose returned indices replace the skip expert by expert 0 (with weight 0), so the
+# choice is recomputed as the router makes it (transformers 5.x models/zaya/modeling_zaya.py::
+# ZayaRouter.forward): top-k of softmax(router_logits).float() + balancing_biases.
+_SKIP_EXPERT_ROUTERS: frozenset[str] = frozenset({"ZayaRouter"})
+# MoE modules that route with product keys and return (hidden_states, router_logits [2, N, K])
+# (Doge's DogeCDMoE: no router submodule of its own); see _product_key_routing.
+_PRODUCT_KEY_ROUTERS: frozenset[str] = frozenset({"DogeCDMoE"})
 # Routers with no num_experts attribute whose number of experts is the width of a linear
 # layer of theirs (Gemma 4's router: proj = nn.Linear(hidden_size, num_experts)).
 _HF_EXPERTS_LINEAR: dict[str, str] = {
@@ -622,7 +647,10 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
             cls = _hf_class_name(module)
             # Switch Transformers: its own per-sequence loss (_switch_seq_aux_loss)
             aux = cls not in _HF_NO_AUX and (
-                cls in _HF_SOFTMAX_AUX or cls in _DISPATCH_ROUTERS or _hf_switch_loss_family(module)
+                cls in _HF_SOFTMAX_AUX
+                or cls in _DISPATCH_ROUTERS
+                or cls in _PRODUCT_KEY_ROUTERS
+                or _hf_switch_loss_family(module)
             )
             return RouterInfo(name, module, "hf", num, has_aux_loss=aux)
     buffer = _torchtitan_buffer(module)
@@ -990,8 +1018,11 @@ class RouterCapture:
             if cls in _DISPATCH_ROUTERS:
                 self._count_hf_dispatch(i, output)
                 return
+            if cls in _PRODUCT_KEY_ROUTERS:
+                self._count_hf_product_keys(i, module, output)
+                return
             top_k = r.top_k if r.top_k is not None else getattr(module, "top_k", None)
-            logits, indices = _hf_logits_and_indices(cls, output, top_k)
+            logits, indices = _hf_logits_and_indices(cls, output, top_k, module)
             if (
                 not isinstance(indices, torch.Tensor)
                 or indices.is_floating_point()
@@ -1065,6 +1096,45 @@ class RouterCapture:
         self._add_counts(i, flat.sum(dim=0))
         if self.routers[i].has_aux_loss:
             self._add_aux(i, _switch_seq_aux_loss(local_tensor(logits)))
+
+    def _count_hf_product_keys(self, i: int, module: nn.Module, output: Any) -> None:
+        """A product-key MoE module (``_PRODUCT_KEY_ROUTERS``, Doge's ``DogeCDMoE``): output
+        ``(hidden_states, router_logits [2, N, num_keys])``. The counts are its own selection
+        recomputed from the logits (:func:`_product_key_routing`), padding left out; the aux
+        loss is the family's ``load_balancing_loss_func`` term of the layer, which divides the
+        counts by ``T * k`` and so is already 1.0 at perfect balance."""
+        r = self.routers[i]
+        logits = output[1] if isinstance(output, tuple | list) and len(output) >= 2 else None
+        num_keys, top_k = _int_attr(module, "num_keys"), _int_attr(module, "top_k")
+        if (
+            not isinstance(logits, torch.Tensor)
+            or logits.ndim != 3
+            or logits.shape[0] != 2
+            or num_keys is None
+            or top_k is None
+            or logits.shape[-1] < num_keys
+            or num_keys * num_keys > r.num_experts
+        ):
+            self._unsupported(i, "expected (hidden_states, router_logits [2, N, num_keys])")
+            return
+        indices, probs = _product_key_routing(
+            local_tensor(logits).detach(), num_keys, top_k, r.num_experts
+        )
+        valid = self._hf_valid_tokens(i, indices.shape[0], indices.device)
+        if valid is not None:
+            indices = indices.masked_fill(valid[0], r.num_experts)  # padding: overflow column
+        self._add_indices(i, indices)
+        if r.has_aux_loss:
+            if valid is None:
+                weights = torch.ones(indices.numel(), dtype=probs.dtype, device=probs.device)
+            else:
+                weights = valid[1].to(probs.dtype).unsqueeze(-1).expand(indices.shape).reshape(-1)
+            counts = torch.zeros(r.num_experts + 1, dtype=probs.dtype, device=probs.device)
+            counts = counts.index_add_(0, indices.reshape(-1), weights)[: r.num_experts]
+            aux = _switch_aux_loss(probs, counts, top_k, valid)
+            self._add_aux(i, aux)
+            if aux is not None and valid is not None:
+                self._add_aux_empty(i, valid[3])
 
     @staticmethod
     def _hf_loss_counts(
@@ -1482,12 +1552,30 @@ def _as_aux_tensor(aux: Any) -> torch.Tensor:
     return aux
 
 
-def _hf_logits_and_indices(cls: str, output: Any, top_k: Any) -> tuple[Any, Any]:
+def _hf_logits_and_indices(
+    cls: str, output: Any, top_k: Any, module: nn.Module | None = None
+) -> tuple[Any, Any]:
     """``(router_logits [N, E], top-k indices [N, k])`` of one forward of a Hugging Face router
     of class ``cls`` (``None`` where the output does not have the family's form; the caller
     checks the shapes). The indices are the router's own output, or its own selection
-    recomputed with the same call on the same logits (:data:`_TOPK_OF_LOGITS`, DBRX)."""
+    recomputed with the same call on the same logits (:data:`_TOPK_OF_LOGITS`, DBRX, Zaya)."""
     seq = isinstance(output, tuple | list)
+    if cls in _SKIP_EXPERT_ROUTERS:
+        logits = output[0] if seq and len(output) >= 3 else None
+        biases = getattr(module, "balancing_biases", None)
+        if (
+            isinstance(logits, torch.Tensor)
+            and logits.ndim == 2
+            and isinstance(top_k, int)
+            and isinstance(biases, torch.Tensor)
+            and biases.shape == logits.shape[-1:]
+        ):
+            # ZayaRouter.forward: topk(softmax(router_logits).detach().float() + biases, k);
+            # its returned indices turn the skip expert (the last class) into expert 0
+            probs = torch.softmax(logits.detach(), dim=-1).to(torch.float32)
+            biased = probs + local_tensor(biases).detach().to(probs.device)
+            return logits, torch.topk(biased, top_k, dim=-1).indices
+        return logits, None
     if cls in _TOPK_OF_LOGITS:
         pos = _TOPK_OF_LOGITS[cls]
         logits = output[pos] if seq and len(output) > pos else None
@@ -1506,6 +1594,27 @@ def _hf_logits_and_indices(cls: str, output: Any, top_k: Any) -> tuple[Any, Any]
     # fourth, its shared experts' gammas)
     indices = output[2] if seq and len(output) >= 3 else None
     return (output[0] if indices is not None else None), indices
+
+
+def _product_key_routing(
+    logits: torch.Tensor, num_keys: int, top_k: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices [N, k], probs [N, E])`` of a product-key router's logits ``[2, N, num_keys]``,
+    as transformers 5.x ``models/doge/modeling_doge.py`` computes them: ``DogeCDMoE.forward``
+    takes the top ``num_keys`` of each half, scores the ``num_keys**2`` pairs by the sum of
+    their two scores (expert ``x * num_keys + y``) and keeps the top ``k``;
+    ``load_balancing_loss_func`` spreads ``softmax`` of the pair scores over those experts
+    (columns past ``num_keys**2``, never chosen, get 0)."""
+    (scores_x, scores_y), (indices_x, indices_y) = logits.topk(num_keys, dim=-1)
+    all_scores = (scores_x.unsqueeze(-1) + scores_y.unsqueeze(-2)).flatten(-2)
+    all_indices = (indices_x.unsqueeze(-1) * num_keys + indices_y.unsqueeze(-2)).flatten(-2)
+    _, position = all_scores.topk(top_k, dim=-1)
+    indices = all_indices.gather(-1, position)
+    # the softmax in the logits' dtype as Doge's loss takes it, kept in float32 (like
+    # _hf_loss_counts): with bf16 logits its sums and counts would not be exact
+    probs = torch.zeros(all_scores.shape[0], num_experts, device=logits.device)
+    probs.scatter_(-1, all_indices, torch.softmax(all_scores, dim=-1).float())
+    return indices, probs
 
 
 def _switch_seq_aux_loss(logits: torch.Tensor) -> Any:
