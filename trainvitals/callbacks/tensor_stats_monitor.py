@@ -132,11 +132,14 @@ class TensorStatsMonitor(VitalsCallback):
 
     Hooks exist only during an activation logging step; other steps run no code of this class
     beyond two integer comparisons, and nothing leaves the device on them. The hooks keep
-    references and reduce 8 tensors at a time (warm caches); a tensor changed in place before
-    its batch leaves its site out of that one step, with a warning, and that site is reduced
-    inside its hook from then on (see ``docs/tensor_stats.md``). Under ``torch.compile`` the
-    hooks run eagerly (excluded from the graph), so this holds from a compiled model's first
-    step. A failure inside the hooks
+    references and reduce 8 tensors at a time (warm caches), and what waits right before each
+    optimizer step (which changes parameters in place: a parameter fed to a site, such as
+    learned latent queries); a tensor changed in place before its batch leaves its site out of
+    that one step, with a warning, and that site is reduced inside its hook from then on (see
+    ``docs/tensor_stats.md``). Under ``torch.compile`` the hooks run eagerly (excluded from the
+    graph), so this holds from a compiled model's first step. A module called several times in
+    a step (a block applied in a loop) merges every call into its one site, as micro-batches
+    are. A failure inside the hooks
     (e.g. out of memory) never reaches the model's forward or backward: that step's
     activations and dgrads are left out, on every rank, with a warning.
 
@@ -376,6 +379,13 @@ class TensorStatsMonitor(VitalsCallback):
         self._names = {}
         self._params = None
         self._parts_step, self._measured = None, set()
+        # What was learned about the sites, kept by their index in the list rebuilt below, is
+        # this run's only: an instance reused for a new run of another model read the earlier
+        # model's as this one's (a site index that trained with autograd on there made this
+        # model's frozen site under no_grad look like a generation pass: left out, silently)
+        self._remove_hooks()
+        self._grad_sites, self._immediate, self._held_back = set(), set(), {}
+        self._site_groups, self._site_replicas = {}, {}
         self._sites, self._site_expert = [], []
         every_site = [
             self._global_name(f"{name}/{suffix}")
@@ -479,8 +489,19 @@ class TensorStatsMonitor(VitalsCallback):
             self._install(ctx)
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
-        if not self._param_step(ctx):
-            return
+        if self._param_step(ctx):
+            self._measure_parameters(ctx)
+        if self._deferred:
+            # The optimizer is about to change the parameters in place: a parameter that is a
+            # site's input (learned latent queries fed to a Linear) would look changed since
+            # its hook at step end and leave its site out of the step. Reduce what waits now.
+            try:
+                self._reduce_deferred()
+            except Exception as exc:
+                self._hook_failure(exc)
+
+    def _measure_parameters(self, ctx: RunContext) -> None:
+        """The moments of the parameters (and gradients) this optimizer step measures."""
         named = self._trainable_parameters(ctx)
         several = ctx.stepping_apart
         if several:
