@@ -72,7 +72,8 @@ class MemoryMonitor(VitalsCallback):
 
     Args:
         reduce: which reductions over ranks to write: a non-empty subset of ``("max", "min",
-            "mean")``. ``"max"`` writes the plain keys, the others add ``/min`` and ``/mean``.
+            "mean")``, or one of them as a string. ``"max"`` writes the plain keys, the others
+            add ``/min`` and ``/mean`` (without ``"max"`` no plain key is written).
         host: also write the process's resident set (``memory/rss_gb``, ``memory/peak_rss_gb``).
         peak_since_last_log: CUDA peaks since the previous logging step instead of since start.
         record_history: record the CUDA allocator's history (for snapshots).

@@ -103,13 +103,15 @@ class MoEMetricsMonitor(VitalsCallback):
     ========================================  ================================================  ======
     key                                       meaning                                           unit
     ========================================  ================================================  ======
-    ``moe/load_balancing_loss``               Switch aux loss / its coefficient, mean over MoE  1
-                                              layers (1.0 = perfect balance)
+    ``moe/load_balancing_loss``               Switch aux loss before its coefficient, mean      1
+                                              over MoE layers (1.0 = perfect balance)
     ``moe/seq_load_balancing_loss``           per-sequence variant, same scale                  1
     ``moe/global_load_balancing_loss``        global-batch variant (summed over data parallel)  1
     ``moe/z_loss``                            mean logsumexp(logits)^2 (before its coeff)       logit^2
     ``moe/dropped_token_fraction``            fraction of top-k selections dropped by the       1
                                               capacity limit, mean over MoE layers
+    ``moe/{name}``                            any other metric recorded into the tracker        as name
+                                              (``record(name, ...)``), mean over MoE layers
     ``moe/{name}_p{100q}``                    quantile q over the layers with positive value    as name
                                               (``_p50`` for 0.5, ``_p99.9`` for 0.999)
     ``moe/{name}_layer_{i}``                  the value of layer ``i`` (0-based module index,   as name

@@ -170,8 +170,10 @@ class ThroughputMonitor(VitalsCallback):
     stages of unequal cost are each off (their sum is not); measured, they are what the device
     ran. MFU needs the device's dense peak FLOP/s: ``peak_flops`` (per device) or the table in
     :mod:`trainvitals.stats.flops` for the CUDA device at ``precision`` (``tf32`` on a V100,
-    which has no TF32 tensor cores, is its ``fp32`` figure); on CPU, on a MIG slice and on a
-    device not in the table, without ``peak_flops``, no MFU key is written (warned once).
+    which has no TF32 tensor cores, is its ``fp32`` figure). Without ``peak_flops`` no MFU key
+    is written on a CUDA device the table lacks, on a MIG slice or at a precision the device's
+    row lacks (``fp32`` on a B200, ``fp8`` on an A100: warned once), nor on a device that is
+    not CUDA (CPU: no warning).
 
     Args:
         window_size: optimizer steps in the rolling window.

@@ -52,10 +52,10 @@ key                                 meaning
                                     only MoE layers when ``moe_layer_freq`` is given
 ==================================  ===========================================================
 
-Units are those of the recorded metric (the router's losses are dimensionless, 1.0 at perfect
-balance for the load-balancing losses). A NaN value (e.g. a diverged router) is written as NaN;
-only a percentile with no positive layer is left out (Megatron's ``v[v > 0]``: a
-layer whose value is 0, or negative, or NaN, is not one of the quantile's layers).
+Units are those of the recorded metric (the router's load-balancing losses are dimensionless,
+1.0 at perfect balance; ``z_loss`` is in logit^2). A NaN value (e.g. a diverged router) is
+written as NaN; only a percentile with no positive layer is left out (Megatron's ``v[v > 0]``:
+a layer whose value is 0, or negative, or NaN, is not one of the quantile's layers).
 """
 
 from __future__ import annotations

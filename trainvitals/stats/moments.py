@@ -807,7 +807,7 @@ def fused_moments(tensors: Sequence[torch.Tensor], *, kernel: Kernel = "auto") -
         tensors: floating-point tensors on one device (any shape, any float dtype; DTensors
             must be passed as their local tensors).
         kernel: ``"compile"`` (``torch.compile`` of the row kernel, falling back to eager if
-            compilation fails), ``"eager"``, or ``"auto"`` (compiled on CUDA, eager on CPU).
+            compilation fails), ``"eager"``, or ``"auto"`` (compiled on CUDA, eager elsewhere).
 
     Example:
         >>> m = fused_moments([torch.randn(4096, 1024), 1 + 0.01 * torch.randn(4096)])
@@ -855,6 +855,7 @@ class MomentAccumulator:
 
     Example:
         >>> acc = MomentAccumulator(2)
+        >>> x = torch.randn(64, 64)
         >>> acc.add(0, torch.randn(4096, 1024)); acc.add(0, torch.randn(10)); acc.add(1, x)
         >>> acc.result()     # [2, NUM_FIELDS]
     """
