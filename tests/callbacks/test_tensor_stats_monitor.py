@@ -637,6 +637,13 @@ def test_bad_arguments() -> None:
         TensorStatsMonitor(exclude="head/*")
     with pytest.raises(ValueError, match="kernel"):
         TensorStatsMonitor(kernel="cuda")
+    with pytest.raises(TypeError, match="module_types"):
+        TensorStatsMonitor(module_types=[int])  # a class, but no module class
+    with pytest.raises(ValueError, match="kinds"):
+        TensorStatsMonitor(kinds="gradient")
+    # one kind or one class needs no list, as MemoryMonitor(reduce="min") and NormMonitor take one
+    assert TensorStatsMonitor(kinds="grad").kinds == ("grad",)
+    assert TensorStatsMonitor(module_types=nn.Linear).module_types == (nn.Linear,)
 
 
 @pytest.mark.parametrize("where", ["forward", "backward", "step_end"])

@@ -103,8 +103,8 @@ class TensorStatsMonitor(VitalsCallback):
       sites (the first input and the output of every ``nn.Linear``, ``nn.Embedding`` and MoE
       router, by default). A forward hook folds the site's tensors into per-row moments on
       the device (a tensor seen at several sites is reduced once) and, for ``dgrad``, puts a
-      gradient hook on the same tensors. Integer inputs
-      (token ids) are passed over for the first floating-point one. Forwards re-run inside backward (activation checkpointing) are
+      gradient hook on the same tensors. Integer inputs (token ids) are passed over for the
+      first floating-point one. Forwards re-run inside backward (activation checkpointing) are
       not counted twice; under a reentrant checkpoint, whose first run has autograd off, the
       re-run is where the gradient hooks go. A ``no_grad`` forward of a site that trains with
       autograd on (generation, old log-probs, a teacher pass) is not counted, also before the
@@ -192,12 +192,13 @@ class TensorStatsMonitor(VitalsCallback):
     :func:`_grad_target`).
 
     Args:
-        kinds: which of ``"param"``, ``"grad"``, ``"activation"``, ``"dgrad"`` to record.
+        kinds: which of ``"param"``, ``"grad"``, ``"activation"``, ``"dgrad"`` to record (a
+            list of them, or one as a string).
         log_every_n_steps: interval of ``param``/``grad`` in optimizer steps (default: the run's).
         activation_every_n_steps: interval of ``activation``/``dgrad`` (default: the same).
-        module_types: module classes whose inputs/outputs are sites (default ``nn.Linear``,
-            ``nn.Embedding`` and MoE routers: :class:`trainvitals.moe.TopKRouter` and any class
-            whose name ends in ``Router``).
+        module_types: module classes (one, or a sequence) whose inputs/outputs are sites
+            (default ``nn.Linear``, ``nn.Embedding`` and MoE routers:
+            :class:`trainvitals.moe.TopKRouter` and any class whose name ends in ``Router``).
         include: globs (``fnmatch``) over tensor names (``layers.0.mlp.fc1.weight``,
             ``layers.0.mlp.fc1/input0``); only matching tensors are recorded. Default: all.
         exclude: globs of tensor names to leave out (e.g. ``["*lm_head/*"]`` for the logits; the
@@ -251,7 +252,7 @@ class TensorStatsMonitor(VitalsCallback):
         kinds: Sequence[str] = KINDS,
         log_every_n_steps: int | None = None,
         activation_every_n_steps: int | None = None,
-        module_types: Sequence[type] | None = None,
+        module_types: type | Sequence[type] | None = None,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
         layer_pattern: str | None = None,
@@ -262,8 +263,12 @@ class TensorStatsMonitor(VitalsCallback):
         writer: Any = None,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
-        if isinstance(kinds, str) or not all(k in KINDS for k in kinds) or not kinds:
-            raise ValueError(f"kinds must be a non-empty list of {KINDS}, got {kinds!r}")
+        if isinstance(kinds, str):
+            kinds = (kinds,)  # one kind, as MemoryMonitor's reduce and NormMonitor take one
+        if not all(isinstance(k, str) and k in KINDS for k in kinds) or not kinds:
+            raise ValueError(
+                f"kinds must be one of {KINDS} or a non-empty list of them, got {kinds!r}"
+            )
         self.kinds = tuple(k for k in KINDS if k in kinds)
         if activation_every_n_steps is not None and (
             isinstance(activation_every_n_steps, bool)
@@ -275,8 +280,15 @@ class TensorStatsMonitor(VitalsCallback):
                 f"got {activation_every_n_steps!r}"
             )
         self.activation_every_n_steps = activation_every_n_steps
-        if module_types is not None and not all(isinstance(t, type) for t in module_types):
-            raise TypeError("module_types must be a sequence of nn.Module classes")
+        if isinstance(module_types, type):
+            module_types = (module_types,)
+        if module_types is not None and not all(
+            isinstance(t, type) and issubclass(t, nn.Module) for t in module_types
+        ):
+            raise TypeError(
+                "module_types must be an nn.Module class or a sequence of them, "
+                f"got {module_types!r}"
+            )
         self.module_types = tuple(module_types) if module_types is not None else None
         for name, globs in (("include", include), ("exclude", exclude)):
             if globs is not None and (
