@@ -321,21 +321,11 @@ def _all_hooks(model: torch.nn.Module) -> int:
 
 
 def test_a_disabled_load_balance_monitor_leaves_no_router_hook(monkeypatch):
+    from tests.helpers.moe_models import tiny_moe_lm
     from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
-    from trainvitals.moe import TinyMoELM
 
     monkeypatch.setenv("TRAINVITALS_STRICT", "0")
-    torch.manual_seed(0)
-    model = TinyMoELM(
-        vocab_size=32,
-        hidden_size=16,
-        num_layers=2,
-        num_experts=4,
-        top_k=2,
-        ffn_hidden_size=8,
-        num_heads=2,
-        max_seq_len=8,
-    )
+    model = tiny_moe_lm(num_layers=2, max_seq_len=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     without_monitor = _router_hooks(model)
     without_vitals = _all_hooks(model)

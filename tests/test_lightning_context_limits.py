@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.scripts.vitals_testing import RecordingWriter
+from tests.scripts.vitals_testing import RecordingWriter, quiet_trainer
 
 BATCHES = {0: 4, 1: 6, 2: 3}  # batches of the dataloader loaded for each epoch
 
@@ -52,14 +52,9 @@ def test_context_limits_follow_the_trainer(tmp_path):
             return torch.utils.data.DataLoader(torch.randn(2 * n, 3), batch_size=2)
 
     probe = Probe()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         callbacks=[Raise(), probe],  # (Raise's batch end runs before the probe's)
-        accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(tmp_path),
         log_every_n_steps=1,
         max_steps=10,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.scripts.vitals_testing import FakeClock, RecordingWriter
+from tests.scripts.vitals_testing import FakeClock, RecordingWriter, quiet_trainer
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
 
@@ -64,15 +64,11 @@ def test_one_batch_per_epoch_stepping_every_other_epoch_counts_both_micro_batche
     writer = RecordingWriter()
     probe = _MicroBatchProbe()
     monitor = RuntimeMonitor(writer=writer, clock=clock, warmup_steps=0, log_every_n_steps=1)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
+        package,
         callbacks=[monitor, probe],
         max_epochs=8,
-        accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(tmp_path),
         log_every_n_steps=1,
     )

@@ -11,7 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from tests.scripts.vitals_testing import RecordingWriter, manual_optimization_module
+from tests.scripts.vitals_testing import (
+    RecordingWriter,
+    manual_optimization_module,
+    quiet_trainer,
+)
 from trainvitals.callbacks.norm_monitor import NormMonitor
 
 EVERY = 3
@@ -35,14 +39,10 @@ def _module():
 
 
 def _trainer(pl, callbacks, tmp, **kwargs):
-    return pl.Trainer(
+    return quiet_trainer(
+        pl.__name__,
         callbacks=callbacks,
-        accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(tmp),
         log_every_n_steps=EVERY,
         **kwargs,

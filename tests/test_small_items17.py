@@ -15,16 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from tests.callbacks.test_memory_device import _FAKE_STATS, _expected_cuda_row
 from tests.callbacks.test_moe_metrics_monitor import ref_losses
 from tests.callbacks.test_moe_metrics_monitor_pipeline_layers import (
-    EXPERTS,
-    HIDDEN,
-    TOPK,
-    VOCAB,
+    _capture,
     _lm,
+    train_two_steps,
 )
 from tests.helpers.dist import run_distributed
+from tests.helpers.fake_cuda import OffloadedShard, expected_cuda_row, fake_cuda_api
+from tests.helpers.moe_models import EXPERTS, HIDDEN, TOPK
 from tests.scripts.vitals_testing import RecordingWriter
 
 # ------------------------------------------------------ MoEMetricsMonitor: stage layer numbers
@@ -73,22 +72,14 @@ def _pp_body(rank: int, world_size: int) -> dict:
     from trainvitals.adapters.loop import Vitals
     from trainvitals.callbacks import MoEMetricsMonitor
     from trainvitals.distributed import ProcessGroups, world_group
-    from trainvitals.moe import MoEMetricsTracker, TopKRouter, set_moe_metrics_tracker
+    from trainvitals.moe import MoEMetricsTracker, set_moe_metrics_tracker
 
     set_moe_metrics_tracker(MoEMetricsTracker())
     keep = [0, 1] if rank == 0 else [2, 3]
     model = _Stage(_lm(4, [1, 0, 1, 0]), keep, side=rank == 1)
     assert model.side is None or (model.side.layer_number, model.side.num_layers) == (1, None)
-    seen: list[tuple[int, list, list]] = []  # (0-based layer, input, weight) of each forward
-    for module in model.layers.modules():
-        if isinstance(module, TopKRouter):
-
-            def hook(mod, args, out):
-                if mod.training and torch.is_grad_enabled():
-                    x = args[0].detach().double().reshape(-1, HIDDEN)
-                    seen.append((mod.layer_number - 1, x.tolist(), mod.weight.double().tolist()))
-
-            module.register_forward_hook(hook)
+    # (0-based layer, input, weight) of each forward of the stage's own routers (not the side's)
+    seen = _capture(model.layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = RecordingWriter()
     vitals = Vitals(
@@ -98,17 +89,7 @@ def _pp_body(rank: int, world_size: int) -> dict:
     )
     try:
         vitals.attach(model, opt)
-        gen = torch.Generator().manual_seed(7)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            for _ in range(2):  # 2 optimizer steps of 2 micro-batches
-                for _ in range(2):
-                    x = torch.randint(0, VOCAB, (2, 6), generator=gen)
-                    vitals.batch(x)
-                    model(x).backward()
-                opt.step()
-                opt.zero_grad()
-            vitals.close()
+        train_two_steps(vitals, model, opt)  # 2 optimizer steps of 2 micro-batches
     except ValueError as exc:
         return {"error": str(exc)}
     return {"error": None, "rows": writer.rows, "seen": seen}
@@ -144,24 +125,14 @@ def test_pipeline_run_with_a_side_router_numbered_like_another_stages_layer():
 
 # ------------------------------------------------- MemoryMonitor: Lightning accelerator="cpu"
 
-_CUDA_KEYS = _expected_cuda_row()
+_CUDA_KEYS = expected_cuda_row()
 
 
 @pytest.fixture
 def cuda_initialised_elsewhere(monkeypatch):
     """CUDA available and initialised (by other code of the process), current device 1;
     returns the devices ``torch.cuda.memory_stats`` was asked for."""
-    asked: list = []
-
-    def memory_stats_of(device=None):
-        asked.append(device)
-        return dict(_FAKE_STATS)
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats_of)
-    return asked
+    return fake_cuda_api(monkeypatch, initialised=True)
 
 
 class _CudaBuffer(torch.Tensor):
@@ -170,13 +141,6 @@ class _CudaBuffer(torch.Tensor):
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return torch.device("cuda", 0)
-
-
-class _OffloadedShard(nn.Parameter):
-    """Stands for an FSDP2 DTensor parameter with CPUOffloadPolicy: the local shard on the CPU,
-    the mesh on CUDA."""
-
-    device_mesh = SimpleNamespace(device_type="cuda")
 
 
 def _one_step(model: nn.Module, root: torch.device | None) -> tuple[dict, object]:
@@ -214,7 +178,7 @@ def test_memory_device_rule(cuda_initialised_elsewhere, root, model_kind, expect
     if model_kind == "cuda_buffer":
         model.register_buffer("on_gpu", torch.zeros(2).as_subclass(_CudaBuffer))
     elif model_kind == "offloaded":
-        model.weight = _OffloadedShard(torch.zeros(2, 2))
+        model.weight = OffloadedShard(torch.zeros(2, 2))
     row, monitor = _one_step(model, root)
     if expected_device is None:
         assert row == {} and cuda_initialised_elsewhere == [] and monitor._cuda == ()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.moe_models import tiny_moe_lm
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from tests.scripts.vitals_testing import quiet_trainer
 from tests.stats.test_load_balance_stats import _reference
@@ -35,19 +36,7 @@ def _fresh_moe_tracker():
 
 
 def tiny_lm(num_layers: int = 3, seed: int = 0) -> nn.Module:
-    from trainvitals.moe import TinyMoELM
-
-    torch.manual_seed(seed)
-    return TinyMoELM(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_layers=num_layers,
-        num_experts=4,
-        top_k=2,
-        ffn_hidden_size=8,
-        num_heads=2,
-        max_seq_len=16,
-    )
+    return tiny_moe_lm(seed, vocab_size=VOCAB, num_layers=num_layers)
 
 
 class MapRecorder:
@@ -640,21 +629,8 @@ class Stage(nn.Module):
 
 
 def _lm_with(moe_layers: list[int]) -> nn.Module:
-    from trainvitals.moe import TinyMoELM
-
-    torch.manual_seed(0)
     pattern = [int(i in moe_layers) for i in range(4)]
-    return TinyMoELM(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_layers=4,
-        num_experts=4,
-        top_k=2,
-        ffn_hidden_size=8,
-        num_heads=2,
-        max_seq_len=16,
-        moe_layer_freq=pattern,
-    )
+    return tiny_moe_lm(vocab_size=VOCAB, num_layers=4, moe_layer_freq=pattern)
 
 
 def _pipeline_body(rank: int, world_size: int, case: str) -> dict[str, Any]:
@@ -746,10 +722,25 @@ def test_pipeline_stages_report_every_layer(case: str, world_size: int) -> None:
         assert r["collectives"] == {0: group_count, 1: 0, 2: group_count}
 
 
+def _hf_step(vitals, model, opt, recorder, seed: int, seq_len: int) -> None:
+    """One optimizer step of 2 micro-batches of random tokens (``[2, seq_len]``) through a
+    Hugging Face model, the recorder recording; then ``vitals.close()``."""
+    from tests.moe.test_router_capture import VOCAB as HF_VOCAB
+
+    gen = torch.Generator().manual_seed(seed)
+    recorder.recording = True
+    for _ in range(2):
+        x = torch.randint(0, HF_VOCAB, (2, seq_len), generator=gen)
+        vitals.batch(x)
+        model(x).logits.float().pow(2).mean().backward()
+    recorder.recording = False
+    opt.step()
+    vitals.close()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_hugging_face_model_through_the_driver(family: str) -> None:
     pytest.importorskip("transformers")
-    from tests.moe.test_router_capture import VOCAB as HF_VOCAB
     from tests.moe.test_router_capture import IndexRecorder, build
 
     model, router_cls, layers, num_experts = build(family)
@@ -758,15 +749,7 @@ def test_hugging_face_model_through_the_driver(family: str) -> None:
     writer = Recorder()
     vitals = Vitals([LoadBalanceMonitor(mode="detailed", top_k=3)], writer=writer)
     vitals.attach(model, opt)
-    gen = torch.Generator().manual_seed(5)
-    recorder.recording = True
-    for _ in range(2):
-        x = torch.randint(0, HF_VOCAB, (2, 7), generator=gen)
-        vitals.batch(x)
-        model(x).logits.float().pow(2).mean().backward()
-    recorder.recording = False
-    opt.step()
-    vitals.close()
+    _hf_step(vitals, model, opt, recorder, seed=5, seq_len=7)
     aux = None if family == "deepseek_v3" else recorder.switch_aux(num_experts)
     row = writer.rows[0]
     check_row(row, recorder.counts(num_experts), [str(x) for x in layers], aux, top_k=3)
@@ -777,7 +760,6 @@ def _fsdp2_hf_body(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tests.moe.test_router_capture import VOCAB as HF_VOCAB
     from tests.moe.test_router_capture import IndexRecorder, build
     from trainvitals.distributed import ProcessGroups
 
@@ -795,15 +777,7 @@ def _fsdp2_hf_body(rank: int, world_size: int) -> dict[str, Any]:
         writer=writer,
         groups=ProcessGroups.from_device_mesh(mesh),
     ).attach(model, opt)
-    gen = torch.Generator().manual_seed(20 + rank)
-    recorder.recording = True
-    for _ in range(2):
-        x = torch.randint(0, HF_VOCAB, (2, 5), generator=gen)
-        vitals.batch(x)
-        model(x).logits.float().pow(2).mean().backward()
-    recorder.recording = False
-    opt.step()
-    vitals.close()
+    _hf_step(vitals, model, opt, recorder, seed=20 + rank, seq_len=5)
     return {
         "row": writer.rows[0],
         "counts": recorder.counts(num_experts).tolist(),

@@ -107,13 +107,11 @@ def test_dp_cp_ranks_with_other_routers_raise_at_run_start(case: str) -> None:
         assert f"rank 1: 2 MoE layers [{', '.join(map(str, layers1))}] of {e1} experts" in message
 
 
-def _same_routers_body(rank: int, world_size: int) -> dict[str, Any]:
+def _detailed_on_world(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Vitals, Recorder]:
+    """The loop driver with a detailed LoadBalanceMonitor over the world group, logging every
+    step, attached to ``model`` and ``opt``; and its writer."""
     from trainvitals.distributed import ProcessGroups
-    from trainvitals.moe import destroy_moe_metrics_tracker
 
-    destroy_moe_metrics_tracker()
-    model = Routed([0, 1], 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = Recorder()
     vitals = Vitals(
         [LoadBalanceMonitor(mode="detailed")],
@@ -122,6 +120,16 @@ def _same_routers_body(rank: int, world_size: int) -> dict[str, Any]:
         log_every_n_steps=1,
     )
     vitals.attach(model, opt)
+    return vitals, writer
+
+
+def _same_routers_body(rank: int, world_size: int) -> dict[str, Any]:
+    from trainvitals.moe import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    model = Routed([0, 1], 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    vitals, writer = _detailed_on_world(model, opt)
     x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(rank))
     vitals.batch(x)
     model(x).backward()
@@ -148,31 +156,15 @@ def _transfers_body(rank: int, world_size: int) -> dict[str, Any]:
     """Both ranks on cuda:0, reduced over gloo (which reduces host tensors): the device-to-host
     copies and collectives of the logging step's step_end, counted at their Python entry
     points on CUDA tensors (a copy whose source is on the GPU and whose result is not)."""
-    from trainvitals.distributed import ProcessGroups, collective_counter
-    from trainvitals.moe import TinyMoELM, destroy_moe_metrics_tracker
+    from tests.helpers.moe_models import tiny_moe_lm
+    from trainvitals.distributed import collective_counter
+    from trainvitals.moe import destroy_moe_metrics_tracker
 
     destroy_moe_metrics_tracker()
     torch.cuda.set_device(0)
-    torch.manual_seed(0)
-    model = TinyMoELM(
-        vocab_size=32,
-        hidden_size=16,
-        num_layers=3,
-        num_experts=4,
-        top_k=2,
-        ffn_hidden_size=8,
-        num_heads=2,
-        max_seq_len=16,
-    ).cuda()
+    model = tiny_moe_lm().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    writer = Recorder()
-    vitals = Vitals(
-        [LoadBalanceMonitor(mode="detailed")],
-        writer=writer,
-        groups=ProcessGroups.world(),
-        log_every_n_steps=1,
-    )
-    vitals.attach(model, opt)
+    vitals, writer = _detailed_on_world(model, opt)
     counted: list[str] = []
     originals = {n: getattr(torch.Tensor, n) for n in ("cpu", "to", "tolist", "item", "numpy")}
 

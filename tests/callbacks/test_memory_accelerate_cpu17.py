@@ -9,19 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.callbacks.test_memory_device import _FAKE_STATS, _expected_cuda_row
+from tests.helpers.fake_cuda import CudaParameter, expected_cuda_row, fake_cuda_api
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.callbacks.memory_monitor import MemoryMonitor
 
 _HOST_KEYS = {"memory/rss_gb", "memory/peak_rss_gb"}
-
-
-class _CudaParameter(torch.nn.Parameter):
-    """A CPU parameter that reports itself on cuda:0 (only its ``device`` is looked at)."""
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        return torch.device("cuda", 0)
 
 
 class _Model(torch.nn.Module):
@@ -57,17 +49,7 @@ def accelerator():
 def cuda_initialised_elsewhere(monkeypatch):
     """CUDA available and initialised by other code of the process, current device 1 (set
     after the Accelerator is made); returns the devices ``memory_stats`` was asked for."""
-    asked: list = []
-
-    def memory_stats_of(device=None):
-        asked.append(device)
-        return dict(_FAKE_STATS)
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats_of)
-    return asked
+    return fake_cuda_api(monkeypatch, initialised=True)
 
 
 def _run(accelerator, model: torch.nn.Module, steps: int = 3) -> RecordingWriter:
@@ -105,11 +87,11 @@ def test_accelerator_cpu_with_a_model_tensor_on_cuda_reads_that_device(
     accelerator, cuda_initialised_elsewhere
 ):
     # the declared device does not hide a model tensor that is on CUDA
-    model = _Model(_CudaParameter(torch.zeros(2), requires_grad=False))
+    model = _Model(CudaParameter(torch.zeros(2), requires_grad=False))
     writer = _run(accelerator, model)
     for row in writer.rows.values():
         assert {k: v for k, v in row.items() if k not in _HOST_KEYS} == pytest.approx(
-            _expected_cuda_row(), rel=1e-15
+            expected_cuda_row(), rel=1e-15
         )
         assert set(row) >= _HOST_KEYS
     assert cuda_initialised_elsewhere == [torch.device("cuda", 0)] * 2  # steps 0 and 2
@@ -138,5 +120,5 @@ def test_accelerator_on_cuda_with_the_model_on_cpu_reads_the_accelerators_device
     model(x).sum().backward()
     optimizer.step()
     vitals.close()
-    assert writer.rows[0] == pytest.approx(_expected_cuda_row(), rel=1e-15)
+    assert writer.rows[0] == pytest.approx(expected_cuda_row(), rel=1e-15)
     assert cuda_initialised_elsewhere == [torch.device("cuda", 0)]

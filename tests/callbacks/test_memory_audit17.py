@@ -11,30 +11,17 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.fake_cuda import TORCH_NAMES
 from tests.scripts.vitals_testing import NullWriter, RecordingWriter
 from trainvitals.callbacks.memory_monitor import MemoryMonitor
 from trainvitals.distributed import collective_counter
-
-# torch.cuda.memory_stats names of the docstring's table (not read from CUDA_STATS)
-_TORCH_NAMES = {
-    "allocated_gb": "allocated_bytes.all.current",
-    "active_gb": "active_bytes.all.current",
-    "inactive_gb": "inactive_split_bytes.all.current",
-    "reserved_gb": "reserved_bytes.all.current",
-    "peak_allocated_gb": "allocated_bytes.all.peak",
-    "peak_active_gb": "active_bytes.all.peak",
-    "peak_inactive_gb": "inactive_split_bytes.all.peak",
-    "peak_reserved_gb": "reserved_bytes.all.peak",
-    "alloc_retries": "num_alloc_retries",
-    "ooms": "num_ooms",
-}
 
 
 def _stats(rank: int, index: int) -> dict[str, int]:
     """Fake allocator counters of cuda:<index> on ``rank``: every key differs by device and
     rank, and device 1 is not the largest in every key (so max, min and mean all differ)."""
     base = 1_000_000_000 * (1 + index) + 250_000_000 * rank
-    stats = {name: base + 10_000_000 * i for i, name in enumerate(_TORCH_NAMES.values())}
+    stats = {name: base + 10_000_000 * i for i, name in enumerate(TORCH_NAMES.values())}
     stats["reserved_bytes.all.current"] = 9_000_000_000 - base  # largest on device 0
     stats["num_alloc_retries"] = 5 - index + rank
     stats["num_ooms"] = index * (rank + 1)
@@ -44,7 +31,7 @@ def _stats(rank: int, index: int) -> dict[str, int]:
 def _expected(readings: list[dict[str, int]]) -> dict[str, float]:
     """max, min and mean over the given device readings, float64, bytes / 1e9."""
     out: dict[str, float] = {}
-    for key, stat in _TORCH_NAMES.items():
+    for key, stat in TORCH_NAMES.items():
         scale = 1.0 if stat.startswith("num_") else 1e9
         values = [r[stat] / scale for r in readings]
         out[f"memory/{key}"] = max(values)

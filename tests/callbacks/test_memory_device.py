@@ -9,75 +9,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.fake_cuda import (
+    CudaParameter,
+    OffloadedShard,
+    expected_cuda_row,
+    fake_cuda_api,
+)
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.adapters.context import RunContext
 from trainvitals.callbacks.memory_monitor import MemoryMonitor
 from trainvitals.distributed import ProcessGroups
-from trainvitals.stats import memory as memory_stats
-
-_FAKE_STATS = {
-    "allocated_bytes.all.current": 1_250_000_000,
-    "active_bytes.all.current": 1_500_000_000,
-    "inactive_split_bytes.all.current": 125_000_000,
-    "reserved_bytes.all.current": 4_000_000_000,
-    "allocated_bytes.all.peak": 2_750_000_000,
-    "active_bytes.all.peak": 3_000_000_000,
-    "inactive_split_bytes.all.peak": 500_000_000,
-    "reserved_bytes.all.peak": 5_000_000_000,
-    "num_alloc_retries": 3,
-    "num_ooms": 2,
-}
-
-
-class _CudaParameter(torch.nn.Parameter):
-    """A CPU parameter that reports itself on cuda:0 (only its ``device`` is looked at)."""
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        return torch.device("cuda", 0)
-
-
-class _OffloadedShard(torch.nn.Parameter):
-    """Stands for an FSDP2 DTensor parameter with CPUOffloadPolicy: the local shard on the CPU,
-    the mesh on CUDA (``DTensor.device_mesh.device_type``)."""
-
-    device_mesh = SimpleNamespace(device_type="cuda")
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """CUDA available but not initialised, current device 1; returns the devices that
     ``torch.cuda.memory_stats`` was asked for."""
-    asked: list = []
-
-    def memory_stats_of(device=None):
-        asked.append(device)
-        return dict(_FAKE_STATS)
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats_of)
-    return asked
-
-
-def _expected_cuda_row() -> dict[str, float]:
-    # independent of CUDA_STATS' conversion: the torch names of the docstring's table
-    names = {
-        "allocated_gb": "allocated_bytes.all.current",
-        "active_gb": "active_bytes.all.current",
-        "inactive_gb": "inactive_split_bytes.all.current",
-        "reserved_gb": "reserved_bytes.all.current",
-        "peak_allocated_gb": "allocated_bytes.all.peak",
-        "peak_active_gb": "active_bytes.all.peak",
-        "peak_inactive_gb": "inactive_split_bytes.all.peak",
-        "peak_reserved_gb": "reserved_bytes.all.peak",
-    }
-    row = {f"memory/{k}": _FAKE_STATS[v] / 1e9 for k, v in names.items()}
-    row["memory/alloc_retries"] = 3.0
-    row["memory/ooms"] = 2.0
-    assert set(row) == {f"memory/{k}" for k in memory_stats.CUDA_STATS}
-    return row
+    return fake_cuda_api(monkeypatch, initialised=False)
 
 
 def _run_loop(model: torch.nn.Module, steps: int = 3) -> RecordingWriter:
@@ -106,27 +54,27 @@ class _EmbeddingFirst(torch.nn.Module):
 
 
 def test_cpu_embedding_first_and_a_parameter_on_cuda_reads_that_device(fake_cuda):
-    model = _EmbeddingFirst(_CudaParameter(torch.zeros(2, 2), requires_grad=False))
+    model = _EmbeddingFirst(CudaParameter(torch.zeros(2, 2), requires_grad=False))
     assert next(model.parameters()).device.type == "cpu"
     writer = _run_loop(model)
     assert sorted(writer.rows) == [0, 2]
     for row in writer.rows.values():
-        assert row == pytest.approx(_expected_cuda_row(), rel=1e-15)
+        assert row == pytest.approx(expected_cuda_row(), rel=1e-15)
     assert fake_cuda == [torch.device("cuda", 0)] * 2  # one reading per logging step
 
 
 def test_fsdp2_cpu_offload_reads_the_current_cuda_device(fake_cuda):
-    model = _EmbeddingFirst(_OffloadedShard(torch.zeros(2, 2), requires_grad=False))
+    model = _EmbeddingFirst(OffloadedShard(torch.zeros(2, 2), requires_grad=False))
     assert all(p.device.type == "cpu" for p in model.parameters())
     writer = _run_loop(model)
-    assert writer.rows[2] == pytest.approx(_expected_cuda_row(), rel=1e-15)
+    assert writer.rows[2] == pytest.approx(expected_cuda_row(), rel=1e-15)
     assert fake_cuda == [torch.device("cuda", 1)] * 2
 
 
 def test_cuda_initialised_with_the_model_on_cpu_reads_the_current_device(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     writer = _run_loop(_EmbeddingFirst(torch.nn.Parameter(torch.zeros(2, 2))))
-    assert writer.rows[0] == pytest.approx(_expected_cuda_row(), rel=1e-15)
+    assert writer.rows[0] == pytest.approx(expected_cuda_row(), rel=1e-15)
     assert fake_cuda == [torch.device("cuda", 1)] * 2
 
 
@@ -143,7 +91,7 @@ def test_lightning_root_device_decides_with_the_model_on_cpu(fake_cuda):
     monitor = MemoryMonitor(host=False)
     monitor.run_start(ctx)
     monitor.step_end(ctx)
-    assert writer.rows[0] == pytest.approx(_expected_cuda_row(), rel=1e-15)
+    assert writer.rows[0] == pytest.approx(expected_cuda_row(), rel=1e-15)
     assert fake_cuda == [torch.device("cuda", 0)]
 
 

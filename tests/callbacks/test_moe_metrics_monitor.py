@@ -12,6 +12,15 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.moe_models import (
+    EXPERTS,
+    HIDDEN,
+    LOSS_COEFFS,
+    TOPK,
+    VOCAB,
+    fresh_tracker_fixture,
+    tiny_moe_kwargs,
+)
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from tests.scripts.vitals_testing import quiet_trainer
 from trainvitals.callbacks import MoEMetricsMonitor
@@ -19,41 +28,34 @@ from trainvitals.moe import (
     MoEMetricsTracker,
     TinyMoELM,
     TopKRouter,
-    destroy_moe_metrics_tracker,
     set_moe_metrics_tracker,
 )
 from trainvitals.moe.tiny_model import RandomTokenDataset, random_token_batches
 
-VOCAB, HIDDEN, LAYERS, EXPERTS, TOPK = 32, 16, 3, 4, 2
+LAYERS = 3
 PATTERN = [1, 0, 1]  # blocks 0 and 2 are MoE
 
+fresh_tracker = fresh_tracker_fixture()
 
-@pytest.fixture(autouse=True)
-def fresh_tracker():
-    tracker = MoEMetricsTracker()
-    set_moe_metrics_tracker(tracker)
-    yield tracker
-    destroy_moe_metrics_tracker()
-
-
-MODEL_KW = dict(
-    vocab_size=VOCAB,
-    hidden_size=HIDDEN,
-    num_layers=LAYERS,
-    num_experts=EXPERTS,
-    top_k=TOPK,
-    ffn_hidden_size=32,
-    num_heads=2,
-    max_seq_len=16,
-    aux_loss_coeff=0.01,
-    z_loss_coeff=0.001,
-    moe_layer_freq=PATTERN,
+MODEL_KW = tiny_moe_kwargs(
+    num_layers=LAYERS, ffn_hidden_size=32, moe_layer_freq=PATTERN, **LOSS_COEFFS
 )
 
 
 def tiny_model(seed: int = 0) -> TinyMoELM:
     torch.manual_seed(seed)
     return TinyMoELM(**MODEL_KW)
+
+
+def step_collectives(opt: torch.optim.Optimizer) -> dict[str, int]:
+    """``opt.step()`` (the driver's step end, and a logging step's report, run there), then
+    ``opt.zero_grad()``; returns the collectives counted during them, by kind."""
+    from trainvitals.distributed import collective_counter
+
+    before = dict(collective_counter)
+    opt.step()
+    opt.zero_grad()
+    return {k: v - before.get(k, 0) for k, v in collective_counter.items() if v != before.get(k, 0)}
 
 
 def capture_router_inputs(
@@ -728,7 +730,7 @@ def _driver_two_ranks(rank: int, world_size: int) -> dict:
     import torch
 
     from trainvitals.adapters.loop import Vitals
-    from trainvitals.distributed import ProcessGroups, collective_counter, world_group
+    from trainvitals.distributed import ProcessGroups, world_group
     from trainvitals.moe import MoEMetricsTracker, set_moe_metrics_tracker
 
     set_moe_metrics_tracker(MoEMetricsTracker())
@@ -747,16 +749,7 @@ def _driver_two_ranks(rank: int, world_size: int) -> dict:
     for batch in random_token_batches(4, batch_size=2, seq_len=8, vocab_size=VOCAB, seed=rank):
         vitals.batch(batch)
         model(batch["input_ids"], batch["labels"]).loss.backward()
-        before = dict(collective_counter)
-        opt.step()
-        opt.zero_grad()
-        counts.append(
-            {
-                k: v - before.get(k, 0)
-                for k, v in collective_counter.items()
-                if v != before.get(k, 0)
-            }
-        )
+        counts.append(step_collectives(opt))
     vitals.close()
     return {
         "rows": writer.rows,

@@ -16,27 +16,11 @@ from torch import nn
 
 from tests.callbacks.test_moe_metrics_monitor import ref_losses
 from tests.helpers.dist import run_distributed
-
-VOCAB, HIDDEN, EXPERTS, TOPK = 32, 16, 4, 2
+from tests.helpers.moe_models import HIDDEN, LOSS_COEFFS, VOCAB, tiny_moe_lm
 
 
 def _lm(num_layers: int, pattern: list[int]) -> nn.Module:
-    from trainvitals.moe import TinyMoELM
-
-    torch.manual_seed(0)
-    return TinyMoELM(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_layers=num_layers,
-        num_experts=EXPERTS,
-        top_k=TOPK,
-        ffn_hidden_size=8,
-        num_heads=2,
-        max_seq_len=16,
-        aux_loss_coeff=0.01,
-        z_loss_coeff=0.001,
-        moe_layer_freq=pattern,
-    )
+    return tiny_moe_lm(num_layers=num_layers, moe_layer_freq=pattern, **LOSS_COEFFS)
 
 
 class Stage(nn.Module):
@@ -85,6 +69,13 @@ def _train(model: nn.Module, rank: int) -> tuple[dict, list]:
     monitor = MoEMetricsMonitor(per_layer_logging=True, writer=writer)
     vitals = Vitals([monitor], groups=ProcessGroups(pp=world_group()), log_every_n_steps=1)
     vitals.attach(model, opt)
+    train_two_steps(vitals, model, opt)
+    return writer.rows, seen
+
+
+def train_two_steps(vitals, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """2 optimizer steps of 2 micro-batches of random tokens (the same tokens on every stage),
+    then ``vitals.close()``."""
     gen = torch.Generator().manual_seed(7)  # the same tokens on both stages
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -96,7 +87,6 @@ def _train(model: nn.Module, rank: int) -> tuple[dict, list]:
             opt.step()
             opt.zero_grad()
         vitals.close()
-    return writer.rows, seen
 
 
 def _body(rank: int, world_size: int) -> dict:

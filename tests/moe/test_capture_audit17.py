@@ -13,13 +13,14 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.moe_models import HF_TINY, HF_VOCAB
 from trainvitals.moe.capture import RouterCapture, find_routers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
-VOCAB = 64
+VOCAB = HF_VOCAB
 E, K = 8, 2
 
 
@@ -158,22 +159,9 @@ def test_bf16_model_aux_loss_equals_transformers_with_padding(model_type: str) -
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {model_type}")
     torch.manual_seed(0)
-    config = CONFIG_MAPPING[model_type](
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=E,
-        num_local_experts=E,
-        num_experts_per_tok=K,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        router_aux_loss_coef=1.0,
-    )
+    sizes = dict(num_hidden_layers=2, num_experts=E, num_local_experts=E, num_experts_per_tok=K)
+    sizes |= dict(max_position_embeddings=128, router_aux_loss_coef=1.0)
+    config = CONFIG_MAPPING[model_type](**HF_TINY | sizes)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     capture = RouterCapture(model)
     own: dict[str, list[torch.Tensor]] = {r.name: [] for r in capture.routers}

@@ -10,29 +10,18 @@ import math
 import pytest
 import torch
 
-from tests.callbacks.test_moe_metrics_monitor import ref_losses
+from tests.callbacks.test_moe_metrics_monitor import PATTERN, ref_losses, tiny_model
+from tests.helpers.moe_models import EXPERTS, HIDDEN, TOPK, VOCAB, fresh_tracker_fixture
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.callbacks import MoEMetricsMonitor
 from trainvitals.moe import (
     MoEMetricsTracker,
-    TinyMoELM,
     TopKRouter,
-    destroy_moe_metrics_tracker,
-    set_moe_metrics_tracker,
 )
 from trainvitals.moe._math import quantiles_of_positive, quantiles_of_positive_host
 from trainvitals.moe.tiny_model import random_token_batches
 
-VOCAB, HIDDEN, EXPERTS, TOPK = 32, 16, 4, 2
-PATTERN = [1, 0, 1]  # blocks 0 and 2 are MoE, block 1 dense
-
-
-@pytest.fixture(autouse=True)
-def fresh_tracker():
-    tracker = MoEMetricsTracker()
-    set_moe_metrics_tracker(tracker)
-    yield tracker
-    destroy_moe_metrics_tracker()
+fresh_tracker = fresh_tracker_fixture()
 
 
 def test_a_router_that_records_nothing_does_not_turn_dense_layers_into_moe_layers():
@@ -42,20 +31,7 @@ def test_a_router_that_records_nothing_does_not_turn_dense_layers_into_moe_layer
     dense block 1 was written as 0."""
     from trainvitals.adapters.loop import Vitals
 
-    torch.manual_seed(0)
-    model = TinyMoELM(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_layers=len(PATTERN),
-        num_experts=EXPERTS,
-        top_k=TOPK,
-        ffn_hidden_size=32,
-        num_heads=2,
-        max_seq_len=16,
-        aux_loss_coeff=0.01,
-        z_loss_coeff=0.001,
-        moe_layer_freq=PATTERN,
-    )
+    model = tiny_model()  # blocks 0 and 2 are MoE, block 1 dense
     side = TopKRouter(HIDDEN, EXPERTS, TOPK, aux_loss_type="aux_loss", aux_loss_coeff=0.01)
     model.side_router = side  # no layer_number: records nothing
     seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []

@@ -19,50 +19,31 @@ import numpy as np
 import pytest
 import torch
 
-from tests.callbacks.test_moe_metrics_monitor import ref_losses
+from tests.callbacks.test_moe_metrics_monitor import (
+    PATTERN,
+    capture_router_inputs,
+    ref_losses,
+    step_collectives,
+    tiny_model,
+)
 from tests.helpers.dist import run_distributed
+from tests.helpers.moe_models import HIDDEN, VOCAB, fresh_tracker_fixture
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.callbacks import MoEMetricsMonitor
 from trainvitals.moe import (
     MoEMetricsTracker,
-    TinyMoELM,
     TopKRouter,
-    destroy_moe_metrics_tracker,
     set_moe_metrics_tracker,
 )
 from trainvitals.moe.tiny_model import random_token_batches
 
-VOCAB, HIDDEN, EXPERTS, TOPK = 32, 16, 4, 2
-PATTERN = [1, 0, 1]  # blocks 0 and 2 are MoE, block 1 dense
 MOE_LAYERS = [i for i, m in enumerate(PATTERN) if m]
 NAMES = ("load_balancing_loss", "z_loss")
 QS = [0.5, 1.0]
 MICRO = 2  # micro-batches per optimizer step
 
 
-@pytest.fixture(autouse=True)
-def fresh_tracker():
-    tracker = MoEMetricsTracker()
-    set_moe_metrics_tracker(tracker)
-    yield tracker
-    destroy_moe_metrics_tracker()
-
-
-def tiny_model() -> TinyMoELM:
-    torch.manual_seed(0)  # the same weights on every rank, as under DDP
-    return TinyMoELM(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_layers=len(PATTERN),
-        num_experts=EXPERTS,
-        top_k=TOPK,
-        ffn_hidden_size=32,
-        num_heads=2,
-        max_seq_len=16,
-        aux_loss_coeff=0.01,
-        z_loss_coeff=0.001,
-        moe_layer_freq=PATTERN,
-    )
+fresh_tracker = fresh_tracker_fixture()
 
 
 def run_driver(forward_steps: set[int], steps: int, log_every: int, groups=None) -> dict:
@@ -71,9 +52,8 @@ def run_driver(forward_steps: set[int], steps: int, log_every: int, groups=None)
     written, the float64 losses of every router forward as ``(step, layer, {name: value})``
     and the collectives of each step."""
     from trainvitals.adapters.loop import Vitals
-    from trainvitals.distributed import collective_counter
 
-    model = tiny_model()
+    model = tiny_model()  # the same weights on every rank, as under DDP
     current = {"step": 0}
     forwards: list[tuple[int, int, dict[str, float]]] = []
     for name, module in model.named_modules():
@@ -104,16 +84,8 @@ def run_driver(forward_steps: set[int], steps: int, log_every: int, groups=None)
                 vitals.batch(batch)
                 if step in forward_steps:
                     (model(batch["input_ids"], batch["labels"]).loss / MICRO).backward()
-            before = dict(collective_counter)
-            opt.step()  # the driver's step_end (and a logging step's report) runs here
-            opt.zero_grad()
-            counts.append(
-                {
-                    k: v - before.get(k, 0)
-                    for k, v in collective_counter.items()
-                    if v != before.get(k, 0)
-                }
-            )
+            # opt.step(): the driver's step_end (and a logging step's report) runs there
+            counts.append(step_collectives(opt))
         vitals.close()
     return {
         "rows": writer.rows,
@@ -186,17 +158,7 @@ def test_two_monitors_sharing_one_tracker_keep_the_first_reports_values():
     from trainvitals.adapters.loop import Vitals
 
     model = tiny_model()
-    seen: list[tuple[int, dict[str, float]]] = []
-    for name, module in model.named_modules():
-        if isinstance(module, TopKRouter):
-            layer = int(name.split(".")[1])
-
-            def hook(mod, args, out, layer=layer):
-                if mod.training and torch.is_grad_enabled():
-                    x = args[0].detach().double().reshape(-1, HIDDEN)
-                    seen.append((layer, ref_losses(x, mod.weight.detach().double())))
-
-            module.register_forward_hook(hook)
+    captured = capture_router_inputs(model)  # (layer, input, weight) of each training forward
     first, second = MoEMetricsMonitor(), MoEMetricsMonitor(per_layer_logging=True)
     second.state_key = "moe_second"
     writer = RecordingWriter()
@@ -210,6 +172,7 @@ def test_two_monitors_sharing_one_tracker_keep_the_first_reports_values():
         opt.step()
         opt.zero_grad()
         vitals.close()
+    seen = [(layer, ref_losses(x, w)) for layer, x, w in captured]
     assert sorted(layer for layer, _ in seen) == MOE_LAYERS
     expected = {
         f"moe/{name}": math.fsum(f[name] for _, f in seen) / len(MOE_LAYERS) for name in NAMES

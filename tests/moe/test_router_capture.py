@@ -848,21 +848,12 @@ def test_generic_hf_router_with_other_output_is_not_counted() -> None:
 
 
 def test_topk_router_in_tiny_moe_lm_twelve_layers_numeric_order() -> None:
-    from trainvitals.moe import TinyMoELM, TopKRouter, destroy_moe_metrics_tracker
+    from tests.helpers.moe_models import tiny_moe_lm
+    from trainvitals.moe import TopKRouter, destroy_moe_metrics_tracker
 
     destroy_moe_metrics_tracker()  # its routers record into the global tracker
 
-    torch.manual_seed(0)
-    model = TinyMoELM(
-        vocab_size=32,
-        hidden_size=16,
-        num_layers=12,
-        num_experts=4,
-        top_k=2,
-        ffn_hidden_size=8,
-        num_heads=2,
-        max_seq_len=16,
-    )
+    model = tiny_moe_lm(num_layers=12)
     capture = RouterCapture(model)
     assert capture.layer_labels == [str(i) for i in range(12)]  # layers.10 after layers.2
     assert {r.kind for r in capture.routers} == {"topk_router"}

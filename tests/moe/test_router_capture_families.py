@@ -15,30 +15,20 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.moe_models import HF_TINY, HF_VOCAB, randomise_selection_biases
 from trainvitals.moe.capture import RouterCapture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
-VOCAB = 64
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=32,
-    moe_intermediate_size=16,
+VOCAB = HF_VOCAB
+TINY = HF_TINY | dict(
     num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
     num_experts=4,
     num_local_experts=4,
     num_experts_per_tok=2,
     moe_topk=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
     shared_expert_intermediate_size=16,
     router_aux_loss_coef=1.0,
     moe_layer_start_index=0,  # Ernie 4.5: MoE from layer 0
@@ -61,11 +51,7 @@ def _build(model_type: str) -> nn.Module:
     torch.manual_seed(0)
     config = CONFIG_MAPPING[model_type](**TINY)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    for module in model.modules():  # a selection bias that changes the router's own top-k
-        for name in ("e_score_correction_bias",):
-            bias = getattr(module, name, None)
-            if isinstance(bias, torch.Tensor):
-                bias.data.normal_(0, 0.5)
+    randomise_selection_biases(model, ("e_score_correction_bias",))
     return model
 
 

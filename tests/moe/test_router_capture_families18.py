@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.moe_models import HF_MLA, HF_TINY, HF_VOCAB, randomise_selection_biases
 from trainvitals.moe.capture import RouterCapture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,36 +32,10 @@ transformers = pytest.importorskip("transformers")
 
 from tests.moe.test_router_capture_families import _masks  # noqa: E402
 
-VOCAB = 64
+VOCAB = HF_VOCAB
 E, K = 4, 2
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=32,
-    moe_intermediate_size=16,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    num_experts_per_tok=K,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-MLA = dict(
-    head_dim=8,
-    n_routed_experts=E,
-    num_local_experts=E,
-    n_shared_experts=1,
-    n_group=2,
-    topk_group=1,
-    kv_lora_rank=8,
-    q_lora_rank=8,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    num_key_value_heads=2,
-)
+BASE = HF_TINY | dict(num_experts_per_tok=K)
+MLA = HF_MLA | dict(head_dim=8, n_routed_experts=E, num_local_experts=E)
 
 
 def _build(model_type: str, layers: int = 2) -> nn.Module:
@@ -160,19 +135,20 @@ def _build(model_type: str, layers: int = 2) -> nn.Module:
         model = modeling.Step3p7ForConditionalGeneration(config)
     else:
         raise AssertionError(model_type)
-    for module in model.modules():  # selection biases that change the routers' own top-k
-        for name in ("e_score_correction_bias", "expert_bias", "balancing_biases"):
-            bias = getattr(module, name, None)
-            if isinstance(bias, torch.Tensor):
-                bias.data.normal_(0, 0.5)
-        if isinstance(getattr(module, "balancing_biases", None), torch.Tensor):
-            # ZAYA: logits spread out (random init leaves them near 0), small biases, the skip
-            # class a likely one
-            mlp = module.router_mlp
-            for linear in (module.down_proj, mlp.fc1, mlp.fc2, mlp.out_proj):
-                linear.weight.data.normal_(0, linear.in_features**-0.5)
-            module.balancing_biases.data.normal_(0, 0.05)[-1] = 0.05
+    # selection biases that change the routers' own top-k
+    names = ("e_score_correction_bias", "expert_bias", "balancing_biases")
+    randomise_selection_biases(model, names, then=_spread_zaya_router)
     return model
+
+
+def _spread_zaya_router(module: nn.Module) -> None:
+    if isinstance(getattr(module, "balancing_biases", None), torch.Tensor):
+        # ZAYA: logits spread out (random init leaves them near 0), small biases, the skip
+        # class a likely one
+        mlp = module.router_mlp
+        for linear in (module.down_proj, mlp.fc1, mlp.fc2, mlp.out_proj):
+            linear.weight.data.normal_(0, linear.in_features**-0.5)
+        module.balancing_biases.data.normal_(0, 0.05)[-1] = 0.05
 
 
 def _rope(mrope_section: list[int]) -> dict[str, Any]:

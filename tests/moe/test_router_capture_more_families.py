@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.moe_models import HF_MLA, HF_TINY, HF_VOCAB, randomise_selection_biases
 from trainvitals.moe.capture import RouterCapture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,39 +28,16 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: 
 
 from tests.moe.test_router_capture_families import _masks  # noqa: E402
 
-VOCAB = 64
+VOCAB = HF_VOCAB
 E, K = 4, 2
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=32,
-    moe_intermediate_size=16,
+TINY = HF_TINY | dict(
     num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
     num_experts=E,
     num_local_experts=E,
     num_experts_per_tok=K,
     moe_topk=K,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
 )
-MLA = dict(
-    n_routed_experts=E,
-    n_shared_experts=1,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=0,
-    num_key_value_heads=2,
-    kv_lora_rank=8,
-    q_lora_rank=8,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-)
+MLA = HF_MLA | dict(n_routed_experts=E, first_k_dense_replace=0)
 # model type -> (config overrides, router class, experts class, number of columns E,
 # whether transformers trains it with load_balancing_loss_func, routers)
 FAMILIES: dict[str, tuple[dict[str, Any], str, str, int, bool, int]] = {
@@ -127,11 +105,7 @@ def _build(model_type: str) -> nn.Module:
     torch.manual_seed(0)
     config = CONFIG_MAPPING[model_type](**{**TINY, **FAMILIES[model_type][0]})
     model = transformers.AutoModelForCausalLM.from_config(config)
-    for module in model.modules():  # a selection bias that changes the routers' top-k
-        for name in ("e_score_correction_bias", "expert_bias"):
-            bias = getattr(module, name, None)
-            if isinstance(bias, torch.Tensor):
-                bias.data.normal_(0, 0.5)
+    randomise_selection_biases(model, ("e_score_correction_bias", "expert_bias"))
     return model
 
 

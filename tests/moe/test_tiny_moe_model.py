@@ -6,33 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainvitals.moe import MoEMetricsTracker, TinyMoELM, set_moe_metrics_tracker
+from tests.helpers.moe_models import fresh_tracker_fixture, tiny_moe_lm
+from trainvitals.moe import TinyMoELM
 from trainvitals.moe.tiny_model import RandomTokenDataset, random_token_batches
 
-
-@pytest.fixture(autouse=True)
-def fresh_tracker():
-    tracker = MoEMetricsTracker()
-    set_moe_metrics_tracker(tracker)
-    yield tracker
-    from trainvitals.moe import destroy_moe_metrics_tracker
-
-    destroy_moe_metrics_tracker()
+fresh_tracker = fresh_tracker_fixture()
 
 
 def small(**kwargs) -> TinyMoELM:
-    torch.manual_seed(0)
-    args = dict(
-        vocab_size=32,
-        hidden_size=16,
-        num_layers=4,
-        num_experts=4,
-        top_k=2,
-        ffn_hidden_size=24,
-        num_heads=2,
-    )
-    args.update(kwargs)
-    return TinyMoELM(**args)
+    # max_seq_len: TinyMoELM's default
+    return tiny_moe_lm(0, **(dict(num_layers=4, ffn_hidden_size=24, max_seq_len=256) | kwargs))
 
 
 def test_router_paths_and_layer_numbers_follow_the_block_index(fresh_tracker):
