@@ -98,8 +98,16 @@ def _check_single_device(pl, tmp_path):
     )
     trainer.fit(_module(pl, clock, bs, batches))
     horizon = epochs * math.ceil(batches / acc)
-    assert sorted(rw_r.rows) == list(range(horizon))
+    # (step `horizon`: the last epoch's validation, after the last logging step, written at
+    # the run's end with the time keys only)
+    assert sorted(rw_r.rows) == list(range(horizon + 1))
     per_step = [acc * step_seconds(s) for s in range(horizon)]
+    final = rw_r.rows.pop(horizon)
+    assert set(final) == {"time/train_hours", "time/validation_hours", "time/total_hours"}
+    train, val = sum(per_step), VAL_SECONDS * 2 * epochs
+    assert final["time/train_hours"] == pytest.approx(train / 3600, rel=1e-12)
+    assert final["time/validation_hours"] == pytest.approx(val / 3600, rel=1e-12)
+    assert final["time/total_hours"] == pytest.approx((train + val) / 3600, rel=1e-12)
     for step, row in rw_r.rows.items():
         train = sum(per_step[: step + 1])
         val = VAL_SECONDS * 2 * (step >= 3)  # after epoch 0 (steps 0-2); sanity check excluded
