@@ -79,7 +79,13 @@ not call it still works: each training-mode forward of the attached model (with 
 outside :meth:`Vitals.validating`) counts as one micro-batch of unknown size, so samples and
 tokens are not counted. Once the loop calls ``batch()``, forwards are not counted at all (a
 micro-batch may run several: R-Drop, adversarial training). Call ``batch()`` before the
-forward, never after it.
+forward, never after it. Every micro-batch told with ``batch()`` counts as trained: its samples
+and tokens, and under ``ThroughputMonitor`` its model flops. The driver is not told of backward
+passes, so a micro-batch that the loop drops after its forward (a non-finite loss skipped with
+no backward) cannot be told apart: it counts as read (as Lightning counts a batch whose
+``training_step`` returned ``None``), but with its flops too (which Lightning leaves out). Its
+samples and tokens join the step its optimizer takes next (a loop that then skips
+``optimizer.step()``: the next step, a step being an optimizer step).
 
 The driver's ``state_dict``/``load_state_dict`` hold its step counter and every callback's
 state, so ``accelerator.register_for_checkpointing(vitals)`` (or saving ``vitals.state_dict()``
@@ -115,13 +121,20 @@ Call it on every rank, as Accelerate's documentation does. Called on rank 0 only
 accelerator.is_main_process: accelerator.end_training()``), it closes rank 0's driver alone,
 and its close may have collectives to run (the last batch's step with several optimizers;
 ``MoEMetricsMonitor``'s report of micro-batches after the last step): on a multi-rank run a
-driver not closed by the interpreter's exit is closed then (an ``atexit`` hook), so the other
+driver not closed by the interpreter's exit is closed then (an exit hook that runs before the
+writers' own, so what the close logs reaches them), so the other
 ranks join those collectives as their processes end, and the last step is written instead of
 failing on rank 0 ("Connection closed by peer" once a rank exited; waiting while it lives on).
 Not when the process ends on a failure (an uncaught exception, a non-zero ``sys.exit``) nor once
 its process group is destroyed. Rank 0 waits in its close until the other ranks end: a rank that
 enters another collective first (a barrier after rank 0's ``end_training()``, which destroyed
 rank 0's process group) fails or waits as it would without trainvitals.
+
+``accelerator.free_memory()`` (and ``accelerator.clear()``, which calls it) closes the driver
+first as well, as ``end_training()`` does: it drops every model and optimizer the accelerator
+prepared, between two trainings (Accelerate's docstring), so the run the driver watched is
+over; a driver left open (an attempt that failed) no longer shows the next training's
+gradients to its callbacks through its wrappers of the accelerator's clipping and scaler.
 """
 
 from __future__ import annotations
@@ -130,6 +143,7 @@ import atexit
 import contextlib
 import numbers
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -466,10 +480,19 @@ class Vitals:
         # closed; a later write opens a second event file for the last steps; a finished W&B
         # run refuses them) and destroys the process group the callbacks' last collectives
         # need. The run is over there: the driver closes first (a later close() is a no-op).
-        end_training = getattr(self._accelerator, "end_training", None)
-        if not callable(end_training):
-            return
+        # accelerator.free_memory() (and clear(), which calls it) drops every model and
+        # optimizer the accelerator prepared, "between two trainings with different
+        # models/optimizers" (its docstring), and resets its micro-batch counter: the run this
+        # driver watched is over too. Closed there, its hooks and its wrappers of the
+        # accelerator (clipping, unscaling, the scaler) go, so a driver of the next training
+        # on that accelerator is the only one shown its gradients.
+        for name in ("end_training", "free_memory"):
+            original = getattr(self._accelerator, name, None)
+            if callable(original):
+                wrapper = self._closing_first(original)
+                self._patches.append(AttributePatch(self._accelerator, name, wrapper))
 
+    def _closing_first(self, original: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             # inside an except block: the exception being handled ended the run, unless it is
             # an iterator's end (`except StopIteration:` around next(loader) ends a loop that
@@ -480,10 +503,10 @@ class Vitals:
             try:
                 self.close(exception)
             finally:
-                result = end_training(*args, **kwargs)
+                result = original(*args, **kwargs)
             return result
 
-        self._patches.append(AttributePatch(self._accelerator, "end_training", wrapper))
+        return wrapper
 
     def _noting_clipped(self, clip: Any) -> Any:
         def wrapper(parameters: Any, *args: Any, **kwargs: Any) -> Any:
@@ -786,6 +809,8 @@ class Vitals:
         self._each("step_end")
         self.ctx.step += 1
         self._start_step()
+        if self in _open_at_exit:  # (a multi-rank run: a sink may have opened since)
+            _keep_exit_hook_last()
 
     def _start_step(self) -> None:
         """The step in ``ctx.step`` starts from its first micro-batch: nothing of it seen yet."""
@@ -906,33 +931,8 @@ class Vitals:
         return state
 
     def _gather_window(self, window: list[Any]) -> list[Any] | None:
-        """Every rank's micro-batch sizes of the step in progress, by global rank, for the one
-        copy of the state a checkpoint keeps (rank 0's): each rank restores its own (ranks'
-        micro-batches differ in size: uneven last batches, variable-length sequences). One
-        object gather over the world group, only where the state is collective anyway (a
-        callback's ``state_dict`` reduces over the ranks: ``ThroughputMonitor``,
-        ``RuntimeMonitor``, the callbacks that count samples and tokens), so a ``state_dict``
-        that a loop may call on rank 0 alone (no such callback) stays free of collectives.
-        ``None`` in a single process, or when no callback's state is collective."""
-        from trainvitals.distributed import all_gather_objects, group_size, world_group
-
-        world = world_group()
-        if group_size(world) <= 1 or not any(_collective_state(cb) for cb in self.callbacks):
-            return None
-        try:
-            return all_gather_objects(window, world)
-        except Exception as exc:  # raised on every rank alike, after the collective
-            from trainvitals._strict import strict
-
-            if strict():
-                raise
-            warnings.warn(
-                f"trainvitals Vitals.state_dict: gathering the ranks' micro-batch sizes failed "
-                f"({type(exc).__name__}: {exc}); the checkpoint carries this rank's only",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return None
+        """Every rank's micro-batch sizes of the step in progress (:func:`gather_window`)."""
+        return gather_window(window, self.callbacks)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "callbacks" not in state_dict:
@@ -1035,11 +1035,17 @@ def _close_at_exit_if_open(vitals: Vitals) -> None:
     the last batch's step of several optimizers (and ``MoEMetricsMonitor``'s report of
     micro-batches after the last step) ends there with its collectives, which wait for the other
     ranks; those close at their exit and join them, so neither waits forever and every rank's
-    last step is counted (and their writers flushed). The hook is registered once, after the
-    writer module's ``atexit`` hook (the last registered runs first). The writers' threading
-    exit hook (registered once a sink opens its backend, on rank 0) runs before every
-    ``atexit`` hook: a rank-0 driver that nothing closed writes what its close logs to a
-    closed writer (dropped with the writer's warning; lost before too)."""
+    last step is counted (and their writers flushed).
+
+    The drivers close before the writers: what a close logs (that last step, a validation after
+    the last logging step) must reach a writer still open. The writers close at exit in a
+    ``threading._register_atexit`` hook (before the backends' own exit hooks end their runs;
+    those hooks run before every ``atexit`` hook, the last registered first), which a writer
+    registers again whenever one of its sinks opens its backend; the drivers' hook of that kind
+    is registered here and again at each step's end when another was registered after it
+    (:func:`_keep_exit_hook_last`), so it runs first. When another non-daemon thread is still
+    alive there (it may still be training or logging) both leave the close to their ``atexit``
+    hooks, where the drivers' (registered after the writer module's) runs first too."""
     import trainvitals.adapters.fanout_writer  # noqa: F401  (its exit hooks first)
     from trainvitals.distributed import group_size, world_group
 
@@ -1049,6 +1055,30 @@ def _close_at_exit_if_open(vitals: Vitals) -> None:
     if not _exit_hook[0]:
         _exit_hook[0] = True
         atexit.register(_close_open_drivers)
+    _keep_exit_hook_last()
+
+
+def _keep_exit_hook_last() -> None:
+    """Have :func:`_close_open_drivers_first` be the last ``threading._register_atexit`` hook
+    (the first to run at exit): registered again when another (a writer's, a backend's) came
+    after it. An earlier registration left in the list runs later and finds nothing open."""
+    register = getattr(threading, "_register_atexit", None)
+    hooks = getattr(threading, "_threading_atexits", None)  # (entries: functools.partial)
+    if register is None or hooks is None:  # pragma: no cover - CPython has both since 3.9
+        return
+    if hooks and getattr(hooks[-1], "func", None) is _close_open_drivers_first:
+        return
+    with contextlib.suppress(RuntimeError):  # raised once the interpreter is shutting down
+        register(_close_open_drivers_first)
+
+
+def _close_open_drivers_first() -> None:
+    """:func:`_close_open_drivers` before the writers' threading exit hook closes them, unless
+    another non-daemon thread is alive (then at ``atexit``, as the writers do)."""
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        return
+    _close_open_drivers()
 
 
 def _close_open_drivers() -> None:
@@ -1077,6 +1107,37 @@ def _close_open_drivers() -> None:
 # keeps (or accumulate_grad_batches, if larger): more than any window has (a single device
 # reaching a global batch of 4M tokens with micro-batches of 2048 tokens accumulates 2048).
 _MAX_WINDOW_MICRO_BATCHES = 4096
+
+
+def gather_window(window: list[Any], callbacks: Iterable[Any]) -> list[Any] | None:
+    """Every rank's micro-batch sizes of the step in progress, by global rank, for the one copy
+    of the state a checkpoint keeps (rank 0's): each rank restores its own (ranks'
+    micro-batches differ in size: uneven last batches, variable-length sequences). One object
+    gather over the world group, only where the state is collective anyway (a callback's
+    ``state_dict`` reduces over the ranks: ``ThroughputMonitor``, ``RuntimeMonitor``, the
+    callbacks that count samples and tokens), so a ``state_dict`` that a loop may call on rank
+    0 alone (no such callback) stays free of collectives. ``None`` in a single process, or
+    when no callback's state is collective. (The driver's and the Lightning callbacks'
+    checkpoints.)"""
+    from trainvitals.distributed import all_gather_objects, group_size, world_group
+
+    world = world_group()
+    if group_size(world) <= 1 or not any(_collective_state(cb) for cb in callbacks):
+        return None
+    try:
+        return all_gather_objects(window, world)
+    except Exception as exc:  # raised on every rank alike, after the collective
+        from trainvitals._strict import strict
+
+        if strict():
+            raise
+        warnings.warn(
+            f"trainvitals: gathering the ranks' micro-batch sizes for a checkpoint failed "
+            f"({type(exc).__name__}: {exc}); the checkpoint carries this rank's only",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 def _collective_state(callback: Any) -> bool:
@@ -1121,8 +1182,8 @@ def _number(value: Any) -> Any:
     JSON both)."""
     if isinstance(value, torch.Tensor):
         return value.item()
-    if isinstance(value, numbers.Integral) and type(value) is not int:
-        return int(value)
+    if isinstance(value, numbers.Integral):  # (an int stays an int, a count as it was told)
+        return value if type(value) is int else int(value)
     if isinstance(value, numbers.Real) and type(value) is not float:
         return float(value)
     return value

@@ -91,6 +91,10 @@ _WRITER_ATTR = "_trainvitals_writer"
 # on the trainer, which outlives its fits; saved in Lightning checkpoints under _CKPT_KEY
 _LAST_BATCH_ATTR = "_trainvitals_last_batch"
 _CKPT_KEY = "trainvitals_lightning"
+# (global_step, [per micro-batch: {state_key: (batch_size, num_tokens)}]): the micro-batches of
+# the step in progress that a checkpoint taken inside its accumulation window carried, from
+# on_load_checkpoint to the resumed fit's context (on_train_start)
+_CARRIED_ATTR = "_trainvitals_carried"
 
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:
@@ -474,6 +478,10 @@ class VitalsCallback:
                 "positive int) to the callback"
             )
         ctx = self._pl_context(trainer, pl_module)
+        if not hasattr(ctx, "_pl_carried"):  # (the first callback's on_train_start of the fit)
+            ctx._pl_carried = getattr(trainer, _CARRIED_ATTR, None)
+            ctx._pl_replayed = set()
+            setattr(trainer, _CARRIED_ATTR, None)
         if getattr(ctx, "_pl_gate", None) is None and _overrides_batch_start(pl_module):
             ctx._pl_gate = _BatchStartGate(pl_module)
         if getattr(ctx, "_pl_clip", None) is None and not pl_module.automatic_optimization:
@@ -503,6 +511,11 @@ class VitalsCallback:
         # (global_step, batch_idx) repeats and the next epoch's batch went uncounted)
         batch_key = (trainer.global_step, batch_idx, getattr(trainer, "current_epoch", None))
         previous = getattr(ctx, "_pl_batch_key", None)
+        carried = getattr(ctx, "_pl_carried", None)
+        if carried is not None and (
+            previous not in (None, batch_key) or carried[0] != trainer.global_step
+        ):
+            carried = ctx._pl_carried = None  # (the restored step is over, or never came)
         if previous != batch_key:
             # The context is shared by all callbacks of the trainer: only the first callback to
             # see this batch advances the micro-batch count.
@@ -512,11 +525,37 @@ class VitalsCallback:
                 # this batch (should_log). At a fit's first batch the previous batch is the
                 # one before the checkpoint (ckpt_path=) or of the trainer's previous fit
                 ctx.step_gap = _step_gap(trainer, previous)
+                # the sizes of the step's micro-batches, for a checkpoint inside its window
+                # (on_save_checkpoint); a restored step goes on from those it carried
+                ctx._pl_window = [dict(sizes) for sizes in carried[1]] if carried else []
             ctx._pl_batch_key = batch_key
             ctx.micro_batch = ctx.micro_batches_in_step
             ctx.micro_batches_in_step += 1
+            if ctx._pl_window is not None:
+                if len(ctx._pl_window) < _max_window(ctx):
+                    ctx._pl_window.append({})
+                else:  # no step for longer than any window: not one to carry (the driver's rule)
+                    ctx._pl_window = None
             setattr(trainer, _LAST_BATCH_ATTR, (batch_key[0], ctx.step_gap))
-        self._dispatch("micro_batch_start", ctx, self._batch_info(batch))
+        if carried is not None and self.state_key not in ctx._pl_replayed:
+            # A fit resumed from a checkpoint taken inside an accumulation window (after
+            # micro-batch k of this step: a mid-window val_check_interval, a train-time
+            # interval, a save_checkpoint of the loop's own): Lightning goes on at micro-batch
+            # k + 1 and steps at the window's end, so the k micro-batches the checkpoint
+            # carried are told first, with batch=None and the sizes told then, as the driver
+            # does (trainvitals.adapters.loop, _replay_carried): the step's batches, samples
+            # and tokens are those of an uninterrupted run.
+            ctx._pl_replayed.add(self.state_key)
+            for sizes in carried[1]:
+                if self.state_key in sizes:
+                    batch_size, num_tokens = sizes[self.state_key]
+                    self._dispatch(
+                        "micro_batch_start", ctx, BatchInfo(None, batch_size, num_tokens)
+                    )
+        info = self._batch_info(batch)
+        if ctx._pl_window is not None:
+            ctx._pl_window[-1][self.state_key] = (info.batch_size, info.num_tokens)
+        self._dispatch("micro_batch_start", ctx, info)
 
     def _batch_info(self, batch: Any) -> BatchInfo:
         return BatchInfo(
@@ -610,12 +649,35 @@ class VitalsCallback:
 
     # Lightning's checkpoint hooks: state_dict/load_state_dict above are what it calls for each
     # callback's own state. These two keep the trainer's batch bookkeeping that every callback
-    # shares (one entry per checkpoint, whichever trainvitals callback writes it first).
+    # shares (one entry per checkpoint, written by the first trainvitals callback): where the
+    # last batch started, and, in a checkpoint taken inside an accumulation window, the sizes
+    # of the step's micro-batches so far, which the resumed fit tells the callbacks again.
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
         last = getattr(trainer, _LAST_BATCH_ATTR, None)
-        if last is not None and isinstance(checkpoint, dict):
-            # plain ints: torch.load(weights_only=True) reads them
-            checkpoint[_CKPT_KEY] = {"batch_start_step": int(last[0]), "step_gap": int(last[1])}
+        if last is None or not isinstance(checkpoint, dict) or _CKPT_KEY in checkpoint:
+            return  # (written by the first trainvitals callback of this checkpoint)
+        from trainvitals.adapters.loop import _number, gather_window
+
+        # plain ints: torch.load(weights_only=True) reads them
+        saved: dict[str, Any] = {"batch_start_step": int(last[0]), "step_gap": int(last[1])}
+        # Taken inside an accumulation window (after micro-batch k of the step in progress,
+        # which has not stepped: its first batch's global_step is the trainer's): the sizes of
+        # its micro-batches so far, told again when the resumed fit goes on (see
+        # _pl_micro_batch_start). Every rank's, where the state is collective anyway (as the
+        # driver's checkpoint: trainvitals.adapters.loop.gather_window).
+        ctx = getattr(trainer, "_trainvitals_ctx", None)
+        key = getattr(ctx, "_pl_batch_key", None)
+        window = getattr(ctx, "_pl_window", None) or []
+        if key is None or key[0] != trainer.global_step:
+            window = []  # between steps: the last one stepped, nothing to carry
+        window = [{k: [_number(n) for n in pair] for k, pair in sizes.items()} for sizes in window]
+        callbacks = [cb for cb in trainer.callbacks if isinstance(cb, VitalsCallback)]
+        by_rank = gather_window(window, callbacks)  # (on every rank alike)
+        if window:  # (the same on every rank: they step together)
+            saved["micro_batches_in_step"] = window
+            if by_rank is not None:
+                saved["micro_batches_in_step_by_rank"] = by_rank
+        checkpoint[_CKPT_KEY] = saved
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
         fn = getattr(getattr(getattr(trainer, "state", None), "fn", None), "value", None)
@@ -627,6 +689,27 @@ class VitalsCallback:
         except (TypeError, KeyError, ValueError):
             last = None  # a checkpoint without it (an older one, weights only): gap unknown
         setattr(trainer, _LAST_BATCH_ATTR, last)
+        carried = None
+        if last is not None and isinstance(saved, Mapping):
+            from trainvitals.adapters.loop import _own_window
+
+            try:
+                window = [
+                    {str(k): (pair[0], pair[1]) for k, pair in sizes.items()}
+                    for sizes in _own_window(dict(saved))
+                ]
+            except Exception as exc:  # a damaged entry must not stop the restore
+                warnings.warn(
+                    f"trainvitals: the checkpoint's micro-batch sizes of the step in progress "
+                    f"are unreadable ({type(exc).__name__}: {exc}); the resumed step counts "
+                    "only the micro-batches trained after the resume",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                window = []
+            if window:  # (saved only while the step of the last batch, last[0], was open)
+                carried = (last[0], window)
+        setattr(trainer, _CARRIED_ATTR, carried)
 
     @property
     def _legacy_state_key(self) -> str:
@@ -907,6 +990,14 @@ class _ManualClipGate:
     def remove(self) -> None:
         self.shown.clear()
         self._patch.undo()
+
+
+def _max_window(ctx: RunContext) -> int:
+    """The most micro-batches of one step whose sizes a Lightning checkpoint inside its
+    accumulation window keeps (the driver's bound, ``trainvitals.adapters.loop``)."""
+    from trainvitals.adapters.loop import _MAX_WINDOW_MICRO_BATCHES
+
+    return max(ctx.accumulate_grad_batches or 1, _MAX_WINDOW_MICRO_BATCHES)
 
 
 def _step_gap(trainer: Any, previous: tuple[Any, ...] | None) -> int:
