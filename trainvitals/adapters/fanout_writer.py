@@ -39,8 +39,9 @@ error) and retried with exponential backoff (``retry_backoff``); its pending ste
 buffer, whose oldest step is dropped (and counted as missed) when it is full. After
 ``max_failures`` consecutive failures the sink is disabled with a warning saying how many steps
 it missed. A ``write`` that has not returned after ``sink_timeout`` seconds is reported as hung;
-``flush()`` and ``close()`` stop waiting for it. ``close()`` never raises because of a sink, and
-its last warning lists every sink that missed steps.
+``flush()`` and ``close()`` stop waiting for it, and for the sink's later writes until one of
+them returns within ``sink_timeout`` (``close()`` abandons such a sink at once). ``close()``
+never raises because of a sink, and its last warning lists every sink that missed steps.
 """
 
 from __future__ import annotations
@@ -76,10 +77,28 @@ _Tensor = torch.Tensor
 _STOP = object()
 
 
+_ADAPTERS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` (counted from :func:`_warn`) that names the first
+    frame outside ``trainvitals/adapters/``: the user's ``add_scalar``/``close()``/``with``
+    line, or the callback that logged (the warning pointed at the writer's own line). In a
+    writer thread (no such frame but ``threading``'s) the line that reported it."""
+    frame = sys._getframe(2)  # _warn's caller (0: here, 1: _warn), stacklevel 2
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_ADAPTERS_DIR):
+        frame = frame.f_back
+        level += 1
+    if frame is None or frame.f_code.co_filename == threading.__file__:
+        return 3
+    return level
+
+
 def _warn(message: str) -> None:
     """Warn without ever raising (a warnings filter set to "error" must not kill a thread)."""
     try:
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=_stacklevel())
     except Exception:  # pragma: no cover - only under -W error
         log.warning(message)
 
@@ -223,29 +242,44 @@ def _tagged_scalars_args(
 class _StepBatch:
     """A closed step as it leaves the training thread: values still floats or tensors."""
 
-    __slots__ = ("cuda_event", "has_tensors", "seq", "step", "time", "values")
+    __slots__ = ("contexts", "cuda_event", "has_tensors", "seq", "step", "time", "values")
 
     def __init__(
-        self, seq: int, step: int, time_: float, values: dict[str, Any], has_tensors: bool
+        self,
+        seq: int,
+        step: int,
+        time_: float,
+        values: dict[str, Any],
+        has_tensors: bool,
+        contexts: dict[Any, Any] | None = None,
     ) -> None:
         self.seq = seq
         self.step = step
         self.time = time_
         self.values = values
         self.has_tensors = has_tensors
+        self.contexts = contexts
         self.cuda_event: tuple[int, Any] | None = None
 
 
 class _Record:
     """A step on the host, shared (read-only) by every sink worker."""
 
-    __slots__ = ("metrics", "seq", "step", "time")
+    __slots__ = ("contexts", "metrics", "seq", "step", "time")
 
-    def __init__(self, seq: int, step: int, time_: float, metrics: dict[str, float]) -> None:
+    def __init__(
+        self,
+        seq: int,
+        step: int,
+        time_: float,
+        metrics: dict[str, float],
+        contexts: dict[Any, Any] | None = None,
+    ) -> None:
         self.seq = seq
         self.step = step
         self.time = time_
         self.metrics = metrics
+        self.contexts = contexts  # worker -> what its sink's capture_context() returned
 
 
 _side_streams: dict[int, Any] = {}
@@ -335,10 +369,16 @@ class _SinkWorker:
         self.sink = sink
         self.name = name
         self.threaded = threaded
+        # the sink reads something of its backend when a step's first value is logged
+        self.captures = type(sink).capture_context is not Sink.capture_context
         self.cond = writer._cond
         self.pending: deque[_Record] = deque()
         self.inflight: _Record | None = None
         self.busy_since: float | None = None
+        # a write ran past sink_timeout and none has returned in time since: flush() and
+        # close() do not wait for this sink (a dead backend answering every call after its
+        # own timeout, such as W&B's 30 s, would otherwise hold each of them that long)
+        self.slow = False
         self.opened = False
         self.delivered = 0
         self.missed = 0
@@ -368,7 +408,13 @@ class _SinkWorker:
 
     def settled(self, seq: int, now: float) -> bool:
         """Nothing more to wait for, for a flush up to ``seq``."""
-        return self.disabled or self.failures > 0 or self.hung(now) or self.idle_through(seq)
+        return (
+            self.disabled
+            or self.failures > 0
+            or self.slow
+            or self.hung(now)
+            or self.idle_through(seq)
+        )
 
     def _miss(self, why: str, n: int = 1) -> None:
         self.missed += n
@@ -403,12 +449,13 @@ class _SinkWorker:
     def check_hang(self, now: float) -> None:
         if self.hung(now):
             assert self.busy_since is not None
+            self.slow = True
             self._report_once(
                 "hang",
                 f"trainvitals FanoutWriter: sink {self.name!r} has not returned from writing "
                 f"step {self.inflight.step if self.inflight else '?'} for "
                 f"{now - self.busy_since:.0f} s; treating it as hung (the other sinks go on, "
-                "flush() and close() no longer wait for it)",
+                "flush() and close() no longer wait for it, until a write returns in time)",
             )
 
     # -- delivery
@@ -427,7 +474,11 @@ class _SinkWorker:
                 return False
             record = self.pending.popleft()
             self.inflight = record
-            self.busy_since = time.monotonic()
+            self.busy_since = started = time.monotonic()
+            # a flush() or close() waiting without a deadline for this worker must learn when
+            # its write began: it counts as hung sink_timeout later (flush waited its whole
+            # flush_timeout instead)
+            self.cond.notify_all()
         error: BaseException | None = None
         refused = False
         # a sink calling a tracker whose log a TrackerSink wrapped must not re-enter the
@@ -439,6 +490,9 @@ class _SinkWorker:
                 self.sink.open()
                 self.opened = True
                 _register_exit_hook()  # after any exit hook the backend registered in open()
+            if self.captures:
+                contexts = record.contexts
+                self.sink.step_context = None if contexts is None else contexts.get(self)
             self.sink.write(record.step, record.metrics, record.time)
         except StepRefused as e:
             refused, error = True, e
@@ -447,6 +501,9 @@ class _SinkWorker:
         finally:
             calls.depth -= 1
         with self.cond:
+            now = time.monotonic()
+            self.check_hang(now)  # (a write that ran past sink_timeout between two checks)
+            self.slow = now - started > self.writer.sink_timeout
             self.inflight = None
             self.busy_since = None
             if self.abandoned:
@@ -801,7 +858,9 @@ class FanoutWriter:
         max_failures: consecutive failures after which a sink is disabled.
         retry_backoff: ``(first, largest)`` delay in seconds between retries of a failing
             sink; the delay doubles per consecutive failure.
-        sink_timeout: seconds after which a ``write`` that has not returned counts as hung.
+        sink_timeout: seconds after which a ``write`` that has not returned counts as hung;
+            ``flush()`` and ``close()`` do not wait for that sink again until one of its
+            writes returns within this time.
         flush_timeout: the longest ``flush()`` waits (seconds; ``None``: no limit other than
             the per-sink ``sink_timeout``).
         close_timeout: the longest ``close()`` waits for the sinks to drain (seconds).
@@ -871,6 +930,7 @@ class FanoutWriter:
         self._lock = threading.Lock()
         self._step: int | None = None
         self._step_time = 0.0
+        self._step_contexts: dict[Any, Any] | None = None  # capture_context() of the step
         self._values: dict[str, Any] = {}
         self._has_tensors = False
         self._closed = False
@@ -879,6 +939,7 @@ class FanoutWriter:
         self._closing_thread: int | None = None  # the thread of the first close()
         self._close_done = threading.Event()  # that close() has returned
         self._resume_step: int | None = None
+        self._resume_acted = False  # a flush() had the sinks act on _resume_step
         self._seq = 0
         self._pid = os.getpid()
 
@@ -892,6 +953,7 @@ class FanoutWriter:
         self._dispatcher: threading.Thread | None = None
         self._unreadable: set[str] = set()
         self._workers: list[_SinkWorker] = []
+        self._capturing: list[_SinkWorker] = []  # workers whose sink has capture_context
         # (seq, step) of the steps queued but perhaps not yet on the host, kept only while a
         # sink asked to be handed its steps before its backend's own later logs
         # (_deliver_before); the training thread's, under _lock
@@ -915,6 +977,7 @@ class FanoutWriter:
                     # call to have our lower steps delivered first (see _deliver_before)
                     self._queued_steps = deque()
                     install(_order_hook(weakref.ref(self), weakref.ref(worker)))
+            self._capturing = [w for w in self._workers if w.captures]
             _live_writers.add(self)
             _register_exit_hook()
             _ProcessEnd.watch()
@@ -1046,6 +1109,8 @@ class FanoutWriter:
                 values = self._values
                 if not values:
                     self._step_time = time.time() if walltime is None else walltime
+                    if self._capturing:
+                        self._capture_contexts()
                 values[name] = value
                 if type(value) is not float:
                     self._has_tensors = True
@@ -1125,6 +1190,8 @@ class FanoutWriter:
                 values = self._values
                 if not values:
                     self._step_time = time.time() if walltime is None else walltime
+                    if self._capturing:
+                        self._capture_contexts()
                 values.update(checked)
                 if has_tensors:
                     self._has_tensors = True
@@ -1146,6 +1213,17 @@ class FanoutWriter:
         self._step = step
         if threading.current_thread() is threading.main_thread():
             _ProcessEnd.main_thread_goes_on()  # (its sys.exit was caught, if it called one)
+
+    def _capture_contexts(self) -> None:
+        """The step's first value (lock held): what the sinks that ask read of their backend
+        now (``Sink.capture_context``: the loop's Comet epoch), handed to their write."""
+        contexts = {}
+        for w in self._capturing:
+            try:
+                contexts[w] = w.sink.capture_context()
+            except Exception as e:  # the write goes on without it
+                w._report_once("capture", f"trainvitals: sink {w.name!r}: capture failed: {e!r}")
+        self._step_contexts = contexts
 
     def _warn_forked(self) -> None:
         if not self._fork_warned:
@@ -1174,7 +1252,15 @@ class FanoutWriter:
             return
         assert self._step is not None
         self._seq += 1
-        batch = _StepBatch(self._seq, self._step, self._step_time, self._values, self._has_tensors)
+        batch = _StepBatch(
+            self._seq,
+            self._step,
+            self._step_time,
+            self._values,
+            self._has_tensors,
+            self._step_contexts,
+        )
+        self._step_contexts = None
         self._values = {}
         self._has_tensors = False
         if batch.has_tensors and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -1291,7 +1377,7 @@ class FanoutWriter:
 
     def _dispatch(self, batch: _StepBatch) -> None:
         metrics = _materialize(batch, self._unreadable)
-        record = _Record(batch.seq, batch.step, batch.time, metrics)
+        record = _Record(batch.seq, batch.step, batch.time, metrics, batch.contexts)
         with self._cond:
             for w in self._workers:
                 w.offer(record)
@@ -1334,8 +1420,11 @@ class FanoutWriter:
         ignore it.
 
         Raises ``TypeError``/``ValueError`` for a step that is not an int ``>= 0`` (on every
-        rank). Called again with another step once values were logged, it warns and does
-        nothing: the sinks may have opened their files already.
+        rank). Called again before anything was logged, the later step replaces the earlier
+        one (the same step again changes nothing). Called again with another step once values
+        were logged, once a :meth:`flush` had the sinks act on the earlier step (cut their
+        files), or after :meth:`close`, it warns and does nothing: the sinks have acted on the
+        earlier step already.
 
         Example::
 
@@ -1344,12 +1433,20 @@ class FanoutWriter:
         """
         step = _as_step(step)
         with self._lock:
-            if self._step is not None or self._closed:
-                if step != self._resume_step:
-                    _warn(
-                        f"trainvitals FanoutWriter: resume_at({step}) after values were logged "
-                        "(or after close()) is ignored; call it before the first value"
-                    )
+            if step == self._resume_step:
+                return
+            if self._step is not None or self._closed or self._resume_acted:
+                when = (
+                    "close()"
+                    if self._closed
+                    else "values were logged"
+                    if self._step is not None
+                    else f"a flush() had the sinks act on resume_at({self._resume_step})"
+                )
+                _warn(
+                    f"trainvitals FanoutWriter: resume_at({step}) after {when} is ignored; "
+                    "call it once, before the first value"
+                )
                 return
             self._resume_step = step
             if not self._active:
@@ -1384,7 +1481,8 @@ class FanoutWriter:
 
         Closes the current step, waits until it and every earlier step went to the host, and
         until every sink has delivered them, except a sink that is failing (its steps stay
-        buffered and are retried), hung (``sink_timeout``) or disabled. Waits at most
+        buffered and are retried), hung (``sink_timeout``; also while its writes have not
+        returned in time since) or disabled. Waits at most
         ``timeout`` seconds (default: the writer's ``flush_timeout``). Returns ``False`` when
         some sink has not got everything. After :meth:`close` it calls no sink and waits for
         nothing: it says whether every sink got every step (``False`` for a disabled or
@@ -1417,6 +1515,7 @@ class FanoutWriter:
             # later write): the sinks' files must already be cut back. Only sinks no worker
             # thread calls (none started: nothing was logged), under the lock that starts them.
             with self._lock:
+                self._resume_acted = True  # a later resume_at(other step) is refused
                 for w in self._workers:
                     if not w.threaded or w.thread is None:
                         w.settle_resume()
@@ -1511,7 +1610,8 @@ class FanoutWriter:
         self._close_done.wait(timeout + _ABANDONED_CLOSE_TIMEOUT)
 
     def _shutdown(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         dispatcher = self._dispatcher
         if dispatcher is not None:
             self._queue.put(_STOP)
@@ -1540,10 +1640,17 @@ class FanoutWriter:
                     w.pending.clear()
             w.finish()
         with self._cond:
-            # wait for the worker threads to finish, but not for a hung one
+            # wait for the worker threads to finish, but not for a hung one, nor for one
+            # whose last write ran past sink_timeout and that is writing or has steps left
             while True:
                 now = time.monotonic()
-                busy = [w for w in self._workers if not w.finished and not w.hung(now)]
+                busy = [
+                    w
+                    for w in self._workers
+                    if not w.finished
+                    and not w.hung(now)
+                    and not (w.slow and (w.inflight is not None or w.pending))
+                ]
                 if not busy or now >= deadline:
                     break
                 wake = min(
@@ -1559,9 +1666,15 @@ class FanoutWriter:
                     left = len(w.pending) + (w.inflight is not None)
                     w._miss("unfinished at close", left)
                     w.pending.clear()
+                    why = (
+                        f"its write ran past sink_timeout ({self.sink_timeout:g} s)"
+                        if w.slow
+                        else f"close_timeout: {timeout:g} s"
+                    )
                     _warn(
                         f"trainvitals FanoutWriter: sink {w.name!r} did not finish within "
-                        f"{timeout:.0f} s of close(); abandoned with {left} undelivered steps"
+                        f"{now - start:.1f} s of close() ({why}); abandoned with {left} "
+                        "undelivered steps"
                     )
                     if w.inflight is None and not w.finishing:  # in a retry delay
                         idle.append(w)

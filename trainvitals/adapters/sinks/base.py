@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable, Mapping
+from typing import Any
 
 __all__ = [
     "COMET_KEYS",
@@ -249,8 +250,10 @@ class Sink:
     Subclasses implement :meth:`write` (and :meth:`open`, :meth:`flush`, :meth:`close` where
     needed). The writer calls them from one thread at a time:
 
-    * :meth:`resume_at` at most once, before anything else, when the run says which step it
-      resumes at (:meth:`FanoutWriter.resume_at`);
+    * :meth:`resume_at` before anything else, when the run says which step it resumes at
+      (:meth:`FanoutWriter.resume_at`); again, with another step, when the run calls that
+      again before it logged anything and before a ``flush()`` had the sink act on it
+      (:meth:`settle_resume`): the last call counts;
     * :meth:`open` once, lazily, before the first :meth:`write` (so that a sink built on a
       non-zero rank, or never written to, creates no files, runs or connections); when it
       raises, it is retried like a failed write;
@@ -259,7 +262,11 @@ class Sink:
       where it stopped), and may raise :class:`StepRefused`;
     * :meth:`close` once at the end: flush, and release what the sink owns. A sink built from
       an object the user passed in (a ``SummaryWriter``, an MLflow client and run, a Comet
-      experiment, a W&B run) does not own it and leaves it open.
+      experiment, a W&B run) does not own it and leaves it open;
+    * :meth:`capture_context`, only when a subclass overrides it, from the training thread
+      when the first value of a step is logged; what it returned is the sink's
+      :attr:`step_context` while that step's :meth:`write` runs (the writer delivers a step
+      some time after it was logged, when the loop may have moved on, to the next epoch say).
 
     Attributes:
         name: used in warnings and :meth:`FanoutWriter.status`.
@@ -277,6 +284,8 @@ class Sink:
         run_interrupted: set with ``run_failed`` when the user stopped the run
             (``KeyboardInterrupt``; ``FanoutWriter.close(interrupted=True)``): a backend that
             tells a run killed by its user from a failed one is told so (MLflow ``KILLED``).
+        step_context: during :meth:`write`, what :meth:`capture_context` returned when the
+            step's first value was logged (``None`` for a sink that does not override it).
         key_prefix: put before every key, ahead of the key rule (``""``: none). Set by
             :meth:`FanoutWriter.from_lightning` to a logger's ``prefix=`` and separator, which
             the logger applies in its own ``log_metrics`` only.
@@ -296,6 +305,7 @@ class Sink:
     run_failed: bool = False
     run_interrupted: bool = False
     key_prefix: str = ""
+    step_context: Any = None
 
     def __init__(self, *, name: str | None = None, owned: bool = True) -> None:
         if name is not None:
@@ -320,6 +330,12 @@ class Sink:
 
     def open(self) -> None:
         """Create or connect to the backend (called once, before the first write)."""
+
+    def capture_context(self) -> Any:
+        """What of the backend's state a step's values belong to, read on the training thread
+        when the step's first value is logged (cheap: a few attribute reads; never raise).
+        Called only when a subclass overrides it; see :attr:`step_context`."""
+        return None
 
     def resume_at(self, step: int) -> None:
         """The run resumes at ``step`` (``0``: a new run); called before :meth:`open` by

@@ -42,6 +42,14 @@ class CometSink(Sink):
     its test batches (``comet_ml/callbacks/_base.py``). (Comet's ``curr_step`` parameter keeps
     the sink's step until the loop sets a step again.)
 
+    Epoch: Comet tags each metric with the experiment's ``curr_epoch`` at the time it is logged
+    (``experiment.set_epoch(e)``; Lightning's ``CometLogger`` sets it from the ``epoch`` it
+    logs). A step reaches a shared experiment some time after it was logged, by when the loop
+    may have started the next epoch (the last steps of epoch 0 were tagged epoch 1), so the
+    sink reads the experiment's epoch when the step's first value is logged
+    (:meth:`~trainvitals.adapters.Sink.capture_context`) and tags the step with it, putting the
+    loop's epoch back afterwards (without ``set_epoch``, which would log a parameter).
+
     Context: Comet tags each metric with the experiment's context at the time it is logged
     (``with experiment.train():``, ``.validate()``, ``.test()``), and shows it under the
     context's prefix (``train_loss``; Comet's own summary uses ``Experiment._fullname``). A
@@ -123,10 +131,24 @@ class CometSink(Sink):
             experiment.log_metrics(dict(self.map_metrics(metrics)), step=step, **kwargs)
             return
         loop_step = experiment.curr_step
+        loop_epoch = getattr(experiment, "curr_epoch", None)
+        epoch = self.step_context  # the loop's epoch when the step was logged (see "Epoch")
+        retag = hasattr(experiment, "curr_epoch") and epoch != loop_epoch
         try:
+            if retag:
+                experiment.curr_epoch = epoch
             experiment.log_metrics(dict(self.map_metrics(metrics)), step=step, **kwargs)
         finally:
             experiment.curr_step = loop_step  # see "Current step" above
+            if retag:
+                experiment.curr_epoch = loop_epoch
+
+    def capture_context(self) -> Any:
+        # a shared experiment's epoch when the step's first value is logged (see "Epoch")
+        experiment = self.experiment
+        if self.owned or experiment is None:
+            return None
+        return getattr(experiment, "curr_epoch", None)
 
     def close(self) -> None:
         if self.owned and self.experiment is not None:

@@ -97,6 +97,16 @@ class WandbSink(Sink):
     name that way raises ``ValueError``. NaN and infinities are stored as such (``NaN``,
     ``Infinity``, ``-Infinity`` in the run's history JSON).
 
+    Dead service: W&B's ``run.log`` hands each row to the run's background service
+    (``wandb-core``). When that process is killed or its connection breaks, W&B raises a
+    ``ConnectionError`` for that and every later call of the run: the sink then reports that
+    step and every later one as missed (one warning) without calling W&B again, instead of
+    retrying until the writer's ``close_timeout`` ran out. When the service stops answering
+    (hung), ``run.step`` waits 30 s and raises ``TimeoutError``; the sink then stops reading
+    ``run.step`` for the rest of the run (steps go to ``log(..., step=)`` under W&B's own rule,
+    which drops a step lower than the run's with a warning of its own, and with
+    ``shared_step=True`` to W&B step ``step``), so that a delivery no longer takes 30 s each.
+
     Example::
 
         run = wandb.init(project="demo", mode="offline", dir="runs/demo")
@@ -138,12 +148,30 @@ class WandbSink(Sink):
         self._declared: set[str] = set()
         self._last_row: int | None = None
         self._last_step: int | None = None
+        # run.step went unanswered (W&B's 30 s timeout): not asked again (see "Dead service")
+        self._step_unanswered = False
+        self._lost: str | None = None  # the run's service connection broke (see there too)
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         if getattr(self.run, "_is_finished", False) is True:
             # W&B ignores a finished run's log() (UsageError), and its run.step waits 30 s
             # for a service that no longer answers, at every retry
             raise StepRefused("the W&B run is finished; W&B ignores what is logged to it")
+        if self._lost is not None:
+            raise StepRefused(self._lost)
+        try:
+            self._write(step, metrics)
+        except ConnectionError as e:
+            # W&B's client keeps the error of a broken connection to its service and raises
+            # it for every later call (wandb/sdk/lib/service/service_client.py): retrying
+            # cannot help, and close() waited its whole close_timeout doing so
+            self._lost = (
+                f"the W&B service of this run is gone ({type(e).__name__}: {e}); W&B does "
+                "not reconnect a run, so what is logged to it is lost"
+            )
+            raise StepRefused(self._lost) from e
+
+    def _write(self, step: int, metrics: Mapping[str, float]) -> None:
         data = dict(self.map_metrics(metrics))
         if self.shared_step:
             self._write_shared(step, data)
@@ -159,8 +187,15 @@ class WandbSink(Sink):
 
     def _run_step(self) -> int | None:
         """W&B's open row: the step of the run's next ``log()`` (``None``: not known)."""
+        if self._step_unanswered:
+            return None
         try:
             current = self.run.step
+        except TimeoutError:
+            # W&B waited 30 s for its service to answer (hung or overloaded): asking at
+            # every step made each delivery take 30 s (see "Dead service")
+            self._step_unanswered = True
+            return None
         except Exception:  # a run object without it, or W&B's "shared" mode, which raises
             return None
         return current if isinstance(current, int) else None
