@@ -4,7 +4,8 @@ report of a long run and to query its tensor statistics.
 A synthetic run is written into a temporary folder with the package's own writers:
 ``--steps`` steps of ``--keys`` scalars written by a ``JsonlSink`` (24 layers x 5 MoE metrics
 plus the rest in areas of 10 keys), and a ``tensor_stats.jsonl`` (the format of
-``docs/tensor_stats.md``, as ``TensorStatsMonitor`` writes it) with one line per kind every
+``docs/tensor_stats.md``, in ``TensorStatsMonitor``'s compact line format, ``micro_batches``
+included, so readers see the lines they see in a run) with one line per kind every
 ``--stats-every`` steps, each line holding ``--tensors`` tensors' moments
 (``model.layers.<i // 4>.mlp.w<i % 4>.weight``). ``--tensor-stats-mib N`` sets ``--steps``
 instead, to the number that makes ``tensor_stats.jsonl`` about N MiB. Then, interleaved
@@ -22,17 +23,25 @@ min-max), the report's size, and the peak memory (``VmHWM``) of the report, of t
 baseline and of a query, each measured in a fresh Python process of its own (with, for
 scale, one that only imports the package).
 
+``--run-dir DIR`` writes the run there and keeps it (or reuses the run already there).
+``--against DIR`` (a folder holding another copy of the ``trainvitals`` package, say the
+commit before a change) replaces the above: the baseline, the report and the three queries,
+each in a fresh process, alternating between that copy and this tree ``--reps`` times; the
+speed-up is the median of the per-repetition ratios.
+
 Usage::
 
     python benchmarks/bench_report.py                    # 20,000 steps x 200 keys (~2 minutes)
     python benchmarks/bench_report.py --steps 2000 --reps 3
     python benchmarks/bench_report.py --keys 50 --tensors 1000 --tensor-stats-mib 200
+    python benchmarks/bench_report.py --keys 50 --tensors 120 --run-dir /tmp/run --against /tmp/old
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -47,7 +56,7 @@ import torch
 from trainvitals.adapters import JsonlSink
 from trainvitals.adapters.jsonl import read_jsonl
 from trainvitals.report import query, read_tensor_stats, write_report
-from trainvitals.stats.moments import FIELDS, fused_moments, moments_to_dicts
+from trainvitals.stats.moments import FIELDS, fused_moments, moments_to_rows
 
 KINDS = ("param", "grad", "activation", "dgrad")
 
@@ -67,15 +76,24 @@ def tensor_body(tensors: int) -> dict[str, list[float | int | None]]:
     them (``moments_to_rows``)."""
     g = torch.Generator().manual_seed(0)
     tensor_names = [f"model.layers.{i // 4}.mlp.w{i % 4}.weight" for i in range(tensors)]
-    rows = moments_to_dicts(fused_moments([torch.randn(4096, generator=g) for _ in tensor_names]))
-    return {n: [r[f] for f in FIELDS] for n, r in zip(tensor_names, rows, strict=True)}
+    rows = moments_to_rows(fused_moments([torch.randn(4096, generator=g) for _ in tensor_names]))
+    return dict(zip(tensor_names, rows, strict=True))
+
+
+def tensor_line(step: int, kind: str, body: dict[str, list[float | int | None]]) -> str:
+    """One line of ``tensor_stats.jsonl`` as ``TensorStatsMonitor`` writes it: compact
+    separators, ``version``, ``step``, ``kind`` first, ``micro_batches`` for the activation
+    kinds."""
+    line: dict[str, object] = {"version": 1, "step": step, "kind": kind, "time": 1.7e9 + step}
+    line.update(fields=list(FIELDS), tensors=body)
+    if kind in ("activation", "dgrad"):
+        line["micro_batches"] = 1
+    return json.dumps(line, separators=(",", ":"), allow_nan=False)
 
 
 def steps_for_size(mib: float, stats_every: int, tensors: int) -> int:
     """The number of steps whose ``tensor_stats.jsonl`` is about ``mib`` MiB."""
-    line = {"version": 1, "step": 10**6, "kind": "activation", "time": 0.0}
-    line.update(fields=list(FIELDS), tensors=tensor_body(tensors))
-    line_bytes = len(json.dumps(line)) + 1
+    line_bytes = len(tensor_line(10**6, "activation", tensor_body(tensors))) + 1
     return max(1, round(mib * 2**20 / (len(KINDS) * line_bytes))) * stats_every
 
 
@@ -90,9 +108,7 @@ def write_run(run_dir: Path, steps: int, keys: int, stats_every: int, tensors: i
     with open(run_dir / "tensor_stats.jsonl", "w") as f:
         for step in range(0, steps, stats_every):
             for kind in KINDS:
-                line = {"version": 1, "step": step, "kind": kind, "time": 0.0}
-                line.update(fields=list(FIELDS), tensors=body)
-                f.write(json.dumps(line) + "\n")
+                f.write(tensor_line(step, kind, body) + "\n")
 
 
 def child_peak_gib(statement: str, run: Path) -> float:
@@ -137,6 +153,70 @@ TIMED = {
 }
 
 
+#: What ``--against`` times in a fresh process per call, with ``run`` and ``steps`` defined.
+TIMED_CODE = {
+    "reading both files (baseline)": (
+        "from trainvitals.adapters.jsonl import read_jsonl\n"
+        "from trainvitals.report import read_tensor_stats\n"
+        "read_jsonl(run / 'metrics.jsonl'); list(read_tensor_stats(run))"
+    ),
+    "write_report": "from trainvitals.report import write_report as f\nf(run)",
+    "query: grad, all stats, all tensors": (
+        "from trainvitals.report import query as f\nf(run, kind='grad', stat='all')"
+    ),
+    "query: grad kurtosis per layer (by)": (
+        "from trainvitals.report import query as f\n"
+        "f(run, kind='grad', stat='kurtosis', by=r'layers\\.(\\d+)\\.')"
+    ),
+    "query: grad rms of *.w0.*, second half of the steps": (
+        "from trainvitals.report import query as f\n"
+        "f(run, kind='grad', stat='rms', group='*.w0.*', steps=f'{steps // 2}:')"
+    ),
+}
+
+
+def child_seconds(statement: str, run: Path, steps: int, package_root: Path) -> float:
+    """Seconds ``statement`` (imports before its last line untimed) takes in a fresh Python
+    process importing ``trainvitals`` from ``package_root``."""
+    *imports, call = statement.splitlines()
+    code = (
+        "import sys, time\nfrom pathlib import Path\nimport trainvitals\n"
+        "assert Path(trainvitals.__file__).parent.parent == Path(sys.argv[3]), trainvitals\n"
+        "run, steps = Path(sys.argv[1]), int(sys.argv[2])\n"
+        + "".join(f"{line}\n" for line in imports)
+        + f"t0 = time.perf_counter()\n{call}\nprint(time.perf_counter() - t0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(run), str(steps), str(package_root)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=package_root,  # (-c puts the working folder first on sys.path)
+        env={**os.environ, "PYTHONPATH": str(package_root)},
+    )
+    return float(done.stdout.split()[-1])
+
+
+def compare(run: Path, steps: int, against: Path, reps: int) -> None:
+    """Time :data:`TIMED_CODE` with the ``trainvitals`` of ``against`` (a folder holding an
+    older copy of the package) and with this one, each call in a fresh process, the two
+    alternating ``reps`` times: the ratio old/new per repetition (median, min-max)."""
+    here = Path(__file__).resolve().parent.parent
+    print(f"| what | {against} s | this tree s | speed-up (median, min-max) |")
+    print("|---|---|---|---|")
+    for what, code in TIMED_CODE.items():
+        old: list[float] = []
+        new: list[float] = []
+        for _ in range(reps):
+            old.append(child_seconds(code, run, steps, against))
+            new.append(child_seconds(code, run, steps, here))
+        ratios = [o / n for o, n in zip(old, new, strict=True)]
+        print(
+            f"| {what} | {statistics.median(old):.2f} | {statistics.median(new):.2f} | "
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20_000)
@@ -147,20 +227,43 @@ def main() -> None:
     parser.add_argument(
         "--tensor-stats-mib", type=float, default=None, help="sets --steps: the file's size"
     )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="write the run there (kept), or reuse the run already there, instead of a "
+        "temporary folder",
+    )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="a folder holding another copy of the trainvitals package (an older checkout): "
+        "compare it with this one, each call in a fresh process, instead of the table below",
+    )
     args = parser.parse_args()
     if args.tensor_stats_mib is not None:
         args.steps = steps_for_size(args.tensor_stats_mib, args.stats_every, args.tensors)
 
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp)
+        run = Path(tmp) if args.run_dir is None else args.run_dir
         started = time.perf_counter()
-        write_run(run, args.steps, args.keys, args.stats_every, args.tensors)
+        if not (run / "metrics.jsonl").is_file():
+            run.mkdir(parents=True, exist_ok=True)
+            write_run(run, args.steps, args.keys, args.stats_every, args.tensors)
         sizes = {p.name: p.stat().st_size / 2**20 for p in run.glob("*.jsonl")}
         print(
-            f"run written in {time.perf_counter() - started:.1f} s: "
+            f"run ready in {time.perf_counter() - started:.1f} s: "
             + ", ".join(f"{n} {s:.0f} MiB" for n, s in sorted(sizes.items()))
         )
         print(f"python {platform.python_version()}, torch {torch.__version__}")
+        print(
+            f"{args.steps} steps x {args.keys} keys, {args.tensors} tensors every "
+            f"{args.stats_every}"
+        )
+        if args.against is not None:
+            compare(run, args.steps, args.against.resolve(), args.reps)
+            return
         timings: dict[str, list[float]] = {what: [] for what in ("baseline", *TIMED)}
         for _ in range(args.reps):
             t0 = time.perf_counter()
@@ -174,7 +277,6 @@ def main() -> None:
                 if what == "write_report":
                     size = out.stat().st_size / 2**20
         peaks = {what: child_peak_gib(code, run) for what, code in PEAK_STATEMENTS.items()}
-    print(f"{args.steps} steps x {args.keys} keys, {args.tensors} tensors every {args.stats_every}")
     print("| what | median s | ratio to reading the files (median, min-max) |")
     print("|---|---|---|")
     base = timings.pop("baseline")

@@ -24,7 +24,7 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,23 @@ def _found_below(folder: Path | None) -> str:
     return f"; {len(found)} found in or below {folder}: {name_a_few(found)} (give one of them)"
 
 
-def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
+def read_tensor_stats(
+    path: str | Path,
+    *,
+    kinds: Collection[str] | None = None,
+    first: int | None = None,
+    last: int | None = None,
+) -> Iterator[dict[str, Any]]:
     """Yield the records of a ``tensor_stats.jsonl`` file (or of ``<run_dir>/tensor_stats.jsonl``).
+
+    ``kinds``, ``first`` and ``last`` (None: every kind, open ends) say which records the
+    caller keeps: a line of another kind or of a step outside ``first..last`` is passed over
+    without being parsed where its start says so (:func:`_passed_over`: a complete line that
+    starts as ``TensorStatsMonitor`` writes it, of a supported version): a query of one kind
+    parses a quarter of the lines. Any other line is parsed and checked as below. Records of
+    other kinds and steps may still be yielded (the caller filters them). A line passed over
+    is not checked further (a corrupted one is not warned about) and counts as readable for
+    :class:`NewerVersionError`.
 
     A last line cut by a crash is skipped with a warning, as are other unreadable lines, lines
     of an unknown schema version, lines without an integer ``step``, a ``kind`` string or a
@@ -107,7 +122,9 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
     if not path.exists():
         raise FileNotFoundError(f"no tensor statistics file at {path}{_found_below(folder)}")
     skipped = 0
-    read = 0  # records yielded
+    read = 0  # records yielded, and lines passed over (_passed_over)
+    filtered = kinds is not None or first is not None or last is not None
+    wanted = None if kinds is None else frozenset(k.encode() for k in kinds)
     newest = 0  # the highest newer-than-supported schema version skipped (0: none)
 
     def skip(message: str) -> None:
@@ -124,6 +141,9 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
             if unreadable:
                 skip(f"skipped an unreadable line (line {unreadable})")
                 unreadable = 0
+            if filtered and _passed_over(raw, wanted, first, last):
+                read += 1  # (a complete line of a supported version: not a reason to upgrade)
+                continue
             try:
                 rec = json.loads(raw)
             except ValueError:
@@ -202,6 +222,43 @@ def read_tensor_stats(path: str | Path) -> Iterator[dict[str, Any]]:
             f"{path} was written by a newer trainvitals (schema version {newest}; this one "
             f"reads up to version {max(SUPPORTED_VERSIONS)}): upgrade trainvitals to read it"
         )
+
+
+#: The start of a line as ``TensorStatsMonitor`` writes it (compact separators, ``version``,
+#: ``step`` and ``kind`` first; JSON integers have no leading zero), and its end: the
+#: ``tensors`` object closing the line, or the activation kinds' ``micro_batches`` after it.
+_LINE_START = re.compile(rb'\{"version":(0|[1-9][0-9]*),"step":(0|[1-9][0-9]*),"kind":"([a-z_]+)",')
+_KEY_AGAIN = re.compile(rb'"(?:version|step|kind)":')  # (one search: a third of three finds)
+_LINE_END = re.compile(rb'(?:\}|"micro_batches":(?:0|[1-9][0-9]*))\}\r?\n\Z')
+
+
+def _passed_over(
+    raw: bytes, kinds: frozenset[bytes] | None, first: int | None, last: int | None
+) -> bool:
+    """Whether ``raw`` (a line with its newline) is a record of a kind not in ``kinds`` or of a
+    step outside ``first..last``, known without parsing it: it starts as the monitor writes a
+    line (:data:`_LINE_START`) of a supported version, ends as a complete one does
+    (:data:`_LINE_END`; a last line cut by a crash has no newline, and its warning stays),
+    and names no ``version``, ``step`` or ``kind`` key again and holds no escape after its
+    start (``json.loads`` keeps the last of repeated keys, and ``\\u006b`` spells ``k``): the
+    record ``json.loads`` would give has that kind and step. Anything else is False: the line
+    is parsed and checked."""
+    m = _LINE_START.match(raw)
+    if m is None or int(m[1]) not in SUPPORTED_VERSIONS:
+        return False
+    step = int(m[2])
+    if not (
+        (kinds is not None and m[3] not in kinds)
+        or (first is not None and step < first)
+        or (last is not None and step > last)
+    ):
+        return False  # a record the caller keeps
+    start = m.end()
+    return (
+        _LINE_END.search(raw, len(raw) - 40) is not None
+        and raw.find(b"\\", start) < 0
+        and _KEY_AGAIN.search(raw, start) is None
+    )
 
 
 def _converts_to_float(vectors: Iterable[list[Any]], has_null: bool) -> bool:
@@ -372,7 +429,7 @@ def query(
 
     chunks = StepChunks(by_step)
     with gc_paused():  # millions of parsed containers, none in a cycle
-        for rec in read_tensor_stats(run_dir):
+        for rec in read_tensor_stats(run_dir, kinds=(kind,), first=first, last=last):
             if rec.get("kind") != kind:
                 continue
             step = int(rec["step"])

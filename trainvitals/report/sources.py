@@ -42,6 +42,7 @@ import csv
 import functools
 import itertools
 import logging
+import operator
 import os
 import warnings
 from array import array
@@ -69,31 +70,30 @@ class StepValues:
     """One metric's points in two typed arrays, steps (int64) and values (float64): 16 bytes a
     point, where a dict entry of boxed ints and floats costs about ten times that (a long run's
     millions of points are what bounds the report's memory). Points are appended in file
-    order; :meth:`finish` sorts them by step and keeps one value per step, the one read last
-    (a resumed run's repeated steps), which is free when the steps came in increasing order."""
+    order (:meth:`append`, or the arrays' own ``append``, as :func:`load_metrics` does);
+    :meth:`finish` sorts them by step and keeps one value per step, the one read last (a
+    resumed run's repeated steps), which costs one comparison a point when the steps came in
+    increasing order."""
 
-    __slots__ = ("_ordered", "steps", "values")
+    __slots__ = ("steps", "values")
 
     def __init__(self) -> None:
         self.steps = array("q")
         self.values = array("d")
-        self._ordered = True  # steps strictly increasing so far
 
     def append(self, step: int, value: float) -> None:
-        if self._ordered and self.steps and step <= self.steps[-1]:
-            self._ordered = False
         self.steps.append(step)
         self.values.append(value)
 
     def finish(self) -> StepValues:
-        if not self._ordered:
-            steps, values = self.steps, self.values
+        steps, values = self.steps, self.values
+        # strictly increasing already (the usual case): one pass in C, no per-point Python
+        if not all(map(operator.lt, steps, itertools.islice(steps, 1, None))):
             order = sorted(range(len(steps)), key=steps.__getitem__)  # stable: file order kept
             last = [i for i, j in itertools.pairwise(order) if steps[i] != steps[j]]
             last.append(order[-1])
             self.steps = array("q", [steps[i] for i in last])
             self.values = array("d", [values[i] for i in last])
-            self._ordered = True
         return self
 
     def get(self, step: int, default: float) -> float:
@@ -251,16 +251,34 @@ def load_metrics(
         src.description = f"{path} (CSV, {rows} values)"
     else:
         lines = 0
+        # key -> the appends of its arrays, or None for a key ``keep`` refuses: the loop below
+        # is the report's inner loop (a point per key and line), so one dict lookup a point
+        appends: dict[str, tuple[Callable[[int], None], Callable[[float], None]] | None] = {}
+        add_time = src.times.append
         for rec in iter_jsonl(path):  # one record at a time: memory holds the kept values only
-            for key, value in rec["metrics"].items():
-                add(key, rec["step"], value)
-            if shown(rec["step"]):
-                src.times.append(rec["time"])
             lines += 1
+            step = rec["step"]
+            if (first is not None and step < first) or (last is not None and step > last):
+                continue
+            add_time(rec["time"])
+            for key, value in rec["metrics"].items():
+                try:
+                    to = appends[key]
+                except KeyError:
+                    to = appends[key] = _appends(src, key) if keep(key) else None
+                if to is not None:
+                    to[0](step)
+                    to[1](value)
         src.description = f"{path} ({lines} lines)"
     for points in src.values.values():
         points.finish()
     return src
+
+
+def _appends(src: MetricsSource, key: str) -> tuple[Callable[[int], None], Callable[[float], None]]:
+    """The ``append`` of the step and value arrays of ``key``'s new :class:`StepValues`."""
+    points = src.values[key] = StepValues()
+    return points.steps.append, points.values.append
 
 
 def _tensorboard_scalars(
