@@ -40,6 +40,12 @@ capturable) optimizer unscales inside its own ``step()``, so ``scaler.step`` alo
 gradients scaled at its step: they are not shown (warned once); ``scaler.unscale_(opt)`` first
 shows them.
 
+Under Accelerate, give the driver the accelerator (``Vitals(..., accelerator=accelerator)``):
+its ``clip_grad_norm_`` and scaler are what the driver wraps to see gradients before clipping.
+Handed a model or optimizer that ``accelerator.prepare`` returned and no accelerator,
+:meth:`Vitals.attach` finds the one that prepared them (else warns): without it, the
+callbacks would see the gradients that ``accelerator.clip_grad_norm_`` clipped.
+
 Several optimizers (``attach(model, [opt_d, opt_g])``: a GAN, or parameters split over two
 optimizers): the step is the batch (its micro-batches under accumulation), and ``ctx.step``
 counts those steps, not each ``optimizer.step()`` (unlike Lightning's ``global_step`` under
@@ -183,6 +189,59 @@ def _inner_or_none(optimizer: Any) -> torch.optim.Optimizer | None:
         return None
 
 
+def _accelerate_prepared(model: Any, optimizers: Sequence[Any]) -> bool:
+    """Whether ``accelerator.prepare`` returned ``model`` or one of ``optimizers``: it marks what
+    it returns with ``_is_accelerate_prepared = True`` (``Accelerator.prepare`` and
+    ``prepare_model``, accelerate 1.x; its ``AcceleratedOptimizer`` wrapper too)."""
+    if getattr(model, "_is_accelerate_prepared", False) is True:
+        return True
+    wrapper = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
+    return any(
+        getattr(o, "_is_accelerate_prepared", False) is True
+        or (wrapper is not None and isinstance(o, wrapper))
+        for o in optimizers
+    )
+
+
+def _preparing_accelerator(model: Any, optimizers: Sequence[Any]) -> Any:
+    """The ``accelerate.Accelerator`` that prepared ``model`` or ``optimizers``, or ``None`` when
+    not exactly one holds them.
+
+    Nothing prepared points back to it: an ``AcceleratedOptimizer`` keeps the torch optimizer,
+    the scaler, and the ``AcceleratorState``/``GradientState`` singletons, not the accelerator
+    (``accelerate/optimizer.py``, ``AcceleratedOptimizer.__init__``), and a prepared model
+    keeps nothing of it. The accelerator keeps what it prepared in its lists ``_models`` and
+    ``_optimizers`` (``Accelerator.prepare_model``/``prepare_optimizer``): found through the
+    garbage collector's referrers of those objects (the lists), then of the lists (the
+    accelerator, or its ``__dict__`` once one was made). Three scans of the tracked objects at
+    most, once, at ``attach()``."""
+    import gc
+
+    accelerator_class = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
+    if accelerator_class is None:
+        return None
+    targets = [model, *optimizers]
+    lists = [r for r in gc.get_referrers(*targets) if type(r) is list]
+    if not lists:
+        return None
+    found: list[Any] = []
+    dicts: list[dict[str, Any]] = []
+    for referrer in gc.get_referrers(*lists):
+        if isinstance(referrer, accelerator_class):
+            found.append(referrer)
+        elif type(referrer) is dict:
+            dicts.append(referrer)
+    if not found and dicts:
+        found = [r for r in gc.get_referrers(*dicts) if isinstance(r, accelerator_class)]
+
+    def holds(accelerator: Any) -> bool:
+        held = [*getattr(accelerator, "_models", ()), *getattr(accelerator, "_optimizers", ())]
+        return any(t is h for t in targets for h in held)
+
+    owners = list({id(a): a for a in found if holds(a)}.values())
+    return owners[0] if len(owners) == 1 else None
+
+
 def _scaler_enabled(scaler: Any) -> bool:
     """Whether ``scaler`` scales (a ``GradScaler(enabled=False)`` never does; an object without
     ``is_enabled`` is taken to)."""
@@ -248,6 +307,9 @@ class Vitals:
         if len(set(keys)) != len(keys):
             raise ValueError(f"two callbacks share a state_key: {keys}; give them distinct names")
         run_dir = Path(run_dir)
+        # what the caller set; an accelerator found at attach() fills in the rest
+        self._explicit_accumulation = accumulate_grad_batches is not None
+        self._explicit_groups = groups is not None
         if accumulate_grad_batches is None:
             accumulate_grad_batches = int(getattr(accelerator, "gradient_accumulation_steps", 1))
         self._owns_writer = writer is None
@@ -270,6 +332,8 @@ class Vitals:
             accelerator=accelerator,
         )
         self._accelerator = accelerator
+        # the accelerator the default writer was made from (not one found at attach())
+        self._writer_accelerator = accelerator
         self._handles: list[Any] = []
         self._started = False
         self._grads_seen_for_step = False  # every gradient shown at once (gradients_ready)
@@ -319,6 +383,14 @@ class Vitals:
         accelerator's ``scaler``, if any). The callbacks then see each step's gradients right
         after it unscales them, before clipping, also on the steps it then skips for inf/nan
         gradients (whose optimizer hooks never run).
+
+        ``model`` or ``optimizer`` returned by ``accelerator.prepare`` while the driver was given
+        no ``accelerator``: the ``Accelerator`` that prepared them is looked up (through the
+        garbage collector's referrers: nothing prepared points back to it; once, here) and used
+        as if given (clipping, AMP unscaling, accumulation steps, process groups unless
+        ``groups`` was given), except that the writer stays the constructor's (default: JSONL
+        in ``run_dir``, not its trackers). When no single one is found: a warning saying to pass
+        ``accelerator=``.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
@@ -332,6 +404,8 @@ class Vitals:
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
         inner = [_inner_optimizer(o) for o in optimizers]
+        if self._accelerator is None and _accelerate_prepared(model, optimizers):
+            self._adopt_accelerator(_preparing_accelerator(model, optimizers))
         self.ctx.model = model
         self.ctx.optimizers = inner
         self._attached = {id(o) for o in inner}
@@ -347,6 +421,34 @@ class Vitals:
         if scaler is not None:
             self._wrap_scaler(scaler)
         return self
+
+    def _adopt_accelerator(self, accelerator: Any) -> None:
+        """``attach()`` was handed objects that ``accelerator.prepare`` returned, and the driver
+        was given no accelerator. Without it the driver would not see ``accelerator.clip_grad_norm_``
+        (the callbacks would get the clipped gradients at the optimizer's step) nor AMP
+        unscaling. ``accelerator``: the one ``Accelerator`` that prepared them
+        (:func:`_preparing_accelerator`), used from here on as if it had been given, except for
+        the writer, which stays what the constructor chose (a JSONL file in ``run_dir`` by
+        default, not the accelerator's trackers); ``None`` when none could be told: warn."""
+        if accelerator is None:
+            warnings.warn(
+                "trainvitals Vitals.attach(): the model or optimizer was prepared by an "
+                "accelerate.Accelerator that the driver was not given and could not find, so "
+                "gradients clipped with accelerator.clip_grad_norm_ (or scaled under fp16) would "
+                "be shown to the callbacks clipped (or scaled); pass it: "
+                "Vitals(callbacks, accelerator=accelerator)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        self._accelerator = accelerator
+        self.ctx.accelerator = accelerator
+        self.ctx.framework = "accelerate"
+        if not self._explicit_accumulation:
+            steps = getattr(accelerator, "gradient_accumulation_steps", 1)
+            self.ctx.accumulate_grad_batches = int(steps)
+        if not self._explicit_groups:
+            self.ctx.groups = ProcessGroups.from_accelerator(accelerator)
 
     def _wrap_scaler(self, scaler: Any) -> None:
         # GradScaler.step() calls self.unscale_(optimizer) unless the loop already did, and
@@ -951,7 +1053,7 @@ class Vitals:
             # warning (ReplayWriter), the later ones are written.
             if self._owns_writer:
                 self.ctx.writer.close()
-                self.ctx.writer = _default_writer(self._accelerator, self.ctx.run_dir)
+                self.ctx.writer = _default_writer(self._writer_accelerator, self.ctx.run_dir)
                 self.ctx.writer.resume_at(step)
             else:
                 self.ctx.replay_run_writer = True
