@@ -13,9 +13,11 @@ tensors of the model, each counted once:
 * tied or shared parameters (the same ``Parameter`` object, or two tensors over the same
   memory) are counted once.
 
-Per-tensor local sums of squares are computed without a host sync, accumulated beyond the
-input precision: on accelerators with the fused multi-tensor ``torch._foreach_norm`` (float64
-output; not exercised by the CPU test suite); on CPU, where torch's norm kernel accumulates
+Per-tensor local sums of squares are computed without reading anything back to the host
+(one host-to-device copy of an index, blocking on CUDA), accumulated beyond the input
+precision: on accelerators with the fused multi-tensor ``torch._foreach_norm`` (float64
+output; one call per device and dtype, the lists its fused kernel takes; not exercised by
+the CPU test suite); on CPU, where torch's norm kernel accumulates
 each row sequentially in float32 (a relative error of ~1e-4 at 5M elements, measured), as
 float32 norms of 1024-element rows combined in float64 (~1e-8 measured); tensors below 8192
 elements are normed whole in float32, all in one call (<5e-7 measured). The per-tensor
@@ -173,8 +175,8 @@ def local_sq_norms(
     """Per-tensor sums of squares of the rank-local data, as one float64 vector.
 
     ``None`` entries (parameters without a gradient) give 0. The result lives on ``device``
-    (default: the device of the first tensor, CPU when there is none); nothing is synchronised
-    with the host.
+    (default: the device of the first tensor, CPU when there is none); nothing is read back to
+    the host (the results' index goes to the device in one copy, which CUDA makes blocking).
 
     A ``Partial`` DTensor's logical value is the sum of its local tensors, whose squares do not
     sum: such tensors are first summed elementwise over their partial groups (one collective per
@@ -200,18 +202,32 @@ def local_sq_norms(
     if device is None:
         device = next((t.device for t in locals_ if t is not None), torch.device("cpu"))
     out = torch.zeros(len(locals_), dtype=torch.float64, device=device)
-    by_device: dict[torch.device, list[int]] = {}
+    # CPU tensors go together (_cpu_sq_norms handles any mix). On an accelerator one
+    # ``_foreach_norm`` call per (device, dtype, contiguous or not): its fused kernel takes
+    # only a list of one dtype whose tensors are all dense (contiguous ones are), and any
+    # other list falls back to one ``linalg.vector_norm`` per tensor (one launch each);
+    # torch's ``clip_grad_norm_`` groups by device and dtype alike.
+    groups: dict[tuple[Any, ...], list[int]] = {}
     for i, t in enumerate(locals_):
         if t is not None and t.numel() > 0:
-            by_device.setdefault(t.device, []).append(i)
-    for dev, idx in by_device.items():
+            if _row_kernel(t.device):
+                key: tuple[Any, ...] = (t.device,)
+            else:
+                key = (t.device, t.dtype, t.is_contiguous())
+            groups.setdefault(key, []).append(i)
+    order: list[int] = []
+    values: list[torch.Tensor] = []
+    for key, idx in groups.items():
         group = [locals_[i] for i in idx]
-        if dev.type == "cpu":
+        if _row_kernel(key[0]):
             sq = _cpu_sq_norms(group)  # type: ignore[arg-type]
         else:
             norms = torch._foreach_norm(group, 2, dtype=torch.float64)  # type: ignore[arg-type]
             sq = torch.stack(norms).square()
-        out.index_copy_(0, torch.tensor(idx, device=device), sq.to(device))
+        order += idx
+        values.append(sq.to(device))
+    if order:  # (one index for every group: one host-to-device copy)
+        out.index_copy_(0, torch.tensor(order, device=device), torch.cat(values))
     for idx, flag in unmeasured:
         # a Partial tensor some rank could not contribute to: "not measured" (-inf), which is
         # what that rank's caller reports for all of its tensors
@@ -219,6 +235,12 @@ def local_sq_norms(
         marked = torch.where(flag.to(device) > 0, -math.inf, out.index_select(0, index))
         out.index_copy_(0, index, marked)
     return out
+
+
+def _row_kernel(device: torch.device) -> bool:
+    """Whether tensors on ``device`` are normed by :func:`_cpu_sq_norms` (CPU), rather than by
+    ``torch._foreach_norm`` with float64 output."""
+    return device.type == "cpu"
 
 
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
@@ -362,7 +384,12 @@ def _cpu_sq_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
                 flat = flat.float()
             body = flat[: c * _CPU_ROW].view(c, _CPU_ROW)
             if n > c * _CPU_ROW:
-                pieces.append(flat[c * _CPU_ROW :])
+                tail = flat[c * _CPU_ROW :]
+                if flat.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+                    # a view of a temporary copy (a low-precision or non-contiguous tensor)
+                    # would keep the whole copy alive until every tensor is measured
+                    tail = tail.clone()
+                pieces.append(tail)
                 piece_owner.append(i)
         row_norms.append(norm(body, 2, 1))
         row_owner.append(i)
