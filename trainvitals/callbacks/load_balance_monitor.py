@@ -65,7 +65,12 @@ class LoadBalanceMonitor(VitalsCallback):
     tokens in the step get no per-layer keys and are left out of the aggregates (their
     statistics would be undefined, not "balanced"). A layer's aux loss that is NaN or infinite
     (a diverged router) is written as it is, and a NaN makes the ``moe/aux_loss_*`` aggregates
-    NaN; layers that report no aux loss are left out of them. ``<l>`` in keys is the layer
+    NaN; layers that report no aux loss are left out of them. Experts without compute, which
+    the capture counts as a router's last columns (ZAYA's skip expert, LongCat-Flash's zero
+    experts), are no experts here: every statistic, ``E`` and ``<e>`` included, is over the
+    experts that compute (a skip expert is meant to be chosen rarely, not to get a fair share,
+    and would read as dead), and their assignments are written as ``tokens_skipped``; a layer
+    whose tokens all went to them has no load statistics. ``<l>`` in keys is the layer
     number from the module name (``model.layers.10.mlp.gate`` -> 10), ordered numerically.
 
     With pipeline parallelism (``ctx.groups.pp`` of more than one rank) the stages agree on
@@ -142,6 +147,10 @@ class LoadBalanceMonitor(VitalsCallback):
     ``moe/layer_<l>/aux_loss``                         the layer's aux loss (detailed, when known)      1
     ``moe/layer_<l>/tokens_per_expert/<e>``            tokens routed to expert ``e`` in the step,       tokens
                                                        summed over micro-batches and ranks (detailed)
+    ``moe/layer_<l>/tokens_skipped``                   assignments to the layer's experts without       tokens
+                                                       compute (ZAYA's skip expert, LongCat-Flash's
+                                                       zero experts), summed like tokens_per_expert
+                                                       (detailed, only for such routers)
     =================================================  ===============================================  =====
     """
 
@@ -173,7 +182,7 @@ class LoadBalanceMonitor(VitalsCallback):
         self.dead_expert_patience = dead_expert_patience
         self.extractors = list(extractors) if extractors is not None else []
         self.capture: RouterCapture | None = None
-        self._layout = _Layout([], [], 0, None)
+        self._layout = _Layout([], [], 0, None, 0)
         # pipeline stages: (device, positions of this stage's packed values in the table of
         # all stages' layers), made at the first logging step of a layout
         self._table_index: tuple[torch.device, torch.Tensor] | None = None
@@ -195,8 +204,8 @@ class LoadBalanceMonitor(VitalsCallback):
         self._table_index = None
         for label in layout.labels:
             streak = self._dead_streak.get(label)
-            if streak is None or len(streak) != layout.num_experts:
-                self._dead_streak[label] = [0] * layout.num_experts
+            if streak is None or len(streak) != layout.computed:
+                self._dead_streak[label] = [0] * layout.computed
         capture.enabled = self.should_log(ctx)
 
     def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
@@ -253,6 +262,9 @@ class LoadBalanceMonitor(VitalsCallback):
             aux_count = host[num_layers * (num_experts + 1) :]
             rows, aux_sum = unpack_loads(host, num_layers, num_experts)
         values = self._values(rows, aux_sum, aux_count)
+        computed = layout.computed
+        if computed < num_experts:  # the experts that compute, without the no-compute columns
+            rows = [row[:computed] for row in rows]
         values.update(self._update_dead_streaks(ctx, rows))
         self.write(ctx, values)
 
@@ -307,6 +319,13 @@ class LoadBalanceMonitor(VitalsCallback):
         """The values of one report, by key (Python floats): the finite load statistics and
         the aux losses of the layers that reported one (NaN and inf included)."""
         keys = self._key_cache()
+        computed = self._layout.computed
+        skipped: list[float] = []
+        if computed < self._layout.num_experts:
+            # no-compute experts (ZAYA's skip expert, LongCat-Flash's zero experts): their
+            # assignments are not an expert's load, so the statistics are over the others
+            skipped = [sum(row[computed:]) for row in rows]
+            rows = [row[:computed] for row in rows]
         stats = load_balance_stats_lists(rows, top_k=self.top_k)
         # A layer's aux loss is known when some forward reported one (count > 0; a NaN count
         # is a step not measured). A known value is written as it is, NaN or inf included (a
@@ -335,9 +354,14 @@ class LoadBalanceMonitor(VitalsCallback):
         if self.mode == "detailed":
             names += keys.per_layer
             numbers += [v for metric in stats.per_layer for v in metric]
-            for (aux_key, token_keys), row, aux_value in zip(keys.layer, rows, aux, strict=True):
+            for i, ((aux_key, token_keys), row, aux_value) in enumerate(
+                zip(keys.layer, rows, aux, strict=True)
+            ):
                 if aux_key is not None and aux_value is not None:
                     aux_values[aux_key] = aux_value
+                if skipped and (any(row) or skipped[i]):
+                    names.append(keys.skipped[i])
+                    numbers.append(skipped[i])
                 if any(row):
                     names += token_keys
                     numbers += row
@@ -348,11 +372,17 @@ class LoadBalanceMonitor(VitalsCallback):
     def _key_cache(self) -> _Keys:
         """The key strings of the current layout, built once per layout (not per step)."""
         layout = self._layout
-        signature = (tuple(layout.labels), tuple(layout.has_aux), layout.num_experts, self.mode)
+        signature = (
+            tuple(layout.labels),
+            tuple(layout.has_aux),
+            layout.num_experts,
+            layout.computed,
+            self.mode,
+        )
         cached = self._keys_cached
         if cached is not None and cached.signature == signature:
             return cached
-        labels, num_experts = layout.labels, layout.num_experts
+        labels, num_experts = layout.labels, layout.computed
         aggregates = [f"moe/{metric}_{agg}" for metric in _AGGREGATED for agg in AGGREGATES]
         if LAYER_METRICS[: len(_AGGREGATED)] != _AGGREGATED:
             raise AssertionError("LAYER_METRICS must start with the aggregated metrics")
@@ -380,6 +410,7 @@ class LoadBalanceMonitor(VitalsCallback):
                 )
                 for label, has_aux in zip(labels, layout.has_aux, strict=True)
             ],
+            skipped=[f"moe/layer_{label}/tokens_skipped" for label in labels],
         )
         self._keys_cached = cached
         return cached
@@ -388,7 +419,7 @@ class LoadBalanceMonitor(VitalsCallback):
         if self.dead_expert_patience is None:
             return {}
         patience = self.dead_expert_patience
-        num_experts = self._layout.num_experts
+        num_experts = self._layout.computed
         newly_dead: list[str] = []
         persistent = 0
         for label, row in zip(self._layout.labels, loads, strict=True):
@@ -442,6 +473,7 @@ class _Keys:
     expert: list[str]  # by flat index layer_pos * E + expert
     per_layer: list[str]  # LAYER_METRICS x layers (detailed)
     layer: list[tuple[str | None, list[str]]]  # per layer: aux key, tokens-per-expert keys
+    skipped: list[str]  # per layer: tokens to its no-compute experts
 
 
 @dataclass
@@ -450,8 +482,11 @@ class _Layout:
 
     labels: list[str]
     has_aux: list[bool]
-    num_experts: int
+    num_experts: int  # columns of the loads table
     rows: list[int] | None  # row of each local router in the table of all stages; None: local
+    # the first `computed` columns are experts that compute; the others are no-compute experts
+    # (ZAYA's skip expert, LongCat-Flash's zero experts), left out of the statistics
+    computed: int
 
 
 def _capture_and_layout(
@@ -511,7 +546,12 @@ def _agree_over_dp_cp(layout: _Layout | None, error: Exception | None, dp_cp: An
     if group_size(dp_cp) > 1:
         mine = None
         if layout is not None:
-            mine = (layout.num_experts, layout.labels, layout.has_aux, layout.rows)
+            mine = (
+                (layout.num_experts, layout.computed),
+                layout.labels,
+                layout.has_aux,
+                layout.rows,
+            )
         message = None if error is None else f"{type(error).__name__}: {error}"
         peers = all_gather_objects((mine, message), dp_cp)
     if error is not None and peers and not isinstance(error, ValueError | TypeError):
@@ -527,8 +567,10 @@ def _agree_over_dp_cp(layout: _Layout | None, error: Exception | None, dp_cp: An
     layouts = [mine for mine, _ in peers]
     if any(other != layouts[0] for other in layouts):
         by_layout: dict[str, list[int]] = {}
-        for rank, (num_experts, labels, has_aux, rows) in enumerate(layouts):
+        for rank, ((num_experts, computed), labels, has_aux, rows) in enumerate(layouts):
             text = f"{len(labels)} MoE layers [{', '.join(labels)}] of {num_experts} experts"
+            if computed != num_experts:
+                text += f" ({num_experts - computed} without compute)"
             if sum(has_aux) != len(has_aux):
                 text += f", {sum(has_aux)} with an aux loss"
             if rows is not None:
@@ -554,9 +596,16 @@ def _layout(
     if group_size(pp) == 1:
         if not labels:
             raise ValueError(_no_router_message(model_name))
-        return _Layout(labels, has_aux, capture.num_experts, None)
+        computed = _computed_experts(capture)
+        return _Layout(labels, has_aux, capture.num_experts, None, computed)
     mine = [(r.label, r.sort_key[:2], r.has_aux_loss) for r in capture.routers]
-    stages = all_gather_objects((capture.num_experts, mine, error), pp)  # once, at run start
+    sizes_mine = (capture.num_experts, 0)
+    if error is None and capture.routers:
+        try:
+            sizes_mine = (capture.num_experts, _computed_experts(capture))
+        except ValueError as exc:
+            error = str(exc)
+    stages = all_gather_objects((sizes_mine, mine, error), pp)  # once, at run start
     errors = [(stage, err) for stage, (_, _, err) in enumerate(stages) if err]
     if errors:
         raise ValueError(f"LoadBalanceMonitor: pipeline stage {errors[0][0]}: {errors[0][1]}")
@@ -565,7 +614,8 @@ def _layout(
     if len(sizes) > 1:
         raise ValueError(
             f"LoadBalanceMonitor: the pipeline stages have routers with different numbers of "
-            f"experts {sorted(sizes)}; they must all be the same"
+            f"experts {sorted(e for e, _ in sizes)} (of which computing "
+            f"{sorted(c for _, c in sizes)}); they must all be the same"
         )
     if not sizes:
         raise ValueError(_no_router_message(model_name))
@@ -595,12 +645,33 @@ def _layout(
         table.sort(key=lambda row: (row[0], row[1], row[2]))
     me = group_rank(pp)
     index = {(stage, pos): i for i, (_, stage, pos, _, _) in enumerate(table)}
+    num_experts, computed = sizes.pop()
     return _Layout(
         labels=[row[3] for row in table],
         has_aux=[row[4] for row in table],
-        num_experts=sizes.pop(),
+        num_experts=num_experts,
         rows=[index[(me, pos)] for pos in range(len(capture.routers))],
+        computed=computed,
     )
+
+
+def _computed_experts(capture: RouterCapture) -> int:
+    """How many of the capture's ``E`` columns are experts that compute: all of them, except
+    for routers whose last columns are experts without compute
+    (:attr:`trainvitals.moe.capture.RouterInfo.computed_experts`: ZAYA's skip expert,
+    LongCat-Flash's zero experts). Raises ``ValueError`` when the routers disagree."""
+    columns = capture.num_experts
+    found = set()
+    for router in capture.routers:
+        computed = router.computed_experts or columns
+        found.add(computed)
+    if len(found) > 1:
+        raise ValueError(
+            f"LoadBalanceMonitor: the routers have {columns} columns but different numbers of "
+            f"experts that compute {sorted(found)} (the others being skip or zero experts); "
+            "they must all be the same"
+        )
+    return found.pop() if found else columns
 
 
 def _no_router_message(model_name: str) -> str:

@@ -403,6 +403,9 @@ class RouterInfo:
             labels are assigned.
         label: the unique layer label used in keys (``str(layer)`` unless two routers clash).
         has_aux_loss: whether the router reports an auxiliary loss.
+        computed_experts: how many of the ``num_experts`` columns, the first ones, are experts
+            that compute; the others are experts without compute (ZAYA's skip expert,
+            LongCat-Flash's zero experts), which a load statistic leaves out. ``None``: all.
     """
 
     name: str
@@ -417,6 +420,7 @@ class RouterInfo:
     # (DbrxRouter: its parent DbrxFFN's top_k)
     top_k: int | None = field(default=None, repr=False)
     sort_key: tuple = field(default=(), repr=False)
+    computed_experts: int | None = None
 
 
 def count_dtype(device: torch.device | str | None) -> torch.dtype:
@@ -652,11 +656,30 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
                 or cls in _PRODUCT_KEY_ROUTERS
                 or _hf_switch_loss_family(module)
             )
-            return RouterInfo(name, module, "hf", num, has_aux_loss=aux)
+            return RouterInfo(
+                name,
+                module,
+                "hf",
+                num,
+                has_aux_loss=aux,
+                computed_experts=_hf_computed(module, num),
+            )
     buffer = _torchtitan_buffer(module)
     if buffer is not None:
         return RouterInfo(name, module, "torchtitan", int(module._buffers[buffer].numel()))
     return None
+
+
+def _hf_computed(module: nn.Module, columns: int) -> int | None:
+    """The experts that compute among the ``columns`` of a Hugging Face router whose columns
+    include experts without compute (:data:`_HF_EXPERTS_ATTR`): its ``num_experts`` attribute
+    (transformers 5.x modeling_zaya.py: ``num_router_classes = num_experts + 1``;
+    modeling_longcat_flash.py: ``n_routed_experts = num_experts + zero_expert_num``). ``None``
+    for the other routers (every column computes)."""
+    if _hf_class_name(module) not in _HF_EXPERTS_ATTR:
+        return None
+    n = _int_attr(module, "num_experts")
+    return n if n is not None and 0 < n < columns else None
 
 
 def _assign_labels(routers: list[RouterInfo]) -> None:
