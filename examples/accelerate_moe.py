@@ -4,7 +4,11 @@ plus two optional ones: ``register_for_checkpointing`` (counters and windows sur
 block does it too).
 
     python examples/accelerate_moe.py --run-dir runs/accelerate --steps 100
-    torchrun --standalone --nproc_per_node 2 examples/accelerate_moe.py   # two CPU ranks (gloo)
+    torchrun --standalone --nproc_per_node 2 examples/accelerate_moe.py --run-dir runs/accelerate_2ranks   # two CPU ranks (gloo)
+
+(Give each run its own ``--run-dir``: Accelerate's TensorBoard tracker adds an event file to
+the folder, and two runs in one folder are read back as one, by TensorBoard and by
+``trainvitals report``.)
 
 (``accelerate launch --num_processes 2 --cpu`` starts one process: with ``--cpu`` Accelerate's
 launcher ignores ``--num_processes``.)

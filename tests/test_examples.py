@@ -54,7 +54,7 @@ EXAMPLE_RUNS = {
     ),
     "test_lightning_example": (
         "lightning",
-        [*_example("lightning_moe.py"), "--steps", "4", "--log-every", "2"],
+        [*_example("lightning_moe.py"), "--steps", "4", "--log-every", "2", "--val-every", "2"],
     ),
 }
 
@@ -162,6 +162,22 @@ def test_lightning_example(example_runs, request):
     assert str(report) in out
     text = report.read_text()
     assert 'data-key="l2_norm/grad/global"' in text and 'data-kind="grad"' in text
+    # The example gave Lightning no validation data for the module's validation_step: every
+    # run printed "You defined a `validation_step` but have no `val_dataloader`", logged no
+    # loss and showed time/validation_hours 0 throughout.
+    err = (example_runs[request.node.originalname].output / "stderr").read_text()
+    assert "val_dataloader" not in err, err[-2000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(stats.parent), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    # --steps 4 --val-every 2: validations after optimizer steps 2 and 4, which Lightning logs
+    # at its step - 1; the training loss at each logging step (--log-every 2)
+    assert [e.step for e in accumulator.Scalars("val/loss")] == [1, 3]
+    assert [e.step for e in accumulator.Scalars("train/loss")] == [1, 3]
+    validation = accumulator.Scalars("time/validation_hours")
+    assert validation[-1].value > 0
+    assert all(0 < e.value < 10 for e in accumulator.Scalars("val/loss"))
 
 
 def _load_example(script: str) -> ModuleType:
@@ -182,6 +198,14 @@ def _load_example(script: str) -> ModuleType:
         ("demo.py", "--micro-batches"),
         ("demo.py", "--log-every"),
         ("accelerate_moe.py", "--accumulate"),
+        # --accumulate 0: a ZeroDivisionError inside Lightning; --steps 0 "trained" and wrote an
+        # empty report with exit status 0; --log-every 0: a callback's ValueError traceback;
+        # --devices 0: Lightning's MisconfigurationException traceback
+        ("lightning_moe.py", "--steps"),
+        ("lightning_moe.py", "--accumulate"),
+        ("lightning_moe.py", "--log-every"),
+        ("lightning_moe.py", "--devices"),
+        ("lightning_moe.py", "--val-every"),
     ],
 )
 def test_examples_refuse_non_positive_counts(script, option, tmp_path, capsys):
@@ -191,6 +215,8 @@ def test_examples_refuse_non_positive_counts(script, option, tmp_path, capsys):
     # above run each script as a process.)
     if script == "accelerate_moe.py":
         pytest.importorskip("accelerate")
+    if script == "lightning_moe.py":
+        pytest.importorskip("lightning")
     main = _load_example(script).main
     with pytest.raises(SystemExit) as refused:
         main(["--run-dir", str(tmp_path), option, "0"])
