@@ -69,7 +69,9 @@ class RuntimeMonitor(VitalsCallback):
     Validation time is counted at every logging step; a validation after the last logging step
     (Lightning's at the end of the last epoch, a loop's final evaluation) is written at the
     run's end: ``time/train_<unit>``, ``time/validation_<unit>`` and ``time/total_<unit>`` at
-    the step after the last optimizer step (where Lightning logs that validation's metrics).
+    the step one past the last step's row (the number of optimizer steps done), so that it
+    adds a point rather than rewriting the last step's (Lightning logs that validation's own
+    metrics at the last step's number).
 
     Everything is state: a resumed run continues its clocks, its counters and its rate from the
     checkpoint (Lightning checkpoints, the driver's ``state_dict``); time between the
@@ -237,8 +239,8 @@ class RuntimeMonitor(VitalsCallback):
         if self._validated_since_write:
             # A validation after the last logging step (Lightning's at the end of the last
             # epoch, the loop's final evaluation): its time is in no written value yet. The
-            # clock keys only (rank-local readings, no collective), at the step after the last
-            # optimizer step, as Lightning logs that validation's own metrics.
+            # clock keys only (rank-local readings, no collective), one step past the last
+            # step's row: a point of its own, not a rewrite of a row already delivered.
             now = self._clock.read()
             self.write(
                 ctx,
