@@ -1,7 +1,9 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   trains a small MoE model on CPU with every callback and logs it
 #   make test   runs the whole test suite
-# Both create .venv, install torch==2.13.0 (the CPU wheel) first, then the package with its extras.
+# Both create .venv, install torch==2.13.0 first (the CPU wheel where pip finds one, as on the
+# CI machines; elsewhere add --index-url https://download.pytorch.org/whl/cpu to avoid CUDA
+# packages), then the package with its extras.
 
 PYTHON ?= python3
 VENV   ?= .venv
