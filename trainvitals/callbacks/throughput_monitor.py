@@ -155,12 +155,20 @@ class ThroughputMonitor(VitalsCallback):
     attention's flops per token grow with the length, so with variable-length batches the flops
     keys of longer (shorter) steps come out low (high); a window whose tokens per sample differ
     from the measured step's is warned about once (give ``flops_per_token`` or
-    ``flops_per_sample`` for such runs). On a MoE model the count is what runs: the routed top-k
-    experts when the experts compute only their tokens. A step restored from a checkpoint taken
-    inside its accumulation window before the count was made is not measured (its carried
-    micro-batches, told again with ``batch=None``, ran in the earlier process: their flops would
-    be missing from the count, not their tokens); the next full step is, and the unmeasured
-    step's flops are unknown (no flops key while it is in the window). The global flops are,
+    ``flops_per_sample`` for such runs). On a MoE model the count is the matmul work that runs:
+    the routed top-k experts, each on its own tokens, when the experts compute only their
+    tokens (transformers 5.x's ``grouped_mm``, ``batched_mm`` and ``eager`` experts: the
+    grouped matmuls, which ``FlopCounterMode`` of torch 2.13 has no formula for, are counted
+    by :func:`trainvitals.stats.flops.extra_flop_formulas`), but every expert on every token
+    for a layer that runs them all and masks the result (``TinyMoELM``'s dense einsum):
+    MFU is then hardware flops utilisation, above Megatron's MFU, which counts the routed
+    experts only; give ``flops_per_token`` for that. Expert kernels the mode cannot see (custom
+    CUDA kernels: DeepGEMM, SonicMoE) are missing from the count. A step restored from a
+    checkpoint taken inside its accumulation window before the count was made is not measured
+    (its carried micro-batches, told again with ``batch=None``, ran in the earlier process:
+    their flops would be missing from the count, not their tokens); the next full step is, and
+    the unmeasured step's flops are unknown (no flops key while it is in the window). The
+    global flops are,
     given per token (sample), the model's flops times the tokens (samples) of all data streams,
     so ranks that see no tokens (pipeline stages past the first) need not report any; measured,
     every rank's own count summed over all ranks, left out (not written low) while some rank
