@@ -424,9 +424,9 @@ class Vitals:
 
     def _adopt_accelerator(self, accelerator: Any) -> None:
         """``attach()`` was handed objects that ``accelerator.prepare`` returned, and the driver
-        was given no accelerator. Without it the driver would not see ``accelerator.clip_grad_norm_``
-        (the callbacks would get the clipped gradients at the optimizer's step) nor AMP
-        unscaling. ``accelerator``: the one ``Accelerator`` that prepared them
+        was given no accelerator. Without it the driver would not see
+        ``accelerator.clip_grad_norm_`` (the callbacks would get the clipped gradients at the
+        optimizer's step) nor AMP unscaling. ``accelerator``: the one ``Accelerator`` that prepared them
         (:func:`_preparing_accelerator`), used from here on as if it had been given, except for
         the writer, which stays what the constructor chose (a JSONL file in ``run_dir`` by
         default, not the accelerator's trackers); ``None`` when none could be told: warn."""
