@@ -55,18 +55,21 @@ def _documented_key_patterns(cls: type) -> list[re.Pattern[str]]:
     ``{name}`` are wildcards, ``{a,b,c}`` is one of the alternatives."""
     doc = inspect.getdoc(cls) or ""
     literals = re.findall(r"``([A-Za-z0-9_./<>{},\-]+/[A-Za-z0-9_./<>{},\-]+)``", doc)
-    patterns = []
-    for literal in literals:
-        regex = ""
-        for part in re.split(r"(<[^>]*>|\{[^}]*\})", literal):
-            if part.startswith("{") and "," in part:
-                regex += "(" + "|".join(re.escape(a) for a in part[1:-1].split(",")) + ")"
-            elif part[:1] in ("<", "{"):
-                regex += ".+"
-            else:
-                regex += re.escape(part)
-        patterns.append(re.compile(f"^{regex}$"))
-    return patterns
+    return [documented_key_pattern(literal) for literal in literals]
+
+
+def documented_key_pattern(literal: str) -> re.Pattern[str]:
+    """A documented key as a regex: ``{a,b}`` is one of the alternatives, ``{x}``/``<x>`` any
+    non-empty text."""
+    regex = ""
+    for part in re.split(r"(<[^>]*>|\{[^}]*\})", literal):
+        if part.startswith("{") and "," in part:
+            regex += "(" + "|".join(re.escape(a) for a in part[1:-1].split(",")) + ")"
+        elif part[:1] in ("<", "{"):
+            regex += ".+"
+        else:
+            regex += re.escape(part)
+    return re.compile(f"^{regex}$")
 
 
 def _run_driver(callbacks: list, tmp_path) -> tuple[list[dict], Vitals]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_all_callbacks import documented_key_pattern
 from trainvitals.adapters import FanoutWriter, JsonlSink
 from trainvitals.adapters.jsonl import read_jsonl
 from trainvitals.adapters.loop import Vitals
@@ -31,20 +32,6 @@ from trainvitals.moe import (
 ROOT = Path(__file__).resolve().parents[1]
 CUSTOM = "router_input_rms"  # a name with no "_p" / "_layer_" in it
 E, K, LAYERS, MOE_LAYERS = 4, 2, 3, (0, 2)
-
-
-def _pattern(literal: str) -> re.Pattern[str]:
-    """A documented key as a regex: ``{a,b}`` is one of the alternatives, ``{x}``/``<x>`` any
-    non-empty text."""
-    regex = ""
-    for part in re.split(r"(<[^>]*>|\{[^}]*\})", literal):
-        if part.startswith("{") and "," in part:
-            regex += "(" + "|".join(re.escape(a) for a in part[1:-1].split(",")) + ")"
-        elif part[:1] in ("<", "{"):
-            regex += ".+"
-        else:
-            regex += re.escape(part)
-    return re.compile(f"^{regex}$")
 
 
 def _docstring_rows() -> list[str]:
@@ -113,7 +100,7 @@ def _run(tmp_path: Path, aux_loss_type: str) -> tuple[dict[str, float], dict[str
 def test_every_written_key_is_a_row_and_every_row_is_written(tmp_path, source):
     rows = _docstring_rows() if source == "docstring" else _page_rows()
     assert len(rows) >= 7, rows
-    patterns = [_pattern(row) for row in rows]
+    patterns = [documented_key_pattern(row) for row in rows]
     written: set[str] = set()
     for aux in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
         metrics, _ = _run(tmp_path / aux, aux)

@@ -13,10 +13,14 @@ import pytest
 def fresh_accelerate_state():
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
+    def reset() -> None:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+    reset()  # (an earlier test of this process may have left a state with another precision)
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    reset()
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")
