@@ -5,28 +5,18 @@ batches as such, and ``register_for_checkpointing`` save/load continuing counter
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist import free_port
+from tests.helpers.dist import torchrun
 from tests.scripts.accelerate_vitals import ACC, SEQ, batch_size, step_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(out: Path, phase: int) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRAINVITALS_STRICT="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()), str(ROOT / "tests/scripts/accelerate_vitals.py"),
-        str(out), str(phase),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"phase {phase}:\n" + proc.stdout[-3000:] + proc.stderr[-8000:]
+    torchrun(ROOT / "tests/scripts/accelerate_vitals.py", str(out), str(phase))
 
 
 @pytest.mark.timeout(540)

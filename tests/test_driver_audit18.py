@@ -7,16 +7,13 @@ close ran after the writer's, and what it logged was dropped)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.dist import free_port
+from tests.helpers.dist import torchrun
 from tests.scripts.vitals_testing import FakeClock, RecordingWriter
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import NormMonitor, RuntimeMonitor, ThroughputMonitor
@@ -233,13 +230,7 @@ def test_a_driver_nothing_closed_writes_its_close_before_the_writer_closes(tmp_p
     Now the drivers close first: every row is written, samples summed over both ranks."""
     script = tmp_path / "never_closed.py"
     script.write_text(_NEVER_CLOSED)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRAINVITALS_STRICT="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()), str(script), str(tmp_path), end,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = torchrun(script, str(tmp_path), end)
     assert "after close()" not in proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     per_step = sum(2 + 3 * r for r in (0, 1))

@@ -7,15 +7,12 @@ after every optimizer stepped while the critic steps again (the batch stays one 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.dist import free_port, run_distributed
+from tests.helpers.dist import run_distributed, torchrun
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import NormMonitor, RuntimeMonitor, ThroughputMonitor
@@ -178,13 +175,7 @@ def test_end_training_on_rank_0_only_keeps_the_last_step(tmp_path, optimizers):
     ranks (an independent sum)."""
     script = tmp_path / "end_training_rank0.py"
     script.write_text(_END_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRAINVITALS_STRICT="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()), str(script), str(tmp_path), optimizers,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = torchrun(script, str(tmp_path), optimizers)
     assert "Connection closed" not in proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     per_step = sum(2 + 3 * r for r in (0, 1))

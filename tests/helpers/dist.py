@@ -18,12 +18,31 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+
+def torchrun(
+    script: str | os.PathLike, *args: str, nproc: int = 2, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """Run ``script args...`` under ``torch.distributed.run`` on ``nproc`` CPU ranks from the
+    repository root (the package importable, one thread per rank, strict callbacks); fails the
+    test with the tails of its output unless every rank exits 0."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", TRAINVITALS_STRICT="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_port", str(free_port()), str(script), *map(str, args),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} {args}:\n" + proc.stdout[-3000:] + proc.stderr[-8000:]
+    return proc
 
 
 def free_port() -> int:
