@@ -271,26 +271,51 @@ def infer_batch_size(batch: Any) -> int | None:
 
 def infer_num_tokens(batch: Any) -> int | None:
     """Tokens in a batch: ``input_ids``' element count when present, else that of the first
-    integer tensor of two or more dims (``[batch, seq]`` token ids); ``None`` otherwise.
+    2-d integer tensor (``[batch, seq]`` token ids; not ``bool``, a mask); ``None`` otherwise.
+    Tensors of more dims are not token ids (``uint8`` images ``[batch, height, width]``:
+    pixels, not tokens).
 
     Padding is counted; pass ``num_tokens_fn`` (Lightning) or ``num_tokens=`` (driver) to count
     only real tokens, e.g. ``lambda b: int(b["attention_mask"].sum())``.
     """
     if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
         return int(batch["input_ids"].numel())
-    tensor = _first_tensor(batch, integer_2d=True)
+    tensor = _first_tensor(batch, token_ids=True)
     return None if tensor is None else int(tensor.numel())
 
 
-def _first_tensor(obj: Any, integer_2d: bool = False) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        if obj.ndim >= 1 and (not integer_2d or (obj.ndim >= 2 and not obj.is_floating_point())):
-            return obj
-        return None
-    values = obj.values() if isinstance(obj, Mapping) else obj
-    if isinstance(values, list | tuple) or isinstance(obj, Mapping):
-        for v in values:
-            found = _first_tensor(v, integer_2d)
-            if found is not None:
-                return found
+def _first_tensor(obj: Any, token_ids: bool = False) -> torch.Tensor | None:
+    """The first tensor (depth first, in order) of ``obj``, its dicts, lists and tuples that has
+    a dim (``token_ids``: that is 2-d, integer, not bool). Each container is visited once: a
+    batch that holds itself (a list appended to itself) is searched, not recursed into
+    forever (a ``RecursionError`` that ended the run from ``vitals.batch()``)."""
+    seen: set[int] = set()
+    stack: list[Any] = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if _fits(item, token_ids):
+                return item
+            continue
+        if isinstance(item, Mapping):
+            values: Any = item.values()
+        elif isinstance(item, list | tuple):
+            values = item
+        else:
+            continue
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        stack.extend(reversed(list(values)))
     return None
+
+
+def _fits(tensor: torch.Tensor, token_ids: bool) -> bool:
+    if not token_ids:
+        return tensor.ndim >= 1
+    return (
+        tensor.ndim == 2
+        and not tensor.is_floating_point()
+        and not tensor.is_complex()
+        and tensor.dtype != torch.bool
+    )

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import stat
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO
 
 from trainvitals.adapters.jsonl import (
     _holds_step_below,
@@ -26,8 +27,9 @@ class JsonlSink(Sink):
 
     The file is opened on the first delivery (append mode, parent directories created), each
     line is written whole and flushed to the operating system at once, so a killed process
-    loses at most the line being written. Keys are written unchanged; NaN and infinities as
-    ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+    loses at most the line being written. A write that fails (disk full) is cut off again, so
+    the file holds whole lines only and the writer's retry adds the line once. Keys are
+    written unchanged; NaN and infinities as ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
 
     Appending to an existing file (a resumed run): before its first line the sink drops every
     record of a step at or after the step the run resumes at, with a warning saying how many.
@@ -60,7 +62,7 @@ class JsonlSink(Sink):
     def __init__(self, path: str | os.PathLike[str], *, name: str | None = None) -> None:
         super().__init__(name=name, owned=True)
         self.path = Path(path).absolute()  # fixed now: a later chdir does not move it
-        self._file: IO[str] | None = None
+        self._file: io.FileIO | None = None
         self._partial = False  # a failed write may have left part of a line
         self._resume_step: int | None = None  # from FanoutWriter.resume_at
         self._cut_from: int | None = None  # the file holds no line of a step >= this
@@ -84,7 +86,9 @@ class JsonlSink(Sink):
             # lines from the first written step on would be duplicated, whatever was declared
             first_step = min(first_step, self._resume_step)
         self._drop_abandoned(first_step)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        # Unbuffered: a failed write (disk full) leaves nothing in a buffer that a later flush
+        # would write after the retried line (the step twice in the file).
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - kept open
 
     def _drop_abandoned(self, first_step: int) -> None:
         """Make the file ready for lines from ``first_step`` on (once per cut point)."""
@@ -125,16 +129,29 @@ class JsonlSink(Sink):
             separators=(",", ":"),
             allow_nan=False,
         )
-        if self._partial:
+        before = self._partial
+        if before:
             line = "\n" + line
+        data = memoryview((line + "\n").encode("utf-8"))
+        start = _size(self._file)
         self._partial = True
-        self._file.write(line + "\n")
-        self._file.flush()
+        try:
+            while data:
+                written = self._file.write(data)
+                if not written:  # (a non-blocking pipe that takes nothing: no progress)
+                    raise BlockingIOError(f"JsonlSink: {self.path} took no bytes")
+                data = data[written:]
+        except BaseException:
+            # Disk full, quota, I/O error: the part written is cut off again, so the file holds
+            # whole lines only and the sink's retry writes the line once. Where the file cannot
+            # be cut (a pipe), the next line starts on a line of its own (_partial).
+            if start is not None and _truncate(self._file, start):
+                self._partial = before
+            raise
         self._partial = False
 
     def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+        pass  # every line is written through at once (unbuffered)
 
     def close(self) -> None:
         if self._file is None:
@@ -142,3 +159,20 @@ class JsonlSink(Sink):
             return
         self._file.close()
         self._file = None
+
+
+def _size(file: io.FileIO) -> int | None:
+    """The size of a regular file, where a failed write is cut off again; ``None`` else."""
+    try:
+        status = os.fstat(file.fileno())
+    except OSError:
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
+
+
+def _truncate(file: io.FileIO, size: int) -> bool:
+    try:
+        os.ftruncate(file.fileno(), size)
+    except OSError:
+        return False
+    return True
