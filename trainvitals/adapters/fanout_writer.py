@@ -38,16 +38,20 @@ A sink whose ``write`` raises is reported once (a ``RuntimeWarning`` with its na
 error) and retried with exponential backoff (``retry_backoff``); its pending steps stay in its
 buffer, whose oldest step is dropped (and counted as missed) when it is full. After
 ``max_failures`` consecutive failures the sink is disabled with a warning saying how many steps
-it missed. A ``write`` that has not returned after ``sink_timeout`` seconds is reported as hung;
-``flush()`` and ``close()`` stop waiting for it, and for the sink's later writes until one of
-them returns within ``sink_timeout`` (``close()`` abandons such a sink at once). ``close()``
-never raises because of a sink, and its last warning lists every sink that missed steps.
+it missed. An ``OSError`` that retrying cannot fix (``errno`` ``ENOTDIR``, ``EISDIR``,
+``EACCES``, ``EPERM``, ``EROFS``: a path that cannot be made or opened) disables the sink at
+once, with one warning naming the error. A ``write`` that has not returned after
+``sink_timeout`` seconds is reported as hung; ``flush()`` and ``close()`` stop waiting for it,
+and for the sink's later writes until one of them returns within ``sink_timeout`` (``close()``
+abandons such a sink at once). ``close()`` never raises because of a sink, and its last warning
+lists every sink that missed steps.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import functools
 import logging
 import math
@@ -360,6 +364,17 @@ def _materialize(batch: _StepBatch, warned: set[str]) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 # one worker per sink
 
+#: ``errno`` values of an ``OSError`` that retrying a sink cannot fix: the path it writes to
+#: cannot be made or opened (a regular file where its folder should be, a folder where its
+#: file should be, no permission, a read-only file system). Space, quota, I/O and network
+#: errors (``ENOSPC``, ``EDQUOT``, ``EIO``, ``ECONNREFUSED``, ...) are retried.
+_PERMANENT_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def _retry_cannot_fix(error: BaseException) -> bool:
+    """Whether a sink's failure is one that retrying cannot fix (see ``_PERMANENT_ERRNOS``)."""
+    return isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS
+
 
 class _SinkWorker:
     """Delivers one sink's steps in order; all state is guarded by the writer's condition."""
@@ -388,6 +403,7 @@ class _SinkWorker:
         self.last_error: str | None = None
         self.next_attempt = 0.0
         self.disabled = False
+        self.unusable = False  # disabled at its first error, one retrying cannot fix
         self.closing = False
         self.abandoned = False
         self.finished = False
@@ -530,10 +546,30 @@ class _SinkWorker:
                     f"trainvitals FanoutWriter: sink {self.name!r} refused step "
                     f"{record.step}: {error}; such steps are counted as missed",
                 )
+            elif _retry_cannot_fix(error):
+                self._unusable(record, error)
             else:
                 self._failed(record, error)
             self.cond.notify_all()
         return True
+
+    def _unusable(self, record: _Record, error: BaseException) -> None:
+        """Disable the sink at once: ``error`` says it cannot work in this run (a run folder
+        that cannot be written), so retrying it until ``max_failures`` only held ``close()``
+        for its whole ``close_timeout``."""
+        self.failures += 1
+        self.total_failures += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        lost = 1 + len(self.pending)
+        self.pending.clear()
+        self._miss("disabled", lost)
+        self.disabled = True
+        self.unusable = True
+        _warn(
+            f"trainvitals FanoutWriter: sink {self.name!r} cannot work: {self.last_error} "
+            f"(failed on step {record.step}; retrying cannot fix this error). Disabled at once: "
+            "it gets no further steps; the other sinks go on"
+        )
 
     def _failed(self, record: _Record, error: BaseException) -> None:
         w = self.writer
@@ -1691,7 +1727,9 @@ class FanoutWriter:
             closer.join(_ABANDONED_CLOSE_TIMEOUT)
         for w in lossy:
             why = ", ".join(f"{n} {reason}" for reason, n in w.missed_why.items())
-            if w.disabled:
+            if w.unusable:
+                why += "; disabled at once: an error retrying cannot fix"
+            elif w.disabled:
                 why += f"; disabled after {w.failures} consecutive failures"
             last = f"; last error: {w.last_error}" if w.last_error else ""
             _warn(

@@ -259,7 +259,10 @@ class Sink:
       raises, it is retried like a failed write;
     * :meth:`write` once per step, in step order, with host floats; it must raise on failure
       (the writer retries the same step later, so a write should be idempotent or resume
-      where it stopped), and may raise :class:`StepRefused`;
+      where it stopped), and may raise :class:`StepRefused`. An ``OSError`` whose ``errno``
+      is ``ENOTDIR``, ``EISDIR``, ``EACCES``, ``EPERM`` or ``EROFS`` (raised by :meth:`open`
+      or :meth:`write`: a path that cannot be made or opened) is not retried: the writer
+      disables the sink at once, so a sink that can never work does not hold ``close()``;
     * :meth:`close` once at the end: flush, and release what the sink owns. A sink built from
       an object the user passed in (a ``SummaryWriter``, an MLflow client and run, a Comet
       experiment, a W&B run) does not own it and leaves it open;

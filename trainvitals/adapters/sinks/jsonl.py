@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -49,7 +50,10 @@ class JsonlSink(Sink):
     give each writer of a run its own file: a second writer appending at a step the first one
     already wrote replaces its lines. A path that is not a regular file (a pipe,
     ``/dev/stdout``) is appended to as it is. A symbolic link (to shared storage) is followed:
-    its target is cut, rewritten or moved aside, and the link is kept.
+    its target is cut, rewritten or moved aside, and the link is kept. A path that cannot be
+    written (its folder is a regular file, it is a folder, no permission, a read-only file
+    system) raises an ``OSError`` whose ``errno`` makes the writer disable the sink at its first
+    step, with one warning naming the path (see ``docs/writer.md``, *When a backend fails*).
 
     Example::
 
@@ -78,7 +82,13 @@ class JsonlSink(Sink):
 
     def open(self) -> None:
         # The file itself is opened by the first write, which knows the first step.
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as e:
+            # pathlib's answer, naming no path, for a folder that is a regular file: say which
+            # (ENOTDIR: the writer disables the sink at once, retrying cannot fix it)
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder)) from e
 
     def _open_from(self, first_step: int) -> None:
         self.open()
