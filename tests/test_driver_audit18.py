@@ -20,6 +20,7 @@ from trainvitals.callbacks import NormMonitor, RuntimeMonitor, ThroughputMonitor
 from trainvitals.callbacks.base import VitalsCallback
 
 ROOT = Path(__file__).resolve().parents[1]
+TWO_RANK_GAN = ROOT / "tests" / "scripts" / "two_rank_gan_end.py"
 
 
 class _Events(VitalsCallback):
@@ -185,52 +186,16 @@ def test_lightning_checkpoint_between_steps_carries_no_micro_batch(tmp_path):
 
 # ---------------------------------------------------------------- 3. never closed, two ranks
 
-_NEVER_CLOSED = """
-import sys
-from pathlib import Path
-import torch
-from accelerate import Accelerator
-from trainvitals.adapters.accelerate import Vitals
-from trainvitals.callbacks import RuntimeMonitor, ThroughputMonitor
-
-out = Path(sys.argv[1])
-accelerator = Accelerator(cpu=True)
-rank = accelerator.process_index
-torch.manual_seed(0)
-gen, dis = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
-model = torch.nn.Sequential(gen, dis)
-opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
-opt_d = torch.optim.SGD(dis.parameters(), lr=0.1)
-model, opt_g, opt_d = accelerator.prepare(model, opt_g, opt_d)
-callbacks = [RuntimeMonitor(max_steps=3), ThroughputMonitor(warmup_steps=0)]
-vitals = Vitals(callbacks, accelerator=accelerator, run_dir=out, log_every_n_steps=1)
-vitals.attach(model, [opt_g, opt_d])
-for i in range(3):
-    x = torch.randn(2 + 3 * rank, 4)
-    vitals.batch(x)
-    accelerator.backward(model(x).pow(2).mean())
-    opt_g.step()
-    opt_g.zero_grad()
-    opt_d.step()
-    opt_d.zero_grad()
-if sys.argv[2] == "validate":
-    with vitals.validating():
-        pass
-# neither vitals.close() nor accelerator.end_training(): closed at exit
-"""
-
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("end", ["train", "validate"])
+@pytest.mark.parametrize("end", ["never_closed", "never_closed_validate"])
 def test_a_driver_nothing_closed_writes_its_close_before_the_writer_closes(tmp_path, end):
     """Two ranks, several optimizers, nothing closes the driver. Its close at exit (which ends
     the last batch's step, and writes the time of a validation after the last logging step)
     ran after the writers' own exit hook had closed rank 0's writer: step 2 (``train``), or
     the run-end row at step 3 (``validate``), was dropped with "values logged after close()".
     Now the drivers close first: every row is written, samples summed over both ranks."""
-    script = tmp_path / "never_closed.py"
-    script.write_text(_NEVER_CLOSED)
-    proc = torchrun(script, str(tmp_path), end)
+    proc = torchrun(TWO_RANK_GAN, str(tmp_path), "several", end)
     assert "after close()" not in proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     per_step = sum(2 + 3 * r for r in (0, 1))
@@ -240,7 +205,7 @@ def test_a_driver_nothing_closed_writes_its_close_before_the_writer_closes(tmp_p
             2.0 * (s + 1),
             per_step * (s + 1),
         )
-    if end == "validate":
+    if end == "never_closed_validate":
         assert set(got[3]) == {"time/train_hours", "time/validation_hours", "time/total_hours"}
         assert got[3]["time/total_hours"] >= got[2]["time/total_hours"]
     else:

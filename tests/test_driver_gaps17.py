@@ -19,6 +19,7 @@ from trainvitals.callbacks import NormMonitor, RuntimeMonitor, ThroughputMonitor
 from trainvitals.callbacks.base import VitalsCallback
 
 ROOT = Path(__file__).resolve().parents[1]
+TWO_RANK_GAN = ROOT / "tests" / "scripts" / "two_rank_gan_end.py"
 
 # ---------------------------------------------------------------- 1. checkpoint, two ranks
 
@@ -130,39 +131,6 @@ def test_checkpoint_inside_a_window_on_two_ranks_restores_each_ranks_own_sizes()
 
 # ---------------------------------------------------------------- 2. end_training on rank 0
 
-_END_SCRIPT = """
-import sys
-from pathlib import Path
-import torch
-from accelerate import Accelerator
-from trainvitals.adapters.accelerate import Vitals
-from trainvitals.callbacks import RuntimeMonitor, ThroughputMonitor
-
-out, several = Path(sys.argv[1]), sys.argv[2] == "several"
-accelerator = Accelerator(cpu=True)
-rank = accelerator.process_index
-torch.manual_seed(0)
-gen, dis = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
-model = torch.nn.Sequential(gen, dis)
-opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
-opt_d = torch.optim.SGD(dis.parameters(), lr=0.1)
-model, opt_g, opt_d = accelerator.prepare(model, opt_g, opt_d)
-callbacks = [RuntimeMonitor(max_steps=3), ThroughputMonitor(warmup_steps=0)]
-vitals = Vitals(callbacks, accelerator=accelerator, run_dir=out, log_every_n_steps=1)
-vitals.attach(model, [opt_g, opt_d] if several else opt_g)
-for i in range(3):
-    x = torch.randn(2 + 3 * rank, 4)
-    vitals.batch(x)
-    accelerator.backward(model(x).pow(2).mean())
-    opt_g.step()
-    opt_g.zero_grad()
-    if several:
-        opt_d.step()
-        opt_d.zero_grad()
-if accelerator.is_main_process:
-    accelerator.end_training()  # rank 0 only: a common pattern
-"""
-
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("optimizers", ["one", "several"])
@@ -173,9 +141,7 @@ def test_end_training_on_rank_0_only_keeps_the_last_step(tmp_path, optimizers):
     by peer"; a hang while rank 1 lives on), and step 2 was not written. Now rank 1's driver
     closes at its exit and joins them: every step is written, the samples summed over both
     ranks (an independent sum)."""
-    script = tmp_path / "end_training_rank0.py"
-    script.write_text(_END_SCRIPT)
-    proc = torchrun(script, str(tmp_path), optimizers)
+    proc = torchrun(TWO_RANK_GAN, str(tmp_path), optimizers, "rank0_end_training")
     assert "Connection closed" not in proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     per_step = sum(2 + 3 * r for r in (0, 1))
