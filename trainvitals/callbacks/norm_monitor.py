@@ -115,7 +115,9 @@ class NormMonitor(VitalsCallback):
 
     The parameter norm is taken at the same moment, i.e. of the weights the step's gradients
     were computed with (before the update). Only parameters with ``requires_grad`` at that
-    step count (parameters frozen or unfrozen during training drop out or join).
+    step count (parameters frozen or unfrozen during training drop out or join); one left on
+    the ``meta`` device (deferred initialisation never materialised) has no values and is left
+    out, warned once.
     With pipeline parallelism (``groups.pp`` non-trivial) the totals are summed over the
     pipeline stages in one more collective; per-parameter keys then come from rank 0's stage.
 
@@ -520,10 +522,21 @@ class NormMonitor(VitalsCallback):
         per-parameter ones. Training can freeze or unfreeze parameters after run start (Lightning's
         ``BackboneFinetuning``); every rank changes the same ones at the same step, so the
         collectives stay alike. A look at host attributes, on logging steps only."""
-        trainable = tuple(p.requires_grad for _, p in self._named)
+        # A parameter on the meta device (deferred initialisation never materialised, e.g. an
+        # unused lazy weight) has no values: left out, with a warning, rather than making every
+        # norm fail (a meta tensor cannot be read) and the monitor disabled.
+        trainable = tuple(p.requires_grad and not p.is_meta for _, p in self._named)
         if trainable == self._trainable:
             return
         self._trainable = trainable
+        on_meta = [n for n, p in self._named if p.requires_grad and p.is_meta]
+        if on_meta:
+            self.warn_once(
+                "meta",
+                f"{len(on_meta)} trainable parameter(s) on the meta device (never materialised: "
+                f"{', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}) have no values "
+                "and are left out of the norms",
+            )
         named = [(n, p) for (n, p), t in zip(self._named, trainable, strict=True) if t]
         grouped = group_named_tensors(named)
         self._tracked = [_Tracked(name, p, sharding_groups(p)) for name, p, _ in grouped]

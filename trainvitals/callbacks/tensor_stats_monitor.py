@@ -600,10 +600,19 @@ class TensorStatsMonitor(VitalsCallback):
         only when the model's parameter objects or their ``requires_grad`` change (a quarter
         of the cost: the names and the memory-aliasing check are not redone every step)."""
         raw = list(unwrap_model(ctx.model).named_parameters(remove_duplicate=False))
-        key = tuple((id(p), p.requires_grad) for _, p in raw)
+        # (a parameter on the meta device, never materialised, has no values: left out, warned)
+        key = tuple((id(p), p.requires_grad and not p.is_meta) for _, p in raw)
         if self._params is None or self._params[0] != key:
             named = dedupe_named_tensors((canonical_name(n), p) for n, p in raw)
-            self._params = (key, [(n, p) for n, p in named if p.requires_grad])
+            on_meta = [n for n, p in named if p.requires_grad and p.is_meta]
+            if on_meta:
+                self.warn_once(
+                    "meta",
+                    f"{len(on_meta)} trainable parameter(s) on the meta device (never "
+                    f"materialised: {', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}"
+                    ") have no values and are left out of the param and grad lines",
+                )
+            self._params = (key, [(n, p) for n, p in named if p.requires_grad and not p.is_meta])
         return self._params[1]
 
     def _stepped_part(self, ctx: RunContext, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
