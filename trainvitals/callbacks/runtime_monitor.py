@@ -241,17 +241,7 @@ class RuntimeMonitor(VitalsCallback):
             # epoch, the loop's final evaluation): its time is in no written value yet. The
             # clock keys only (rank-local readings, no collective), one step past the last
             # step's row: a point of its own, not a rewrite of a row already delivered.
-            now = self._clock.read()
-            self.write(
-                ctx,
-                {
-                    f"time/{kind}_{self.time_unit}": seconds_to(
-                        self._prev[kind] + now[kind], self.time_unit
-                    )
-                    for kind in ("train", "validation", "total")
-                },
-                step=ctx.step,
-            )
+            self.write(ctx, self._clock_values(self._clock.read()), step=ctx.step)
             self._validated_since_write = False
         # Another run with this instance may follow (a second fit on the same trainer, a retry,
         # a new driver): what this one measured is kept as a restore would keep it, and the
@@ -387,15 +377,21 @@ class RuntimeMonitor(VitalsCallback):
             steps += self._rate_steps
         return seconds, steps
 
+    def _clock_values(self, now: dict[str, float]) -> dict[str, Any]:
+        """``time/train_<unit>``, ``time/validation_<unit>``, ``time/total_<unit>``: the clock's
+        reading ``now`` on top of the restored seconds."""
+        unit = self.time_unit
+        return {
+            f"time/{kind}_{unit}": seconds_to(self._prev[kind] + now[kind], unit)
+            for kind in ("train", "validation", "total")
+        }
+
     def _values(self, steps_done: int, *, consumed: bool = True) -> dict[str, Any]:
         """The keys of a logging step; ``consumed=False``: without the consumed counts (a step
         that had no micro-batch on some rank)."""
         now = self._clock.read()
         unit = self.time_unit
-        out: dict[str, Any] = {
-            f"time/{kind}_{unit}": seconds_to(self._prev[kind] + now[kind], unit)
-            for kind in ("train", "validation", "total")
-        }
+        out = self._clock_values(now)
         for name in _CONSUMED if consumed else ():
             # (samples or tokens: not once some micro-batch lacked its count, the total would
             # be short from then on; batches_missing stays 0, see step_end)

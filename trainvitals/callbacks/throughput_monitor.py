@@ -104,6 +104,11 @@ def _run_precision(ctx: RunContext) -> str | None:
     return None
 
 
+def _nothing_untrained() -> dict[str, Any]:
+    """The micro-batches, samples and tokens of a step that did not train: none yet."""
+    return {"batches": 0, "samples": 0, "tokens": 0}
+
+
 def _accelerate_precision(accelerator: Any) -> str | None:
     """The Accelerator's ``mixed_precision`` as a Lightning precision name (``"no"``:
     ``"32-true"``); ``None`` when it has none."""
@@ -342,7 +347,7 @@ class ThroughputMonitor(VitalsCallback):
         # micro-batches that did not train (Lightning: training_step returned None, so no
         # backward): read, so in the counts, but no model flops (see on_train_batch_end).
         self._last_sizes: tuple[Any, Any] | None = None
-        self._untrained: dict[str, Any] = {"batches": 0, "samples": 0, "tokens": 0}
+        self._untrained: dict[str, Any] = _nothing_untrained()
         self._groups = ProcessGroups()
         self._peak: float | None = None
         self._mp = {"tokens": 1, "samples": 1}
@@ -456,7 +461,7 @@ class ThroughputMonitor(VitalsCallback):
         # several optimizers under Lightning's manual optimization)
         record = self._counter.take(seconds, steps=ctx.step_increment)
         record.flops = self._device_flops(record)
-        self._untrained = {"batches": 0, "samples": 0, "tokens": 0}
+        self._untrained = _nothing_untrained()
         if self._carried_in_step:
             self._carried_in_step = False
             if self.measure_flops and self._measured is None:
@@ -709,4 +714,4 @@ class ThroughputMonitor(VitalsCallback):
         self._counter.reset()
         self._carried_in_step = False
         self._last_sizes = None
-        self._untrained = {"batches": 0, "samples": 0, "tokens": 0}
+        self._untrained = _nothing_untrained()
