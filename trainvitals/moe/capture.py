@@ -1144,16 +1144,12 @@ class RouterCapture:
             local_tensor(logits).detach(), num_keys, top_k, r.num_experts
         )
         valid = self._hf_valid_tokens(i, indices.shape[0], indices.device)
+        if r.has_aux_loss:
+            counts = self._selection_counts(indices, valid, r.num_experts)
         if valid is not None:
             indices = indices.masked_fill(valid[0], r.num_experts)  # padding: overflow column
         self._add_indices(i, indices)
         if r.has_aux_loss:
-            if valid is None:
-                weights = torch.ones(indices.numel(), dtype=probs.dtype, device=probs.device)
-            else:
-                weights = valid[1].to(probs.dtype).unsqueeze(-1).expand(indices.shape).reshape(-1)
-            counts = torch.zeros(r.num_experts + 1, dtype=probs.dtype, device=probs.device)
-            counts = counts.index_add_(0, indices.reshape(-1), weights)[: r.num_experts]
             aux = _switch_aux_loss(probs, counts, top_k, valid)
             self._add_aux(i, aux)
             if aux is not None and valid is not None:
@@ -1177,12 +1173,21 @@ class RouterCapture:
         turns both into the same float32 softmax."""
         probs = torch.nn.functional.softmax(logits.detach(), dim=-1)
         selected = torch.topk(probs, top_k, dim=-1).indices  # [N, k]
+        return probs.float(), RouterCapture._selection_counts(selected, valid, logits.shape[-1])
+
+    @staticmethod
+    def _selection_counts(
+        selected: torch.Tensor, valid: _ValidTokens | None, num_experts: int
+    ) -> torch.Tensor:
+        """Float32 counts ``[num_experts]`` of the top-k selections ``[N, k]``, each weighted by
+        its token's mask (0 for padding), as transformers' ``load_balancing_loss_func`` counts
+        them (device kernels only)."""
         if valid is None:
-            weights = torch.ones(selected.numel(), dtype=torch.float32, device=logits.device)
-        else:  # each selection weighted by its token's mask (0 for padding), as transformers
-            weights = valid[1].unsqueeze(-1).expand(selected.shape).reshape(-1)
-        counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
-        return probs.float(), counts.index_add_(0, selected.reshape(-1), weights)
+            weights = torch.ones(selected.numel(), dtype=torch.float32, device=selected.device)
+        else:
+            weights = valid[1].float().unsqueeze(-1).expand(selected.shape).reshape(-1)
+        counts = torch.zeros(num_experts, dtype=torch.float32, device=selected.device)
+        return counts.index_add_(0, selected.reshape(-1), weights)
 
     def _count_topk_router(self, i: int, module: nn.Module, output: Any) -> None:
         num_experts = self.num_experts
