@@ -64,7 +64,7 @@ import contextlib
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +251,20 @@ class VitalsCallback:
 
     def warn_once(self, key: str, message: str) -> None:
         self._warn_first(key, f"{type(self).__name__}: {message}", stacklevel=4)
+
+    def warn_meta_parameters(self, names: Sequence[str], left_out_of: str) -> None:
+        """Warn once that the trainable parameters ``names`` are on the ``meta`` device
+        (deferred initialisation never materialised): they have no values, so they are left
+        out of ``left_out_of`` (reading one would fail the hook and disable the callback)."""
+        if not names:
+            return
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        self._warn_first(  # (one frame deeper than warn_once: the caller's line is named)
+            "meta",
+            f"{type(self).__name__}: {len(names)} trainable parameter(s) on the meta device "
+            f"(never materialised: {shown}) have no values and are left out of {left_out_of}",
+            stacklevel=5,
+        )
 
     def tolerate_failure(self, key: str, what: str, exc: Exception, consequence: str) -> None:
         """A rank-local failure the callback recovers from itself (it goes on with "not

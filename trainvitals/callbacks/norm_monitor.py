@@ -529,14 +529,9 @@ class NormMonitor(VitalsCallback):
         if trainable == self._trainable:
             return
         self._trainable = trainable
-        on_meta = [n for n, p in self._named if p.requires_grad and p.is_meta]
-        if on_meta:
-            self.warn_once(
-                "meta",
-                f"{len(on_meta)} trainable parameter(s) on the meta device (never materialised: "
-                f"{', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}) have no values "
-                "and are left out of the norms",
-            )
+        self.warn_meta_parameters(
+            [n for n, p in self._named if p.requires_grad and p.is_meta], "the norms"
+        )
         named = [(n, p) for (n, p), t in zip(self._named, trainable, strict=True) if t]
         grouped = group_named_tensors(named)
         self._tracked = [_Tracked(name, p, sharding_groups(p)) for name, p, _ in grouped]

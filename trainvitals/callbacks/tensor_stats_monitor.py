@@ -604,14 +604,10 @@ class TensorStatsMonitor(VitalsCallback):
         key = tuple((id(p), p.requires_grad and not p.is_meta) for _, p in raw)
         if self._params is None or self._params[0] != key:
             named = dedupe_named_tensors((canonical_name(n), p) for n, p in raw)
-            on_meta = [n for n, p in named if p.requires_grad and p.is_meta]
-            if on_meta:
-                self.warn_once(
-                    "meta",
-                    f"{len(on_meta)} trainable parameter(s) on the meta device (never "
-                    f"materialised: {', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}"
-                    ") have no values and are left out of the param and grad lines",
-                )
+            self.warn_meta_parameters(
+                [n for n, p in named if p.requires_grad and p.is_meta],
+                "the param and grad lines",
+            )
             self._params = (key, [(n, p) for n, p in named if p.requires_grad and not p.is_meta])
         return self._params[1]
 
