@@ -1027,14 +1027,10 @@ class Vitals:
             "callbacks": callbacks,
             "micro_batches_in_step": window,
         }
-        by_rank = self._gather_window(window)
+        by_rank = gather_window(window, self.callbacks)
         if by_rank is not None:
             state["micro_batches_in_step_by_rank"] = by_rank
         return state
-
-    def _gather_window(self, window: list[Any]) -> list[Any] | None:
-        """Every rank's micro-batch sizes of the step in progress (:func:`gather_window`)."""
-        return gather_window(window, self.callbacks)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "callbacks" not in state_dict:
