@@ -67,7 +67,10 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             tokens where it is 0 (token ``b * S + s`` of the router's
                             ``N = B * S``) go to the overflow column; without a 2-d mask, or
                             when its size is not ``N`` (a KV cache, a model that removes padding
-                            itself; warned once per router), every token is counted. For the
+                            itself; warned once per router), every token is counted; Ernie
+                            4.5-VL's ``text_moe`` / ``vision_moe`` routers see only their
+                            modality's tokens (by the forward's ``moe_mm_token_type_ids``), and
+                            each is matched with its own tokens' mask. For the
                             softmax families (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, JetMoE, DBRX)
                             and any other of these routers whose modeling module defines the
                             standard ``load_balancing_loss_func`` (PhiMoE, GraniteMoE, Ernie 4.5,
@@ -276,6 +279,14 @@ _HF_SOFTMAX_AUX: frozenset[str] = frozenset(
     }
 )
 _HF_SWITCH_LOSS_PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
+# Routers of a block that sends each modality's tokens to its own experts (Ernie 4.5-VL-MoE,
+# transformers 5.x modeling_ernie4_5_vl_moe.py::Ernie4_5_VLMoeMoeBlock.forward): with
+# moe_mm_token_type_ids [B, S] given and not all 0, `text_moe` routes the tokens whose type is 0
+# and `vision_moe` those whose type is not (image and video), each as hidden_states[mask] (the
+# tokens in row-major order); otherwise `text_moe` routes every token. Keyed by the name of the
+# router's parent module.
+_MODALITY_ROUTER_PARENTS: dict[str, str] = {"text_moe": "text", "vision_moe": "vision"}
+_TOKEN_TYPES_ARG = "moe_mm_token_type_ids"
 # transformers modules that look like MoE routers; warned about when not recognised
 _HF_ROUTER_LIKE = re.compile(r"(Router|Gating)$")
 _HF_NOT_MOE = re.compile(r"Density")  # GraniteDoclingDensityRouter: a vision path switch
@@ -421,6 +432,9 @@ class RouterInfo:
     top_k: int | None = field(default=None, repr=False)
     sort_key: tuple = field(default=(), repr=False)
     computed_experts: int | None = None
+    # the modality whose tokens the router sees, for routers of a block that splits the
+    # tokens by ``moe_mm_token_type_ids`` (_MODALITY_ROUTER_PARENTS); None: every token
+    modality: str | None = field(default=None, repr=False)
 
 
 def count_dtype(device: torch.device | str | None) -> torch.dtype:
@@ -516,9 +530,10 @@ def _is_hf_pretrained_model(module: nn.Module) -> bool:
     )
 
 
-def _attention_mask_position(module: nn.Module) -> int | None:
-    """The position of ``attention_mask`` among the positional parameters of the module's
-    ``forward`` (``forward(input_ids, attention_mask, ...)``: 1), ``None`` when it has none."""
+def _argument_position(module: nn.Module, argument: str) -> int | None:
+    """The position of ``argument`` among the positional parameters of the module's
+    ``forward`` (``attention_mask`` of ``forward(input_ids, attention_mask, ...)``: 1),
+    ``None`` when it has none."""
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
@@ -526,7 +541,7 @@ def _attention_mask_position(module: nn.Module) -> int | None:
     for pos, p in enumerate(parameters):
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             return None
-        if p.name == "attention_mask":
+        if p.name == argument:
             return pos
     return None
 
@@ -656,6 +671,7 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
                 or cls in _PRODUCT_KEY_ROUTERS
                 or _hf_switch_loss_family(module)
             )
+            parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
             return RouterInfo(
                 name,
                 module,
@@ -663,6 +679,7 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
                 num,
                 has_aux_loss=aux,
                 computed_experts=_hf_computed(module, num),
+                modality=_MODALITY_ROUTER_PARENTS.get(parent),
             )
     buffer = _torchtitan_buffer(module)
     if buffer is not None:
@@ -817,9 +834,11 @@ class RouterCapture:
         # transformers models that contain them, to leave padding tokens out (_hf_valid_tokens).
         self._mask_sources = _hf_mask_sources(model, self.routers)
         self._attention_mask: torch.Tensor | None = None  # [B, S] of the last model forward
-        # derived from it once per device: (padding [B*S, 1] bool, valid [B*S], valid count
-        # clamped to 1, 1.0 when no token is valid else 0.0)
-        self._valid_tokens: dict[torch.device, _ValidTokens] = {}
+        # moe_mm_token_type_ids [B, S] of that forward (modality routers), None without one
+        self._token_types: torch.Tensor | None = None
+        # derived from them once per device and modality: (padding [N, 1] bool, valid [N],
+        # valid count clamped to 1, 1.0 when no token is valid else 0.0)
+        self._valid_tokens: dict[tuple[torch.device, str | None], _ValidTokens] = {}
         self._mask_mismatch_warned: set[int] = set()
         self._float32_warned = False  # counts past FLOAT32_EXACT_COUNTS (mps), warned once
         if attach:
@@ -864,7 +883,12 @@ class RouterCapture:
         for module in self._mask_sources:
             self._handles.append(
                 module.register_forward_pre_hook(
-                    eager_hook(self._make_mask_pre_hook(_attention_mask_position(module))),
+                    eager_hook(
+                        self._make_mask_pre_hook(
+                            _argument_position(module, "attention_mask"),
+                            _argument_position(module, _TOKEN_TYPES_ARG),
+                        )
+                    ),
                     with_kwargs=True,
                 )
             )
@@ -877,29 +901,42 @@ class RouterCapture:
         self._restore_titan_buffers()
         self._record_attention_mask(None)
 
-    def _make_mask_pre_hook(self, position: int | None) -> Callable[..., None]:
+    def _make_mask_pre_hook(
+        self, position: int | None, types_position: int | None
+    ) -> Callable[..., None]:
         """A pre-hook on a transformers model that records its forward's 2-d attention mask
         (``attention_mask=`` or the positional argument at ``position``); any other (none, a 4-d
-        mask) clears it, so the routers count every token."""
+        mask) clears it, so the routers count every token. Also records the forward's
+        ``moe_mm_token_type_ids`` (at ``types_position``), which says the tokens of each
+        modality router (:data:`_MODALITY_ROUTER_PARENTS`)."""
+
+        def argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, pos: int | None):
+            if name in kwargs:
+                return kwargs[name]
+            return args[pos] if pos is not None and len(args) > pos else None
 
         def mask_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self.enabled or not module.training:
                 return
-            if "attention_mask" in kwargs:
-                mask = kwargs["attention_mask"]
-            elif position is not None and len(args) > position:
-                mask = args[position]
-            else:
-                mask = None
-            self._record_attention_mask(mask)
+            self._record_attention_mask(
+                argument(args, kwargs, "attention_mask", position),
+                argument(args, kwargs, _TOKEN_TYPES_ARG, types_position),
+            )
 
         return mask_pre_hook
 
-    def _record_attention_mask(self, mask: Any) -> None:
+    def _record_attention_mask(self, mask: Any, token_types: Any = None) -> None:
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             self._attention_mask = local_tensor(mask).detach()
+            self._token_types = (
+                local_tensor(token_types).detach()
+                if isinstance(token_types, torch.Tensor)
+                and token_types.shape == self._attention_mask.shape
+                else None
+            )
         else:
             self._attention_mask = None
+            self._token_types = None
         self._valid_tokens.clear()
 
     def _hf_valid_tokens(
@@ -911,11 +948,15 @@ class RouterCapture:
         mask or when its size is not the router's token count.
 
         The router sees the hidden states flattened row-major, ``[B, S, H] -> [B * S, H]``, so
-        token ``b * S + s`` is ``mask[b, s]``. Device kernels only: no host synchronisation."""
+        token ``b * S + s`` is ``mask[b, s]``; a modality router (Ernie 4.5-VL) sees the tokens
+        of its modality only, in the same order (:meth:`_modality_mask`). Device kernels only:
+        no host synchronisation."""
         mask = self._attention_mask
         if mask is None:
             return None
-        if mask.numel() != num_tokens:
+        modality = self.routers[i].modality if self._token_types is not None else None
+        # a modality router sees at most every token (how many are its own is on the device)
+        if num_tokens > mask.numel() if modality is not None else mask.numel() != num_tokens:
             if i not in self._mask_mismatch_warned:
                 self._mask_mismatch_warned.add(i)
                 warnings.warn(
@@ -928,21 +969,42 @@ class RouterCapture:
                     stacklevel=4,
                 )
             return None
-        derived = self._valid_tokens.get(device)
+        derived = self._valid_tokens.get((device, modality))
         if derived is None:
             flat = mask.reshape(-1)
             if flat.device != device:
                 flat = _copy_to(flat, device)
+            if modality is not None:
+                flat = self._modality_mask(flat, modality, num_tokens)
             padding = (flat == 0).unsqueeze(-1)
             valid = (flat != 0).float()
             num_valid = valid.sum()
-            derived = self._valid_tokens[device] = (
+            derived = self._valid_tokens[(device, modality)] = (
                 padding,
                 valid,
                 num_valid.clamp(min=1.0),
                 (num_valid == 0).float(),
             )
         return derived
+
+    def _modality_mask(self, flat: torch.Tensor, modality: str, num_tokens: int) -> torch.Tensor:
+        """The attention-mask values ``[num_tokens]`` of the tokens a modality router sees:
+        those of ``flat`` (``[B * S]``) whose ``moe_mm_token_type_ids`` is 0 (``text``) or
+        not 0 (``vision``), in order, as the block's ``hidden_states[mask]`` takes them.
+
+        Without a host read of how many there are: each selected token's rank among them (a
+        cumulative sum) is its place in the output; the others go to one spare slot past the
+        end, which is dropped. The router's own ``N`` is the number selected."""
+        assert self._token_types is not None
+        types = self._token_types.reshape(-1)
+        if types.device != flat.device:
+            types = _copy_to(types, flat.device)
+        selected = types == 0 if modality == "text" else types != 0
+        rank = torch.cumsum(selected, 0) - 1
+        place = torch.where(selected, rank, num_tokens).clamp_(max=num_tokens)
+        out = flat.new_zeros(num_tokens + 1)
+        out.scatter_(0, place, flat)
+        return out[:num_tokens]
 
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, inputs: Any) -> None:
