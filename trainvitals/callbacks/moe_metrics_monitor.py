@@ -69,8 +69,10 @@ class MoEMetricsMonitor(VitalsCallback):
     own counts before the reductions, so under data parallelism the ranks' means are averaged
     (over the ranks that recorded the layer: a rank whose router got no token in the interval
     counts for nothing, not as a 0) and under pipeline parallelism each layer is divided on its
-    own stage. A layer no rank recorded is written as 0 when another layer of the metric has a
-    record; a metric without any record in the interval is not written at all.
+    own stage. A MoE layer no rank recorded in the interval (its router got no token on any
+    rank, or its block was skipped, e.g. by layer-drop) has no value: no per-layer key, and the
+    mean is over the MoE layers that have a record (of every stage: the has-records flags ride
+    in the reductions); a metric without any record in the interval is not written at all.
 
     Args:
         per_layer_logging: also write one key per MoE layer.
@@ -115,7 +117,8 @@ class MoEMetricsMonitor(VitalsCallback):
     ``moe/{name}_p{100q}``                    quantile q over the layers with positive value    as name
                                               (``_p50`` for 0.5, ``_p99.9`` for 0.999)
     ``moe/{name}_layer_{i}``                  the value of layer ``i`` (0-based module index,   as name
-                                              ``layers.{i}``), with ``per_layer_logging``
+                                              ``layers.{i}``), with ``per_layer_logging``;
+                                              none for a layer without record in the interval
     ========================================  ================================================  ======
 
     Example:
@@ -271,6 +274,11 @@ class MoEMetricsMonitor(VitalsCallback):
             # this tracker first) has no value: its 0.0 is not a possible loss (1.0 is perfect
             # balance), so nothing is written for it at this step.
             skip_unrecorded=True,
+            # Likewise a MoE layer nothing recorded in the interval (its router got no token on
+            # any rank, a layer skipped by layer-drop): no per-layer key, and out of the mean
+            # over the layers (written as 0, four layers at 1.0 with one of them unrecorded
+            # gave 0.75).
+            skip_unrecorded_layers=True,
         )
         self.last_losses = losses
         self._pending_steps = 0

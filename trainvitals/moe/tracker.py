@@ -33,7 +33,9 @@
   average is over the ranks that recorded the layer (a per-layer flag rides in the same
   all-reduce): a rank without a record for it, e.g. no token in its forwards, is left out
   instead of averaged in as 0. With ``skip_unrecorded=True`` as well (the monitor's), a metric
-  no rank recorded in any layer since the last report writes no key at all, rather than 0.0.
+  no rank recorded in any layer since the last report writes no key at all, rather than 0.0;
+  with ``skip_unrecorded_layers=True`` (the monitor's too), a MoE layer no rank recorded gets
+  no per-layer key and is left out of the mean over the layers, rather than counted as 0.
 
 Keys written (``name`` is the recorded metric name, e.g. ``load_balancing_loss``):
 
@@ -49,7 +51,8 @@ key                                 meaning
                                     for 0.5, ``_p99.9`` for 0.999; :func:`percentile_key`)
 ``moe/{name}_layer_{i}``            the value of layer slot ``i`` (0-based, so the module
                                     ``layers.{i}`` of the model), with ``per_layer_logging``;
-                                    only MoE layers when ``moe_layer_freq`` is given
+                                    only MoE layers when ``moe_layer_freq`` is given, and with
+                                    ``skip_unrecorded_layers`` only layers with a record
 ==================================  ===========================================================
 
 Units are those of the recorded metric (the router's load-balancing losses are dimensionless,
@@ -354,6 +357,7 @@ class MoEMetricsTracker:
         *,
         mean_over_records: bool = False,
         skip_unrecorded: bool = False,
+        skip_unrecorded_layers: bool = False,
     ) -> str:
         """Reduce across ranks, aggregate, write, and clear. Returns the console string.
 
@@ -397,7 +401,16 @@ class MoEMetricsTracker:
                 The has-records flags that ``mean_over_records`` carries through the
                 reductions decide it: no collective is added, only the flags join the one host
                 transfer. A metric with a record anywhere is written as without it (its
-                layers without records stay 0).
+                layers without records stay 0, unless ``skip_unrecorded_layers``).
+            skip_unrecorded_layers: with ``mean_over_records``, a MoE layer slot that nothing
+                recorded since the last report (on any rank of the metric's reductions, by
+                the same reduced has-records flags) has no value: no ``moe/{name}_layer_{i}``
+                key, and the mean over the MoE layers is over the layers with a record (a
+                router that got no token in the interval, a layer skipped by layer-drop or
+                by a modality's routing). Without it such a layer is 0 in the per-layer key
+                and in the mean (Megatron's: every layer routes in its loop), e.g. 0.75 for
+                four layers at 1.0, one without a record. Percentiles already leave it out
+                (it is not positive). When no MoE slot has a record, the mean is Megatron's.
 
         The values and record counts of every metric (tracked or not) are zeroed afterwards.
         """
@@ -425,9 +438,14 @@ class MoEMetricsTracker:
             raise TypeError(f"mean_over_records must be a bool, got {mean_over_records!r}")
         if not isinstance(skip_unrecorded, bool):
             raise TypeError(f"skip_unrecorded must be a bool, got {skip_unrecorded!r}")
-        if skip_unrecorded and not mean_over_records:
+        if not isinstance(skip_unrecorded_layers, bool):
+            raise TypeError(
+                f"skip_unrecorded_layers must be a bool, got {skip_unrecorded_layers!r}"
+            )
+        if (skip_unrecorded or skip_unrecorded_layers) and not mean_over_records:
             # (the has-records flags travel through the reductions with mean_over_records only)
-            raise ValueError("skip_unrecorded=True needs mean_over_records=True")
+            which = "skip_unrecorded" if skip_unrecorded else "skip_unrecorded_layers"
+            raise ValueError(f"{which}=True needs mean_over_records=True")
 
         # 2. Agree on the metrics across ranks (one all_gather_object), then reduce.
         names = [n for n in self._metrics if names_filter is None or n in names_filter]
@@ -444,8 +462,10 @@ class MoEMetricsTracker:
         ]
         vectors = [reduced[name] for name in schema]
         # After the values, per layer slot: the record counts (single process: the divisors)
-        # or, with skip_unrecorded, the reduced has-records flags (> 0: some rank recorded).
-        marks = divisors if divisors is not None else flags if skip_unrecorded else None
+        # or, with skip_unrecorded(_layers), the reduced has-records flags (> 0: some rank
+        # recorded).
+        skipping = skip_unrecorded or skip_unrecorded_layers
+        marks = divisors if divisors is not None else flags if skipping else None
         if marks is not None:
             vectors += [marks[name] for name in schema]
         host = torch.cat(vectors).tolist() if schema else []
@@ -467,8 +487,17 @@ class MoEMetricsTracker:
                 if divisors is not None:
                     v = [x / c if c > 0 else x for x, c in zip(v, counts, strict=True)]
             v = [x * scale for x in v]
+            slots, layer_keys, num_moe_layers = plan.moe_slots, plan.layer_keys, plan.num_moe_layers
+            if skip_unrecorded_layers and marks is not None:
+                recorded = [j for j, i in enumerate(slots) if counts[i] > 0]
+                if recorded and len(recorded) < len(slots):
+                    # the MoE layers without any record have no value: out of the mean's
+                    # divisor (their 0 in the sum adds nothing) and without a per-layer key
+                    num_moe_layers -= len(slots) - len(recorded)
+                    slots = [slots[j] for j in recorded]
+                    layer_keys = [layer_keys[j] for j in recorded]
             keys.append(plan.name)
-            numbers.append(_fsum(v) / plan.num_moe_layers)
+            numbers.append(_fsum(v) / num_moe_layers)
             qs = pct.get(plan.name)
             if qs:
                 # NaN = no positive layer: that percentile is not written. Only here: a NaN
@@ -482,8 +511,8 @@ class MoEMetricsTracker:
                         keys.append(key)
                         numbers.append(x)
             if per_layer_logging:
-                keys.extend(plan.layer_keys)
-                numbers.extend(v[i] for i in plan.moe_slots)
+                keys.extend(layer_keys)
+                numbers.extend(v[i] for i in slots)
         scalars = dict(zip(keys, numbers, strict=True))
         loss_names = [plan.name for plan in plans if plan.name.endswith("loss")]
 
