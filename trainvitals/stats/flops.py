@@ -335,6 +335,16 @@ def extra_flop_formulas() -> dict[Any, Callable[..., int]]:
       Only the rows up to ``offs[-1]`` are computed (the kernel skips the rest:
       expert-parallel sentinels), so the formula reads that offset (one host read per call,
       during the measured step only; the whole operand on meta/fake tensors).
+    * ``aten._scaled_grouped_mm_v2`` (``torch.nn.functional.scaled_grouped_mm``, the FP8/MX
+      grouped matmul; offsets are its argument 8) and ``aten._scaled_mm_v2``
+      (``torch.nn.functional.scaled_mm``): ``2 * M * K * N`` from the operands' shapes, as
+      torch counts ``aten._scaled_mm`` (its meta function gives ``(M, K) x (K, N) -> (M, N)``
+      whatever ``contraction_dim``). Operands packed two to a byte (``float4_e2m1fn_x2``) are
+      counted at their stored ``K``, as torch counts ``_scaled_mm``: half the work.
+    * ``aten._addmm_activation`` (``addmm`` with a fused ReLU/GELU epilogue), ``aten.addbmm``
+      (``sum_b A_b @ B_b``: ``2 * B * M * K * N``), ``aten._foreach_mm`` (one matmul per
+      pair of its two lists) and the in-place ``addmm_``, ``baddbmm_``, ``addbmm_``; each has
+      its own kernel, so the mode never sees an ``mm`` inside them (counted 0 before).
     * ``transformers::grouped_mm_fallback`` and its backward: transformers' loop of ``mm``
       over experts when ``grouped_mm`` cannot run (a GPU older than SM80, ``torch.compile``
       with weights not in bf16); the mode sees the custom op, not the ``mm`` calls inside it.
@@ -356,6 +366,15 @@ def extra_flop_formulas() -> dict[Any, Callable[..., int]]:
 
     add("_grouped_mm", _grouped_mm_formula(offs_index=2))
     add("_scaled_grouped_mm", _grouped_mm_formula(offs_index=4))
+    add("_scaled_grouped_mm_v2", _grouped_mm_formula(offs_index=8))
+    add("_scaled_mm_v2", _mm_formula(0, 1))
+    add("_addmm_activation", _mm_formula(1, 2))
+    add("addbmm", _batched_mm_flops)
+    # the in-place forms (``Tensor.addmm_``, ...): their own ops, which torch counts 0
+    add("addmm_", _mm_formula(1, 2))
+    add("baddbmm_", _batched_mm_flops)
+    add("addbmm_", _batched_mm_flops)
+    add("_foreach_mm", _foreach_mm_flops)
     add("_scaled_dot_product_flash_attention_for_cpu", _sdpa_forward_flops)
     add("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_backward_flops)
     add("_scaled_dot_product_fused_attention_overrideable", _sdpa_forward_flops)
@@ -383,6 +402,34 @@ def _grouped_mm_formula(offs_index: int, passes: int = 1) -> Callable[..., int]:
 
     formula._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode's custom_mapping flag
     return formula
+
+
+def _mm_formula(a_index: int, b_index: int) -> Callable[..., int]:
+    """A formula for an op whose arguments ``a_index`` and ``b_index`` are the ``(M, K)`` and
+    ``(K, N)`` operands of one matrix product: ``2 * M * K * N``."""
+
+    def formula(*shapes: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        (m, k), n = shapes[a_index], shapes[b_index][-1]
+        return 2 * m * k * n
+
+    return formula
+
+
+def _batched_mm_flops(
+    self_shape: Any, a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kw: Any
+) -> int:
+    """``addbmm(self, A, B)`` / ``baddbmm_(A, B)``, ``A: (B, M, K)``, ``B: (B, K, N)``: the
+    batch of products, ``2 * B * M * K * N`` (addbmm's sum over the batch is the products'
+    accumulation)."""
+    b, m, k = a_shape
+    return 2 * b * m * k * b_shape[-1]
+
+
+def _foreach_mm_flops(
+    a_shapes: Any, b_shapes: Any, *args: Any, out_shape: Any = None, **kw: Any
+) -> int:
+    """``_foreach_mm([A_i], [B_i])``: ``sum_i 2 * M_i * K_i * N_i``."""
+    return sum(2 * a[0] * a[1] * b[-1] for a, b in zip(a_shapes, b_shapes, strict=True))
 
 
 def grouped_mm_flops(a_shape: Any, b_shape: Any, used: int | None = None) -> int:
