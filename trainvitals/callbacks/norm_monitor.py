@@ -170,9 +170,18 @@ class NormMonitor(VitalsCallback):
     "value": the unit of the tensor's elements (an L2 norm has the unit of what it measures).
     FSDP1 and DeepSpeed, whose shards are flat plain tensors, are refused with a warning (no
     keys) rather than reported wrongly.
-    When a gradient holds NaN/Inf, ``l2_norm/grad/global`` is NaN/Inf too, and a
-    ``RuntimeWarning`` names the first ``max_nonfinite_names`` bad tensors in parameter order
-    (issued once the values reach the host, at the latest by the next logging step).
+    When a gradient holds NaN/Inf, ``l2_norm/grad/global`` is NaN/Inf too. The first logging
+    step of a run with such gradients is warned (``RuntimeWarning``, issued once the values
+    reach the host, at the latest by the next logging step): its step and the first
+    ``max_nonfinite_names`` bad tensors in parameter order. Later ones are not warned one by
+    one (a diverged run would warn at every logging step): ``nonfinite_count`` shows them
+    step by step, and at the run's end (or when it raises) one more warning says how many
+    logging steps of the run had them and the last one's step, when there was more than
+    one. A logging step counts once however many ``step()`` calls it writes. The first
+    step, its names and the number of such logging steps (``first_nonfinite_step``,
+    ``first_nonfinite_names``, ``nonfinite_logging_steps``) are the ``state_dict`` and
+    continue across a resume; each run (each ``fit``, a resumed one too) warns at its own
+    first such step.
     A gradient that is ``None`` counts 0 in the gradient norms. A grad key (``global``, ``optimizer_<i>``, per parameter) none of whose
     gradients exists on any rank of its reduction (a step without backward: a
     ``training_step`` returning ``None``; warned once) is not written: its norm is undefined,
@@ -237,6 +246,13 @@ class NormMonitor(VitalsCallback):
         self.first_nonfinite_step: int | None = None
         self.first_nonfinite_names: list[str] = []
         self.nonfinite_logging_steps = 0
+        # The warnings of this run (reset at run_start): the first logging step whose gradients
+        # hold NaN/Inf is warned, later ones are counted and summed up in one warning at the
+        # run's end (a diverged run would otherwise warn at every logging step).
+        self._last_counted_step: int | None = None  # (a step written twice counts once)
+        self._run_start_count = 0  # nonfinite_logging_steps when this run started
+        self._run_warned_step: int | None = None  # the step this run warned about
+        self._run_last_step: int | None = None  # the last non-finite logging step of this run
 
     # ------------------------------------------------------------------ hooks
 
@@ -252,6 +268,9 @@ class NormMonitor(VitalsCallback):
         self._named, self._tracked, self._selected_names, self._trainable = [], [], [], None
         self._parts, self._parts_step, self._measured = [], None, set()
         self._written = None
+        self._last_counted_step = None
+        self._run_start_count = self.nonfinite_logging_steps  # (restored by a resume)
+        self._run_warned_step = self._run_last_step = None
         model = unwrap_model(ctx.model)
         unsupported = _unsupported_layout(model, ctx)
         if unsupported:
@@ -354,9 +373,11 @@ class NormMonitor(VitalsCallback):
 
     def run_end(self, ctx: RunContext) -> None:
         self._report_pending(block=True)
+        self._warn_nonfinite_summary()
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._report_pending(block=True)
+        self._warn_nonfinite_summary()
 
     # ------------------------------------------------------------------ state
 
@@ -374,6 +395,10 @@ class NormMonitor(VitalsCallback):
         self.first_nonfinite_step = state_dict.get("first_nonfinite_step")
         self.first_nonfinite_names = list(state_dict.get("first_nonfinite_names", []))
         self.nonfinite_logging_steps = int(state_dict.get("nonfinite_logging_steps", 0))
+        # (a restore in the middle of a run, a rollback: the steps replayed from the checkpoint
+        # on are counted again, and this run's count does not go below its start)
+        self._last_counted_step = None
+        self._run_start_count = min(self._run_start_count, self.nonfinite_logging_steps)
         # A restore in the middle of a step (a rollback) replays it from its start: what was
         # measured of it belongs to the abandoned timeline.
         self._parts, self._parts_step, self._measured = [], None, set()
@@ -572,20 +597,53 @@ class NormMonitor(VitalsCallback):
         bad = [pending.names[i] for i in pending.flags.nonzero().flatten().tolist()]
         if not bad:
             return
+        if pending.step == self._last_counted_step:
+            # The same step written again (one optimizer stepped twice in a Lightning batch;
+            # its earlier step()'s flags are carried into this write): one logging step.
+            return
+        self._last_counted_step = pending.step
         self.nonfinite_logging_steps += 1
+        self._run_last_step = pending.step
         if self.first_nonfinite_step is None:
             self.first_nonfinite_step = pending.step
             self.first_nonfinite_names = bad[: self.max_nonfinite_names]
+        if self._run_warned_step is not None:
+            return  # counted, summed up at the run's end
+        self._run_warned_step = pending.step
         if self._is_reporting_rank():
             shown = ", ".join(bad[: self.max_nonfinite_names])
             extra = len(bad) - self.max_nonfinite_names
             more = f" and {extra} more" if extra > 0 else ""
             warnings.warn(
                 f"NormMonitor: {len(bad)} gradient(s) hold NaN/Inf at step {pending.step}: "
-                f"{shown}{more} (parameter order)",
+                f"{shown}{more} (parameter order); later logging steps with NaN/Inf gradients "
+                "are not warned one by one (l2_norm/grad/nonfinite_count has each step's "
+                "count; a summary at the end of the run)",
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def _warn_nonfinite_summary(self) -> None:
+        """At the run's end: how many logging steps of the run had NaN/Inf gradients, when
+        more than the one warned about."""
+        warned, last = self._run_warned_step, self._run_last_step
+        earlier = self._run_start_count  # (counted by the run this one resumed)
+        in_run = self.nonfinite_logging_steps - earlier
+        self._run_start_count = self.nonfinite_logging_steps  # (summed up once)
+        if warned is None or last is None or in_run <= 1 or not self._is_reporting_rank():
+            return
+        before = (
+            f"; {self.nonfinite_logging_steps} in all since step {self.first_nonfinite_step} "
+            "(nonfinite_logging_steps, which a resume continues)"
+            if earlier > 0
+            else ""
+        )
+        warnings.warn(
+            f"NormMonitor: gradients held NaN/Inf at {in_run} logging steps of this run, "
+            f"from step {warned} to step {last} (only the first was warned){before}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def _is_reporting_rank(self) -> bool:
         ctx = self._ctx
