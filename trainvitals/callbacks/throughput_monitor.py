@@ -104,6 +104,10 @@ def _run_precision(ctx: RunContext) -> str | None:
     return None
 
 
+# the counts of the totals that are summed over the ranks (the steps are the same on each)
+_TOTAL_COUNTS = ("batches", "samples", "tokens")
+
+
 def _nothing_untrained() -> dict[str, Any]:
     """The micro-batches, samples and tokens of a step that did not train: none yet."""
     return {"batches": 0, "samples": 0, "tokens": 0}
@@ -328,7 +332,13 @@ class ThroughputMonitor(VitalsCallback):
         self._window = RollingWindow(window_size)
         self._last_end: float | None = None  # train-clock reading at the previous step end
         self._steps_this_run = 0
+        # Steps, and micro-batches, samples and tokens summed over the ranks that see different
+        # data (as the global rates), as of the last state_dict or restore; the counts of this
+        # rank since then wait in _pending_totals for the next state_dict's collective. A
+        # checkpoint keeps one copy (rank 0's) and restores it on every rank, so the totals
+        # it holds must be the global ones: per-rank totals became rank 0's on every rank.
         self._totals = {"steps": 0, "batches": 0, "samples": 0.0, "tokens": 0.0}
+        self._pending_totals: dict[str, Any] = dict.fromkeys(_TOTAL_COUNTS, 0)
         self._measured: tuple[str, float] | None = None  # (unit, flops per unit), measured
         # tokens per sample of the measured step (its sequence length): flops per token are
         # exact for steps of that length only (attention grows with the length)
@@ -584,11 +594,11 @@ class ThroughputMonitor(VitalsCallback):
         return None if math.isnan(g["flops"]) else g["flops"]
 
     def _count_totals(self, record: Any) -> None:
-        t = self._totals
-        t["steps"] += 1
-        t["batches"] += record.batches
-        t["samples"] = t["samples"] + record.samples
-        t["tokens"] = t["tokens"] + record.tokens
+        self._totals["steps"] += 1
+        p = self._pending_totals
+        p["batches"] += record.batches
+        p["samples"] = p["samples"] + record.samples
+        p["tokens"] = p["tokens"] + record.tokens
 
     def _rates(self, ctx: RunContext) -> dict[str, Any]:
         local_sums = self._window.sums()
@@ -664,21 +674,31 @@ class ThroughputMonitor(VitalsCallback):
 
     def state_dict(self) -> dict[str, Any]:
         """Window, totals and measured flops. On a multi-rank run this is collective (the window's
-        counts are summed over the ranks so that rank 0's copy restores exact global rates):
-        call it on every rank, as Lightning's and Accelerate's checkpointing do."""
+        counts and the totals are summed over the ranks so that rank 0's copy restores exact
+        global rates and totals): call it on every rank, as Lightning's and Accelerate's
+        checkpointing do. ``totals``: optimizer steps, and micro-batches, samples and tokens
+        summed over the ranks as the global rates are (samples and batches over data-parallel
+        ranks, tokens over data- and context-parallel ranks)."""
         idx, live = self._window.live_matrix()
-        # window_size + 1 rows on every rank, however many entries are live here: the
+        # window_size + 2 rows on every rank, however many entries are live here: the
         # collective's size follows from the configuration alone, so the checkpoint guard can
         # complete it for a rank whose state_dict failed before it (state_dict_collectives), and
         # ranks whose windows differ (a step_end that failed on one rank) still pair up. The
-        # last row is 0 on every rank: NaN there is a rank's "missing" mark (accelerators).
-        matrix = torch.zeros(self._window.size + 1, len(COUNT_FIELDS) - 1, dtype=torch.float64)
+        # row before the last holds this rank's totals since the last state_dict (no extra
+        # collective). The last row is 0 on every rank: NaN there is a rank's "missing" mark
+        # (accelerators).
+        matrix = torch.zeros(self._window.size + 2, len(COUNT_FIELDS) - 1, dtype=torch.float64)
         matrix[: len(idx)] = live
+        columns = [COUNT_FIELDS.index(name) - 1 for name in _TOTAL_COUNTS]
+        matrix[-2, columns] = to_vector([self._pending_totals[n] for n in _TOTAL_COUNTS])
         summed = reduce_counts(matrix, self._groups)
         if bool(summed[-1].isnan().any()):
             raise PeerRankFailed("another rank's window counts are missing from this checkpoint")
         if idx:
             self._window.set_globals(idx, summed[: len(idx)])
+        for name, value in zip(_TOTAL_COUNTS, summed[-2, columns].tolist(), strict=True):
+            self._totals[name] += int(value) if name == "batches" else value
+        self._pending_totals = dict.fromkeys(_TOTAL_COUNTS, 0)
         return {
             "window": self._window.state_dict(),
             "totals": {k: float(v) for k, v in self._totals.items()},
@@ -687,7 +707,7 @@ class ThroughputMonitor(VitalsCallback):
         }
 
     def state_dict_collectives(self) -> tuple[CollectiveCall, ...]:
-        return count_reduction_calls(self._window.size + 1, self._groups)
+        return count_reduction_calls(self._window.size + 2, self._groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._window.load_state_dict(state_dict.get("window", {}))
@@ -695,6 +715,7 @@ class ThroughputMonitor(VitalsCallback):
         self._totals = {k: totals.get(k, 0) for k in self._totals}
         self._totals["steps"] = int(self._totals["steps"])
         self._totals["batches"] = int(self._totals["batches"])
+        self._pending_totals = dict.fromkeys(_TOTAL_COUNTS, 0)  # (the restored ones are global)
         measured = state_dict.get("measured")
         self._measured = (str(measured[0]), float(measured[1])) if measured else None
         seq = state_dict.get("measured_tokens_per_sample")
