@@ -71,7 +71,7 @@ import numpy as np
 import torch
 
 from trainvitals import distributed
-from trainvitals.adapters.sinks.base import Sink, StepRefused
+from trainvitals.adapters.sinks.base import Sink, StepRefused, stacklevel
 
 __all__ = ["FanoutWriter"]
 
@@ -81,28 +81,11 @@ _Tensor = torch.Tensor
 _STOP = object()
 
 
-_ADAPTERS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _stacklevel() -> int:
-    """``warnings.warn``'s ``stacklevel`` (counted from :func:`_warn`) that names the first
-    frame outside ``trainvitals/adapters/``: the user's ``add_scalar``/``close()``/``with``
-    line, or the callback that logged (the warning pointed at the writer's own line). In a
-    writer thread (no such frame but ``threading``'s) the line that reported it."""
-    frame = sys._getframe(2)  # _warn's caller (0: here, 1: _warn), stacklevel 2
-    level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(_ADAPTERS_DIR):
-        frame = frame.f_back
-        level += 1
-    if frame is None or frame.f_code.co_filename == threading.__file__:
-        return 3
-    return level
-
-
 def _warn(message: str) -> None:
-    """Warn without ever raising (a warnings filter set to "error" must not kill a thread)."""
+    """Warn at the user's line (``sinks.base.stacklevel``) without ever raising (a warnings
+    filter set to "error" must not kill a thread)."""
     try:
-        warnings.warn(message, RuntimeWarning, stacklevel=_stacklevel())
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel())
     except Exception:  # pragma: no cover - only under -W error
         log.warning(message)
 
@@ -372,8 +355,19 @@ _PERMANENT_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.
 
 
 def _retry_cannot_fix(error: BaseException) -> bool:
-    """Whether a sink's failure is one that retrying cannot fix (see ``_PERMANENT_ERRNOS``)."""
-    return isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS
+    """Whether a sink's failure is one that retrying cannot fix (see ``_PERMANENT_ERRNOS``):
+    the error itself, or the first ``OSError`` it was raised from or while handling. Backends
+    wrap it: MLflow's file store raises an ``MlflowException`` while handling the
+    ``PermissionError`` of a read-only run folder (it was retried as transient, about two
+    minutes of retries before the sink was disabled)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e.errno in _PERMANENT_ERRNOS
+        seen.add(id(e))
+        e = e.__cause__ if e.__cause__ is not None or e.__suppress_context__ else e.__context__
+    return False
 
 
 class _SinkWorker:

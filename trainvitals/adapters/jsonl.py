@@ -133,7 +133,7 @@ def _iter_jsonl(path: str | os.PathLike[str], strict: bool) -> Iterator[JsonlRec
         msg = f"{os.fspath(path)}: skipped {len(bad)} line(s) that do not parse: {bad[:10]}"
         if strict:
             raise ValueError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        warnings.warn(msg, RuntimeWarning, stacklevel=_user_level())
     if truncated_tail.strip():
         record = _parse(truncated_tail)
         if record is not None:
@@ -145,8 +145,18 @@ def _iter_jsonl(path: str | os.PathLike[str], strict: bool) -> Iterator[JsonlRec
                 "without a newline; the writing process was probably killed mid-write); "
                 "it was skipped",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_user_level(),
             )
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the reader's caller: ``read_jsonl``'s, or the loop iterating
+    :func:`iter_jsonl` (a fixed 3 named the caller of that loop's function)."""
+    from trainvitals.adapters.sinks.base import stacklevel  # (base's package imports this)
+
+    # (stacklevel() counts its caller's caller, _iter_jsonl here, as 2; warnings.warn, called
+    # in _iter_jsonl, as 1)
+    return stacklevel() - 1
 
 
 # the start of a line as JsonlSink writes it (compact separators, "step" first)

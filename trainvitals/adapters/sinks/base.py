@@ -43,7 +43,12 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import re
+import sys
+import threading
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -57,12 +62,41 @@ __all__ = [
     "Sink",
     "StepRefused",
     "unmap_key",
+    "warn",
 ]
 
 _ESCAPE = re.compile(r"_x([0-9a-f]{2})")
 _AMBIGUOUS_UNDERSCORE = re.compile(r"x[0-9a-f]{2}")
 _CUT_MARK = "_x2d"  # an escaped "-": never produced for an uncut key
 _HASH_DIGITS = 12
+
+
+_ADAPTERS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def stacklevel(skip: int = 1) -> int:
+    """``warnings.warn``'s ``stacklevel``, counted from the caller's caller (``skip`` frames
+    above this function's caller), that names the first frame outside
+    ``trainvitals/adapters/``: the user's ``add_scalar``/``flush()``/``close()`` line, or the
+    callback that logged. In a writer thread (no frame but ``threading``'s outside) the line
+    that reported it, whose message names the sink and the step."""
+    frame = sys._getframe(skip + 1)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_ADAPTERS_DIR):
+        frame = frame.f_back
+        level += 1
+    if frame is None or frame.f_code.co_filename == threading.__file__:
+        return 3
+    return level
+
+
+def warn(message: str) -> None:
+    """A ``RuntimeWarning`` at the user's line (:func:`stacklevel`); never raises (a warnings
+    filter set to "error" must not fail a write or kill a writer thread: it is logged)."""
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel())
+    except Exception:
+        logging.getLogger(__name__).warning(message)
 
 
 def _escape_char(ch: str) -> str:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import errno
 import io
 import json
-import logging
 import os
 import stat
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from trainvitals.adapters.jsonl import (
     encode_metrics,
     move_aside,
 )
-from trainvitals.adapters.sinks.base import Sink
+from trainvitals.adapters.sinks.base import Sink, warn
 
 __all__ = ["JsonlSink"]
 
@@ -125,10 +123,7 @@ class JsonlSink(Sink):
                     )
         self._cut_from = first_step  # only once done: a failed cut is tried again
         if message is not None:
-            try:
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-            except Exception:  # warnings turned into errors must not fail the write
-                logging.getLogger(__name__).warning(message)
+            warn(message)  # at the user's flush()/close()/add_scalar line; never raises
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         if self._file is None:

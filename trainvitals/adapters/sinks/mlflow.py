@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import logging
+import errno
 import os
-import warnings
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainvitals.adapters.sinks.base import MLFLOW_KEYS, Sink
+from trainvitals.adapters.sinks.base import MLFLOW_KEYS, Sink, warn
 
 __all__ = ["MLFLOW_BATCH_LIMIT", "MLFLOW_RUN_ID_FILE", "MLflowSink"]
 
@@ -135,7 +135,16 @@ class MLflowSink(Sink):
             from mlflow import MlflowClient
 
             if self.run_dir is not None:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
+                _make_folder(self.run_dir)
+            database = _sqlite_file(self.tracking_uri)
+            if database is not None:
+                # Before MLflow opens it: a store that cannot be written raises here, with an
+                # errno that has the writer disable the sink at once. MLflow itself retried
+                # opening it for 101 s (10 tries, create_sqlalchemy_engine_with_retry) in every
+                # write, so the writer reported the sink as hung and close() waited its whole
+                # close_timeout instead of saying which folder cannot be written.
+                _make_folder(database.parent)
+                _check_writable(database)
             self.client = MlflowClient(tracking_uri=self.tracking_uri)
 
     def _start_run(self, first_step: int) -> None:
@@ -168,10 +177,7 @@ class MLflowSink(Sink):
                     f"MLflowSink: could not record the run id in {self._run_id_file}: {e!r}; "
                     "a resumed run will create a new MLflow run"
                 )
-                try:
-                    warnings.warn(message, RuntimeWarning, stacklevel=2)
-                except Exception:  # warnings turned into errors must not fail the write
-                    logging.getLogger(__name__).warning(message)
+                warn(message)  # never raises: warnings as errors must not fail the write
 
     def _recorded_run(self, experiment_id: str) -> str | None:
         """The run recorded in ``run_dir``, if it is in the store, active and in the
@@ -199,6 +205,29 @@ class MLflowSink(Sink):
         return run_id
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
+        try:
+            self._write(step, metrics, wall_time)
+        except Exception as e:
+            # MLflow's SQLite store reports a store that cannot be written as an MlflowException
+            # over sqlalchemy's OperationalError ("attempt to write a readonly database",
+            # "unable to open database file"), which says nothing of why: the writer retried
+            # it as transient for about two minutes. Ask the file system what SQLite met.
+            database = _sqlite_file(self._store_uri())
+            if database is not None and database.is_file():
+                try:
+                    _check_writable(database)
+                except OSError as why:
+                    raise why from e
+            raise
+
+    def _store_uri(self) -> str | None:
+        if self.tracking_uri is not None:
+            return self.tracking_uri
+        tracking = getattr(self.client, "_tracking_client", None)  # a client passed in
+        uri = getattr(tracking, "tracking_uri", None)
+        return uri if isinstance(uri, str) else None
+
+    def _write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
         if self.client is None:
             self.open()
         if self.run_id is None:
@@ -231,3 +260,37 @@ class MLflowSink(Sink):
             else:
                 status = "FAILED" if self.run_failed else "FINISHED"
             self.client.set_terminated(self.run_id, status)
+
+
+def _sqlite_file(uri: str | None) -> Path | None:
+    """The database file of a ``sqlite:///`` tracking URI; ``None`` for any other store, an
+    in-memory database or an SQLite ``file:`` URI."""
+    if not uri or not uri.startswith("sqlite:///"):
+        return None
+    database = uri.removeprefix("sqlite:///").split("?", 1)[0]
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database).absolute()
+
+
+def _make_folder(folder: Path) -> None:
+    """``mkdir -p``; a path whose folder is a regular file raises ``NotADirectoryError``
+    (pathlib's ``FileExistsError`` named no path and was retried as transient)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as e:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder)) from e
+
+
+def _check_writable(database: Path) -> None:
+    """Raise the ``OSError`` SQLite meets when it writes ``database``: the file must open for
+    reading and writing (it is made when missing; an empty file is an empty SQLite database),
+    and its folder must take a new file (SQLite's rollback journal is made beside it)."""
+    with open(database, "ab"):
+        pass
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{database.name}-", dir=database.parent)
+    except OSError as e:  # (it named the random file name: name the folder)
+        raise type(e)(e.errno, e.strerror, str(database.parent)) from None
+    os.close(fd)
+    os.unlink(probe)
