@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,43 +265,64 @@ def needs_replay_floor(writer: Any) -> bool:
 
 def infer_batch_size(batch: Any) -> int | None:
     """Samples in a batch: the first dim of the first tensor with a dim found (dicts, lists,
-    tuples); a 0-d tensor before it (a scalar setting) has no batch dim."""
-    tensor = _first_tensor(batch)
+    tuples, dataclasses, depth first, in order); a 0-d tensor before it (a scalar setting) has
+    no batch dim.
+
+    A sample is a row: a packed row holding several sequences (``DataCollatorWithFlattening``'s
+    ``input_ids`` ``[1, total]``) is one sample, as Megatron counts its packed sequences. A
+    list of per-sample items (``collate_fn=lambda x: x``) is counted by its first item's first
+    tensor. Pass ``batch_size_fn`` (Lightning) or ``batch_size=`` (driver) for other counts.
+    """
+    tensor = _first_tensor(batch, _has_dim)
     return None if tensor is None else int(tensor.shape[0])
 
 
 def infer_num_tokens(batch: Any) -> int | None:
-    """Tokens in a batch: ``input_ids``' element count when present, else that of the first
-    2-d integer tensor (``[batch, seq]`` token ids; not ``bool``, a mask); ``None`` otherwise.
-    Tensors of more dims are not token ids (``uint8`` images ``[batch, height, width]``:
-    pixels, not tokens).
+    """Tokens in a batch: ``input_ids``' element count when present (a dict or
+    ``BatchEncoding``); else the element count of the batch's token ids: its first tensor of
+    two or more dims (bool masks skipped), when that is a 2-d ``int64``/``int32`` tensor
+    (``[batch, seq]``: the index types ``nn.Embedding`` takes); ``None`` otherwise. A float
+    tensor first (images, features, embeddings) or an 8- or 16-bit integer one (``uint8``
+    images, flattened or not) means the batch's input is not token ids, and an integer tensor
+    after it (class labels ``[batch, 1]``, multi-hot labels ``[batch, classes]``) is not
+    counted as tokens.
 
-    Padding is counted; pass ``num_tokens_fn`` (Lightning) or ``num_tokens=`` (driver) to count
-    only real tokens, e.g. ``lambda b: int(b["attention_mask"].sum())``.
+    Padding is counted, as Composer's ``SpeedMonitor``, torchtitan, Megatron and the
+    Transformers ``Trainer`` count tokens by default (the compute spent on them); packed rows
+    have no padding, so their count is exact. An encoder-decoder batch counts its
+    ``input_ids`` (encoder side), not ``decoder_input_ids``; a multimodal batch its
+    ``input_ids`` (the image placeholder tokens a processor puts there included, not the
+    pixels). Pass ``num_tokens_fn`` (Lightning) or ``num_tokens=`` (driver) to count
+    otherwise, e.g. only real tokens with ``lambda b: b["attention_mask"].sum()``: a 0-d
+    tensor stays on the device until a logging step reads it (``int(...)`` would wait for the
+    device at every micro-batch).
     """
     if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
         return int(batch["input_ids"].numel())
-    tensor = _first_tensor(batch, token_ids=True)
-    return None if tensor is None else int(tensor.numel())
+    tensor = _first_tensor(batch, _not_a_mask)
+    return None if tensor is None or not _token_ids(tensor) else int(tensor.numel())
 
 
-def _first_tensor(obj: Any, token_ids: bool = False) -> torch.Tensor | None:
-    """The first tensor (depth first, in order) of ``obj``, its dicts, lists and tuples that has
-    a dim (``token_ids``: that is 2-d, integer, not bool). Each container is visited once: a
-    batch that holds itself (a list appended to itself) is searched, not recursed into
-    forever (a ``RecursionError`` that ended the run from ``vitals.batch()``)."""
+def _first_tensor(obj: Any, fits: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:
+    """The first tensor (depth first, in order) of ``obj``, its dicts, lists, tuples and
+    dataclasses (their fields in order, as Lightning's ``extract_batch_size`` reads them) for
+    which ``fits`` holds. Each container is visited once: a batch that holds itself (a list
+    appended to itself) is searched, not recursed into forever (a ``RecursionError`` that
+    ended the run from ``vitals.batch()``)."""
     seen: set[int] = set()
     stack: list[Any] = [obj]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            if _fits(item, token_ids):
+            if fits(item):
                 return item
             continue
         if isinstance(item, Mapping):
             values: Any = item.values()
         elif isinstance(item, list | tuple):
             values = item
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            values = [getattr(item, f.name, None) for f in dataclasses.fields(item)]
         else:
             continue
         if id(item) in seen:
@@ -310,12 +332,15 @@ def _first_tensor(obj: Any, token_ids: bool = False) -> torch.Tensor | None:
     return None
 
 
-def _fits(tensor: torch.Tensor, token_ids: bool) -> bool:
-    if not token_ids:
-        return tensor.ndim >= 1
-    return (
-        tensor.ndim == 2
-        and not tensor.is_floating_point()
-        and not tensor.is_complex()
-        and tensor.dtype != torch.bool
-    )
+def _has_dim(tensor: torch.Tensor) -> bool:
+    return tensor.ndim >= 1
+
+
+def _not_a_mask(tensor: torch.Tensor) -> bool:
+    """A tensor that may hold the batch's input: two or more dims, not a bool mask (1-d and
+    0-d tensors, per-sample labels or lengths and settings, are passed over)."""
+    return tensor.ndim >= 2 and tensor.dtype != torch.bool
+
+
+def _token_ids(tensor: torch.Tensor) -> bool:
+    return tensor.ndim == 2 and tensor.dtype in (torch.int64, torch.int32)

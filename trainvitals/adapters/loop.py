@@ -92,6 +92,11 @@ no backward) cannot be told apart: it counts as read (as Lightning counts a batc
 ``training_step`` returned ``None``), but with its flops too (which Lightning leaves out). Its
 samples and tokens join the step its optimizer takes next (a loop that then skips
 ``optimizer.step()``: the next step, a step being an optimizer step).
+Each rank tells its own micro-batches: under Accelerate what its prepared loader yields (with
+``split_batches=True`` or ``dispatch_batches`` its slice of the loader's batch, with
+``even_batches`` the samples repeated to even out the last batch too: they are trained), and
+the global keys (``throughput/samples_per_sec``, ``time/samples``, ...) sum every
+data-parallel rank's counts, so ranks with different batch sizes count as such.
 
 The driver's ``state_dict``/``load_state_dict`` hold its step counter and every callback's
 state, so ``accelerator.register_for_checkpointing(vitals)`` (or saving ``vitals.state_dict()``
@@ -696,8 +701,12 @@ class Vitals:
 
         ``batch_size`` (samples) and ``num_tokens`` default to what a callback's own
         ``batch_size_fn``/``num_tokens_fn`` reads off ``batch``, else to what can be read off it
-        (the first dim of its first tensor; the element count of ``input_ids`` or of the first
-        2-d integer tensor). Pass them to count only real tokens, or the tokens of this rank.
+        (:func:`~trainvitals.adapters.context.infer_batch_size`: the first dim of its first
+        tensor, dataclass fields included; :func:`~trainvitals.adapters.context.infer_num_tokens`:
+        the element count of ``input_ids``, else of a 2-d ``int64``/``int32`` tensor that is
+        the batch's first of two or more dims, bool masks skipped; padding included). Pass them
+        to count only real tokens (``num_tokens=batch["attention_mask"].sum()``: a 0-d tensor
+        stays on the device until a logging step), or the tokens of this rank.
         Calls inside :meth:`validating` are ignored (validation batches are not training).
         """
         if self.ctx.in_validation:
