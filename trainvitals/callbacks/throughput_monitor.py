@@ -196,8 +196,10 @@ class ThroughputMonitor(VitalsCallback):
         window_size: optimizer steps in the rolling window.
         warmup_steps: steps of each run (start, restore, another fit) left out of the window.
         batch_size_fn: ``batch -> samples`` (default: the first dim of the first tensor).
-        num_tokens_fn: ``batch -> tokens`` (default: ``input_ids.numel()`` or the element count
-            of the first 2-d integer tensor, padding included). Under the driver, explicit
+        num_tokens_fn: ``batch -> tokens`` (default: ``input_ids.numel()``, else the element
+            count of the batch's 2-d ``int64``/``int32`` token ids when they are its first
+            tensor of two or more dims, padding included:
+            :func:`~trainvitals.adapters.context.infer_num_tokens`). Under the driver, explicit
             ``vitals.batch(batch_size=..., num_tokens=...)`` values win. With ``measure_flops``
             the first step's flops are spread over the tokens counted here: counting only real
             tokens, later steps with another share of padding are off by the ratio of the
@@ -268,7 +270,7 @@ class ThroughputMonitor(VitalsCallback):
 
         vitals = Vitals([monitor]).attach(model, optimizer)
         for batch in loader:
-            vitals.batch(batch, num_tokens=int(batch["attention_mask"].sum()))
+            vitals.batch(batch, num_tokens=batch["attention_mask"].sum())  # 0-d: no device wait
             ...
     """
 
