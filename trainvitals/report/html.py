@@ -351,8 +351,19 @@ def _area_rank(area: str) -> tuple:
     return (_AREA_ORDER.index(area), "") if area in _AREA_ORDER else (len(_AREA_ORDER), area)
 
 
-def _anchor(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]+", "-", text)
+def _anchor(area: str, taken: set[str]) -> str:
+    """The ``id`` of an area's section (``m-<area>``, a run of other characters than letters,
+    digits, ``_`` and ``-`` as one ``-``; letters of any script kept), not one of ``taken``
+    (then ``-2``, ``-3``, ...), added to it. ASCII letters alone made every area named in
+    another script one id (``α/x`` and ``β/x``: ``m--``), as ``a b`` and ``a-b`` were: the
+    link of the second led to the first."""
+    base = "m-" + re.sub(r"[^\w-]+", "-", area)
+    anchor, n = base, 1
+    while anchor in taken:
+        n += 1
+        anchor = f"{base}-{n}"
+    taken.add(anchor)
+    return anchor
 
 
 def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list[str], list[str]]:
@@ -361,6 +372,7 @@ def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list
     for key in series:
         by_area.setdefault(_area(key), []).append(key)
     nav, parts = [], []
+    anchors: set[str] = set()
     for area in sorted(by_area, key=_area_rank):
         keys = sorted(by_area[area], key=natural_key)
         families: dict[str, list[str]] = {}
@@ -391,7 +403,7 @@ def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list
             ["key", "last", "last step", "min", "max", "mean", "steps", "non-finite"],
             rows,
         )
-        anchor = f"m-{_anchor(area)}"
+        anchor = html.escape(_anchor(area, anchors))
         nav.append(f'<a href="#{anchor}">{html.escape(area)}</a>')
         parts.append(
             f'<section id="{anchor}" class="area" data-area="{html.escape(area)}">'
@@ -760,7 +772,9 @@ def render_report(
             directory).
         keys: glob(s) over metric keys to include (``"moe/*"``, ``["train/*", "l2_norm/*"]``);
             default all. Tensor statistics are not filtered by it.
-        steps: ``"100:200"`` (inclusive), ``"100:"``, ``":200"``, ``"150"`` or None for all.
+        steps: ``"100:200"`` (inclusive), ``"100:"``, ``":200"``, ``"150"`` or None for all
+            (the ``tensor_stats.jsonl`` lines of other steps are passed over unparsed, as by
+            :func:`~trainvitals.report.query.read_tensor_stats` with ``first`` and ``last``).
         max_points: the most points drawn per line (see :func:`decimate`).
         title: the page title (default: the run folder's name).
 
@@ -822,14 +836,17 @@ def render_report(
         tensor_steps: list[int] = []  # the first and last step of the records shown
         newer = ""  # the tensor statistics file is of a newer trainvitals: why it is not shown
         if stats_path.exists():
-            lines = 0
+            lines = 0  # the records of the steps shown
             try:
-                for rec in read_tensor_stats(stats_path):
-                    lines += 1
+                # (the lines of steps outside first..last are passed over unparsed where their
+                # start tells their step: read_tensor_stats, as `trainvitals query --steps`)
+                for rec in read_tensor_stats(stats_path, first=first, last=last):
                     step = int(rec["step"])
+                    if (first is not None and step < first) or (last is not None and step > last):
+                        continue  # (a line read whole, not passed over: still not shown)
+                    lines += 1
                     ks = kinds.get(rec.get("kind"))  # type: ignore[arg-type]
-                    in_range = (first is None or step >= first) and (last is None or step <= last)
-                    if ks is not None and in_range:
+                    if ks is not None:
                         ks.add(step, rec)
                         tensor_steps = (
                             [min(tensor_steps[0], step), max(tensor_steps[1], step)]
@@ -845,7 +862,11 @@ def render_report(
                 warnings.warn(newer, RuntimeWarning, stacklevel=2)
             sources.append(
                 f"{html.escape(str(stats_path))} "
-                + ("(not read: of a newer trainvitals)" if newer else f"({lines} lines)")
+                + (
+                    "(not read: of a newer trainvitals)"
+                    if newer
+                    else f"({lines} lines{' in the steps shown' * (steps is not None)})"
+                )
             )
 
         load_nav, load_html = _expert_load_section(series)
