@@ -403,6 +403,7 @@ class _SinkWorker:
         self.finished = False
         self.finishing = False  # finish() has started (on some thread): never call it twice
         self.resume_settled = False  # flush() had the sink act on resume_at without a write
+        self.close_error: str | None = None  # a disabled sink's close() failed (see finish)
         self.reported: set[str] = set()  # which one-time warnings were given
         self.thread: threading.Thread | None = None
 
@@ -654,9 +655,24 @@ class _SinkWorker:
         try:
             self.sink.close()
         except Exception as e:
-            self._report_once(
-                "close", f"trainvitals FanoutWriter: closing sink {self.name!r} failed: {e!r}"
-            )
+            with self.cond:
+                disabled = self.disabled
+            if disabled:
+                # Its failure was reported when it was disabled, and close() names it again
+                # in its summary of the missed steps, with this error: a backend that could
+                # not take the steps usually cannot end its run either (a read-only MLflow
+                # store refuses set_terminated too), and a third warning says nothing new.
+                text = " ".join(str(e).split())  # (MLflow's errors carry SQL on several lines)
+                if len(text) > 500:
+                    text = text[:499] + "…"
+                self.close_error = f"{type(e).__name__}: {text}"
+                log.info(
+                    "trainvitals FanoutWriter: closing disabled sink %r failed: %r", self.name, e
+                )
+            else:
+                self._report_once(
+                    "close", f"trainvitals FanoutWriter: closing sink {self.name!r} failed: {e!r}"
+                )
         with self.cond:
             self.finished = True
             self.cond.notify_all()
@@ -1726,6 +1742,8 @@ class FanoutWriter:
             elif w.disabled:
                 why += f"; disabled after {w.failures} consecutive failures"
             last = f"; last error: {w.last_error}" if w.last_error else ""
+            if w.close_error is not None:
+                last += f"; closing sink {w.name!r} failed too: {w.close_error}"
             _warn(
                 f"trainvitals FanoutWriter closed: sink {w.name!r} missed {w.missed} of "
                 f"{total} steps ({why}){last}"

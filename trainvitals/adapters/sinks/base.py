@@ -55,6 +55,7 @@ from typing import Any
 __all__ = [
     "COMET_KEYS",
     "IDENTITY_KEYS",
+    "MAX_INT64_STEP",
     "MLFLOW_KEYS",
     "WANDB_KEYS",
     "WANDB_SHARED_KEYS",
@@ -276,6 +277,22 @@ class StepRefused(Exception):
     The writer counts the step as missed for that sink, warns once, and carries on; it is not a
     failure and does not count towards disabling the sink.
     """
+
+
+#: The largest step TensorBoard (``Event.step``), MLflow (its ``step`` column) and W&B
+#: (``_step``) can store: they keep steps as signed 64-bit integers.
+MAX_INT64_STEP = 2**63 - 1
+
+
+def refuse_step_beyond_int64(step: int, backend: str) -> None:
+    """Raise :class:`StepRefused` for a step that ``backend`` stores as an int64 and that does
+    not fit one. The backend itself raised for it at every retry (TensorBoard's and W&B's
+    protobuf "Value out of range", MLflow's SQLite "Python int too large"), so the sink was
+    disabled after ``max_failures`` and ``close()`` waited on its backoff."""
+    if step > MAX_INT64_STEP:
+        raise StepRefused(
+            f"{backend} stores steps as signed 64-bit integers; step {step} is above 2**63 - 1"
+        )
 
 
 class Sink:

@@ -9,7 +9,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainvitals.adapters.sinks.base import MLFLOW_KEYS, Sink, warn
+from trainvitals.adapters.sinks.base import (
+    MLFLOW_KEYS,
+    Sink,
+    refuse_step_beyond_int64,
+    warn,
+)
 
 __all__ = ["MLFLOW_BATCH_LIMIT", "MLFLOW_RUN_ID_FILE", "MLflowSink"]
 
@@ -67,7 +72,8 @@ class MLflowSink(Sink):
     Non-finite values: MLflow's SQL store keeps NaN (read back as NaN) and stores +-Inf as
     +-1.7976931348623157e308 (``sys.float_info.max``), which ``get_metric_history`` returns;
     over HTTP the same happens on the server. Treat +-``sys.float_info.max`` from MLflow as
-    +-Inf.
+    +-Inf. A step above ``2**63 - 1`` (MLflow's ``step`` is an int64) is refused
+    (:class:`~trainvitals.adapters.StepRefused`).
 
     Every ``log_batch`` is synchronous, also under ``MLFLOW_ENABLE_ASYNC_LOGGING``: a step
     counts as delivered only once MLflow has stored it.
@@ -205,6 +211,7 @@ class MLflowSink(Sink):
         return run_id
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
+        refuse_step_beyond_int64(step, "MLflow")
         try:
             self._write(step, metrics, wall_time)
         except Exception as e:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainvitals.adapters.sinks.base import Sink
+from trainvitals.adapters.sinks.base import Sink, refuse_step_beyond_int64
 
 __all__ = ["TensorBoardSink"]
 
@@ -53,7 +53,8 @@ class TensorBoardSink(Sink):
     turns a finite value outside its range into an infinity: ``|x| > 3.4028235e38`` (a
     diverging norm of ``1e39``) reads back as ``inf``, ``|x| < 1.4e-45`` as ``0.0``, and an
     integer above ``2**24`` is rounded (``2**25 + 1`` -> ``33554432``), as with torch's own
-    ``add_scalar``; ``double_precision=True`` keeps the float64.
+    ``add_scalar``; ``double_precision=True`` keeps the float64. A step above ``2**63 - 1``
+    (``Event.step`` is an int64) is refused (:class:`~trainvitals.adapters.StepRefused`).
 
     Example::
 
@@ -113,6 +114,7 @@ class TensorBoardSink(Sink):
             self.writer = SummaryWriter(self.logdir, purge_step=self._purge_step)
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
+        refuse_step_beyond_int64(step, "TensorBoard")
         if self.writer is None:
             self.open()
         writer = self.writer

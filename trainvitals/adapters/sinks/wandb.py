@@ -6,7 +6,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from trainvitals.adapters.sinks.base import WANDB_KEYS, WANDB_SHARED_KEYS, Sink, StepRefused
+from trainvitals.adapters.sinks.base import (
+    WANDB_KEYS,
+    WANDB_SHARED_KEYS,
+    Sink,
+    StepRefused,
+    refuse_step_beyond_int64,
+)
 
 __all__ = ["SHARED_STEP_METRIC", "WandbSink"]
 
@@ -95,7 +101,8 @@ class WandbSink(Sink):
     dots): W&B reads an unescaped ``.`` there as a nested dict's level (the x-axis would go to
     a key nobody logs). So every key the sink logs is declared. A ``step_metric`` W&B cannot
     name that way raises ``ValueError``. NaN and infinities are stored as such (``NaN``,
-    ``Infinity``, ``-Infinity`` in the run's history JSON).
+    ``Infinity``, ``-Infinity`` in the run's history JSON). A step above ``2**63 - 1`` (W&B's
+    ``_step`` is an int64) is refused (:class:`~trainvitals.adapters.StepRefused`).
 
     Dead service: W&B's ``run.log`` hands each row to the run's background service
     (``wandb-core``). When that process is killed or its connection breaks, W&B raises a
@@ -157,6 +164,7 @@ class WandbSink(Sink):
             # W&B ignores a finished run's log() (UsageError), and its run.step waits 30 s
             # for a service that no longer answers, at every retry
             raise StepRefused("the W&B run is finished; W&B ignores what is logged to it")
+        refuse_step_beyond_int64(step, "W&B")
         if self._lost is not None:
             raise StepRefused(self._lost)
         try:
