@@ -255,11 +255,13 @@ def load_metrics(
         # is the report's inner loop (a point per key and line), so one dict lookup a point
         appends: dict[str, tuple[Callable[[int], None], Callable[[float], None]] | None] = {}
         add_time = src.times.append
-        for rec in iter_jsonl(path):  # one record at a time: memory holds the kept values only
-            lines += 1
+        # one record at a time: memory holds the kept values only; the lines of other steps
+        # are passed over unparsed where their start says their step
+        for rec in iter_jsonl(path, first=first, last=last):
             step = rec["step"]
             if (first is not None and step < first) or (last is not None and step > last):
                 continue
+            lines += 1
             add_time(rec["time"])
             for key, value in rec["metrics"].items():
                 try:
@@ -269,7 +271,8 @@ def load_metrics(
                 if to is not None:
                     to[0](step)
                     to[1](value)
-        src.description = f"{path} ({lines} lines)"
+        shown_only = " in the steps shown" if first is not None or last is not None else ""
+        src.description = f"{path} ({lines} lines{shown_only})"
     for points in src.values.values():
         points.finish()
     return src
