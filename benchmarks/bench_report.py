@@ -143,6 +143,9 @@ PEAK_STATEMENTS = {
 #: What is timed after the baseline, in this order, each given the run folder and its steps.
 TIMED = {
     "write_report": lambda run, steps: write_report(run),
+    "write_report, the last tenth of the steps": lambda run, steps: write_report(
+        run, steps=f"{steps - steps // 10}:"
+    ),
     "query: grad, all stats, all tensors": lambda run, steps: query(run, kind="grad", stat="all"),
     "query: grad kurtosis per layer (by)": lambda run, steps: query(
         run, kind="grad", stat="kurtosis", by=r"layers\.(\d+)\."
@@ -161,6 +164,9 @@ TIMED_CODE = {
         "read_jsonl(run / 'metrics.jsonl'); list(read_tensor_stats(run))"
     ),
     "write_report": "from trainvitals.report import write_report as f\nf(run)",
+    "write_report, the last tenth of the steps": (
+        "from trainvitals.report import write_report as f\nf(run, steps=f'{steps - steps // 10}:')"
+    ),
     "query: grad, all stats, all tensors": (
         "from trainvitals.report import query as f\nf(run, kind='grad', stat='all')"
     ),
@@ -171,6 +177,13 @@ TIMED_CODE = {
     "query: grad rms of *.w0.*, second half of the steps": (
         "from trainvitals.report import query as f\n"
         "f(run, kind='grad', stat='rms', group='*.w0.*', steps=f'{steps // 2}:')"
+    ),
+    # the command line (its torch thread count, its output), into a null stdout
+    "CLI: trainvitals query grad kurtosis per layer (by)": (
+        "import contextlib, os\nfrom trainvitals.cli import main as f\n"
+        "out = open(os.devnull, 'w')\n"
+        "with contextlib.redirect_stdout(out): f(['query', str(run), '--kind', 'grad', "
+        "'--stat', 'kurtosis', '--by', r'layers\\.(\\d+)\\.'])"
     ),
 }
 
