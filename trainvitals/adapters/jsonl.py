@@ -159,7 +159,7 @@ def _iter_jsonl(
         else:
             warnings.warn(
                 f"{os.fspath(path)}: the last line is truncated ({len(truncated_tail)} bytes "
-                "without a newline; the writing process was probably killed mid-write); "
+                "without a newline; the writing process was killed mid-write, or a live run is writing it); "
                 "it was skipped",
                 RuntimeWarning,
                 stacklevel=_user_level(),

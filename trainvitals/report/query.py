@@ -211,7 +211,7 @@ def read_tensor_stats(
         )
     if unreadable:  # reported last and always: a run that crashed while writing
         warnings.warn(
-            f"{path}: skipped an unreadable line (last line, cut by a crash?)",
+            f"{path}: skipped an unreadable line (last line: cut by a crash, or still being written by a live run)",
             RuntimeWarning,
             stacklevel=2,
         )
