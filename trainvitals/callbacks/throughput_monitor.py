@@ -17,6 +17,7 @@ from trainvitals.distributed import (
     ProcessGroups,
     all_reduce_coalesced,
     group_key,
+    group_rank,
     group_size,
     world_group,
 )
@@ -106,6 +107,26 @@ def _run_precision(ctx: RunContext) -> str | None:
 
 # the counts of the totals that are summed over the ranks (the steps are the same on each)
 _TOTAL_COUNTS = ("batches", "samples", "tokens")
+
+# The units measured flops are counted per, coded as numbers (0: nothing measured) for the rows
+# of the state_dict's collective that carry every rank's own measurement.
+_UNIT_CODES = ("tokens", "samples", "batches")
+_FLOPS_COLUMN = COUNT_FIELDS.index("flops") - 1  # (summed over the world group)
+
+
+def _encode_measured(measured: tuple[str, float] | None, seq: float | None) -> list[float]:
+    """``[unit code, flops per unit, tokens per sample or 0]`` of a rank's measurement."""
+    if measured is None:
+        return [0.0, 0.0, 0.0]
+    return [float(_UNIT_CODES.index(measured[0]) + 1), float(measured[1]), float(seq or 0.0)]
+
+
+def _decode_measured(entry: Any) -> tuple[tuple[str, float] | None, float | None]:
+    """The measurement and its tokens per sample of an :func:`_encode_measured` entry."""
+    if not entry or not 1 <= int(entry[0]) <= len(_UNIT_CODES):
+        return None, None
+    seq = float(entry[2]) if entry[2] else None
+    return (_UNIT_CODES[int(entry[0]) - 1], float(entry[1])), seq
 
 
 def _nothing_untrained() -> dict[str, Any]:
@@ -231,11 +252,25 @@ class ThroughputMonitor(VitalsCallback):
     ``throughput/device/samples_per_sec``  this rank's samples per second                             samples/s
     ``throughput/device/tokens_per_sec``   this rank's tokens per second                              tokens/s
     ``throughput/seconds_per_step``        mean training wall time per optimizer step in the window   s
-    ``throughput/flops_per_sec``           model flops of all ranks' work per second (flops known)    FLOP/s
-    ``throughput/device/flops_per_sec``    this device's flops per second (flops known)               FLOP/s
+    ``throughput/flops_per_sec``           flops of all ranks' work per second (flops known; below)   FLOP/s
+    ``throughput/device/flops_per_sec``    this device's flops per second (flops known; below)        FLOP/s
     ``throughput/mfu``                     ``flops_per_sec / (world_size * peak)`` (peak known)       fraction
     ``throughput/device/mfu``              ``device/flops_per_sec / peak`` (peak known)               fraction
     =====================================  =========================================================  =========
+
+    Which flops: given (``flops_per_token``/``flops_per_sample``), model flops, as Megatron-LM's
+    and torchtitan's MFU count them (activation recomputation not counted): ``throughput/mfu``
+    is Megatron-LM's throughput per GPU over the peak (the model flops of all data streams
+    over all devices' peak), ``throughput/device/mfu`` torchtitan's (the flops of this rank's
+    tokens split over its tensor-, pipeline- and context-parallel peers); measured
+    (``measure_flops``), the flops this rank's matmuls ran, summed over every rank for the
+    global keys: hardware flops (a forward re-run by activation checkpointing counted, so
+    hardware flops utilisation in PaLM's terms). The global keys are the same on every rank
+    that has the counts (a pipeline stage without tokens has none when flops are given per
+    token); ``throughput/mfu`` divides the window's flops by its device-seconds times the peak:
+    ``world_size * peak`` per second, and window entries restored from a run on another number
+    of devices at that run's. Each rank keeps its own measured flops across a checkpoint (the
+    one copy a checkpoint keeps gathers every rank's).
 
     Rates are counts summed over the window divided by the window's training time (validation
     excluded). An optimizer step is one ``optimizer.step()`` as Lightning's ``global_step`` and
@@ -643,7 +678,11 @@ class ThroughputMonitor(VitalsCallback):
             flops_per_sec = global_flops / seconds
             out["throughput/flops_per_sec"] = flops_per_sec
             if self._peak:
-                out["throughput/mfu"] = flops_per_sec / (ctx.world_size * self._peak)
+                # the window's flops over its devices' capacity: peak times device-seconds,
+                # entries restored from a run on another number of devices at their own
+                # (a resume from 2 devices onto 1 wrote twice the MFU for a window)
+                devices = self._window.device_seconds(ctx.world_size)
+                out["throughput/mfu"] = global_flops / (devices * self._peak)
         self._check_sequence_length(loc)
         unit = self._flops_unit()
         if unit is not None and not loc[f"{unit[0]}_missing"] and not math.isnan(loc["flops"]):
@@ -680,36 +719,58 @@ class ThroughputMonitor(VitalsCallback):
         global rates and totals): call it on every rank, as Lightning's and Accelerate's
         checkpointing do. ``totals``: optimizer steps, and micro-batches, samples and tokens
         summed over the ranks as the global rates are (samples and batches over data-parallel
-        ranks, tokens over data- and context-parallel ranks)."""
+        ranks, tokens over data- and context-parallel ranks). ``measured_by_rank``: every rank's
+        own measured flops per unit (``[unit code, flops, tokens per sample]``, ranks in world
+        order, gathered in the same collective), so that each rank restores its own: pipeline
+        stages and tensor/expert-parallel ranks of uneven work measure different figures.
+        ``measured`` is this rank's (rank 0's in a checkpoint)."""
         idx, live = self._window.live_matrix()
-        # window_size + 2 rows on every rank, however many entries are live here: the
-        # collective's size follows from the configuration alone, so the checkpoint guard can
-        # complete it for a rank whose state_dict failed before it (state_dict_collectives), and
-        # ranks whose windows differ (a step_end that failed on one rank) still pair up. The
-        # row before the last holds this rank's totals since the last state_dict (no extra
-        # collective). The last row is 0 on every rank: NaN there is a rank's "missing" mark
-        # (accelerators).
-        matrix = torch.zeros(self._window.size + 2, len(COUNT_FIELDS) - 1, dtype=torch.float64)
+        # window_size + 3 * slots + 2 rows on every rank, however many entries are live here:
+        # the collective's size follows from the configuration alone, so the checkpoint guard
+        # can complete it for a rank whose state_dict failed before it
+        # (state_dict_collectives), and ranks whose windows differ (a step_end that failed on
+        # one rank) still pair up. After the window, three rows per rank of the world carry
+        # that rank's measured flops in the flops column (summed over the world group, zeros
+        # elsewhere: an all-gather in the same collective). The row before the last holds this
+        # rank's totals since the last state_dict (no extra collective). The last row is 0 on
+        # every rank: NaN there is a rank's "missing" mark (accelerators).
+        size, slots = self._window.size, self._measured_slots()
+        matrix = torch.zeros(size + 3 * slots + 2, len(COUNT_FIELDS) - 1, dtype=torch.float64)
         matrix[: len(idx)] = live
+        if slots:
+            mine = size + 3 * group_rank(world_group())
+            matrix[mine : mine + 3, _FLOPS_COLUMN] = torch.tensor(
+                _encode_measured(self._measured, self._measured_seq), dtype=torch.float64
+            )
         columns = [COUNT_FIELDS.index(name) - 1 for name in _TOTAL_COUNTS]
         matrix[-2, columns] = to_vector([self._pending_totals[n] for n in _TOTAL_COUNTS])
         summed = reduce_counts(matrix, self._groups)
         if bool(summed[-1].isnan().any()):
             raise PeerRankFailed("another rank's window counts are missing from this checkpoint")
         if idx:
-            self._window.set_globals(idx, summed[: len(idx)])
+            self._window.set_globals(idx, summed[: len(idx)], group_size(world_group()))
         for name, value in zip(_TOTAL_COUNTS, summed[-2, columns].tolist(), strict=True):
             self._totals[name] += int(value) if name == "batches" else value
         self._pending_totals = dict.fromkeys(_TOTAL_COUNTS, 0)
+        by_rank = summed[size : size + 3 * slots, _FLOPS_COLUMN].view(slots, 3).tolist()
         return {
             "window": self._window.state_dict(),
             "totals": {k: float(v) for k, v in self._totals.items()},
             "measured": list(self._measured) if self._measured is not None else None,
             "measured_tokens_per_sample": self._measured_seq,
+            "measured_by_rank": by_rank if slots else None,
         }
 
+    def _measured_slots(self) -> int:
+        """Ranks whose measured flops the state_dict's collective carries: every rank of the
+        world unless flops are given (known from the configuration, the same on every rank)."""
+        if self.flops_per_token is not None or self.flops_per_sample is not None:
+            return 0
+        return group_size(world_group())
+
     def state_dict_collectives(self) -> tuple[CollectiveCall, ...]:
-        return count_reduction_calls(self._window.size + 2, self._groups)
+        rows = self._window.size + 3 * self._measured_slots() + 2
+        return count_reduction_calls(rows, self._groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._window.load_state_dict(state_dict.get("window", {}))
@@ -722,11 +783,33 @@ class ThroughputMonitor(VitalsCallback):
         self._measured = (str(measured[0]), float(measured[1])) if measured else None
         seq = state_dict.get("measured_tokens_per_sample")
         self._measured_seq = None if seq is None or self._measured is None else float(seq)
+        by_rank = state_dict.get("measured_by_rank")
+        if by_rank:
+            self._measured, self._measured_seq = self._own_measurement(by_rank)
         # A restore is a restart, also on an instance that has already trained (a rollback,
         # fit(ckpt_path=) with the same callbacks): its own clock and warm-up, as RuntimeMonitor,
         # so the time before the restore is not timed as the next step; micro-batches of a step
         # in progress at the restore are dropped (the restored run replays it).
         self._restart()
+
+    def _own_measurement(self, by_rank: list[Any]) -> tuple[tuple[str, float] | None, float | None]:
+        """This rank's measured flops from a checkpoint's ``measured_by_rank``: its own entry
+        when the world has the checkpoint's size; on another world size, the one figure all
+        ranks measured, else none (measured again when ``measure_flops``: a rank of the new
+        layout may do another rank's share of the work)."""
+        world = group_size(world_group())
+        if len(by_rank) == world:
+            return _decode_measured(by_rank[group_rank(world_group())])
+        decoded = [_decode_measured(entry) for entry in by_rank]
+        if all(m == decoded[0][0] for m, _ in decoded):
+            return decoded[0]
+        self.warn_once(
+            "flops_layout",
+            f"the checkpoint's measured flops differ between its {len(by_rank)} ranks and this "
+            f"run has {world}: they are not restored"
+            + (" (measured again)" if self.measure_flops else ""),
+        )
+        return None, None
 
     def _restart(self) -> None:
         """Start timing afresh: a new clock, no previous step end, the warm-up again, and no

@@ -107,7 +107,9 @@ class RollingWindow:
     sums over the ranks (:meth:`set_globals`): the caller reduces the entries over the ranks when
     it saves a checkpoint, so the one copy a checkpoint keeps (rank 0's) restores exact global
     rates on every rank after a resume. :meth:`split_sums` separates the entries still to be
-    reduced from those whose global sums are known.
+    reduced from those whose global sums are known. With its global sums an entry keeps the
+    number of ranks they were summed over (the world size of its run, which a resume on
+    another number of devices changes): :meth:`device_seconds`.
     """
 
     def __init__(self, size: int) -> None:
@@ -117,6 +119,9 @@ class RollingWindow:
         self._records: deque[StepRecord] = deque(maxlen=size)
         # Parallel to _records: None for a live entry, else its global sums (COUNT_FIELDS[1:]).
         self._globals: deque[tuple[float, ...] | None] = deque(maxlen=size)
+        # Parallel to _records: the world size of an entry's global sums (None: live, or
+        # restored from a checkpoint that did not say).
+        self._worlds: deque[int | None] = deque(maxlen=size)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -124,10 +129,12 @@ class RollingWindow:
     def append(self, record: StepRecord) -> None:
         self._records.append(record)
         self._globals.append(None)
+        self._worlds.append(None)
 
     def clear(self) -> None:
         self._records.clear()
         self._globals.clear()
+        self._worlds.clear()
 
     def sums(self) -> StepRecord:
         """Field-wise sums over the window (this rank's counts)."""
@@ -147,6 +154,18 @@ class RollingWindow:
         restored_sum = tuple(float(sum(col)) for col in zip(*restored, strict=True))
         return live, restored_sum or (0.0,) * (len(COUNT_FIELDS) - 1)
 
+    def device_seconds(self, world_size: int) -> float:
+        """Device-seconds of the window: each entry's seconds times the devices of its run
+        (``world_size``, this run's, for live entries and those of unknown size), the
+        capacity that MFU divides the window's flops by, exact across a resume on another
+        number of devices."""
+        return float(
+            sum(
+                float(r.seconds) * (w or world_size)
+                for r, w in zip(self._records, self._worlds, strict=True)
+            )
+        )
+
     # -------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,15 +173,20 @@ class RollingWindow:
             "size": self.size,
             "records": [[as_float_state(v) for v in astuple(r)] for r in self._records],
             "globals": [None if g is None else list(g) for g in self._globals],
+            "worlds": list(self._worlds),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.clear()
         records = [StepRecord(*r) for r in state.get("records", [])]
         globals_ = state.get("globals") or [None] * len(records)
-        for record, g in zip(records[-self.size :], globals_[-self.size :], strict=True):
+        worlds = state.get("worlds") or [None] * len(records)
+        for record, g, w in zip(
+            records[-self.size :], globals_[-self.size :], worlds[-self.size :], strict=True
+        ):
             self._records.append(record)
             self._globals.append(None if g is None else tuple(g))
+            self._worlds.append(None if g is None or w is None else int(w))
 
     def live_matrix(self) -> tuple[list[int], torch.Tensor]:
         """Indices and counts (``[n, 7]`` float64, the :data:`COUNT_FIELDS` after ``seconds``)
@@ -176,10 +200,14 @@ class RollingWindow:
         )
         return idx, matrix
 
-    def set_globals(self, idx: Sequence[int], matrix: torch.Tensor) -> None:
-        """Record the global sums (rows of ``matrix``) of the entries at ``idx``."""
+    def set_globals(
+        self, idx: Sequence[int], matrix: torch.Tensor, world_size: int | None = None
+    ) -> None:
+        """Record the global sums (rows of ``matrix``, summed over ``world_size`` ranks) of
+        the entries at ``idx``."""
         for i, row in zip(idx, matrix.tolist(), strict=True):
             self._globals[i] = tuple(float(v) for v in row)
+            self._worlds[i] = world_size
 
 
 def _sum(values: Iterable[Any]) -> Any:
