@@ -1268,7 +1268,9 @@ def _own_window(state_dict: dict[str, Any]) -> Sequence[Any]:
     from trainvitals.distributed import global_rank, group_size, world_group
 
     by_rank = state_dict.get("micro_batches_in_step_by_rank")
-    if isinstance(by_rank, list | tuple) and by_rank:
+    # (every row empty: taken between steps, nothing carried, whatever the world size; the
+    # driver saves a row per rank also then)
+    if isinstance(by_rank, list | tuple) and any(by_rank):
         if len(by_rank) == group_size(world_group()):
             return by_rank[global_rank()]
         warnings.warn(
