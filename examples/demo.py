@@ -72,6 +72,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def make_callbacks() -> list:
+    """Every callback, as the demo runs them (tests/test_cross_checks19.py checks their numbers
+    against each other and against float64 recomputations)."""
+    return [
+        MoEMetricsMonitor(per_layer_logging=True, percentiles={"load_balancing_loss": [0.5, 0.9]}),
+        LoadBalanceMonitor(mode="detailed"),
+        # per-layer RMS and kurtosis on the dashboards too (tensor_stats.jsonl has every tensor)
+        TensorStatsMonitor(layer_pattern=r"layers\.(\d+)\."),
+        # each router's gradient norm next to the global one
+        NormMonitor(per_param=["*.router.weight"]),
+        MemoryMonitor(),
+        # flops counted on the first step: TinyMoELM runs every expert on every token, so they
+        # are hardware flops (docs/callbacks.md); CPUs have no peak in the table, so no MFU key
+        # unless peak_flops= is given
+        ThroughputMonitor(window_size=20, measure_flops=True),
+        RuntimeMonitor(),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", default="runs/demo", type=Path)
@@ -113,17 +132,8 @@ def main(argv: list[str] | None = None) -> None:
             JsonlSink(jsonl_path),
         ]
     )
-    callbacks = [
-        MoEMetricsMonitor(per_layer_logging=True, percentiles={"load_balancing_loss": [0.5, 0.9]}),
-        LoadBalanceMonitor(mode="detailed"),
-        TensorStatsMonitor(),
-        NormMonitor(),
-        MemoryMonitor(),
-        ThroughputMonitor(window_size=20),
-        RuntimeMonitor(),
-    ]
     vitals = Vitals(
-        callbacks,
+        make_callbacks(),
         writer=writer,
         log_every_n_steps=args.log_every,
         run_dir=run_dir,
