@@ -7,7 +7,8 @@ Run it with ``make demo`` (which sets up the virtual environment) or directly::
 
 At the end it writes ``<run-dir>/report.html`` (``trainvitals report``). The corpus is the
 package's own source code, read byte by byte (vocabulary 256), so the loss
-falls visibly within a few hundred steps and nothing is downloaded.
+falls visibly within a few hundred steps and nothing is downloaded; its last tenth is held out
+and validated on every ``--val-every`` steps (``val/loss``; its time is ``time/validation_hours``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ MODEL_CONFIG = dict(
     z_loss_coeff=1e-3,
 )
 BATCH_SIZE, SEQ_LEN, MICRO_BATCHES = 8, 64, 2
+VAL_BATCHES = 4  # batches of held-out text per validation
 
 
 def load_corpus() -> torch.Tensor:
@@ -101,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", default=BATCH_SIZE, type=positive_int)
     parser.add_argument("--seq-len", default=SEQ_LEN, type=positive_int)
     parser.add_argument("--log-every", default=10, type=positive_int)
+    parser.add_argument(
+        "--val-every", default=100, type=positive_int, help="steps between validations"
+    )
     parser.add_argument("--lr", default=3e-3, type=float)
     parser.add_argument("--seed", default=0, type=int)
     args = parser.parse_args(argv)
@@ -144,7 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     # the loop divides its loss by the micro-batches: the routers' injected aux-loss gradients too
     set_aux_loss_backward_scale(1 / args.micro_batches)
 
-    data = batches(load_corpus(), args.batch_size, args.seq_len, torch.Generator().manual_seed(1))
+    corpus = load_corpus()
+    held_out = corpus.numel() // 10  # the last tenth of the corpus: never trained on
+    data = batches(
+        corpus[:-held_out], args.batch_size, args.seq_len, torch.Generator().manual_seed(1)
+    )
+    val_data = batches(corpus[-held_out:], args.batch_size, args.seq_len, torch.Generator())
     started = time.perf_counter()
     with vitals:
         for step in range(args.steps):
@@ -162,6 +172,16 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.zero_grad(set_to_none=True)
             model.moe_step_end()  # expert-bias updates and global-aux-loss counts, when used
             writer.add_scalars({"train/loss": step_loss, "train/lr": lr}, step)
+            if (step + 1) % args.val_every == 0 or step == args.steps - 1:
+                # its time goes to time/validation_hours, not into the training rates
+                with vitals.validating(), torch.no_grad():
+                    model.eval()
+                    val_loss = sum(
+                        model(b["input_ids"], labels=b["labels"]).loss
+                        for b in (next(val_data) for _ in range(VAL_BATCHES))
+                    )
+                    model.train()
+                writer.add_scalar("val/loss", val_loss / VAL_BATCHES, step)
             if step % (args.log_every * 5) == 0 or step == args.steps - 1:
                 print(f"step {step:4d}  loss {step_loss.item():.3f}  lr {lr:.2e}", flush=True)
     writer.close()

@@ -46,7 +46,7 @@ def _example(script: str) -> list[str]:
 EXAMPLE_RUNS = {
     "test_demo_logs_to_every_backend": (
         None,
-        [*_example("demo.py"), "--steps", "6", "--log-every", "3"],
+        [*_example("demo.py"), "--steps", "6", "--log-every", "3", "--val-every", "4"],
     ),
     "test_accelerate_example": (
         "accelerate",
@@ -113,7 +113,12 @@ def test_demo_logs_to_every_backend(example_runs, request):
     # A step can span several lines: the driver hands each step to the sinks when it ends
     # (FanoutWriter.end_step), and the demo logs train/loss after optimizer.step() (docs/writer.md).
     steps = [r["step"] for r in records]
-    assert steps == sorted(steps) and sorted(set(steps)) == list(range(6))
+    # ... and RuntimeMonitor's run-end row one past the last step: the time of the validation
+    # after the last step (--val-every 4: after steps 3 and 5), time keys only
+    assert steps == sorted(steps) and sorted(set(steps)) == list(range(7))
+    end = {k: v for r in records if r["step"] == 6 for k, v in r["metrics"].items()}
+    assert end and all(k.startswith("time/") for k in end) and end["time/validation_hours"] > 0
+    assert sorted(dict(metric_history(records, "val/loss"))) == [3, 5]
     logged = {k for r in records if r["step"] == 3 for k in r["metrics"]}
     for prefix in ("train/loss", "moe/", "l2_norm/", "memory/", "throughput/", "time/"):
         assert any(k.startswith(prefix) for k in logged), prefix
