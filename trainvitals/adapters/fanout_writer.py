@@ -71,6 +71,7 @@ import numpy as np
 import torch
 
 from trainvitals import distributed
+from trainvitals._patching import AttributePatch
 from trainvitals.adapters.sinks.base import Sink, StepRefused, stacklevel
 
 __all__ = ["FanoutWriter"]
@@ -695,6 +696,24 @@ def _order_hook(writer_ref: weakref.ref[FanoutWriter], worker_ref: weakref.ref[_
     return deliver_before
 
 
+def _flushing_first(writer_ref: weakref.ref[FanoutWriter], original: Any) -> Any:
+    """``original`` (a tracker's ``finish``), delivering the writer's steps before it runs:
+    a W&B run or Comet experiment the tracker finishes refuses what arrives afterwards. Holds
+    the writer weakly."""
+
+    @functools.wraps(original)
+    def finish_after_flush(*args: Any, **kwargs: Any) -> Any:
+        writer = writer_ref()
+        if writer is not None:
+            try:
+                writer.flush()
+            except Exception as e:  # the tracker must finish whatever happens
+                _warn(f"trainvitals FanoutWriter: flush before the tracker's finish failed: {e!r}")
+        return original(*args, **kwargs)
+
+    return finish_after_flush
+
+
 _live_writers: weakref.WeakSet[FanoutWriter] = weakref.WeakSet()
 
 #: seconds close() gives an abandoned (still failing) sink to close its own run
@@ -1005,6 +1024,7 @@ class FanoutWriter:
         # (_deliver_before); the training thread's, under _lock
         self._queued_steps: deque[tuple[int, int]] | None = None
         self._delivering = threading.local()
+        self._patches: list[AttributePatch] = []  # (flush_before_finish), undone at close()
         if self._active:
             names: set[str] = set()
             for s in sinks:
@@ -1074,7 +1094,9 @@ class FanoutWriter:
         run (``run.log(dict, step=)``, as Accelerate itself does); any other tracker -> its
         ``log(dict, step=)`` with Python floats (Accelerate's own trackers drop tensor values
         silently; this writer converts them first), called from the training thread. Only the
-        main process delivers.
+        main process delivers. Each tracker's ``finish`` (``accelerator.end_training()``)
+        first delivers the writer's steps (:meth:`flush_before_finish`), so ending the
+        training before :meth:`close` loses no step.
 
         With no tracker the writer writes JSONL to ``default_jsonl``; without that path it
         raises ``ValueError``. ``kwargs`` go to :class:`FanoutWriter`.
@@ -1083,7 +1105,29 @@ class FanoutWriter:
 
         rank = int(getattr(accelerator, "process_index", 0))
         sinks = accelerator_sinks(accelerator, default_jsonl=default_jsonl, build=rank == 0)
-        return cls(sinks, rank=rank, **kwargs)
+        writer = cls(sinks, rank=rank, **kwargs)
+        for tracker in getattr(accelerator, "trackers", None) or ():
+            writer.flush_before_finish(tracker)
+        return writer
+
+    def flush_before_finish(self, obj: Any, method: str = "finish") -> None:
+        """Have ``obj.<method>()`` (an Accelerate tracker's ``finish``, which
+        ``accelerator.end_training()`` calls) deliver this writer's steps before it runs.
+
+        :meth:`from_accelerator` does it for every tracker: ``end_training()`` before the
+        writer's :meth:`close` finished the W&B run and ended the Comet experiment while the
+        last steps were still on their way, and both refuse what comes after (the W&B sink
+        missed the last step, the Comet sink the last two). Wraps the method with an instance
+        attribute, taken back at :meth:`close`; on a rank that does not deliver, and for an
+        object that takes no attributes, it does nothing.
+        """
+        if not self._active or self._closed or not callable(getattr(obj, method, None)):
+            return
+        original = getattr(obj, method)
+        with contextlib.suppress(AttributeError, TypeError):  # (no instance attributes)
+            self._patches.append(
+                AttributePatch(obj, method, _flushing_first(weakref.ref(self), original))
+            )
 
     # ---- logging (training thread)
 
@@ -1638,6 +1682,10 @@ class FanoutWriter:
         except Exception as e:  # pragma: no cover - defensive: close never raises
             _warn(f"trainvitals FanoutWriter: error while closing: {e!r}")
         finally:
+            for patch in self._patches:  # (kept when other code wrapped the method after us)
+                with contextlib.suppress(Exception):
+                    patch.undo()
+            self._patches.clear()
             # only now: the exit hook closes the writers still in the set, and its close()
             # must wait for this one (a close() in a daemon thread is cut off at exit)
             _live_writers.discard(self)

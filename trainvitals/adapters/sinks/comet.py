@@ -59,10 +59,12 @@ class CometSink(Sink):
     in the other sinks. (A comet_ml whose ``log_metrics`` has no ``include_context`` is called
     without it.)
 
-    An experiment that is no longer alive (ended, by its owner or by Lightning's
-    ``CometLogger.finalize``, or disabled) drops whatever is logged to it without a word: the
-    sink reports such a step as missed (:class:`~trainvitals.adapters.sinks.base.StepRefused`,
-    one warning) instead of counting it as delivered.
+    An experiment that is no longer alive (ended, by its owner or by the
+    ``CometLogger.finalize`` of older Lightning versions; or disabled, as the one Lightning
+    2.6's ``CometLogger(online=False)`` creates) drops whatever is logged to it without a word:
+    the sink reports such a step as missed
+    (:class:`~trainvitals.adapters.sinks.base.StepRefused`, one warning) instead of counting it
+    as delivered.
 
     Keys are mapped by :data:`~trainvitals.adapters.sinks.base.COMET_KEYS`: unchanged up to
     100 characters (``_x`` followed by two hex digits is escaped as ``_x5fx..``, as by every

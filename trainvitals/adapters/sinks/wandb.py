@@ -67,9 +67,10 @@ class WandbSink(Sink):
     with ``writer.end_step()`` (the ``Vitals`` driver does) or ``writer.flush()`` before that
     code logs the next step. Values logged for one step in two deliveries land in the same row.
 
-    A run that was finished before the writer delivered its last steps (``run.finish()``,
-    Accelerate's ``end_training()``, before the writer's ``close()``) takes nothing more: the
-    sink reports those steps as missed (one warning) at once. (W&B raises ``UsageError`` for
+    A run that was finished before the writer delivered its last steps (``run.finish()``
+    before the writer's ``close()``) takes nothing more: the sink reports those steps as missed
+    (one warning) at once. (Accelerate's ``end_training()`` has a writer from
+    :meth:`FanoutWriter.from_accelerator` deliver its steps first.) (W&B raises ``UsageError`` for
     its ``log()``, and its ``run.step`` waited 30 s for an answer at each of the writer's
     retries, so ``close()`` stalled for its whole ``close_timeout``.)
 
