@@ -1,6 +1,7 @@
 """Suite-wide settings: callbacks re-raise instead of disabling themselves, backends stay offline."""
 
 import os
+import sys
 
 import pytest
 
@@ -22,6 +23,23 @@ def _fresh_moe_metrics_tracker():
     destroy_moe_metrics_tracker()
     yield
     destroy_moe_metrics_tracker()
+
+
+def _forget_mlflow_tracking_uri() -> None:
+    tracking = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if tracking is not None and hasattr(tracking, "_tracking_uri"):
+        tracking._tracking_uri = None
+
+
+@pytest.fixture(autouse=True)
+def _no_process_wide_mlflow_uri():
+    """``mlflow.set_tracking_uri`` (Lightning's ``MLFlowLogger`` calls it) is process-wide and
+    beats ``MLFLOW_TRACKING_URI``: a test that sets the variable wrote to the store of an
+    earlier test's logger (tests/test_driver_resume_and_end.py after
+    tests/adapters/test_from_frameworks.py found its MLflow history empty)."""
+    _forget_mlflow_tracking_uri()
+    yield
+    _forget_mlflow_tracking_uri()
 
 
 @pytest.fixture
