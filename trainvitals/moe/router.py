@@ -21,7 +21,9 @@ joins):
 ``aux_loss``               Switch loss ``E/(k*T^2) * sum_i (sum_x p_xi) * tokens_i``: ``p`` the
                            scores over all experts (softmax, or sigmoid normalised per token when
                            ``k > 1``), ``tokens_i`` the tokens among whose top-k (of those scores)
-                           expert ``i`` is. 1.0 at perfect balance before the coefficient.
+                           expert ``i`` is. 1.0 at perfect balance (equal ``tokens_i``) before
+                           the coefficient; sigmoid with ``k = 1`` (unnormalised scores, as in
+                           Megatron) gives ``mean_x sum_i p_xi`` there instead (up to ``E``).
 ``seq_aux_loss``           the same per sequence (``T`` = sequence length), averaged over the
                            sequences of the batch.
 ``global_aux_loss``        ``tokens_i`` summed over ``dp_group`` and averaged over the micro-
@@ -117,13 +119,17 @@ class TopKRouter(nn.Module):
         aux_loss_type: ``None``, ``"aux_loss"``, ``"seq_aux_loss"`` or ``"global_aux_loss"``.
         aux_loss_coeff: its coefficient (0 disables it).
         z_loss_coeff: coefficient of the z-loss (0 disables it).
-        input_jitter_eps: in training, multiply the router's input by ``U(1-eps, 1+eps)``.
+        input_jitter_eps: in training, multiply the router's input by ``U(1-eps, 1+eps)``
+            (Megatron jitters in evaluation too).
         expert_bias: aux-loss-free balancing: a per-expert bias added to the scores for the
             selection only; :meth:`update_expert_bias` after each optimizer step moves it by
             ``bias_update_rate * sign(mean_load - load_i)``.
         bias_update_rate: that step size.
         sinkhorn: select with Sinkhorn-normalised scores (training); no aux loss allowed.
         layer_number: 1-based layer number for the tracker (or set later).
+        topk_scaling_factor: multiply the combine weights of the selected experts by this
+            factor (Megatron's ``moe_router_topk_scaling_factor``, e.g. 2.5 in DeepSeek-V3);
+            ``None`` = 1. Not with ``sinkhorn`` (Megatron ignores it there).
 
     Attributes:
         num_layers: the model's layer count (tracker vector length); set by the model.
@@ -166,6 +172,7 @@ class TopKRouter(nn.Module):
         bias_update_rate: float = 1e-3,
         sinkhorn: bool = False,
         layer_number: int | None = None,
+        topk_scaling_factor: float | None = None,
     ) -> None:
         super().__init__()
         self.hidden_size = _positive_int("hidden_size", hidden_size)
@@ -179,6 +186,12 @@ class TopKRouter(nn.Module):
             )
         if pre_softmax and score_function != "softmax":
             raise ValueError("pre_softmax=True needs score_function='softmax'")
+        if topk_scaling_factor is not None:
+            _number("topk_scaling_factor", topk_scaling_factor)
+            if topk_scaling_factor <= 0:
+                raise ValueError(f"topk_scaling_factor must be > 0, got {topk_scaling_factor}")
+            if sinkhorn:
+                raise ValueError("topk_scaling_factor cannot be combined with sinkhorn=True")
         if (num_groups is None) != (group_topk is None):
             raise ValueError("num_groups and group_topk must be given together")
         if num_groups is not None:
@@ -228,6 +241,9 @@ class TopKRouter(nn.Module):
 
         self.score_function = score_function
         self.pre_softmax = bool(pre_softmax)
+        self.topk_scaling_factor = (
+            None if topk_scaling_factor is None else float(topk_scaling_factor)
+        )
         self.num_groups = num_groups
         self.group_topk = group_topk
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
@@ -433,6 +449,8 @@ class TopKRouter(nn.Module):
                 weights = torch.softmax(weights, dim=-1)
             elif self.score_function == "sigmoid" and k > 1:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            if self.topk_scaling_factor is not None:  # after the normalisation, as Megatron
+                weights = weights * self.topk_scaling_factor
         num_tokens = logits.shape[0]
         selected = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True)
         probs = torch.zeros_like(logits).scatter(1, top_idx, weights)
