@@ -7,12 +7,17 @@ import os
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import SharedRanks
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.callbacks.runtime_monitor import RuntimeMonitor
 from trainvitals.distributed import all_gather_objects, all_reduce_coalesced, world_group
+
+# one set of gloo processes per world size runs every case of this file
+# (tests/helpers/shared_ranks.py)
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
 
 
 class SumOverRanks(VitalsCallback):
@@ -94,10 +99,11 @@ def _rank_local_failure(rank: int, world_size: int) -> dict[int, dict[str, float
     return writer.rows
 
 
-def test_rank_local_failure_keeps_the_ranks_in_lockstep():
+@shared.on_ranks(2, _rank_local_failure)
+def test_rank_local_failure_keeps_the_ranks_in_lockstep(ran):
     """A callback failing on one rank is not disabled there (its next collective would leave
     the other ranks waiting forever): every later step is reduced and exact on every rank."""
-    rank0, rank1 = run_distributed(_rank_local_failure, world_size=2, timeout=90)
+    _, (rank0, rank1) = ran
     expected = {step: {"sum/step": 2.0 * step} for step in range(4)}
     assert rank0 == expected
     assert rank1 == {s: v for s, v in expected.items() if s != 1}
@@ -120,8 +126,9 @@ def _bad_key(rank: int, world_size: int) -> tuple[dict, list[str]]:
     return writer.rows, [str(w.message) for w in caught]
 
 
-def test_a_failing_collective_key_is_reported_and_changes_nothing_else():
-    (rank0, warned0), (rank1, _) = run_distributed(_bad_key, world_size=2, timeout=90)
+@shared.on_ranks(2, _bad_key)
+def test_a_failing_collective_key_is_reported_and_changes_nothing_else(ran):
+    _, ((rank0, warned0), (rank1, _)) = ran
     assert rank0 == rank1 == {step: {"sum/step": 2.0 * step} for step in range(3)}
     assert sum("collective_key raised KeyError" in w for w in warned0) == 1
 
@@ -166,13 +173,12 @@ def _part_way_failure(rank: int, world_size: int) -> tuple[dict, list[str]]:
     return writer.rows, [str(w.message) for w in caught]
 
 
-def test_part_way_failure_completes_the_steps_collectives_on_every_rank():
+@shared.on_ranks(2, _part_way_failure)
+def test_part_way_failure_completes_the_steps_collectives_on_every_rank(ran):
     """A hook that fails before or between its collectives on one rank: the rest of them are
     issued with a 'missing' mark, every rank leaves that step out (none waits, none pairs the
     step with the next one) and every other step is reduced exactly."""
-    (rank0, warned0), (rank1, warned1) = run_distributed(
-        _part_way_failure, world_size=2, timeout=120
-    )
+    _, ((rank0, warned0), (rank1, warned1)) = ran
     failed = {1, 3, 4, 6}
 
     def expected(step: int) -> dict[str, float]:
@@ -218,11 +224,12 @@ def _runtime_peer_failure(rank: int, world_size: int) -> dict:
     return writer.key("time/samples")
 
 
-def test_counts_summed_over_ranks_stay_exact_after_a_peer_failure():
+@shared.on_ranks(2, _runtime_peer_failure)
+def test_counts_summed_over_ranks_stay_exact_after_a_peer_failure(ran):
     """RuntimeMonitor adds each logging step's summed counts to its totals: when a rank fails
     before the sum, no rank adds a partial (or NaN) sum; the counts of the missed step are
     summed at the next one, so the totals stay exact."""
-    rank0, rank1 = run_distributed(_runtime_peer_failure, world_size=2, timeout=120)
+    _, (rank0, rank1) = ran
     # 2 ranks x 2 micro-batches x 4 samples per step, counted through the end of each step
     want = {s: 16.0 * (s + 1) for s in range(5) if s != 2}
     assert rank0 == want

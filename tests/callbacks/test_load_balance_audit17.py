@@ -12,10 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import CASE_DIR, SharedRanks
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
+
+# one set of gloo processes per world size runs every case of this file
+# (tests/helpers/shared_ranks.py)
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
 
 HIDDEN = 4
 EXPERTS = 4
@@ -82,8 +87,9 @@ def _pipeline_body(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_stage_local_layer_numbers_are_reported_in_global_layer_order() -> None:
-    results = run_distributed(_pipeline_body, world_size=2, timeout=120)
+@shared.on_ranks(2, _pipeline_body)
+def test_stage_local_layer_numbers_are_reported_in_global_layer_order(ran) -> None:
+    _, results = ran
     # Global layer order of a pipeline: stage 0's layers, then stage 1's, each in its order.
     order = sorted(LOADS)
     labels = [f"pp{stage}_{layer}" for stage, layer in order]
@@ -167,15 +173,14 @@ def _run_start_body(rank: int, world_size: int, where: str, tmp: str) -> dict[st
 
 
 @pytest.mark.slow
+@shared.on_ranks(2, _run_start_body, "dp", CASE_DIR, param="dp")
+@shared.on_ranks(2, _run_start_body, "pp", CASE_DIR, param="pp")
 @pytest.mark.parametrize("where", ["dp", "pp"])
-def test_num_experts_raising_any_exception_fails_every_rank_at_run_start(
-    where: str, tmp_path: Path
-) -> None:
+def test_num_experts_raising_any_exception_fails_every_rank_at_run_start(where: str, ran) -> None:
     # Before the fix, rank 1 raised its RuntimeError at once and rank 0 waited in the
-    # run-start gather for as long as rank 1 lived: a TimeoutError here.
-    results = run_distributed(
-        _run_start_body, world_size=2, args=(where, str(tmp_path)), timeout=60
-    )
+    # run-start gather for as long as rank 1 lived: a TimeoutError here (a hang of the
+    # shared ranks, reported by their timeout as this case's failure).
+    _, results = ran
     for r in results:
         assert r["error"] is not None
         assert "expert count not built yet" in r["error"]

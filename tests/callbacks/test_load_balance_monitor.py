@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.dist import run_distributed
 from tests.helpers.moe_models import tiny_moe_lm
+from tests.helpers.shared_ranks import CASE_DIR, SharedRanks
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from tests.scripts.vitals_testing import quiet_trainer
 from tests.stats.test_load_balance_stats import _reference
@@ -462,6 +462,25 @@ def test_no_router_and_bad_arguments() -> None:
 # ---------------------------------------------------------------------- several ranks
 
 
+# ----------------------------------------------------------- ranks shared by the 2-rank cases
+# (tests/helpers/shared_ranks.py: one set of gloo processes runs them in turn)
+
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
+
+
+def _on_fresh_tracker(rank: int, world_size: int, body: Any, *args: Any) -> dict[str, Any]:
+    """``body`` on an empty global MoE metrics tracker, left empty for the next case (routers
+    record into it; one left by another case, with other layer counts, would refuse them)."""
+    from trainvitals.moe import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    try:
+        return body(rank, world_size, *args)
+    finally:
+        destroy_moe_metrics_tracker()
+
+
 def _ddp_body(rank: int, world_size: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -499,11 +518,9 @@ def _ddp_body(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_sum_loads_in_one_collective() -> None:
-    from trainvitals.moe import destroy_moe_metrics_tracker
-
-    destroy_moe_metrics_tracker()
-    results = run_distributed(_ddp_body, world_size=2, timeout=180)
+@shared.on_ranks(2, _on_fresh_tracker, _ddp_body)
+def test_two_gloo_ranks_sum_loads_in_one_collective(ran) -> None:
+    _, results = ran
     labels = results[0]["labels"]
     assert labels == [str(i) for i in range(12)]  # DDP's "module." prefix, numeric order
     # one all-reduce on logging steps (0, 2) whatever the number of layers, none otherwise
@@ -560,9 +577,10 @@ def _lightning_body(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_lightning_ddp_two_devices_accumulation_and_validation(tmp_path: Path) -> None:
+@shared.on_ranks(2, _on_fresh_tracker, _lightning_body, CASE_DIR, needs="lightning")
+def test_lightning_ddp_two_devices_accumulation_and_validation(ran) -> None:
     pytest.importorskip("lightning.pytorch")
-    results = run_distributed(_lightning_body, 2, args=(str(tmp_path),), timeout=240)
+    _, results = ran
     for step in range(4):
         loads = sum(np.array(r["local"][step][0]) for r in results)
         aux = sum(np.array(r["local"][step][1]) for r in results) / 2
@@ -681,15 +699,23 @@ def _pipeline_body(rank: int, world_size: int, case: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("case", "world_size"), [("global_names", 4), ("local_names", 2), ("dense_first_stage", 2)]
-)
-def test_pipeline_stages_report_every_layer(case: str, world_size: int) -> None:
-    from trainvitals.moe import destroy_moe_metrics_tracker
+PIPELINE_CASES = [("global_names", 4), ("local_names", 2), ("dense_first_stage", 2)]
 
-    destroy_moe_metrics_tracker()
-    results = run_distributed(_pipeline_body, world_size, args=(case,), timeout=180)
+
+def _pipeline_cases(test):
+    for case, world_size in PIPELINE_CASES:
+        param = f"{case}-{world_size}"
+        test = shared.on_ranks(world_size, _on_fresh_tracker, _pipeline_body, case, param=param)(
+            test
+        )
+    return test
+
+
+@pytest.mark.slow
+@_pipeline_cases
+@pytest.mark.parametrize(("case", "world_size"), PIPELINE_CASES)
+def test_pipeline_stages_report_every_layer(case: str, world_size: int, ran) -> None:
+    _, results = ran
     dp_size = world_size // 2
     if case == "local_names":
         labels = ["pp0_0", "pp0_1", "pp1_0", "pp1_1"]  # the full model's order: stage, then number
@@ -788,9 +814,10 @@ def _fsdp2_hf_body(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_fsdp2_hugging_face_two_ranks() -> None:
+@shared.on_ranks(2, _on_fresh_tracker, _fsdp2_hf_body, needs="transformers")
+def test_fsdp2_hugging_face_two_ranks(ran) -> None:
     pytest.importorskip("transformers")
-    results = run_distributed(_fsdp2_hf_body, 2, timeout=180)
+    _, results = ran
     assert results[0]["class"] == "FSDPMixtralTopKRouter"
     loads = sum(np.array(r["counts"]) for r in results)
     aux = sum(np.array(r["aux"]) for r in results) / 2

@@ -17,9 +17,15 @@ import torch
 from torch import nn
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import SharedRanks
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
+
+# the 2-rank cases of this file run in turn on one set of gloo processes
+# (tests/helpers/shared_ranks.py)
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
 
 HIDDEN = 8
 
@@ -86,10 +92,17 @@ def _body(rank: int, world_size: int, case: str) -> dict[str, Any]:
     return {"where": None, "rows": writer.rows}
 
 
+def _each_case(test):
+    for case in CASES:
+        test = shared.on_ranks(2, _body, case, param=case)(test)
+    return test
+
+
 @pytest.mark.slow
+@_each_case
 @pytest.mark.parametrize("case", list(CASES))
-def test_dp_cp_ranks_with_other_routers_raise_at_run_start(case: str) -> None:
-    results = run_distributed(_body, world_size=2, args=(case,), timeout=60)
+def test_dp_cp_ranks_with_other_routers_raise_at_run_start(case: str, ran) -> None:
+    _, results = ran
     for rank, r in enumerate(results):
         assert r["where"] == "run_start", (rank, r)
         assert r["hooks_left"] == 0  # the capture made at run start took its hooks back
@@ -139,9 +152,10 @@ def _same_routers_body(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_dp_cp_ranks_with_the_same_routers_report_every_token() -> None:
+@shared.on_ranks(2, _same_routers_body)
+def test_dp_cp_ranks_with_the_same_routers_report_every_token(ran) -> None:
     """The run-start agreement lets a consistent run through: 2 ranks x 6 tokens, top-1."""
-    results = run_distributed(_same_routers_body, world_size=2, timeout=60)
+    _, results = ran
     for r in results:
         row = r["rows"][0]
         for layer in ("0", "1"):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import SharedRanks
 from tests.scripts.vitals_testing import (
     FakeClock,
     RecordingWriter,
@@ -22,6 +22,11 @@ from tests.scripts.vitals_testing import (
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.throughput_monitor import ThroughputMonitor
 from trainvitals.distributed import collective_counter
+
+# one set of gloo processes per world size runs every case of this file
+# (tests/helpers/shared_ranks.py)
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
 
 SEQ = 5
 
@@ -311,8 +316,9 @@ def _two_rank_body(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_two_ranks_global_sums_count_the_bigger_rank():
-    results = run_distributed(_two_rank_body, world_size=2, timeout=150)
+@shared.on_ranks(2, _two_rank_body)
+def test_two_ranks_global_sums_count_the_bigger_rank(ran):
+    _, results = ran
     for rank, result in enumerate(results):
         rows = result["rows"]
         for step in (2, 4, 6):
@@ -366,11 +372,12 @@ def _peer_failure_body(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_a_rank_failing_at_the_first_windowed_logging_step_leaves_later_sums_paired():
+@shared.on_ranks(2, _peer_failure_body)
+def test_a_rank_failing_at_the_first_windowed_logging_step_leaves_later_sums_paired(ran):
     """The failed rank's step_end is completed with the collectives of the last logging
     step_end (step 0's, in warm-up): they must be the same, or every later sum pairs this
     rank's window with the other rank's window of the next logging step."""
-    results = run_distributed(_peer_failure_body, world_size=2, timeout=150)
+    _, results = ran
     for rates in results:
         assert 2 not in rates  # the failed step is left out on every rank
         for step in (4, 6, 8):
@@ -509,8 +516,9 @@ def _dp_tp_body(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_dp_tp_mesh_counts_tensor_parallel_peers_once():
-    results = run_distributed(_dp_tp_body, world_size=4, timeout=200)
+@shared.on_ranks(4, _dp_tp_body)
+def test_dp_tp_mesh_counts_tensor_parallel_peers_once(ran):
+    _, results = ran
     for result in results:
         row = result["rows"][2]
         exp = _expected(2, window=2, warmup=1, ranks=(0, 1))  # the two dp ranks, not four
@@ -554,11 +562,12 @@ def _tensor_parallel_measured_flops_body(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_measured_flops_under_tensor_parallelism_count_each_rank_its_shard():
+@shared.on_ranks(2, _tensor_parallel_measured_flops_body)
+def test_measured_flops_under_tensor_parallelism_count_each_rank_its_shard(ran):
     """FlopCounterMode counts an op on DTensors at their global shape, so each tensor-parallel
     rank counted the whole model and the global FLOP/s and MFU were tp times too high. Each
     rank's count must be its shard's: here half the model (both layers split in two)."""
-    results = run_distributed(_tensor_parallel_measured_flops_body, world_size=2, timeout=150)
+    _, results = ran
     # per sample, whole model (as in test_measured_flops_match_analytic_count)
     whole = 2 * (8 * 16 + 16 * 4) + 2 * 2 * 16 * 4 + 2 * 8 * 16
     for result in results:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import SharedRanks
 from trainvitals import distributed as tvd
 from trainvitals.distributed import (
     all_gather_coalesced,
@@ -20,6 +21,11 @@ from trainvitals.distributed import (
     partial_groups,
     shard_groups,
 )
+
+# one set of gloo processes per world size runs every case of this file
+# (tests/helpers/shared_ranks.py)
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
 
 
 def _inputs(rank: int) -> list[torch.Tensor]:
@@ -75,9 +81,10 @@ def _close(got: list | float, want: torch.Tensor) -> None:
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-12, atol=0)
 
 
-def test_all_reduce_coalesced_values_and_collective_count():
+@shared.on_ranks(3, _reduce_body)
+def test_all_reduce_coalesced_values_and_collective_count(ran):
     world_size = 3
-    results = run_distributed(_reduce_body, world_size, timeout=120)
+    _, results = ran
     per_rank = [[t.double() for t in _inputs(r)] for r in range(world_size)]
     expected = {
         "sum": [sum(ts) for ts in zip(*per_rank, strict=True)],
@@ -420,9 +427,10 @@ def _edge_cases_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_dtypes_nan_marks_and_bad_input_on_real_ranks():
+@shared.on_ranks(3, _edge_cases_body)
+def test_dtypes_nan_marks_and_bad_input_on_real_ranks(ran):
     world_size = 3
-    results = run_distributed(_edge_cases_body, world_size, timeout=60)
+    _, results = ran
     for res in results:
         for dt in _DTYPES:
             stacked = torch.stack([_typed_input(r, dt) for r in range(world_size)])

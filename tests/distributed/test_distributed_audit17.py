@@ -11,8 +11,13 @@ Expected rank sets are written by hand from the row-major mesh layouts.
 
 from __future__ import annotations
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import SharedRanks
 from trainvitals import distributed as tvd
+
+# one set of gloo processes per world size runs every case of this file
+# (tests/helpers/shared_ranks.py)
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
 
 
 def _equal_meshes_body(rank: int, world_size: int) -> dict:
@@ -41,8 +46,9 @@ def _equal_meshes_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_equal_meshes_built_separately_cost_one_collective_per_rank_set():
-    results = run_distributed(_equal_meshes_body, 4, timeout=120)
+@shared.on_ranks(4, _equal_meshes_body)
+def test_equal_meshes_built_separately_cost_one_collective_per_rank_set(ran):
+    _, results = ran
     dp_of = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}  # ("dp", "tp") (2, 2): rank = 2dp + tp
     tp_of = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
     val = {r: float(r + 1) for r in range(4)}
@@ -92,8 +98,9 @@ def _outside_the_mesh_body(rank: int, world_size: int) -> dict:
     return {"dp": ranks(groups.dp), "dp_cp": ranks(groups.dp_cp), "tp_size": groups.sizes()["tp"]}
 
 
-def test_a_rank_outside_the_mesh_gets_a_clear_value_error():
-    results = run_distributed(_outside_the_mesh_body, 4, timeout=120)
+@shared.on_ranks(4, _outside_the_mesh_body)
+def test_a_rank_outside_the_mesh_gets_a_clear_value_error(ran):
+    _, results = ran
     for rank in (0, 1):  # members: dp is ranks 0 and 1, tp one rank
         assert results[rank] == {"dp": [0, 1], "dp_cp": [0, 1], "tp_size": 1}
     for rank in (2, 3):
@@ -122,8 +129,9 @@ def _lone_dp_cp_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_a_flattened_dp_cp_without_its_dims_is_refused_not_read_as_no_data_parallelism():
-    results = run_distributed(_lone_dp_cp_body, 4, timeout=120)
+@shared.on_ranks(4, _lone_dp_cp_body)
+def test_a_flattened_dp_cp_without_its_dims_is_refused_not_read_as_no_data_parallelism(ran):
+    _, results = ran
     for rank, res in enumerate(results):
         # refused on every rank (was dp of one rank: samples counted on one of two dp ranks)
         assert isinstance(res["alone"], str), res["alone"]

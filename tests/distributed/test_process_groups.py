@@ -11,8 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import SharedRanks
 from trainvitals.distributed import ProcessGroups
+
+# one set of gloo processes per world size runs every case of this file
+# (tests/helpers/shared_ranks.py)
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
 
 # Rank layout of a (2, 2) mesh: rank = 2 * row + col.
 #   dim 0 groups (vary row): {0, 2}, {1, 3};  dim 1 groups (vary col): {0, 1}, {2, 3}.
@@ -87,8 +92,9 @@ def _mesh_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_from_device_mesh_on_four_ranks():
-    results = run_distributed(_mesh_body, 4, timeout=120)
+@shared.on_ranks(4, _mesh_body)
+def test_from_device_mesh_on_four_ranks(ran):
+    _, results = ran
     row = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}  # dim-1 group of each rank
     col = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}  # dim-0 group of each rank
     everyone = [0, 1, 2, 3]
@@ -178,9 +184,10 @@ def _strategy_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_from_strategy_ddp_and_model_parallel_on_two_ranks():
+@shared.on_ranks(2, _strategy_body, needs="lightning")
+def test_from_strategy_ddp_and_model_parallel_on_two_ranks(ran):
     pytest.importorskip("lightning.pytorch")
-    results = run_distributed(_strategy_body, 2, timeout=180)
+    _, results = ran
     for rank, res in enumerate(results):
         assert res["ddp_world_size"] == 2
         assert res["ddp"]["dp"] == [0, 1] and res["ddp"]["tp"] is None
@@ -229,8 +236,9 @@ def _accelerator_body(rank: int, world_size: int) -> dict:
     return {"mesh": _summary(with_mesh), "no_mesh": _summary(no_mesh)}
 
 
-def test_from_accelerator_with_and_without_mesh_on_four_ranks():
-    results = run_distributed(_accelerator_body, 4, timeout=120)
+@shared.on_ranks(4, _accelerator_body)
+def test_from_accelerator_with_and_without_mesh_on_four_ranks(ran):
+    _, results = ran
     for rank, res in enumerate(results):
         # mesh (1, 2, 1, 2): rank = 2 * shard + tp
         shard = [0, 2] if rank in (0, 2) else [1, 3]

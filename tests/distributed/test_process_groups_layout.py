@@ -10,8 +10,13 @@ from __future__ import annotations
 import itertools
 import math
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import SharedRanks
 from trainvitals.distributed import ProcessGroups
+
+# one set of gloo processes per world size runs every case of this file
+# (tests/helpers/shared_ranks.py)
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
 
 FIELDS = ("dp", "tp", "pp", "ep", "cp", "dp_cp", "edp")
 
@@ -108,8 +113,9 @@ def _expected(shape: tuple[int, ...], names: tuple[str, ...], rank: int) -> dict
     }
 
 
-def test_mesh_dims_in_any_order_and_accelerate_meshes_on_four_ranks():
-    results = run_distributed(_mesh_order_body, 4, timeout=180)
+@shared.on_ranks(4, _mesh_order_body)
+def test_mesh_dims_in_any_order_and_accelerate_meshes_on_four_ranks(ran):
+    _, results = ran
     for rank, res in enumerate(results):
         for key, (shape, names) in ORDER_CASES.items():
             assert res[key] == _expected(shape, names, rank), (key, rank)
@@ -174,8 +180,9 @@ def _hand_built_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_hand_built_groups_must_lie_inside_dp_cp_on_four_ranks():
-    results = run_distributed(_hand_built_body, 4, timeout=120)
+@shared.on_ranks(4, _hand_built_body)
+def test_hand_built_groups_must_lie_inside_dp_cp_on_four_ranks(ran):
+    _, results = ran
     for rank, res in enumerate(results):
         for key in ("dp_ep", "ep_is_dp", "dp_cp_ep_over_cp", "dp_tp", "pp_only"):
             assert res[key] == "ok", (key, res[key])
@@ -220,9 +227,10 @@ def _sub_mesh_fallback_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_flatten_fallback_refuses_a_sub_mesh_instead_of_hanging():
+@shared.on_ranks(4, _sub_mesh_fallback_body)
+def test_flatten_fallback_refuses_a_sub_mesh_instead_of_hanging(ran):
     # Before: ranks of the two pipeline stages called new_group for different blocks and hung.
-    results = run_distributed(_sub_mesh_fallback_body, 4, timeout=90)
+    _, results = ran
     for rank, res in enumerate(results):
         assert "sub-mesh" in res["sub"]
         stage = [0, 1] if rank < 2 else [2, 3]

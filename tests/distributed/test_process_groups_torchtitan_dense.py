@@ -31,8 +31,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.shared_ranks import SharedRanks
 from trainvitals.distributed import ProcessGroups
+
+# one set of gloo processes per world size runs every case of this file
+# (tests/helpers/shared_ranks.py)
+shared = SharedRanks(__name__)
+case_runs, ran = shared.fixtures()
 
 FIELDS = ("dp", "tp", "pp", "ep", "cp", "dp_cp", "edp")
 
@@ -324,19 +329,20 @@ def _expected(kind: str, degrees: tuple[int, ...], rank: int, world: int) -> dic
     }
 
 
-def _check_parallel_dims(world: int) -> None:
-    results = run_distributed(_parallel_dims_body, world, timeout=300)
+def _check_parallel_dims(world: int, results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for key, (kind, degrees) in CASES[world].items():
             assert res[key] == _expected(kind, degrees, rank, world), (key, rank, res[key])
 
 
-def test_parallel_dims_as_first_argument_on_four_ranks():
-    _check_parallel_dims(4)
+@shared.on_ranks(4, _parallel_dims_body)
+def test_parallel_dims_as_first_argument_on_four_ranks(ran):
+    _check_parallel_dims(4, ran[1])
 
 
-def test_parallel_dims_as_first_argument_on_eight_ranks():
-    _check_parallel_dims(8)
+@shared.on_ranks(8, _parallel_dims_body)
+def test_parallel_dims_as_first_argument_on_eight_ranks(ran):
+    _check_parallel_dims(8, ran[1])
 
 
 def _dense_body(rank: int, world_size: int) -> dict:
@@ -373,8 +379,9 @@ def _dense_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_dense_mesh_alone_gives_right_groups_or_raises():
-    results = run_distributed(_dense_body, 4, timeout=300)
+@shared.on_ranks(4, _dense_body)
+def test_dense_mesh_alone_gives_right_groups_or_raises(ran):
+    _, results = ran
     for rank, res in enumerate(results):
         for key in ("shard2_cp2", "shard4_cp1"):
             # dp and cp cannot be told apart: with shard2_cp2 the loader's dp is 2 ranks, with

@@ -18,6 +18,13 @@ Use, in a test module::
     @ranks.on_ranks(2, _body, CASE_DIR)
     def test_something(ran):
         run_dir, results = ran   # the case's folder, body(rank, world_size, run_dir) by rank
+
+A parametrized test registers one case per parameter set, each under its test id::
+
+    @ranks.on_ranks(2, _body, "dp", param="dp")
+    @ranks.on_ranks(4, _body, "pp", param="pp")
+    @pytest.mark.parametrize("where", ["dp", "pp"])
+    def test_where(where, ran): ...
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import importlib
 import importlib.util
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,14 +66,21 @@ class SharedRanks:
         self.cases: dict[str, Case] = {}  # test function name -> its case, in file order
 
     def on_ranks(
-        self, world_size: int, body: Callable[..., dict], *args: Any, needs: str | None = None
+        self,
+        world_size: int,
+        body: Callable[..., dict],
+        *args: Any,
+        needs: str | None = None,
+        param: str | None = None,
     ) -> Callable[[Callable], Callable]:
         """Register the decorated test's case: ``body(rank, world_size, *args)``, with
         ``CASE_DIR`` in ``args`` replaced by the case's folder, on the shared ranks of
-        ``world_size``."""
+        ``world_size``; with ``param``, the case of the parametrized test whose id is
+        ``param`` (``test_name[param]``)."""
 
         def register(test: Callable) -> Callable:
-            self.cases[test.__name__] = Case(world_size, body, args, needs)
+            name = test.__name__ if param is None else f"{test.__name__}[{param}]"
+            self.cases[name] = Case(world_size, body, args, needs)
             return test
 
         return register
@@ -80,9 +95,10 @@ class SharedRanks:
             One ``run_distributed`` per world size runs its cases in turn; when a case fails,
             the ranks stop there and the other cases run again without it."""
             selected = {
-                item.originalname
+                name
                 for item in request.session.items
                 if getattr(item, "module", None) is request.module
+                for name in (item.name, item.originalname)
             }
             groups: dict[int, list[str]] = {}
             for name, case in self.cases.items():
@@ -102,7 +118,7 @@ class SharedRanks:
                         )
                     except (AssertionError, TimeoutError) as e:
                         # the failing rank's error names its case; a hang, the case a rank is in
-                        named = re.search(r"case '(\w+)' failed", str(e))
+                        named = re.search(r"case '([^']+)' failed", str(e))
                         running = {p.read_text() for p in root.glob("running.rank*")}
                         hung = [n for n in todo if n in running]
                         failed = [named[1]] if named and named[1] in todo else hung[:1] or todo
@@ -116,10 +132,13 @@ class SharedRanks:
         @pytest.fixture
         def ran(request, case_runs) -> tuple[Path, list[dict]]:
             """This test's case: its folder and its results by rank."""
-            case = self.cases[request.node.originalname]
+            key = request.node.name
+            if key not in self.cases:
+                key = request.node.originalname
+            case = self.cases[key]
             if case.needs is not None:
                 pytest.importorskip(case.needs)
-            result = case_runs[request.node.originalname]
+            result = case_runs[key]
             if isinstance(result, str):
                 pytest.fail(result, pytrace=False)
             return result
@@ -157,8 +176,6 @@ def _run_cases(
 ) -> dict[str, dict]:
     """Each case of ``names`` (registered in test module ``module``) in turn on this rank, in
     its folder ``root/<name>``."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
     shared = next(
         v for v in vars(importlib.import_module(module)).values() if isinstance(v, SharedRanks)
     )
@@ -182,6 +199,10 @@ def _run_cases(
             torch.set_num_threads(threads)
             # DTensor's sharding propagation caches key on meshes compared by value: a later
             # case's equal mesh would get DTensors on this case's mesh and groups (other group
-            # objects for the same ranks, one more collective where the monitor merges)
-            _clear_sharding_prop_cache()
+            # objects for the same ranks, one more collective where the monitor merges). No
+            # DTensor ran unless its module was imported (importing it costs ~1 s per rank).
+            if "torch.distributed.tensor" in sys.modules:
+                from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+                _clear_sharding_prop_cache()
     return out
