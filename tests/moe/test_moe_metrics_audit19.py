@@ -18,11 +18,11 @@ import torch
 
 from tests.callbacks.test_moe_metrics_monitor import ref_losses
 from tests.helpers.dist import torchrun
-from tests.helpers.moe_models import HIDDEN, LOSS_COEFFS, VOCAB, fresh_tracker_fixture, tiny_moe_lm
-from tests.scripts.moe_audit19_unrouted_layer import Blocks
+from tests.helpers.moe_models import LOSS_COEFFS, VOCAB, fresh_tracker_fixture, tiny_moe_lm
+from tests.scripts.moe_audit19_unrouted_layer import Blocks, record_router_inputs
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.callbacks import MoEMetricsMonitor
-from trainvitals.moe import MoEMetricsTracker, TopKRouter
+from trainvitals.moe import MoEMetricsTracker
 
 fresh_tracker = fresh_tracker_fixture()
 
@@ -85,17 +85,8 @@ def test_one_process_a_skipped_block_has_no_key_and_is_not_averaged_in():
 
     full = tiny_moe_lm(0, num_layers=3, moe_layer_freq=[1, 1, 1], **LOSS_COEFFS)
     model = Blocks(full, [0, 1, 2])
-    seen: list[list] = []
     step = [0]
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-
-            def hook(mod, args, _out):
-                x = args[0].detach().double().reshape(-1, HIDDEN)
-                w = mod.weight.detach().double()
-                seen.append([step[0], mod.layer_number - 1, x.tolist(), w.tolist()])
-
-            module.register_forward_hook(hook)
+    seen = record_router_inputs(model, step)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = RecordingWriter()
     vitals = Vitals([MoEMetricsMonitor(per_layer_logging=True)], writer=writer, log_every_n_steps=1)

@@ -58,6 +58,24 @@ class Blocks(nn.Module):
         return h.pow(2).mean()
 
 
+def record_router_inputs(model: nn.Module, step: list[int]) -> list[list]:
+    """``[step, layer, input rows, weight]`` in float64 of each training forward of the model's
+    ``TopKRouter``s (``step[0]`` the step being run), for an independent recomputation of
+    their losses."""
+    seen: list[list] = []
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+
+            def hook(mod, args, _out):
+                if mod.training and torch.is_grad_enabled():
+                    x = args[0].detach().double().reshape(-1, HIDDEN)
+                    w = mod.weight.detach().double()
+                    seen.append([step[0], mod.layer_number - 1, x.tolist(), w.tolist()])
+
+            module.register_forward_hook(hook)
+    return seen
+
+
 def main() -> None:
     out, case = Path(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
@@ -71,17 +89,7 @@ def main() -> None:
         model = Blocks(full, [0, 1, 2, 3])
         groups = ProcessGroups(dp=world_group())
     step = [0]
-    seen: list[list] = []
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-
-            def hook(mod, args, _out):
-                if mod.training and torch.is_grad_enabled():
-                    x = args[0].detach().double().reshape(-1, HIDDEN)
-                    w = mod.weight.detach().double()
-                    seen.append([step[0], mod.layer_number - 1, x.tolist(), w.tolist()])
-
-            module.register_forward_hook(hook)
+    seen = record_router_inputs(model, step)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = RecordingWriter()
     monitor = MoEMetricsMonitor(per_layer_logging=True, writer=writer)
