@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from trainvitals.adapters.sinks.base import (
     MLFLOW_KEYS,
@@ -117,7 +118,11 @@ class MLflowSink(Sink):
         self.run_id = run_id
         if tracking_uri is None and run_dir is not None:
             # (also with run_id: that run is in the run folder's store, not the default one)
-            tracking_uri = f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+            database = str(Path(run_dir).resolve() / "mlflow.db")
+            # SQLAlchemy decodes "%XX" and cuts at "?" in the URI's path: escape those two
+            # only (MLflow makes the folder from the URI undecoded, so escaping anything else,
+            # a space, would leave it an empty "my%20runs" beside "my runs")
+            tracking_uri = "sqlite:///" + database.replace("%", "%25").replace("?", "%3F")
         self.tracking_uri = tracking_uri
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.experiment_name = experiment_name
@@ -270,12 +275,25 @@ class MLflowSink(Sink):
 
 
 def _sqlite_file(uri: str | None) -> Path | None:
-    """The database file of a ``sqlite:///`` tracking URI; ``None`` for any other store, an
-    in-memory database or an SQLite ``file:`` URI."""
-    if not uri or not uri.startswith("sqlite:///"):
+    """The database file of an SQLite tracking URI (``sqlite:///``, ``sqlite+pysqlite:///``),
+    the file SQLAlchemy opens (it decodes ``%20`` and drops the query); ``None`` for any other
+    store, an in-memory database or an SQLite ``file:`` URI."""
+    if not uri or not uri.startswith("sqlite"):
         return None
-    database = uri.removeprefix("sqlite:///").split("?", 1)[0]
-    if not database or database == ":memory:" or database.startswith("file:"):
+    try:  # MLflow opens its SQL stores through SQLAlchemy: read the URI as it does
+        from sqlalchemy.engine import make_url
+
+        url = make_url(uri)
+        database = url.database if url.get_backend_name() == "sqlite" else None
+        uri_mode = "uri" in url.query
+    except ImportError:  # (no SQLAlchemy: MLflow cannot open an SQL store either)
+        if not uri.startswith("sqlite:///"):
+            return None
+        database, _, query = uri.removeprefix("sqlite:///").partition("?")
+        database, uri_mode = unquote(database), "uri=" in query
+    except Exception:  # a URI SQLAlchemy refuses: MLflow will say so itself
+        return None
+    if not database or database == ":memory:" or database.startswith("file:") or uri_mode:
         return None
     return Path(database).absolute()
 
