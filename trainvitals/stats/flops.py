@@ -367,11 +367,11 @@ def extra_flop_formulas() -> dict[Any, Callable[..., int]]:
     add("_grouped_mm", _grouped_mm_formula(offs_index=2))
     add("_scaled_grouped_mm", _grouped_mm_formula(offs_index=4))
     add("_scaled_grouped_mm_v2", _grouped_mm_formula(offs_index=8))
-    add("_scaled_mm_v2", _mm_formula(0, 1))
-    add("_addmm_activation", _mm_formula(1, 2))
+    add("_scaled_mm_v2", _scaled_mm_v2_flops)
+    add("_addmm_activation", _addmm_flops)
     add("addbmm", _batched_mm_flops)
     # the in-place forms (``Tensor.addmm_``, ...): their own ops, which torch counts 0
-    add("addmm_", _mm_formula(1, 2))
+    add("addmm_", _addmm_flops)
     add("baddbmm_", _batched_mm_flops)
     add("addbmm_", _batched_mm_flops)
     add("_foreach_mm", _foreach_mm_flops)
@@ -404,32 +404,42 @@ def _grouped_mm_formula(offs_index: int, passes: int = 1) -> Callable[..., int]:
     return formula
 
 
-def _mm_formula(a_index: int, b_index: int) -> Callable[..., int]:
-    """A formula for an op whose arguments ``a_index`` and ``b_index`` are the ``(M, K)`` and
-    ``(K, N)`` operands of one matrix product: ``2 * M * K * N``."""
-
-    def formula(*shapes: Any, out_shape: Any = None, **kwargs: Any) -> int:
-        (m, k), n = shapes[a_index], shapes[b_index][-1]
-        return 2 * m * k * n
-
-    return formula
+# The matmul variants below count with torch's own formulas of the matmul they compute
+# (``mm_flop``, ``bmm_flop``; torch's ``addmm_flop``/``baddbmm_flop`` cannot be reused as they
+# are: they are registered already wrapped, and a custom_mapping wraps its formulas again).
 
 
-def _batched_mm_flops(
-    self_shape: Any, a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kw: Any
-) -> int:
+def _addmm_flops(self_shape: Any, a_shape: Any, b_shape: Any, *args: Any, **kw: Any) -> int:
+    """``addmm_(A, B)`` / ``_addmm_activation(self, A, B)``: ``A @ B``, as torch's ``addmm``."""
+    from torch.utils.flop_counter import mm_flop
+
+    return mm_flop(a_shape, b_shape)
+
+
+def _batched_mm_flops(self_shape: Any, a_shape: Any, b_shape: Any, *args: Any, **kw: Any) -> int:
     """``addbmm(self, A, B)`` / ``baddbmm_(A, B)``, ``A: (B, M, K)``, ``B: (B, K, N)``: the
-    batch of products, ``2 * B * M * K * N`` (addbmm's sum over the batch is the products'
+    batch of products, as torch's ``baddbmm`` (addbmm's sum over the batch is the products'
     accumulation)."""
-    b, m, k = a_shape
-    return 2 * b * m * k * b_shape[-1]
+    from torch.utils.flop_counter import bmm_flop
+
+    return bmm_flop(a_shape, b_shape)
+
+
+def _scaled_mm_v2_flops(a_shape: Any, b_shape: Any, *args: Any, **kw: Any) -> int:
+    """``_scaled_mm_v2(A, B, scales..., recipes...)``: ``A @ B``, as torch counts
+    ``_scaled_mm`` (its scales and recipes, positional here, add nothing)."""
+    from torch.utils.flop_counter import mm_flop
+
+    return mm_flop(a_shape, b_shape)
 
 
 def _foreach_mm_flops(
     a_shapes: Any, b_shapes: Any, *args: Any, out_shape: Any = None, **kw: Any
 ) -> int:
-    """``_foreach_mm([A_i], [B_i])``: ``sum_i 2 * M_i * K_i * N_i``."""
-    return sum(2 * a[0] * a[1] * b[-1] for a, b in zip(a_shapes, b_shapes, strict=True))
+    """``_foreach_mm([A_i], [B_i])``: one matrix product per pair."""
+    from torch.utils.flop_counter import mm_flop
+
+    return sum(mm_flop(a, b) for a, b in zip(a_shapes, b_shapes, strict=True))
 
 
 def grouped_mm_flops(a_shape: Any, b_shape: Any, used: int | None = None) -> int:
