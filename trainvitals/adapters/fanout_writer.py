@@ -61,7 +61,6 @@ import queue
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -72,7 +71,8 @@ import torch
 
 from trainvitals import distributed
 from trainvitals._patching import AttributePatch
-from trainvitals.adapters.sinks.base import Sink, StepRefused, stacklevel
+from trainvitals.adapters.sinks.base import Sink, StepRefused
+from trainvitals.adapters.sinks.base import warn as _warn  # (at the user's line; never raises)
 
 __all__ = ["FanoutWriter"]
 
@@ -80,15 +80,6 @@ log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
 _STOP = object()
-
-
-def _warn(message: str) -> None:
-    """Warn at the user's line (``sinks.base.stacklevel``) without ever raising (a warnings
-    filter set to "error" must not kill a thread)."""
-    try:
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel())
-    except Exception:  # pragma: no cover - only under -W error
-        log.warning(message)
 
 
 # --------------------------------------------------------------------------------------------

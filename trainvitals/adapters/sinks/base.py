@@ -42,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -50,6 +51,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -89,6 +91,16 @@ def stacklevel(skip: int = 1) -> int:
     if frame is None or frame.f_code.co_filename == threading.__file__:
         return 3
     return level
+
+
+def make_folder(folder: Path) -> None:
+    """``mkdir -p``; a folder that is a regular file raises ``NotADirectoryError`` naming it
+    (pathlib's ``FileExistsError`` names no path, and its errno is retried as transient, where
+    ``ENOTDIR`` has the writer disable the sink at once: retrying cannot fix it)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as e:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder)) from e
 
 
 def warn(message: str) -> None:

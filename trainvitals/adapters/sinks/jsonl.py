@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -16,7 +15,7 @@ from trainvitals.adapters.jsonl import (
     encode_metrics,
     move_aside,
 )
-from trainvitals.adapters.sinks.base import Sink, warn
+from trainvitals.adapters.sinks.base import Sink, make_folder, warn
 
 __all__ = ["JsonlSink"]
 
@@ -80,13 +79,7 @@ class JsonlSink(Sink):
 
     def open(self) -> None:
         # The file itself is opened by the first write, which knows the first step.
-        folder = self.path.parent
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except FileExistsError as e:
-            # pathlib's answer, naming no path, for a folder that is a regular file: say which
-            # (ENOTDIR: the writer disables the sink at once, retrying cannot fix it)
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder)) from e
+        make_folder(self.path.parent)  # (a regular file in the way: NotADirectoryError)
 
     def _open_from(self, first_step: int) -> None:
         self.open()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import tempfile
 from collections.abc import Mapping
@@ -13,6 +12,7 @@ from urllib.parse import unquote
 from trainvitals.adapters.sinks.base import (
     MLFLOW_KEYS,
     Sink,
+    make_folder,
     refuse_step_beyond_int64,
     warn,
 )
@@ -146,7 +146,7 @@ class MLflowSink(Sink):
             from mlflow import MlflowClient
 
             if self.run_dir is not None:
-                _make_folder(self.run_dir)
+                make_folder(self.run_dir)
             database = _sqlite_file(self.tracking_uri)
             if database is not None:
                 # Before MLflow opens it: a store that cannot be written raises here, with an
@@ -154,7 +154,7 @@ class MLflowSink(Sink):
                 # opening it for 101 s (10 tries, create_sqlalchemy_engine_with_retry) in every
                 # write, so the writer reported the sink as hung and close() waited its whole
                 # close_timeout instead of saying which folder cannot be written.
-                _make_folder(database.parent)
+                make_folder(database.parent)
                 _check_writable(database)
             self.client = MlflowClient(tracking_uri=self.tracking_uri)
 
@@ -296,15 +296,6 @@ def _sqlite_file(uri: str | None) -> Path | None:
     if not database or database == ":memory:" or database.startswith("file:") or uri_mode:
         return None
     return Path(database).absolute()
-
-
-def _make_folder(folder: Path) -> None:
-    """``mkdir -p``; a path whose folder is a regular file raises ``NotADirectoryError``
-    (pathlib's ``FileExistsError`` named no path and was retried as transient)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError as e:
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder)) from e
 
 
 def _check_writable(database: Path) -> None:
