@@ -280,3 +280,168 @@ def test_memory_monitor_reads_the_allocator(tmp_path: Path) -> None:
         high = max(before.get(stat, 0), after.get(stat, 0)) / scale
         assert low <= got[f"memory/{key}"] <= high, (key, got[f"memory/{key}"], low, high)
     assert got["memory/allocated_gb"] >= 64 * 1024 * 1024 * 4 / BYTES_PER_GB
+
+
+# ------------------------------------------------------------------------------ Accelerate
+
+
+@pytest.mark.parametrize("mixed_precision", ["fp16", "bf16"])
+def test_accelerate_does_not_sync_on_non_logging_steps(
+    mixed_precision: str, tmp_path: Path
+) -> None:
+    """The Accelerate front door on CUDA: ``accelerator.backward`` (its GradScaler under fp16),
+    ``clip_grad_norm_`` on sync steps, its prepared optimizer; every callback at once."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from trainvitals.adapters.accelerate import Vitals as AccelerateVitals
+
+    def reset() -> None:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+    destroy_moe_metrics_tracker()
+    reset()
+    try:
+        accelerator = Accelerator(
+            mixed_precision=mixed_precision, gradient_accumulation_steps=MICRO_BATCHES
+        )
+        assert accelerator.device.type == "cuda"
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        writer = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")])
+        vitals = AccelerateVitals(
+            _callbacks(),
+            accelerator=accelerator,
+            writer=writer,
+            log_every_n_steps=INTERVAL,
+            run_dir=tmp_path,
+        )
+        vitals.attach(model, optimizer)
+        generator = torch.Generator().manual_seed(1)
+        batches = [_to(_batch(generator), "cuda") for _ in range(STEPS * MICRO_BATCHES)]
+        torch.cuda.synchronize()
+        with _SyncWatch(lambda: vitals.ctx.step) as watch:
+            for batch in batches:
+                vitals.batch(batch)
+                with accelerator.accumulate(model):
+                    loss = model(batch["input_ids"], labels=batch["labels"]).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            watch.step_of = lambda: None
+        vitals.close()
+        writer.close()
+    finally:
+        reset()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert {row["step"] for row in rows} == LOGGING_STEPS
+    keys = {k for row in rows for k in row["metrics"]}
+    assert any(k.startswith("memory/") for k in keys) and "l2_norm/grad/global" in keys
+    assert watch.ours_on(LOGGING_STEPS), "the sync watch saw nothing on logging steps"
+    _check(watch)
+
+
+# ------------------------------------------------------------------------------ tensor stats
+
+
+def test_tensor_stats_on_cuda_match_float64(tmp_path: Path) -> None:
+    """All four kinds of a CUDA model, two micro-batches, bf16 autocast: every tensor's
+    statistics equal float64 ones of the whole tensors (the test's own hooks keep them)."""
+    from tests.callbacks.test_tensor_stats_monitor import (
+        VOCAB,
+        Capture,
+        Net,
+        batches,
+        check_line,
+        read_lines,
+    )
+    from tests.scripts.vitals_testing import RecordingWriter
+    from trainvitals.callbacks import TensorStatsMonitor
+
+    torch.manual_seed(0)
+    model = Net().cuda()
+    model.layers[0].act.inplace = False  # (the in-place case has its own CPU test)
+    model.layers[1].act.inplace = False
+    capture = Capture(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TensorStatsMonitor(kinds=("param", "grad", "activation", "dgrad"))
+    params: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor] = {}
+    data = iter(batches(4))
+    with Vitals([monitor], writer=RecordingWriter(), run_dir=tmp_path, log_every_n_steps=2) as v:
+        v.attach(model, optimizer)
+        for step in range(2):
+            capture.on = step == 0
+            for _ in range(2):
+                ids = next(data).cuda()
+                v.batch(ids)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    logits = model(ids)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, VOCAB), ids.reshape(-1)
+                )
+                (loss / 2).backward()
+            if step == 0:
+                params = {n: p.detach().double().cpu() for n, p in model.named_parameters()}
+                grads = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+    lines = {r["kind"]: r for r in read_lines(tmp_path / "tensor_stats.jsonl") if r["step"] == 0}
+    assert set(lines) == {"param", "grad", "activation", "dgrad"}
+    check_line(lines["param"], params, "param")
+    check_line(lines["grad"], grads, "grad")
+    for kind in ("activation", "dgrad"):
+        sites = {site for (k, site) in capture.data if k == kind}
+        check_line(lines[kind], {s: capture.whole(kind, s).cpu() for s in sites}, kind)
+
+
+# ------------------------------------------------------------------------------ throughput
+
+
+def test_throughput_mfu_on_cuda_uses_the_devices_peak(tmp_path: Path) -> None:
+    """On a GPU of the peak table: the measured flops of a step are torch's FlopCounterMode
+    count of the same step, and MFU is flops/s over the table's peak for this device's name."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tests.scripts.vitals_testing import RecordingWriter
+    from trainvitals.callbacks import ThroughputMonitor
+    from trainvitals.stats.flops import peak_flops
+
+    peak = peak_flops(torch.cuda.get_device_name(), "bf16")
+    if peak is None:
+        pytest.skip(f"{torch.cuda.get_device_name()!r} is not in the peak table")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)
+    ).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 512, device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    optimizer.zero_grad()
+    counted = counter.get_total_flops()
+    writer = RecordingWriter()
+    monitor = ThroughputMonitor(measure_flops=True, warmup_steps=1, precision="bf16")
+    with Vitals([monitor], writer=writer, log_every_n_steps=4) as vitals:
+        vitals.attach(model, optimizer)
+        for _ in range(8):
+            vitals.batch(x)
+            step()
+            optimizer.step()
+            optimizer.zero_grad()
+    row = writer.rows[max(writer.rows)]
+    per_step = row["throughput/flops_per_sec"] * row["throughput/seconds_per_step"]
+    assert per_step == pytest.approx(counted, rel=1e-9)
+    assert row["throughput/mfu"] == pytest.approx(row["throughput/flops_per_sec"] / peak)
+    assert row["throughput/device/mfu"] == pytest.approx(row["throughput/mfu"])
