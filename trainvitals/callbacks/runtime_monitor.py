@@ -175,6 +175,11 @@ class RuntimeMonitor(VitalsCallback):
         # Carried over from earlier processes of the run (checkpoint state).
         self._prev = {"train": 0.0, "validation": 0.0, "total": 0.0}
         self._prev_rate = {"seconds": 0.0, "steps": 0}
+        # Training seconds of the step in progress that ran in earlier processes: a checkpoint
+        # taken inside a step (a validation inside an accumulation window) keeps the rate up to
+        # the last step end, and this apart; the restored step adds it only when its own time
+        # is in the rate (warmup_steps=0), else it was counted without its step.
+        self._open_carried = 0.0
         # Global consumed counts (synced on logging steps) and this rank's counts since then.
         self._consumed = dict.fromkeys(COUNT_FIELDS[1:], 0.0)
         self._pending = dict.fromkeys(COUNT_FIELDS[1:], 0.0)
@@ -262,11 +267,14 @@ class RuntimeMonitor(VitalsCallback):
         train_now = self._clock.train_seconds()
         self._train_at_step_end = train_now
         self._steps_this_process += 1
+        open_carried, self._open_carried = self._open_carried, 0.0
         if self._rate_anchor is not None:
             self._rate_steps += ctx.step_increment
         elif self.warmup_steps == 0:
             self._rate_anchor = 0.0
             self._rate_steps += ctx.step_increment
+            # (this process's first step, in the rate: its part before a restore too)
+            self._prev_rate["seconds"] += open_carried
         elif self._steps_this_process >= self.warmup_steps and (log or self._clock.sync_fn is None):
             # The rate starts at the first reading after the warm-up that includes the
             # device's queued work: on an accelerator only a logging step synchronises (the
@@ -420,10 +428,20 @@ class RuntimeMonitor(VitalsCallback):
         rank, as Lightning's and Accelerate's checkpointing do."""
         self._sync_consumed()
         now = self._clock.read()
-        seconds, steps = self._rate(now["train"])
+        # The rate ends at the last step end, as at a run's end (_fold_into_previous): the
+        # seconds since then are the step in progress's, which ends in the restored process,
+        # kept apart. In the rate they were charged to no step when the restored step is a
+        # warm-up step (the default): a checkpoint at a validation inside an accumulation
+        # window made the resumed seconds_per_step 6.0 instead of 3.5.
+        last = self._train_at_step_end
+        seconds, steps = self._rate(now["train"] if last is None else last)
+        open_seconds = (
+            now["train"] - last if last is not None else now["train"] + self._open_carried
+        )
         return {
             "seconds": {kind: self._prev[kind] + now[kind] for kind in self._prev},
             "rate": {"seconds": seconds, "steps": steps},
+            "rate_open_seconds": open_seconds,
             "consumed": dict(self._consumed),
             "epoch_batches": self._epoch_batches,
         }
@@ -452,6 +470,7 @@ class RuntimeMonitor(VitalsCallback):
         self._steps_this_process = 0
         self._rate_anchor = None
         self._rate_steps = 0
+        self._open_carried = 0.0  # (an unfinished step's time is no step's)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         seconds = state_dict.get("seconds", {})
@@ -461,6 +480,8 @@ class RuntimeMonitor(VitalsCallback):
             "seconds": float(rate.get("seconds", 0.0)),
             "steps": int(rate.get("steps", 0)),
         }
+        # (0 for checkpoints saved before it existed: their rate holds these seconds)
+        open_seconds = float(state_dict.get("rate_open_seconds", 0.0))
         consumed = state_dict.get("consumed", {})
         self._consumed = {k: float(consumed.get(k, 0.0)) for k in self._consumed}
         self._consumed["batches_missing"] = 0.0  # (no longer summed; older checkpoints did)
@@ -471,6 +492,7 @@ class RuntimeMonitor(VitalsCallback):
         # (the restored run replays that step): not counted into the next step. This process
         # starts its own clock and its own warm-up.
         self._restart()
+        self._open_carried = open_seconds
 
 
 def _lightning_epoch_progress(trainer: Any) -> tuple[int, int] | None:
