@@ -8,8 +8,10 @@ import torch
 
 try:  # the unified package first, the standalone one otherwise
     import lightning.pytorch as pl
+    from lightning.pytorch.core.optimizer import LightningOptimizer
 except ImportError:  # pragma: no cover
     import pytorch_lightning as pl
+    from pytorch_lightning.core.optimizer import LightningOptimizer
 
 from trainvitals.distributed import ProcessGroups
 from trainvitals.moe._aux_loss import (
@@ -28,7 +30,8 @@ class TinyMoELightningModule(pl.LightningModule):
     ``1 / accumulate_grad_batches`` and, under ``precision="16-mixed"``, by the precision
     plugin's ``GradScaler`` scale (without it the unscaled aux-loss gradient would be 65536x too
     small). The previous setting is restored at train end. After every optimizer step it calls
-    :meth:`TinyMoELM.moe_step_end`.
+    :meth:`TinyMoELM.moe_step_end`, telling it whether the optimizer really stepped: a step
+    that fp16's ``GradScaler`` skipped (non-finite gradients) leaves the expert biases alone.
 
     Example:
         >>> module = TinyMoELightningModule(lr=1e-3, vocab_size=64, hidden_size=32,
@@ -64,9 +67,24 @@ class TinyMoELightningModule(pl.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(batch["input_ids"], batch["labels"]).loss
 
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        super().optimizer_step(*args, **kwargs)
-        self.model.moe_step_end()
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
+        # GradScaler.step() does not call optimizer.step() when the gradients are not finite:
+        # a post hook on the wrapped torch optimizer sees whether it ran (torchtitan, whose
+        # bias update is a step pre hook, skips it the same way). Under 32-bit precision the
+        # closure runs inside step(), so the update itself waits until step() returned.
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        stepped: list[bool] = []
+        register = getattr(inner, "register_step_post_hook", None)
+        handle = register(lambda *_: stepped.append(True)) if register is not None else None
+        try:
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        finally:
+            if handle is not None:
+                handle.remove()
+        # (an optimizer without step hooks, DeepSpeed's: updated every step, as before)
+        self.model.moe_step_end(optimizer_stepped=bool(stepped) or handle is None)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)

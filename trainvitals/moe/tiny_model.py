@@ -192,10 +192,17 @@ class TinyMoELM(nn.Module):
         for _, router in self.routers():
             router.dp_group = group
 
-    def moe_step_end(self, group: Any = None) -> None:
+    def moe_step_end(self, group: Any = None, *, optimizer_stepped: bool = True) -> None:
         """After each optimizer step: update expert biases (one all-reduce for all routers
-        when ``expert_bias`` is on) and reset the global-aux-loss token counts."""
-        update_expert_biases(self, group)
+        when ``expert_bias`` is on) and reset the global-aux-loss token counts.
+
+        ``optimizer_stepped=False`` (a step that fp16's ``GradScaler`` skipped, Accelerate's
+        ``optimizer.step_was_skipped``): the biases stay as they are, as the weights do, and the
+        skipped step's token counts go into the next update (the router did not change in
+        between; torchtitan's step pre hook keeps them the same way); the global-aux-loss
+        counts are reset all the same, as the next micro-batch starts a new step."""
+        if optimizer_stepped:
+            update_expert_biases(self, group)
         reset_global_tokens(self)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TinyMoEOutput:
