@@ -297,8 +297,8 @@ def _chart(
         marks = "".join(f"M{px(s):.1f} {ys}V{ye}" for s, _ in ticks)
         out.append(
             f'<path d="{marks}" stroke="#d62728" stroke-width="1.5" class="nonfinite" '
-            f'data-steps="{len(bad_steps)}"><title>non-finite at {len(bad_steps)} step(s), '
-            f"first {bad_steps[0]}</title></path>"
+            f'data-steps="{len(bad_steps)}"><title>non-finite at '
+            f"{_count(len(bad_steps), 'step')}, first {bad_steps[0]}</title></path>"
         )
     if len(finite) > 1:
         legend = _legend(finite)
@@ -312,12 +312,18 @@ def _legend(lines: Sequence[tuple[str, Any]]) -> str:
     if n > len(_PALETTE):  # a ramp: name its two ends
         return (
             f'<tspan fill="{_color(0, n)}">{html.escape(lines[0][0])}</tspan> … '
-            f'<tspan fill="{_color(n - 1, n)}">{html.escape(lines[-1][0])}</tspan> ({n} lines)'
+            f'<tspan fill="{_color(n - 1, n)}">{html.escape(lines[-1][0])}</tspan> '
+            f"({_count(n, 'line')})"
         )
     return " ".join(
         f'<tspan fill="{_color(i, n)}">{html.escape(label)}</tspan>'
         for i, (label, _) in enumerate(lines)
     )
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and its noun, singular for exactly one ("1 line", "2 lines", "0 lines")."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def _table(cls: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -407,10 +413,10 @@ def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list
         nav.append(f'<a href="#{anchor}">{html.escape(area)}</a>')
         parts.append(
             f'<section id="{anchor}" class="area" data-area="{html.escape(area)}">'
-            f"<h2>{html.escape(area)} <small>{len(keys)} keys</small></h2>"
+            f"<h2>{html.escape(area)} <small>{_count(len(keys), 'key')}</small></h2>"
             f'<div class="grid">{"".join(charts)}</div>'
-            f"<details><summary>table of the {len(keys)} keys (min, max and mean over finite "
-            f"values)</summary>{table}</details></section>"
+            f"<details><summary>table of the {_count(len(keys), 'key')} (min, max and mean over "
+            f"finite values)</summary>{table}</details></section>"
         )
     return nav, parts
 
@@ -500,7 +506,7 @@ def _expert_load_section(series: dict[str, _Series]) -> tuple[list[str], str]:
     )
     return ['<a href="#expert-load">expert load</a>'], (
         '<section id="expert-load"><h2>Expert load <small>'
-        f"{len(layers)} layers x {len(experts)} experts</small></h2>"
+        f"{_count(len(layers), 'layer')} x {_count(len(experts), 'expert')}</small></h2>"
         f'<p class="meta">{legend}</p><div class="grid wide">{"".join(body)}</div></section>'
     )
 
@@ -572,12 +578,13 @@ class _KindStats:
     """One kind's tensor statistics, reduced while ``tensor_stats.jsonl`` is read (a
     :class:`StepChunks`: memory holds a chunk of records, not the file): per step the charted
     statistics of all tensors merged and of each layer and the tensors with non-finite
-    elements, and the record of the last step whole (for its tables)."""
+    elements, and the record of the last step holding tensors whole (for its tables: a last
+    step whose record holds none would show empty ones)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.steps: set[int] = set()
-        self.last_step: int | None = None
+        self.last_step: int | None = None  # of the tables: the last step with tensors
         self.last_record: dict[str, Any] | None = None
         self.chunks = StepChunks(self._reduce)
         everything = matcher(None)
@@ -587,7 +594,7 @@ class _KindStats:
 
     def add(self, step: int, rec: dict[str, Any]) -> None:
         self.steps.add(step)
-        if self.last_step is None or step >= self.last_step:
+        if rec.get("tensors") and (self.last_step is None or step >= self.last_step):
             self.last_step, self.last_record = step, rec
         self.chunks.add(step, rec)
 
@@ -641,7 +648,7 @@ def _tensor_sections(
     for kind in KINDS:
         ks = kinds[kind]
         ks.flush()
-        if ks.last_step is None or ks.last_record is None:
+        if not ks.steps:
             continue
         last_step = ks.last_step
         charts = []
@@ -672,7 +679,7 @@ def _tensor_sections(
                     f'<div class="card">{_chart_title(title)}{_chart(title, lines, max_points)}'
                     "</div>"
                 )
-        last = {last_step: ks.last_record}
+        last = {} if last_step is None or ks.last_record is None else {last_step: ks.last_record}
         cols = ["tensors", *_TABLE_STATS]
         all_rows = [
             ["all", *(_cell(r, c) for c in cols)]
@@ -688,17 +695,23 @@ def _tensor_sections(
         ]
         anchor = f"t-{kind}"
         nav.append(f'<a href="#{anchor}">tensors: {kind}</a>')
+        if last_step is None:
+            tables = '<p class="meta">No step of this kind holds tensors.</p>'
+        else:
+            tables = (
+                f"<h3>step {last_step}: all tensors and per layer</h3>"
+                + _table(f"tensors-layers {kind}", ["group", *cols], all_rows + layer_rows)
+                + f"<details><summary>step {last_step}: "
+                + ("each of the " if len(tensor_rows) != 1 else "the ")
+                + f"{_count(len(tensor_rows), 'tensor')}</summary>"
+                + _table(f"tensors-each {kind}", ["tensor", *cols[1:]], tensor_rows)
+                + "</details>"
+            )
         parts.append(
             f'<section id="{anchor}" class="tensors" data-kind="{kind}">'
-            f"<h2>tensor statistics: {kind} <small>{len(ks.steps)} steps, "
-            f"{len(tensor_rows)} tensors</small></h2>"
-            f'<div class="grid">{"".join(charts)}</div>'
-            f"<h3>step {last_step}: all tensors and per layer</h3>"
-            + _table(f"tensors-layers {kind}", ["group", *cols], all_rows + layer_rows)
-            + f"<details><summary>step {last_step}: each of the {len(tensor_rows)} tensors"
-            f"</summary>"
-            + _table(f"tensors-each {kind}", ["tensor", *cols[1:]], tensor_rows)
-            + "</details></section>"
+            f"<h2>tensor statistics: {kind} <small>{_count(len(ks.steps), 'step')}, "
+            f"{_count(len(tensor_rows), 'tensor')}</small></h2>"
+            f'<div class="grid">{"".join(charts)}</div>{tables}</section>'
         )
         attention += _tensor_attention(ks.nonfinite, kind)
     return nav, parts, attention
@@ -865,7 +878,7 @@ def render_report(
                 + (
                     "(not read: of a newer trainvitals)"
                     if newer
-                    else f"({lines} lines{' in the steps shown' * (steps is not None)})"
+                    else f"({_count(lines, 'line')}{' in the steps shown' * (steps is not None)})"
                 )
             )
 
@@ -888,8 +901,8 @@ def render_report(
             ],
         )
         att_html = (
-            f'<p class="warn">{len(attention)} metric(s) or tensor(s) were NaN or infinite at some '
-            f"step.</p>{att}"
+            f'<p class="warn">{_count(len(attention), "metric or tensor", "metrics or tensors")} '
+            f"{'was' if len(attention) == 1 else 'were'} NaN or infinite at some step.</p>{att}"
         )
     else:
         att_html = '<p class="ok">No metric and no tensor was ever NaN or infinite.</p>'

@@ -272,7 +272,7 @@ def load_metrics(
                     to[0](step)
                     to[1](value)
         shown_only = " in the steps shown" if first is not None or last is not None else ""
-        src.description = f"{path} ({lines} lines{shown_only})"
+        src.description = f"{path} ({lines} line{'s' * (lines != 1)}{shown_only})"
     for points in src.values.values():
         points.finish()
     return src
