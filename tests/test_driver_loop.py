@@ -3,6 +3,7 @@ AMP-skipped steps, batch counts, state, the default JSONL writer, bad input, fai
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 
@@ -711,7 +712,9 @@ def test_rollback_with_a_given_writer_drops_the_refused_steps_and_keeps_the_call
     assert permissive.key("time/samples") == {0: 2, 1: 7, 2: 13, 3: 20, 4: 28}
 
 
-def test_a_resumed_run_drops_every_line_the_interrupted_run_wrote_after_its_checkpoint(tmp_path):
+def test_a_resumed_run_drops_every_line_the_interrupted_run_wrote_after_its_checkpoint(
+    tmp_path, caplog
+):
     # The interrupted run logged every step; the resumed one (from the checkpoint of step 1)
     # logs every second step, so it never writes step 1 again: the interrupted run's line of
     # step 1 is of a timeline that no longer exists and must not stay in the file.
@@ -730,8 +733,11 @@ def test_a_resumed_run_drops_every_line_the_interrupted_run_wrote_after_its_chec
 
     checkpoint = run([2, 3, 4, 5], log_every=1)  # steps 0..3, the process then dies
     assert checkpoint["step"] == 1
-    with pytest.warns(RuntimeWarning, match="dropped"):
+    # the lines after the checkpoint's step: an ordinary resume, an INFO log (no warning)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, "trainvitals"):
+        warnings.filterwarnings("error", "JsonlSink", RuntimeWarning)
         run([7, 8], log_every=2, state=checkpoint)  # steps 1 and 2; only 2 is logged
+    assert any("dropped 3 line(s) of steps >= 1" in r.message for r in caplog.records)
     rows = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
     assert sorted(rows) == [0, 2]
     assert rows[0]["time/samples"] == 2  # the interrupted run's, before its checkpoint

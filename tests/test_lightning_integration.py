@@ -6,6 +6,7 @@ JSONL fallback when the trainer has no logger. A fake clock moved inside ``train
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import warnings
 
@@ -242,7 +243,7 @@ def test_a_fit_retried_from_an_earlier_checkpoint_writes_its_steps_again(tmp_pat
     assert records[5]["time/samples"] == 2 * 6
 
 
-def test_a_fit_resumed_from_a_checkpoint_drops_the_interrupted_fits_later_lines(tmp_path):
+def test_a_fit_resumed_from_a_checkpoint_drops_the_interrupted_fits_later_lines(tmp_path, caplog):
     # The interrupted fit logged steps 2-4 after the checkpoint of step 2; the resumed fit logs
     # every third step only (steps 2-4: step 3), so the first step it writes is 3. The line of
     # step 2 from the interrupted fit is of a timeline that no longer exists: dropped too.
@@ -260,8 +261,11 @@ def test_a_fit_resumed_from_a_checkpoint_drops_the_interrupted_fits_later_lines(
     assert sorted(r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")) == list(range(5))
     resumed = RuntimeMonitor(clock=clock, max_steps=5, log_every_n_steps=3)
     trainer = _trainer(pl, [resumed], tmp_path, max_steps=5)
-    with pytest.warns(RuntimeWarning, match="dropped"):
+    # the lines after the checkpoint's step: an ordinary resume, an INFO log (no warning)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, "trainvitals"):
+        warnings.filterwarnings("error", "JsonlSink", RuntimeWarning)
         trainer.fit(_module(pl, clock, 3, 20), ckpt_path=ckpt)  # batches of 3 this time
+    assert any("dropped 3 line(s) of steps >= 2" in r.message for r in caplog.records)
     records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
     assert sorted(records) == [0, 1, 3]  # (steps 2-4 logged when step % 3 == 0)
     assert records[1]["time/samples"] == 2 * 2  # the first fit's

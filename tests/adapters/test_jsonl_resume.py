@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import warnings
@@ -164,7 +165,7 @@ def test_resume_at_hides_the_interrupted_runs_later_tensorboard_events(tmp_path)
 
 @pytest.mark.parametrize("thread_safe", [True, False])
 def test_a_flush_after_resume_at_drops_the_abandoned_lines_before_any_write(
-    tmp_path, thread_safe
+    tmp_path, thread_safe, caplog
 ) -> None:
     # A run that rolled back to step 5 and is killed after a flush, before its next logging
     # step: the file must already read as the steps below 5 (checked with the writer still
@@ -175,8 +176,13 @@ def test_a_flush_after_resume_at_drops_the_abandoned_lines_before_any_write(
     sink.thread_safe = thread_safe
     writer = FanoutWriter([sink], rank=0)
     writer.resume_at(5)
-    with pytest.warns(RuntimeWarning, match=r"dropped 5 line\(s\) of steps >= 5"):
+    # the lines after the declared checkpoint step: an ordinary resume, logged at INFO
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, "trainvitals"):
+        warnings.simplefilter("error", RuntimeWarning)
         assert writer.flush(timeout=30)
+    assert [
+        r.levelno for r in caplog.records if "dropped 5 line(s) of steps >= 5" in r.message
+    ] == [logging.INFO]
     assert _losses(path) == [(s, float(s)) for s in range(5)]
     writer.add_scalar("loss", 50.0, 7)  # the first write after that drops nothing more
     with warnings.catch_warnings():

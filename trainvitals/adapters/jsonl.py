@@ -199,16 +199,33 @@ def drop_steps_from(
     storage) is followed: its target is cut or rewritten (keeping its permission bits) and the
     link stays as it is.
     """
+    records, cut = _drop_steps_from(path, first_step, line_step)
+    return records + cut
+
+
+def _drop_steps_from(
+    path: str | os.PathLike[str],
+    first_step: int,
+    line_step: Callable[[bytes], int | None] | None = None,
+) -> tuple[int, int]:
+    """:func:`drop_steps_from`, returning apart how many records of steps ``>= first_step`` and
+    how many lines cut by a crash it dropped: a resumed run expects the former only."""
     step_of = _line_step if line_step is None else line_step
     # os.replace onto the link would put a regular file in its place, cut off from the storage
     # it points at: rewrite the target, next to it (same file system, so the replace is atomic).
     path = os.path.realpath(path)
 
+    cut = 0  # lines cut by a crash, among the dropped ones
+
     def dropped_line(raw: bytes) -> bool:
+        nonlocal cut
         step = step_of(raw)
         if step is not None:
             return step >= first_step
-        return not raw.endswith(b"\n") and bool(raw.strip())  # cut by a crash
+        if not raw.endswith(b"\n") and bool(raw.strip()):  # cut by a crash
+            cut += 1
+            return True
+        return False
 
     kept_end = 0  # byte offset just past the last kept line
     drop: list[bool] = []  # per line
@@ -231,13 +248,13 @@ def drop_steps_from(
                     dst.write(raw if raw.endswith(b"\n") else raw + b"\n")
             os.chmod(tmp, stat.S_IMODE(os.fstat(src.fileno()).st_mode))
         os.replace(tmp, path)
-        return dropped
+        return dropped - cut, cut
     if kept_end != offset:
         os.truncate(path, kept_end)
     if last and not last.endswith(b"\n"):  # a complete last line whose newline was lost
         with open(path, "ab") as f:
             f.write(b"\n")
-    return dropped
+    return dropped - cut, cut
 
 
 def _holds_step_below(

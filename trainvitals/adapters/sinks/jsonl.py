@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from trainvitals.adapters.jsonl import (
+    _drop_steps_from,
     _holds_step_below,
-    drop_steps_from,
     encode_metrics,
     move_aside,
 )
 from trainvitals.adapters.sinks.base import Sink, make_folder, warn
 
 __all__ = ["JsonlSink"]
+
+log = logging.getLogger(__name__)
 
 
 class JsonlSink(Sink):
@@ -30,7 +33,10 @@ class JsonlSink(Sink):
     written unchanged; NaN and infinities as ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
 
     Appending to an existing file (a resumed run): before its first line the sink drops every
-    record of a step at or after the step the run resumes at, with a warning saying how many.
+    record of a step at or after the step the run resumes at, saying how many: an INFO log
+    (``logging``, logger ``trainvitals.adapters.sinks.jsonl``) when they are the records from
+    the step given to ``resume_at`` on (an ordinary resume from a checkpoint), a warning when
+    the run did not say, when it dropped records below that step or a line cut by a crash.
     That step is the one given to :meth:`FanoutWriter.resume_at` (the checkpoint's step), or,
     when the run did not say, the first step the sink writes (or the lower of the two). The
     lines the interrupted run wrote after its checkpoint would otherwise stay in the file,
@@ -96,6 +102,7 @@ class JsonlSink(Sink):
         if self._cut_from is not None and first_step >= self._cut_from:
             return  # settle_resume did it already (a flush before the first write)
         message = None
+        expected = False  # an ordinary resume: only the lines past the checkpoint's step
         # Only a regular file holding lines: a pipe, a terminal or /dev/stdout is appended to
         # as it is (reading it would block).
         if self.path.is_file() and self.path.stat().st_size > 0:
@@ -108,14 +115,24 @@ class JsonlSink(Sink):
                 kept = move_aside(self.path)
                 message = f"JsonlSink: {self.path} held an earlier run; moved it to {kept.name}"
             else:
-                dropped = drop_steps_from(self.path, first_step)
-                if dropped:
+                records, cut = _drop_steps_from(self.path, first_step)
+                # resume_at named this step and the file held nothing else to drop: the lines
+                # the interrupted run wrote after its checkpoint, dropped as documented
+                expected = not cut and first_step == self._resume_step
+                if expected and records:
                     message = (
-                        f"JsonlSink: {self.path}: dropped {dropped} line(s) of steps >= "
+                        f"JsonlSink: {self.path}: dropped {records} line(s) of steps >= "
+                        f"{first_step}, written after the checkpoint this run resumes from"
+                    )
+                elif records + cut:
+                    message = (
+                        f"JsonlSink: {self.path}: dropped {records + cut} line(s) of steps >= "
                         f"{first_step} (this run logs them again: a resumed run) or cut by a crash"
                     )
         self._cut_from = first_step  # only once done: a failed cut is tried again
-        if message is not None:
+        if message is not None and expected:
+            log.info(message)
+        elif message is not None:
             warn(message)  # at the user's flush()/close()/add_scalar line; never raises
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
