@@ -6,9 +6,9 @@ their order rotates every repetition; the figure reported is the median over rep
 (variant seconds per step) / (baseline seconds per step of the same repetition).
 
 Variants: ``baseline`` (plain loop, no trainvitals), then each callback alone (under the
-Vitals driver) with ``log_every_n_steps=1`` (it logs at every step, the
-worst case; the default interval of 50 costs less), ``NormMonitor`` when it exists, and
-``all`` of them together.
+Vitals driver) with ``log_every_n_steps=1`` (it logs at every step, the worst case;
+``--log-every 50``, the default interval, gives the usual cost), ``NormMonitor`` when it
+exists, and ``all`` of them together.
 
 Run::
 
@@ -116,6 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--writer", choices=("float", "jsonl"), default="float")
     parser.add_argument(
+        "--log-every",
+        type=int,
+        default=1,
+        help="log_every_n_steps of every variant (1: the worst case, every step logs)",
+    )
+    parser.add_argument(
         "--fixed-costs",
         action="store_true",
         help="only measure each callback's CPU cost per step on a tiny model",
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                 callbacks = factory()
                 for cb in callbacks:  # every hook a callback runs goes through its _dispatch
                     cb._dispatch = timer.wrap(cb._dispatch)
-                vitals = Vitals(callbacks, writer=writer(), log_every_n_steps=1)
+                vitals = Vitals(callbacks, writer=writer(), log_every_n_steps=args.log_every)
                 vitals.attach(model, optimizer)
             one_step(vitals)  # warm-up: first step of each callback instance
             timer.reset()
@@ -201,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model {format_params(n_params)} parameters, batch {args.batch_size} x {args.seq_len} "
         f"tokens, {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"{args.reps} reps x {args.steps} steps, writer {args.writer}, every step logs"
+        f"{args.reps} reps x {args.steps} steps, writer {args.writer}, "
+        f"log_every_n_steps={args.log_every}"
     )
     print()
     base = results["baseline"]["median_step_s"]
