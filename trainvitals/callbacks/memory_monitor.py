@@ -49,6 +49,10 @@ class MemoryMonitor(VitalsCallback):
     When the host memory cannot be read (at run start, or on one rank at one logging step: a
     passing ``EMFILE``), the host keys of that step are left out on every rank, with one
     warning, and the next logging step tries again; the CUDA keys are written regardless.
+    A statistic that ``torch.cuda.memory_stats`` lacks on some device of some rank (an older
+    torch, another allocator) is left out on every rank with one warning, never written as 0;
+    when ``memory_stats`` raises (a ``CUDAPluggableAllocator`` such as RMM's has no
+    statistics) the CUDA keys are left out the same way and the host keys are still written.
 
     Peaks are since the process started (as Composer's and Megatron-Bridge's reports), or since
     the previous logging step with ``peak_since_last_log=True`` (the first logging step's since
@@ -245,7 +249,29 @@ class MemoryMonitor(VitalsCallback):
         host key names and their readings ``[keys]``; float64 on the CPU."""
         rows = []
         for device in self._cuda:
-            rows.append(memory_stats.cuda_memory_readings(device))
+            try:
+                row = memory_stats.cuda_memory_readings(device)
+            except Exception as exc:
+                # A CUDAPluggableAllocator (RMM's, for one) has no statistics: memory_stats and
+                # reset_peak_memory_stats raise "does not yet support getDeviceStats". Not a
+                # reason to lose the host keys, nor (several ranks) to skip the collective:
+                # "not measured" slots, retried at the next logging step.
+                self.warn_once(
+                    "cuda_stats",
+                    f"torch.cuda.memory_stats({device}) raised {type(exc).__name__}: {exc}; "
+                    "the CUDA keys are left out while it fails",
+                )
+                rows.append(dict.fromkeys(memory_stats.CUDA_STATS, math.nan))
+                continue
+            rows.append(row)
+            missing = [f"memory/{k}" for k, v in row.items() if math.isnan(v)]
+            if missing:
+                # NaN, so the key is left out on every rank: a 0 would be a wrong number.
+                self.warn_once(
+                    "cuda_missing",
+                    f"torch.cuda.memory_stats({device}) has no {', '.join(missing)} (an older "
+                    "torch, another allocator, or an allocator not initialised yet): left out",
+                )
             if self.peak_since_last_log:
                 torch.cuda.reset_peak_memory_stats(device)
         host_names = list(memory_stats.HOST_KEYS) if self.host else []

@@ -7,6 +7,7 @@ Megatron-Bridge's ``report_memory`` do); counts stay counts.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Any
@@ -48,12 +49,21 @@ REDUCTIONS = ("max", "min", "mean")
 
 def cuda_memory_readings(device: torch.device | int | None = None) -> dict[str, float]:
     """The :data:`CUDA_STATS` of ``device`` (GB for byte counts), from
-    ``torch.cuda.memory_stats``. Host-side counters: no synchronisation, no device transfer."""
+    ``torch.cuda.memory_stats``. Host-side counters: no synchronisation, no device transfer.
+
+    A statistic that ``memory_stats`` does not have is NaN ("not measured"), never 0: an older
+    torch, or a device whose allocator was never initialised (``memory_stats`` is ``{}``
+    then), has not measured a zero. Raises what ``memory_stats`` raises (a
+    ``CUDAPluggableAllocator``, RMM's for one, has no statistics: ``RuntimeError``)."""
     stats = torch.cuda.memory_stats(device)
     out: dict[str, float] = {}
     for key, (stat, is_bytes) in CUDA_STATS.items():
-        value = float(stats.get(stat, 0))
-        out[key] = value / BYTES_PER_GB if is_bytes else value
+        value = stats.get(stat)
+        if value is None:
+            # (Composer's MemoryMonitor also keeps only the statistics memory_stats has)
+            out[key] = math.nan
+        else:
+            out[key] = float(value) / BYTES_PER_GB if is_bytes else float(value)
     return out
 
 
