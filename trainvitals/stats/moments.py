@@ -666,7 +666,8 @@ class _Compiled:
                     kernel = _rows_masked if masked else _body_moments_fused
                     fn = torch.compile(kernel, dynamic=True)
                     self._fns[masked] = fn
-                return fn(x2)  # type: ignore[operator]
+                with _plain_state(x2.device):
+                    return fn(x2)  # type: ignore[operator]
         except Exception as exc:  # compiler missing, unsupported backend, ...
             self.failed = f"{type(exc).__name__}: {exc}"
             warnings.warn(
@@ -676,6 +677,24 @@ class _Compiled:
                 stacklevel=3,
             )
             return None
+
+
+@contextlib.contextmanager
+def _plain_state(device: torch.device) -> Any:
+    """Autograd and autocast off around a compiled call. Dynamo guards a compiled function on
+    that global state, and the kernel is called from hooks in every one (forward hooks: autograd
+    on, autocast on under AMP; gradient hooks: both off; the parameters in between): each
+    state met was one more compilation per dtype, and one run with bf16 autocast hit Dynamo's
+    recompile limit (8) within three logging steps, after which the kernel ran uncompiled
+    (measured, CPU). Neither changes what the kernel computes (its inputs are detached, and it
+    casts to float32/float64 itself)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        available = getattr(torch.amp, "is_autocast_available", lambda kind: kind == "cpu")
+        for kind in dict.fromkeys((device.type, "cpu")):
+            if available(kind):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+        yield
 
 
 _compiled = _Compiled()
