@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import sys
 import threading
 import time
 import warnings
@@ -108,7 +109,9 @@ class TensorStatsMonitor(VitalsCallback):
       not counted twice; under a reentrant checkpoint, whose first run has autograd off, the
       re-run is where the gradient hooks go. A ``no_grad`` forward of a site that trains with
       autograd on (generation, old log-probs, a teacher pass) is not counted, also before the
-      site's first training forward.
+      site's first training forward; a reentrant checkpoint's first run is told from one by
+      its autograd ``Function`` being recorded in the graph (:func:`_function_ctx`), also
+      when the same module runs outside a checkpoint elsewhere in the step.
     * ``before_optimizer_step`` of a param/grad logging step: the moments of every trainable
       parameter and its gradient (after AMP unscaling, before clipping), in one fused call each.
     * ``step_end``: hooks are removed; the micro-batches of the step are merged exactly; the
@@ -349,6 +352,10 @@ class TensorStatsMonitor(VitalsCallback):
         # autograd on (or a tensor needing a gradient) outside the backward pass, which no
         # reentrant checkpoint hides (their no_grad forwards, e.g. generation, re-run nothing)
         self._held_back: dict[int, int] = {}
+        # per site: the same, for first runs known to be inside a reentrant checkpoint
+        # (_function_ctx), which a call of the site with autograd on (the same
+        # module used outside the checkpoint too) does not cancel
+        self._ckpt_held: dict[int, int] = {}
         self._grad_sites: set[int] = set()
         # Several optimizers stepped apart: the step whose param/grad parts are being
         # collected, and the ids of the parameters measured in it
@@ -397,6 +404,7 @@ class TensorStatsMonitor(VitalsCallback):
         # model's frozen site under no_grad look like a generation pass: left out, silently)
         self._remove_hooks()
         self._grad_sites, self._immediate, self._held_back = set(), set(), {}
+        self._ckpt_held = {}
         self._site_groups, self._site_replicas = {}, {}
         self._sites, self._site_expert = [], []
         every_site = [
@@ -719,7 +727,7 @@ class TensorStatsMonitor(VitalsCallback):
         }
         self._dropped = set()
         self._hooks_failed = False
-        self._held_back = {}
+        self._held_back, self._ckpt_held = {}, {}
         self._hook_ctx = ctx
         for name, module in self._modules:
             idx = [self._site_index.get(self._global_name(f"{name}/{s}")) for s in _SITE_SUFFIXES]
@@ -752,7 +760,7 @@ class TensorStatsMonitor(VitalsCallback):
             # a forward re-run inside backward (activation checkpointing): only for the
             # gradient hooks of a reentrant checkpoint's first run, which had autograd off
             rerun = torch._C._current_graph_task_id() != -1
-            if rerun and not (want_dgrad and self._held_back):
+            if rerun and not (want_dgrad and (self._held_back or self._ckpt_held)):
                 return
             if self._hook_ctx is not None and self._hook_ctx.in_validation:
                 return
@@ -771,6 +779,7 @@ class TensorStatsMonitor(VitalsCallback):
         def observe(
             module: nn.Module, args: tuple, kwargs: dict, output: Any, rerun: bool, grad_on: bool
         ) -> None:
+            checkpointed: bool | None = None  # (looked up once, for a no_grad call only)
             first_in = _first_float(args)
             if first_in is None and not args:
                 first_in = _first_float(tuple(kwargs.values()))
@@ -814,15 +823,29 @@ class TensorStatsMonitor(VitalsCallback):
                 else:
                     reduced[slot] = None
                 if rerun:  # the activation was measured in the first run
-                    if self._held_back.get(site, 0) > 0 and x.requires_grad:
-                        self._held_back[site] -= 1
+                    held = next(
+                        (h for h in (self._ckpt_held, self._held_back) if h.get(site, 0) > 0),
+                        None,
+                    )
+                    # (a non-reentrant checkpoint's recomputation is no such re-run: its
+                    # tensors only feed the saved values of the first run's graph, which got
+                    # its hooks then; taking a count there left the reentrant re-run out)
+                    if held is not None and x.requires_grad and _function_ctx("backward"):
+                        held[site] -= 1
                         target = _grad_target(module, slot, x)
                         self._handles.append(target.register_hook(self._make_grad_hook(site)))
                     continue
                 # The gradient hook first, and even after a failure: it may hold a collective
                 # (Partial gradients) that every rank must reach.
                 unsure = False
-                if grad_on or x.requires_grad:
+                if checkpointed is None and not grad_on and not x.requires_grad:
+                    ctx = _function_ctx("forward")
+                    checkpointed = ctx is not None and bool(ctx.next_functions)
+                if grad_on or x.requires_grad or checkpointed:
+                    # (a reentrant checkpoint's first run is part of the training step also
+                    # when the same module runs with autograd on elsewhere in it: a shared
+                    # block checkpointed in some of its calls only, whose checkpointed calls
+                    # were taken for no_grad passes and left out, activation and dgrad)
                     self._grad_sites.add(site)
                 elif site in self._grad_sites:
                     # a no_grad forward of a site that trains with autograd on (generation, a
@@ -838,6 +861,9 @@ class TensorStatsMonitor(VitalsCallback):
                     target = _grad_target(module, slot, x)
                     self._handles.append(target.register_hook(self._make_grad_hook(site)))
                     self._held_back.pop(site, None)  # hooked here: nothing to re-run for
+                elif want_dgrad and checkpointed:
+                    # its re-run in the backward pass gets the hook
+                    self._ckpt_held[site] = self._ckpt_held.get(site, 0) + 1
                 elif want_dgrad and not grad_on and site not in self._grad_sites:
                     # a reentrant checkpoint's first run: its re-run gets the hook
                     self._held_back[site] = self._held_back.get(site, 0) + 1
@@ -1337,6 +1363,29 @@ def _count_once(
         group_size(g) == 1 or not ranks(g) <= inside or me == min(ranks(g)) for g in replicas
     )
     return kept + data, counted
+
+
+def _function_ctx(method: str) -> Any:
+    """The ``ctx`` of the nearest custom autograd ``Function``'s ``method`` (``"forward"`` or
+    ``"backward"``) running on the Python stack, or None.
+
+    A reentrant activation checkpoint (``torch.utils.checkpoint``'s ``CheckpointFunction``;
+    Megatron's and DeepSpeed's are ``Function`` s too) runs its block in ``forward`` with
+    autograd off (autograd runs every ``Function.forward`` so) and re-runs it in ``backward``.
+    Its ``ctx.next_functions`` is not empty only when the call is recorded in the autograd
+    graph (autograd on outside it and an input needing a gradient): then the backward pass
+    re-runs it, and the first run is part of the training step; a checkpointed block called
+    under ``no_grad`` (generation) is not. Called on logging steps only, for a site's
+    autograd-off calls and held-back re-runs (a walk up the Python stack)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == method and code.co_argcount and code.co_varnames[0] == "ctx":
+            ctx = frame.f_locals.get("ctx")
+            if isinstance(ctx, torch.autograd.function.BackwardCFunction):
+                return ctx
+        frame = frame.f_back
+    return None
 
 
 def _first_float(obj: Any) -> torch.Tensor | None:
