@@ -84,10 +84,19 @@ class NullWriter:
 class Config:
     """One benchmark configuration: its own model, optimizer and (optionally) callbacks."""
 
-    def __init__(self, name: str, monitors: str | None, every: int, writer: str, tmp: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        monitors: str | None,
+        every: int,
+        writer: str,
+        tmp: str,
+        device: str = "cpu",
+    ) -> None:
         self.name = name
+        self.device = torch.device(device)
         torch.manual_seed(0)
-        self.model = TinyMoELM(**MODEL)
+        self.model = TinyMoELM(**MODEL).to(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.gen = torch.Generator().manual_seed(0)
         self.vitals = None
@@ -108,10 +117,21 @@ class Config:
             self.vitals = Vitals(_monitors(monitors), writer=w, log_every_n_steps=every)
             self.vitals.attach(self.model, self.opt)
 
-    def step(self) -> float:
+    def step(self, block: int = 1) -> float:
+        """Seconds per optimizer step of ``block`` consecutive steps; on a GPU the device is
+        synchronised at the end of the block only (a logging step's own wait for the device
+        is then part of the figure, as in a real run)."""
         t0 = time.perf_counter()
+        for _ in range(block):
+            self._one_step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - t0) / block
+
+    def _one_step(self) -> None:
         for _ in range(MICRO_BATCHES):
             x = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=self.gen)
+            x = x.to(self.device, non_blocking=True)
             if self.vitals is not None:
                 self.vitals.batch(x)
             loss = self.model(x, labels=x).loss / MICRO_BATCHES
@@ -120,10 +140,11 @@ class Config:
         self.opt.zero_grad(set_to_none=True)
         if self.flush is not None:
             self.flush()
-        return time.perf_counter() - t0
 
 
-def bench_overhead(steps: int, warmup: int, writer: str, which: str) -> list[dict]:
+def bench_overhead(
+    steps: int, warmup: int, writer: str, which: str, device: str = "cpu", block: int = 1
+) -> list[dict]:
     """Interleave the configurations step by step (rotating order) and compare medians.
 
     Each step is timed twice: process CPU time (``time.process_time``: this process's threads
@@ -146,7 +167,7 @@ def bench_overhead(steps: int, warmup: int, writer: str, which: str) -> list[dic
         ("LoadBalanceMonitor, log every step", "load_balance", 1),
         ("LoadBalanceMonitor, log every 50", "load_balance", 50),
     ]
-    configs = [Config(name, mon, every, writer, tmp) for name, mon, every in specs]
+    configs = [Config(name, mon, every, writer, tmp, device) for name, mon, every in specs]
     for c in configs:
         for _ in range(warmup):
             c.step()
@@ -156,8 +177,8 @@ def bench_overhead(steps: int, warmup: int, writer: str, which: str) -> list[dic
         shift = i % len(configs)
         for c in configs[shift:] + configs[:shift]:
             t0 = time.process_time()
-            wall[c.name].append(c.step())
-            cpu[c.name].append(time.process_time() - t0)
+            wall[c.name].append(c.step(block))
+            cpu[c.name].append((time.process_time() - t0) / block)
     for c in configs:
         if c.vitals is not None:
             c.vitals.close()
@@ -276,6 +297,13 @@ def main() -> None:
         default="both",
         help="both MoE callbacks, or LoadBalanceMonitor alone",
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="optimizer steps per timed sample (on a GPU: synchronised at its end only)",
+    )
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--skip-collectives", action="store_true")
     args = parser.parse_args()
@@ -283,11 +311,13 @@ def main() -> None:
     os.environ.setdefault("TRAINVITALS_STRICT", "1")
 
     if not args.skip_overhead:
-        rows = bench_overhead(args.steps, args.warmup, args.writer, args.which)
+        rows = bench_overhead(
+            args.steps, args.warmup, args.writer, args.which, args.device, args.block
+        )
         print(
             f"\nStep time, TinyMoELM {MODEL}, batch {BATCH}x{SEQ}, {MICRO_BATCHES} micro-batches, "
-            f"AdamW, {args.threads} thread(s), writer {args.writer}, {args.steps} steps per "
-            "configuration interleaved step by step\n"
+            f"AdamW, {args.device}, {args.threads} thread(s), writer {args.writer}, "
+            f"{args.steps} samples of {args.block} step(s) per configuration, interleaved\n"
         )
         print(
             "| configuration | CPU ms/step | CPU ratio | CPU ratio range (5 chunks) "
