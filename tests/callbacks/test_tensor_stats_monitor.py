@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -979,7 +980,7 @@ def test_rollback_ending_before_the_next_logging_step_drops_the_abandoned_steps(
 
 @pytest.mark.parametrize("package", ["lightning.pytorch"])
 def test_lightning_fit_from_an_earlier_checkpoint_into_the_same_folder(
-    tmp_path: Path, package: str
+    tmp_path: Path, package: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     lightning = pytest.importorskip(package)
 
@@ -1024,10 +1025,14 @@ def test_lightning_fit_from_an_earlier_checkpoint_into_the_same_folder(
     second = quiet_trainer(
         package, max_steps=4, log_every_n_steps=1, callbacks=[monitor], default_root_dir=tmp_path
     )
-    with pytest.warns(RuntimeWarning, match="dropped 4 line"):
+    # the lines after the checkpoint's step, none cut by a crash: an INFO log, no warning
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, "trainvitals"):
+        warnings.filterwarnings("error", "TensorStatsMonitor", RuntimeWarning)
         second.fit(
             module, torch.utils.data.DataLoader(batches(6, seed=1), batch_size=None), ckpt_path=at2
         )
+    ours = [r.levelno for r in caplog.records if r.message.startswith("TensorStatsMonitor")]
+    assert ours == [logging.INFO] and "dropped 4 line" in caplog.text
     lines = read_lines(tmp_path / "tensor_stats.jsonl")
     assert [r["step"] for r in lines] == [0, 1, 2, 3]
     for r in lines[2:]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
+import logging
 import math
 import os
 import re
@@ -25,7 +26,7 @@ from torch import nn
 
 from trainvitals._hooks import eager_hook
 from trainvitals.adapters.context import BatchInfo, RunContext
-from trainvitals.adapters.jsonl import drop_steps_from, move_aside
+from trainvitals.adapters.jsonl import _drop_steps_from, drop_steps_from, move_aside
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import (
     all_gather_coalesced,
@@ -55,6 +56,8 @@ from trainvitals.stats.norms import (
     stored_values,
     unwrap_model,
 )
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["SCHEMA_VERSION", "TensorStatsMonitor"]
 
@@ -1506,13 +1509,18 @@ def _prepare_jsonl(path: Path, first_step: int) -> None:
         kept = move_aside(path)
         message = f"TensorStatsMonitor: {path} held an earlier run; moved it to {kept.name}"
     else:
-        dropped = drop_steps_from(path, first_step, line_step=_line_step)
-        if not dropped:
+        records, cut = _drop_steps_from(path, first_step, line_step=_line_step)
+        if not records + cut:
             return
         message = (
-            f"TensorStatsMonitor: {path}: dropped {dropped} line(s) (cut by a crash, or of steps "
-            f">= {first_step} that this resumed run logs again)"
+            f"TensorStatsMonitor: {path}: dropped {records + cut} line(s) (cut by a crash, or of "
+            f"steps >= {first_step} that this resumed run logs again)"
         )
+        if not cut:
+            # the lines the interrupted run wrote after the checkpoint this run resumes from:
+            # the ordinary resume, an INFO log (as JsonlSink's metrics.jsonl)
+            _log.info(message)
+            return
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
