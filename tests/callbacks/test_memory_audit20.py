@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from tests.callbacks.test_memory_audit17 import _run as run_monitor
 from tests.helpers.dist import run_distributed
 from tests.helpers.fake_cuda import FAKE_STATS, TORCH_NAMES, CudaParameter
 from tests.scripts.vitals_testing import RecordingWriter
@@ -47,20 +48,7 @@ def restore_cuda(monkeypatch):
 
 
 def _run(monitor: MemoryMonitor, steps: int = 3) -> RecordingWriter:
-    from trainvitals.adapters.loop import Vitals
-
-    model = _Model()
-    opt = torch.optim.SGD([model.w], lr=0.1)
-    writer = RecordingWriter()
-    vitals = Vitals([monitor], writer=writer, log_every_n_steps=2)
-    vitals.attach(model, opt)
-    for _ in range(steps):
-        vitals.batch({"x": torch.zeros(1, 2)})
-        model.w.pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    vitals.close()
-    return writer
+    return run_monitor(_Model(), monitor, steps)
 
 
 def _without(*names: str) -> dict[str, int]:
