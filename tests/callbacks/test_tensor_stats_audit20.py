@@ -36,7 +36,8 @@ class Block(nn.Module):
 
 class Shared(nn.Module):
     """One block applied three times (weight sharing), each call checkpointed as ``modes`` says:
-    ``"reentrant"``, ``"non-reentrant"`` or ``None`` (not checkpointed)."""
+    ``"reentrant"``, ``"non-reentrant"``, ``"nested"`` (reentrant inside reentrant) or ``None``
+    (not checkpointed)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,9 +51,14 @@ class Shared(nn.Module):
         for mode in self.modes:
             if mode is None:
                 h = self.block(h)
+            elif mode == "nested":  # a reentrant checkpoint inside another one
+                h = checkpoint(self._inner, h, use_reentrant=True)
             else:
                 h = checkpoint(self.block, h, use_reentrant=mode == "reentrant")
         return self.head(h)
+
+    def _inner(self, h: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, h, use_reentrant=True)
 
 
 def _truth(model: Shared, x: torch.Tensor) -> dict[tuple[str, str], torch.Tensor]:
@@ -91,8 +97,18 @@ def _truth(model: Shared, x: torch.Tensor) -> dict[tuple[str, str], torch.Tensor
         (("reentrant", None, "reentrant"), False),
         (("reentrant", "non-reentrant", "reentrant"), False),
         (("reentrant", "reentrant", "reentrant"), True),
+        # the inner checkpoint is not in the graph during the outer one's first run (autograd
+        # off there): only the outer Function tells it from a no_grad pass (before: 2 calls of 3)
+        (("nested", None, "reentrant"), False),
+        (("nested", "nested", "nested"), True),
     ],
-    ids=["reentrant-and-plain", "reentrant-and-non-reentrant", "reentrant-beside-no-grad"],
+    ids=[
+        "reentrant-and-plain",
+        "reentrant-and-non-reentrant",
+        "reentrant-beside-no-grad",
+        "nested-reentrant-and-plain",
+        "nested-reentrant-beside-no-grad",
+    ],
 )
 def test_a_block_checkpointed_in_some_calls_counts_every_call(
     tmp_path: Path, modes: tuple[str | None, ...], no_grad_passes: bool

@@ -113,7 +113,7 @@ class TensorStatsMonitor(VitalsCallback):
       re-run is where the gradient hooks go. A ``no_grad`` forward of a site that trains with
       autograd on (generation, old log-probs, a teacher pass) is not counted, also before the
       site's first training forward; a reentrant checkpoint's first run is told from one by
-      its autograd ``Function`` being recorded in the graph (:func:`_function_ctx`), also
+      its autograd ``Function`` being recorded in the graph (:func:`_in_recorded_function`), also
       when the same module runs outside a checkpoint elsewhere in the step.
     * ``before_optimizer_step`` of a param/grad logging step: the moments of every trainable
       parameter and its gradient (after AMP unscaling, before clipping), in one fused call each.
@@ -842,8 +842,7 @@ class TensorStatsMonitor(VitalsCallback):
                 # (Partial gradients) that every rank must reach.
                 unsure = False
                 if checkpointed is None and not grad_on and not x.requires_grad:
-                    ctx = _function_ctx("forward")
-                    checkpointed = ctx is not None and bool(ctx.next_functions)
+                    checkpointed = _in_recorded_function()
                 if grad_on or x.requires_grad or checkpointed:
                     # (a reentrant checkpoint's first run is part of the training step also
                     # when the same module runs with autograd on elsewhere in it: a shared
@@ -1366,6 +1365,25 @@ def _count_once(
         group_size(g) == 1 or not ranks(g) <= inside or me == min(ranks(g)) for g in replicas
     )
     return kept + data, counted
+
+
+def _in_recorded_function() -> bool:
+    """Whether some custom autograd ``Function``'s ``forward`` on the Python stack is recorded
+    in the autograd graph (its ``ctx.next_functions`` not empty; see :func:`_function_ctx`).
+    Every enclosing one is looked at, not the nearest only: a reentrant checkpoint inside
+    another one runs in the outer one's first run, autograd off, so it is not recorded
+    itself, yet the outer one is, and the backward pass re-runs both (a block used plainly and
+    under two nested checkpoints lost half its activations and dgrads). Under an outer
+    ``no_grad`` (generation) none is recorded."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "ctx":
+            ctx = frame.f_locals.get("ctx")
+            if isinstance(ctx, torch.autograd.function.BackwardCFunction) and ctx.next_functions:
+                return True
+        frame = frame.f_back
+    return False
 
 
 def _function_ctx(method: str) -> Any:
