@@ -445,3 +445,58 @@ def test_throughput_mfu_on_cuda_uses_the_devices_peak(tmp_path: Path) -> None:
     assert per_step == pytest.approx(counted, rel=1e-9)
     assert row["throughput/mfu"] == pytest.approx(row["throughput/flops_per_sec"] / peak)
     assert row["throughput/device/mfu"] == pytest.approx(row["throughput/mfu"])
+
+
+_ASYNC_SCRIPT = """
+import json, warnings
+import torch
+from tests.scripts.vitals_testing import RecordingWriter
+from trainvitals.adapters.loop import Vitals
+from trainvitals.callbacks import MemoryMonitor
+
+assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+model = torch.nn.Linear(1024, 1024).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+writer = RecordingWriter()
+with warnings.catch_warnings(record=True) as caught, Vitals(
+    [MemoryMonitor(host=False)], writer=writer, log_every_n_steps=1
+) as vitals:
+    warnings.simplefilter("always")
+    vitals.attach(model, optimizer)
+    x = torch.randn(64, 1024, device="cuda")
+    vitals.batch(x)
+    model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print(json.dumps({"row": writer.rows[0], "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_memory_monitor_under_the_cuda_malloc_async_backend() -> None:
+    """``backend:cudaMallocAsync`` fills allocated, active and reserved bytes only and leaves
+    the other statistics at 0: those are left out (one warning), not written as 0; the counted
+    ones are there. (A new process: the backend is chosen when CUDA starts.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _ASYNC_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    keys = {k.removeprefix("memory/") for k in out["row"]}
+    assert keys == {
+        "allocated_gb",
+        "active_gb",
+        "reserved_gb",
+        "peak_allocated_gb",
+        "peak_active_gb",
+        "peak_reserved_gb",
+    }
+    # at least the layer's weight (4 MiB) is allocated, within what the pool reserved
+    assert 4 * 2**20 / 1e9 <= out["row"]["memory/allocated_gb"] <= out["row"]["memory/reserved_gb"]
+    assert sum("cudaMallocAsync backend" in w for w in out["warnings"]) == 1

@@ -145,3 +145,30 @@ def test_two_ranks_leave_out_a_statistic_one_rank_lacks():
             {k: v for k, v in expected.items() if k.count("/") == 1}, rel=1e-14
         )
         assert result[("max", "min", "mean")][2] == pytest.approx(expected, rel=1e-14)
+
+
+def test_the_cuda_malloc_async_backend_zeros_are_left_out(restore_cuda, monkeypatch):
+    """Under backend:cudaMallocAsync memory_stats holds every key, but only allocated, active
+    and reserved bytes are counted (the others stay 0): those four are left out, the rest
+    written as read."""
+    stats = dict(FAKE_STATS)
+    for name in ("inactive_split_bytes.all.current", "inactive_split_bytes.all.peak"):
+        stats[name] = 0
+    stats["num_alloc_retries"] = stats["num_ooms"] = 0
+    _patch(lambda device=None: dict(stats), [])
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    with pytest.warns(RuntimeWarning, match="cudaMallocAsync backend"):
+        writer = _run(MemoryMonitor(host=False))
+    async_counted = {"allocated_gb", "active_gb", "reserved_gb"}
+    expected = {
+        f"memory/{k}": _gb(k, stats[t])
+        for k, t in TORCH_NAMES.items()
+        if k.removeprefix("peak_") in async_counted
+    }
+    assert len(expected) == 6
+    for row in writer.rows.values():
+        assert row == pytest.approx(expected, rel=1e-15)
+    # the native backend: the same zeros are counts it keeps, written
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    writer = _run(MemoryMonitor(host=False))
+    assert writer.rows[0]["memory/ooms"] == 0 and writer.rows[0]["memory/inactive_gb"] == 0

@@ -50,7 +50,9 @@ class MemoryMonitor(VitalsCallback):
     passing ``EMFILE``), the host keys of that step are left out on every rank, with one
     warning, and the next logging step tries again; the CUDA keys are written regardless.
     A statistic that ``torch.cuda.memory_stats`` lacks on some device of some rank (an older
-    torch, another allocator) is left out on every rank with one warning, never written as 0;
+    torch, another allocator; under ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` the
+    inactive-split bytes, their peak, the retries and the OOMs, which that backend leaves at 0)
+    is left out on every rank with one warning, never written as 0;
     when ``memory_stats`` raises (a ``CUDAPluggableAllocator`` such as RMM's has no
     statistics) the CUDA keys are left out the same way and the host keys are still written.
 
@@ -270,7 +272,9 @@ class MemoryMonitor(VitalsCallback):
                 self.warn_once(
                     "cuda_missing",
                     f"torch.cuda.memory_stats({device}) has no {', '.join(missing)} (an older "
-                    "torch, another allocator, or an allocator not initialised yet): left out",
+                    "torch, the cudaMallocAsync backend, which counts allocated, active and "
+                    "reserved bytes only, another allocator, or an allocator not initialised "
+                    "yet): left out",
                 )
             if self.peak_since_last_log:
                 torch.cuda.reset_peak_memory_stats(device)
