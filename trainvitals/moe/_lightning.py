@@ -75,6 +75,22 @@ class TinyMoELightningModule(pl.LightningModule):
         # bias update is a step pre hook, skips it the same way). Under 32-bit precision the
         # closure runs inside step(), so the update itself waits until step() returned.
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None and getattr(inner, "_step_supports_amp_scaling", False):
+            # An optimizer that unscales itself (fused=True) is always called by
+            # GradScaler.step and skips inside: its post hook runs either way. The scale tells
+            # instead (it backs off exactly on a skipped step), compared on the device.
+            before = getattr(scaler, "_scale", None)
+            before = None if before is None else before.clone()
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+            after = getattr(scaler, "_scale", None)
+            if after is None:  # (a disabled scaler: nothing skipped)
+                self.model.moe_step_end()
+                return
+            if before is None:  # (its first scale() ran inside the step: from init_scale)
+                before = torch.full_like(after, float(scaler._init_scale))
+            self.model.moe_step_end(optimizer_stepped=after >= before)
+            return
         stepped: list[bool] = []
         register = getattr(inner, "register_step_post_hook", None)
         handle = register(lambda *_: stepped.append(True)) if register is not None else None

@@ -615,10 +615,14 @@ def _check_layer(layer_number: int | None, num_layers: int | None) -> None:
         )
 
 
-def update_expert_biases(routers: Iterable[Any], group: Any = None) -> None:
+def update_expert_biases(
+    routers: Iterable[Any], group: Any = None, *, stepped: torch.Tensor | None = None
+) -> None:
     """:meth:`TopKRouter.update_expert_bias` for many routers with ONE all-reduce over
     ``group`` (default: the first router's ``dp_group``). Accepts a model: its ``TopKRouter``
-    modules are used."""
+    modules are used. ``stepped``: a 0-d bool tensor saying on the device whether the optimizer
+    step was taken (an fp16 skip seen without reading it back): where it is false the biases
+    stay and the token counts are kept for the next update."""
     routers = _routers(routers)
     routers = [r for r in routers if r.expert_bias is not None]
     if not routers:
@@ -630,10 +634,15 @@ def update_expert_biases(routers: Iterable[Any], group: Any = None) -> None:
         for router, load in zip(routers, loads, strict=True):
             load = load.to(router.expert_bias.device, torch.float64)
             offset = load.mean() - load
-            router.expert_bias += (torch.sign(offset) * router.bias_update_rate).to(
-                router.expert_bias.dtype
-            )
-            router.local_tokens_per_expert.zero_()
+            change = torch.sign(offset) * router.bias_update_rate
+            if stepped is None:
+                router.expert_bias += change.to(router.expert_bias.dtype)
+                router.local_tokens_per_expert.zero_()
+                continue
+            taken = stepped.to(device=load.device, dtype=torch.float64)
+            router.expert_bias += (change * taken).to(router.expert_bias.dtype)
+            counts = router.local_tokens_per_expert
+            counts.mul_((1 - taken).to(device=counts.device, dtype=counts.dtype))
 
 
 def reset_global_tokens(routers: Iterable[Any]) -> None:

@@ -192,7 +192,9 @@ class TinyMoELM(nn.Module):
         for _, router in self.routers():
             router.dp_group = group
 
-    def moe_step_end(self, group: Any = None, *, optimizer_stepped: bool = True) -> None:
+    def moe_step_end(
+        self, group: Any = None, *, optimizer_stepped: bool | torch.Tensor = True
+    ) -> None:
         """After each optimizer step: update expert biases (one all-reduce for all routers
         when ``expert_bias`` is on) and reset the global-aux-loss token counts.
 
@@ -200,8 +202,11 @@ class TinyMoELM(nn.Module):
         ``optimizer.step_was_skipped``): the biases stay as they are, as the weights do, and the
         skipped step's token counts go into the next update (the router did not change in
         between; torchtitan's step pre hook keeps them the same way); the global-aux-loss
-        counts are reset all the same, as the next micro-batch starts a new step."""
-        if optimizer_stepped:
+        counts are reset all the same, as the next micro-batch starts a new step. A 0-d bool
+        tensor does the same on the device (no read back to the host)."""
+        if isinstance(optimizer_stepped, torch.Tensor):  # known on the device only
+            update_expert_biases(self, group, stepped=optimizer_stepped)
+        elif optimizer_stepped:
             update_expert_biases(self, group)
         reset_global_tokens(self)
 
