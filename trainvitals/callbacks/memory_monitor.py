@@ -23,7 +23,8 @@ class MemoryMonitor(VitalsCallback):
     """Memory of every rank at the end of logging steps, reduced so the worst rank shows.
 
     At ``step_end`` of a logging step (after the optimizer step, so optimizer state is in;
-    the peaks cover the forward and backward passes) the monitor reads the CUDA caching
+    the peaks cover the forward and backward passes, and any validation run in between) the
+    monitor reads the CUDA caching
     allocator's counters (``torch.cuda.memory_stats``: host-side counters, no sync) when the
     run computes on a CUDA device, and this process's resident set (psutil; without it
     ``/proc`` on Linux, elsewhere no host keys, with a warning) in every case.
@@ -58,7 +59,8 @@ class MemoryMonitor(VitalsCallback):
 
     Peaks are since the process started (as Composer's and Megatron-Bridge's reports), or since
     the previous logging step with ``peak_since_last_log=True`` (the first logging step's since
-    the process started; the allocator's peak counters are reset after each reading: do not
+    the process started, or since the last reading of an earlier run in the same process; the
+    allocator's peak counters are reset after each reading: do not
     combine with other code that relies on them). ``memory/peak_rss_gb`` is always since the
     process started: the OS's peak (``VmHWM`` on Linux, ``ru_maxrss`` elsewhere) cannot be
     reset. ``memory/alloc_retries`` and ``memory/ooms`` are totals since the process started
