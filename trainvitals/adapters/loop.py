@@ -158,6 +158,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -254,11 +255,66 @@ def _scaler_enabled(scaler: Any) -> bool:
     return not callable(is_enabled) or bool(is_enabled())
 
 
+def _check_callback(index: int, callback: Any) -> None:
+    """A trainvitals callback instance (duck-typed: the driver calls its ``_dispatch`` and
+    ``state_key``), else a ``TypeError`` at construction rather than in the loop's first
+    ``batch()``."""
+    if isinstance(callback, type):
+        name = callback.__name__
+        raise TypeError(
+            f"callbacks[{index}] is the class {name}, not an instance: pass {name}() (with its "
+            "arguments)"
+        )
+    if not callable(getattr(callback, "_dispatch", None)) or not isinstance(
+        getattr(callback, "state_key", None), str
+    ):
+        raise TypeError(
+            f"callbacks[{index}] is not a trainvitals callback (a VitalsCallback such as "
+            f"NormMonitor()), got {type(callback).__name__}: {callback!r:.80}"
+        )
+
+
+# The open (attached, not closed) driver each callback instance runs in, by id(callback): the
+# driver holds the callback, so the id is not reused while its entry lives.
+_running_in: weakref.WeakValueDictionary[int, Vitals] = weakref.WeakValueDictionary()
+
+
+def _check_not_running_elsewhere(callbacks: Sequence[Any], driver: Vitals | None = None) -> None:
+    """A callback instance keeps one run's counters, windows and context: two open drivers
+    sharing it (one list of callbacks given to the drivers of two models) mix their
+    micro-batches, steps and times into every value both write. Refused, at construction and
+    at ``attach()``; one instance used again after ``close()`` (a second run) is allowed, as
+    the callbacks document."""
+    for collected in (False, True):
+        busy = [
+            cb
+            for cb in callbacks
+            if (other := _running_in.get(id(cb))) is not None
+            and other is not driver
+            and not other._closed
+        ]
+        if not busy:
+            return
+        if not collected:
+            # (a driver left attached and unreachable, an abandoned attempt, is not running)
+            import gc
+
+            gc.collect()
+    names = ", ".join(type(cb).__name__ for cb in busy)
+    raise ValueError(
+        f"callbacks: {names} already running in another Vitals that is not closed; a callback "
+        "instance serves one run at a time (sharing it mixes both runs' values): create new "
+        "instances for this driver, or close() the other one first"
+    )
+
+
 class Vitals:
     """Runs trainvitals callbacks in a loop that has no callback system.
 
     Args:
-        callbacks: the callbacks to run, e.g. ``[NormMonitor(), MemoryMonitor()]``.
+        callbacks: the callbacks to run, e.g. ``[NormMonitor(), MemoryMonitor()]``; an
+            instance runs in one driver at a time (another driver still open with it:
+            ``ValueError``), and again after that one's :meth:`close` (a second run).
         writer: where values go; default: ``FanoutWriter.from_accelerator(accelerator)`` when an
             accelerator is given and it has trackers, else a JSONL file ``metrics.jsonl`` in
             ``run_dir``. A rollback in the same process (:meth:`load_state_dict` of an earlier
@@ -308,10 +364,45 @@ class Vitals:
                 f"{type(callbacks).__name__}"
             )
         self.callbacks = list(callbacks)
+        for index, cb in enumerate(self.callbacks):
+            _check_callback(index, cb)
         keys = [cb.state_key for cb in self.callbacks]
         if len(set(keys)) != len(keys):
             raise ValueError(f"two callbacks share a state_key: {keys}; give them distinct names")
+        _check_not_running_elsewhere(self.callbacks)
+        if accumulate_grad_batches is not None:
+            # (a str or a float here failed only at the first batch(), inside the loop)
+            if isinstance(accumulate_grad_batches, bool) or not isinstance(
+                accumulate_grad_batches, numbers.Integral
+            ):
+                raise TypeError(
+                    f"accumulate_grad_batches must be an int or None, got {accumulate_grad_batches!r}"
+                )
+            if accumulate_grad_batches <= 0:
+                raise ValueError(
+                    "accumulate_grad_batches must be positive or None, got "
+                    f"{accumulate_grad_batches}"
+                )
+            accumulate_grad_batches = int(accumulate_grad_batches)
+        if writer is not None and not callable(getattr(writer, "add_scalars", None)):
+            # (else every callback failed at its first write and was disabled, and close() raised)
+            raise TypeError(
+                "writer must be a FanoutWriter (or an object with add_scalars(mapping, step)), "
+                f"got {type(writer).__name__}: {writer!r:.80}; "
+                "pass run_dir= for a folder"
+            )
+        if groups is not None and not isinstance(groups, ProcessGroups):
+            raise TypeError(
+                "groups must be a trainvitals.distributed.ProcessGroups (e.g. "
+                f"ProcessGroups.from_device_mesh(mesh)) or None, got {type(groups).__name__}"
+            )
+        if not isinstance(run_dir, str | PathLike):
+            raise TypeError(f"run_dir must be a str or a path, got {type(run_dir).__name__}")
         run_dir = Path(run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            # (its metrics.jsonl and the callbacks' files could never be written: the writer
+            # would disable its sink at step 0 and the run would go on with nothing logged)
+            raise ValueError(f"run_dir {str(run_dir)!r} is a file, not a folder: pass a folder")
         # what the caller set; an accelerator found at attach() fills in the rest
         self._explicit_accumulation = accumulate_grad_batches is not None
         self._explicit_groups = groups is not None
@@ -408,7 +499,14 @@ class Vitals:
         if scaler is not None and not callable(getattr(scaler, "unscale_", None)):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
+        if not optimizers:
+            # (no optimizer hooked: no step would ever end, and nothing be logged)
+            raise ValueError(
+                "attach() needs an optimizer (or a list of them), got an empty "
+                f"{type(optimizer).__name__}"
+            )
         inner = [_inner_optimizer(o) for o in optimizers]
+        _check_not_running_elsewhere(self.callbacks, self)
         if self._accelerator is None and _accelerate_prepared(model, optimizers):
             self._adopt_accelerator(_preparing_accelerator(model, optimizers))
         self.ctx.model = model
@@ -418,6 +516,8 @@ class Vitals:
             self._handles.append(opt.register_step_pre_hook(self._on_pre_step))
             self._handles.append(opt.register_step_post_hook(self._on_post_step))
         self._handles.append(model.register_forward_pre_hook(self._on_model_forward))
+        for cb in self.callbacks:
+            _running_in[id(cb)] = self
         if self._accelerator is not None:
             self._wrap_accelerator_clip()
             self._wrap_accelerator_end()
@@ -1042,12 +1142,44 @@ class Vitals:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict) or "callbacks" not in state_dict:
+        """Restore what :meth:`state_dict` returned. A dict that is not one (no ``step`` or
+        ``callbacks``, a step that is not a non-negative integer, ``callbacks`` not a dict)
+        raises ``ValueError`` before anything is restored; a callback without an entry is
+        warned and keeps its state; unreadable micro-batch sizes of a step in progress are
+        warned and not carried (as under Lightning)."""
+        if (
+            not isinstance(state_dict, dict)
+            or "callbacks" not in state_dict
+            or "step" not in state_dict
+        ):
             raise ValueError("not a Vitals state_dict (expected keys 'step' and 'callbacks')")
         self._apply_state(state_dict)
 
     def _apply_state(self, state_dict: dict[str, Any]) -> None:
-        step = int(state_dict.get("step", 0))
+        # Everything checked and read before anything changes: a bad entry used to fail
+        # half-way (the step set, the writer replaced, some callbacks restored) or, a negative
+        # step, only at the first batch() inside the loop.
+        step = _checkpoint_step(state_dict["step"])
+        states = state_dict["callbacks"]
+        if not isinstance(states, dict):
+            raise ValueError(
+                "not a Vitals state_dict: its 'callbacks' must be a dict of each callback's "
+                f"state by state_key, got {type(states).__name__}"
+            )
+        try:
+            carried = [
+                {str(key): (pair[0], pair[1]) for key, pair in sizes.items()}
+                for sizes in _own_window(state_dict)
+            ]
+        except Exception as exc:  # (a damaged entry: the restore goes on without it)
+            warnings.warn(
+                f"Vitals.load_state_dict: the checkpoint's micro-batch sizes of the step in "
+                f"progress are unreadable ({type(exc).__name__}: {exc}); the resumed step counts "
+                "only the micro-batches trained after the resume",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            carried = []
         if step < self.ctx.step and not self._closed:
             # A rollback to an earlier step: a FanoutWriter refuses steps lower than those it
             # was given, so every callback's next write would fail. Our own writer is replaced
@@ -1068,7 +1200,6 @@ class Vitals:
         # checkpoint on: the micro-batches and gradients seen since belong to the abandoned
         # timeline (those the checkpoint carried are told again, below).
         self._start_step()
-        states = state_dict["callbacks"]
         for cb in self.callbacks:
             if cb.state_key in states:
                 cb.load_state_dict(states[cb.state_key])
@@ -1077,10 +1208,7 @@ class Vitals:
         # The micro-batches of the step in progress when the checkpoint was taken (inside an
         # accumulation window), told to the callbacks when this process trains on: the restored
         # step goes on from there, as Accelerate's does (_replay_carried).
-        self._carried = [
-            {str(key): (pair[0], pair[1]) for key, pair in sizes.items()}
-            for sizes in _own_window(state_dict)
-        ]
+        self._carried = carried
 
     # ------------------------------------------------------------------ end
 
@@ -1106,6 +1234,9 @@ class Vitals:
             self._end_stepped_step()
         self._closed = True
         _open_at_exit.discard(self)
+        for cb in self.callbacks:
+            if _running_in.get(id(cb)) is self:
+                del _running_in[id(cb)]
         if self._started:
             if exception is None:
                 self._each("run_end")
@@ -1121,7 +1252,9 @@ class Vitals:
         if self._owns_writer:
             writer.close(failed=failed, interrupted=interrupted)
         else:
-            writer.flush()
+            flush = getattr(writer, "flush", None)
+            if callable(flush):  # (a writer given with add_scalars only has nothing to flush)
+                flush()
 
     def __enter__(self) -> Vitals:
         return self
@@ -1283,6 +1416,20 @@ def _own_window(state_dict: dict[str, Any]) -> Sequence[Any]:
         )
         return by_rank[0]
     return state_dict.get("micro_batches_in_step", ())
+
+
+def _checkpoint_step(value: Any) -> int:
+    """A checkpoint's ``step``: a non-negative integer (a 0-d integer tensor, a numpy integer,
+    a float holding an integer, as a JSON or YAML round trip may leave it), else ``ValueError``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(
+            f"not a Vitals state_dict: its 'step' must be a non-negative int, got {value!r:.80}"
+        )
+    return int(value)
 
 
 def _number(value: Any) -> Any:
