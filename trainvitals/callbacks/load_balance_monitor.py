@@ -44,7 +44,8 @@ class LoadBalanceMonitor(VitalsCallback):
     Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, HunYuan-MoE, Llama 4 and any transformers
     ``*TopKRouter``), torchtitan ``MoE``, and your own extractors) and hooks them, without
     changing the model. Every training forward of a logging step, i.e. every micro-batch,
-    is counted on the device into one ``[layers, experts]`` table (evaluation and
+    is counted on the device into one ``[layers, experts]`` table (evaluation, any forward
+    between ``validation_start`` and ``validation_end`` even in training mode, and
     activation-checkpoint re-runs are not counted); for ``TopKRouter`` the hook only keeps the
     forward's routing map and the step's maps are counted together when it is read. At the end of a logging
     step the counts of all layers, and the aux-loss sums when routers report them, are summed
@@ -189,6 +190,10 @@ class LoadBalanceMonitor(VitalsCallback):
         self._keys_cached: _Keys | None = None
         # Consecutive logging steps each expert had no token, per layer label (host ints).
         self._dead_streak: dict[str, list[int]] = {}
+        # Between validation_start and validation_end the hooks count nothing; whether they
+        # count once it ends (the step's own flag, kept up to date by step_end meanwhile).
+        self._validating = False
+        self._count_after_validation = False
 
     # ------------------------------------------------------------------ hooks
 
@@ -202,16 +207,37 @@ class LoadBalanceMonitor(VitalsCallback):
         self.capture = capture
         self._layout = layout
         self._table_index = None
+        self._validating = False  # a validation that raised before its end is over
         for label in layout.labels:
             streak = self._dead_streak.get(label)
             if streak is None or len(streak) != layout.computed:
                 self._dead_streak[label] = [0] * layout.computed
-        capture.enabled = self.should_log(ctx)
+        self._set_counting(self.should_log(ctx))
 
     def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
         """Count only in steps that will be logged (a host-side flag, nothing on the device)."""
         if self.capture is not None:
-            self.capture.enabled = self.should_log(ctx)
+            self._set_counting(self.should_log(ctx))
+
+    def validation_start(self, ctx: RunContext) -> None:
+        """Validation forwards are not training: none is counted, also those of a loop that
+        validates in training mode with autograd on (no ``model.eval()`` / ``no_grad``), which
+        the hooks cannot tell from a training forward. MoEMetricsMonitor keeps its values
+        apart during validation the same way."""
+        self._validating = True
+        if self.capture is not None:
+            self.capture.enabled = False
+
+    def validation_end(self, ctx: RunContext) -> None:
+        """Counting resumes as the step's flag says (validation may run mid-step)."""
+        self._validating = False
+        if self.capture is not None:
+            self.capture.enabled = self._count_after_validation
+
+    def _set_counting(self, enabled: bool) -> None:
+        assert self.capture is not None
+        self._count_after_validation = enabled
+        self.capture.enabled = enabled and not self._validating
 
     def step_end(self, ctx: RunContext) -> None:
         """Report the step's loads on logging steps, then zero them (every step)."""
@@ -222,7 +248,7 @@ class LoadBalanceMonitor(VitalsCallback):
                 self._report(ctx)
         finally:
             self.capture.reset()
-            self.capture.enabled = self.should_log(ctx, ctx.step + 1)
+            self._set_counting(self.should_log(ctx, ctx.step + 1))
 
     def run_end(self, ctx: RunContext) -> None:
         self._remove_hooks()
