@@ -55,7 +55,9 @@ when the class is made), since checkpointing calls them outside the hooks: a fai
 callback goes on from its state before the restore. A failing ``state_dict`` of a callback whose
 state is collective (:meth:`VitalsCallback.state_dict_collectives`) has its remaining
 collectives issued with the "missing" mark, so the other ranks' ``state_dict`` return the
-marker too instead of waiting.
+marker too instead of waiting. Under Lightning only a fit's restore loads the callbacks' state:
+``trainer.validate/test/predict(ckpt_path=)`` leave it (and the trainer's ``global_step``) as it
+is, so a later ``fit`` on the same trainer goes on with the counters of its own steps.
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ _CKPT_KEY = "trainvitals_lightning"
 # the step in progress that a checkpoint taken inside its accumulation window carried, from
 # on_load_checkpoint to the resumed fit's context (on_train_start)
 _CARRIED_ATTR = "_trainvitals_carried"
+# the trainer's global_step when its last fit that trained ended normally (teardown): a later fit
+# starting there continues that fit's timeline (see _lightning_writer); None after a crash
+_ENDED_AT_ATTR = "_trainvitals_fit_ended_at"
 
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:
@@ -226,7 +231,10 @@ class VitalsCallback:
         # a multiple of `every` lies in (step - gap, step]
         return step % every < gap
 
-    def writer(self, ctx: RunContext) -> Any:
+    def writer(self, ctx: RunContext, step: int | None = None) -> Any:
+        """Where this callback's values go; ``step``: the step about to be written (default
+        ``ctx.step``), which decides, when it makes the run's Lightning writer, whether that
+        writer resumes (see ``_lightning_writer``)."""
         if self._writer_override is not None:
             writer = self._writer_override
             floors = (ctx.replay_floor, self._replay_floor)
@@ -234,7 +242,8 @@ class VitalsCallback:
             if ctx.writer is None and ctx.trainer is not None:
                 # Under Lightning the run's writer is made on first use, so callbacks that all
                 # bring their own writer never need the default one.
-                ctx.writer = _lightning_writer(ctx.trainer, ctx.run_dir, ctx.start_step)
+                first = ctx.step if step is None else step
+                ctx.writer = _lightning_writer(ctx.trainer, ctx.run_dir, ctx.start_step, first)
             writer = ctx.writer
             floors = (ctx.replay_floor if ctx.replay_run_writer else None,)
         floor = max((f for f in floors if f is not None), default=None)
@@ -247,7 +256,8 @@ class VitalsCallback:
     def write(self, ctx: RunContext, values: Mapping[str, Any], step: int | None = None) -> None:
         """Hand ``values`` (numbers or 0-d tensors, not modified afterwards) to the writer."""
         if values:
-            self.writer(ctx).add_scalars(dict(values), ctx.step if step is None else step)
+            step = ctx.step if step is None else step
+            self.writer(ctx, step).add_scalars(dict(values), step)
 
     def warn_once(self, key: str, message: str) -> None:
         self._warn_first(key, f"{type(self).__name__}: {message}", stacklevel=4)
@@ -462,6 +472,7 @@ class VitalsCallback:
         if (ctx := getattr(trainer, "_trainvitals_ctx", None)) is not None:
             _remove_batch_start_gate(ctx)
             trainer._trainvitals_ctx = None
+            setattr(trainer, _ENDED_AT_ATTR, None)
             # and its writer, which refuses the lower steps of a retry from an earlier
             # checkpoint (a new one is made at first use; the JSONL resume rule drops the
             # crashed fit's lines past the checkpoint)
@@ -471,6 +482,8 @@ class VitalsCallback:
                 writer.close()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # (an evaluation's restore whose load_state_dict did not come: an empty state)
+        self.__dict__.pop(_SKIP_LOAD, None)
         writer = getattr(trainer, _WRITER_ATTR, None)
         if writer is not None:
             # The first callback to tear down closes the shared writer; a later fit() on the
@@ -480,6 +493,7 @@ class VitalsCallback:
         if (ctx := getattr(trainer, "_trainvitals_ctx", None)) is not None:
             _remove_batch_start_gate(ctx)
             trainer._trainvitals_ctx = None
+            setattr(trainer, _ENDED_AT_ATTR, trainer.global_step)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.log_every_n_steps is None and not trainer.log_every_n_steps:
@@ -695,8 +709,14 @@ class VitalsCallback:
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
         fn = getattr(getattr(getattr(trainer, "state", None), "fn", None), "value", None)
+        # trainer.validate/test/predict(ckpt_path=) restore the callbacks' state too (Lightning's
+        # _restore_modules_and_callbacks calls on_load_checkpoint, then load_state_dict, for
+        # every stage) but not the trainer's global_step: a fit, validate(ckpt_path=<step 3>),
+        # fit again went on at step 6 with the counters of step 3 (time/samples 8 for 14). No
+        # training batch follows such a restore, so the callback keeps its own state.
+        self.__dict__[_SKIP_LOAD] = fn != "fit"
         if fn != "fit":
-            return  # trainer.validate/test/predict(ckpt_path=): no training batch follows
+            return
         saved = checkpoint.get(_CKPT_KEY) if isinstance(checkpoint, Mapping) else None
         try:
             last = (int(saved["batch_start_step"]), int(saved["step_gap"]))
@@ -749,6 +769,9 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 # Key of the marker state a failed state_dict() returns (plain str data: it survives deepcopy,
 # torch.save and torch.load(weights_only=True)); load_state_dict() recognises and skips it.
 STATE_FAILED_KEY = "trainvitals_state_dict_failed"
+# on an instance, from Lightning's on_load_checkpoint of an evaluation (validate, test, predict)
+# to the load_state_dict that follows it in the same restore, which it skips
+_SKIP_LOAD = "_trainvitals_skip_state_load"
 # set on the wrapped functions (not wrapped twice); and, on an instance, while its outermost
 # guarded call runs: a super().state_dict() inside it is part of that call and fails with it
 _GUARDED = "_trainvitals_state_guard"
@@ -846,6 +869,8 @@ def _guard_load_state_dict(
     def load_state_dict(self: VitalsCallback, state_dict: dict[str, Any]) -> None:
         if self.__dict__.get(_GUARDED):
             return method(self, state_dict)  # a super().load_state_dict() of a guarded call
+        if self.__dict__.pop(_SKIP_LOAD, False):
+            return None  # an evaluation's restore (see VitalsCallback.on_load_checkpoint)
         name = type(self).__name__
         if isinstance(state_dict, Mapping) and STATE_FAILED_KEY in state_dict:
             self._warn_first(
@@ -1037,15 +1062,24 @@ def _step_gap(trainer: Any, previous: tuple[Any, ...] | None) -> int:
     return gap if gap > 0 else 1
 
 
-def _lightning_writer(trainer: Any, run_dir: Path, start_step: int) -> Any:
+def _lightning_writer(trainer: Any, run_dir: Path, start_step: int, first_step: int) -> Any:
     """The trainer's shared writer: its loggers, or ``metrics.jsonl`` in the run folder; told
-    the step the fit started at (a checkpoint's on a resume) before anything is logged."""
+    the step the fit started at (a checkpoint's on a resume) before anything is logged.
+
+    Made at the fit's first write, at ``first_step``. A fit that goes on where the trainer's
+    previous fit ended (a second ``fit`` with ``max_steps`` raised) abandoned nothing: the lines
+    that fit wrote at the step it ended at (RuntimeMonitor's totals after its last validation)
+    are the run's. When this fit writes that step again, the sinks replace them as on a resume;
+    when its first write is later, the writer is not told, and a sink keeps every line below
+    the first step it writes (told, it dropped them: a fit to step 6 ending with a validation,
+    then a fit to 12 logging every 4 steps, lost step 6's totals from ``metrics.jsonl``)."""
     writer = getattr(trainer, _WRITER_ATTR, None)
     if writer is None:
         from trainvitals.adapters import FanoutWriter
 
         writer = FanoutWriter.from_lightning(trainer, default_jsonl=run_dir / "metrics.jsonl")
-        writer.resume_at(start_step)
+        if getattr(trainer, _ENDED_AT_ATTR, None) != start_step or first_step <= start_step:
+            writer.resume_at(start_step)
         setattr(trainer, _WRITER_ATTR, writer)
     return writer
 
