@@ -169,6 +169,20 @@ def group_rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
+def _member_group_size(group: Any, what: str) -> int:
+    """:func:`group_size`, or a ``ValueError`` when this rank is not a member of ``group``
+    (``dist.new_group`` returns such a group to the ranks it leaves out: its size reads -1,
+    and torch skips a collective on it with a warning), raised on this rank only, before any
+    collective (the members do not wait for it)."""
+    size = group_size(group)
+    if size < 1:
+        raise ValueError(
+            f"{what}: rank {dist.get_rank()} is not a member of the group passed; pass a group "
+            "holding this rank (every rank its own group of the layout)"
+        )
+    return size
+
+
 def global_rank() -> int:
     """Global rank: from torch.distributed when initialised, else the launcher's RANK env var."""
     if is_distributed():
@@ -209,7 +223,7 @@ def all_reduce_coalesced(
         # raised on every rank before the collective (an in-place division of an integer
         # buffer raised after it, on multi-rank runs only)
         raise ValueError(f"all_reduce_coalesced: op 'avg' needs a floating dtype, got {dtype}")
-    size = group_size(group)
+    size = _member_group_size(group, "all_reduce_coalesced")
     if size == 1:
         # Always new tensors, as promised: callers may modify the result in place.
         return [t.detach().to(dtype=dtype, copy=True) for t in tensors]
@@ -219,7 +233,10 @@ def all_reduce_coalesced(
     # as int64, exact for their values (cast back, a sum wraps as the dtype's own sum would)
     narrow = dtype.itemsize == 1 or (op == "min" and not dtype.is_signed)
     wire = torch.int64 if narrow and not dtype.is_floating_point else dtype
-    parts = [t.detach().reshape(-1).to(device=device, dtype=wire) for t in tensors]
+    # values become ``dtype`` first, then the wire's int64: cast straight to int64, a float
+    # 0.5 asked for as bool was 0 (False), an int 200 asked for as int8 won a MAX over 5
+    # (it is -56 in int8), and -1 and 1 as bool summed to 0 (False)
+    parts = [t.detach().reshape(-1).to(device=device, dtype=dtype).to(wire) for t in tensors]
     numel = sum(p.numel() for p in parts)
     # gloo's MAX/MIN keep a NaN only when it is already in the accumulator (a NaN of the last
     # rank is dropped: measured), so a "not measured" NaN would turn into another rank's
@@ -280,7 +297,7 @@ def all_gather_coalesced(
     if not tensors:
         return []
     dtype = _buffer_dtype(tensors, dtype, "all_gather_coalesced")
-    size = group_size(group)
+    size = _member_group_size(group, "all_gather_coalesced")
     if size == 1:
         return [t.detach().to(dtype=dtype, copy=True).unsqueeze(0) for t in tensors]
     device = _collective_device(group, tensors[0].device)
@@ -305,7 +322,7 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     mismatched buffers. An object that cannot be pickled raises ``TypeError`` on every member,
     after the collective (raising before it on that rank alone would leave the others waiting).
     """
-    size = group_size(group)
+    size = _member_group_size(group, "all_gather_objects")
     if size == 1:
         return [obj]
     # torch.distributed.all_gather_object's protocol (sizes, then padded pickles), done here so
@@ -660,6 +677,18 @@ class ProcessGroups:
         if not is_distributed():
             return
         me = dist.get_rank()
+        for f in fields(self):
+            try:
+                outside = group_size(getattr(self, f.name)) < 1
+            except Exception:  # not a process group this rank can look up: not checked
+                outside = False
+            if outside:
+                # (a group dist.new_group made without this rank: its size reads -1, and its
+                # ranks read as the members', so the checks below named another field)
+                raise ValueError(
+                    f"ProcessGroups: {f.name} is a group that rank {me} is not a member of; "
+                    "pass each rank its own group (the one holding it) of the layout"
+                )
 
         def members(name: str) -> set[int] | None:
             try:
