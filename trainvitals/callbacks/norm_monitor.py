@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,7 +14,12 @@ import torch
 
 from trainvitals.adapters.context import RunContext
 from trainvitals.callbacks.base import VitalsCallback
-from trainvitals.distributed import all_reduce_coalesced, group_rank, group_size
+from trainvitals.distributed import (
+    all_reduce_coalesced,
+    group_rank,
+    group_size,
+    local_tensor,
+)
 from trainvitals.stats.norms import (
     canonical_name,
     group_named_tensors,
@@ -33,6 +39,9 @@ class _Tracked:
     name: str  # canonical name in the user's module
     param: torch.nn.Parameter
     groups: tuple[Any, ...]  # the groups its per-tensor sums are summed over
+    # a plain-tensor expert of an expert-parallel model: each EP rank holds other experts,
+    # so its sums join the totals over ``groups.ep`` (its own keys stay this rank's)
+    expert: bool = False
 
 
 @dataclass
@@ -96,6 +105,9 @@ class _PendingFlags:
     names: list[str]  # the gradients the flags stand for
     flags: torch.Tensor  # bool per name: that gradient holds NaN/Inf (host memory)
     event: Any  # a CUDA event marking the end of the copy, or None when already on the host
+    # the step's nonfinite_count, over every rank (other pipeline stages' or expert-parallel
+    # ranks' gradients too, which ``names`` lacks); None: just the flags
+    count: torch.Tensor | None = None
 
 
 class NormMonitor(VitalsCallback):
@@ -120,6 +132,13 @@ class NormMonitor(VitalsCallback):
     out, warned once.
     With pipeline parallelism (``groups.pp`` non-trivial) the totals are summed over the
     pipeline stages in one more collective; per-parameter keys then come from rank 0's stage.
+    With expert parallelism (``groups.ep`` non-trivial) each EP rank holds other experts: the
+    plain-tensor parameters whose names match ``expert_pattern`` are summed into the totals
+    (``global``, ``optimizer_<i>``, ``nonfinite_count``) over ``groups.ep`` in one more
+    collective, as Megatron-LM's norms sum expert parameters over their expert groups (and
+    not over ``groups.edp``, whose ranks hold the same experts); their per-parameter keys, and
+    the names in the NaN/Inf warning, are the reporting rank's experts'. Expert ``DTensor``
+    parameters (torchtitan) are summed over their ``Shard`` dims like any other.
 
     Several optimizers stepped apart (a GAN stepping ``opt_g`` and ``opt_d`` in one batch:
     Lightning's manual optimization, or the driver with both attached): the step is the batch,
@@ -150,6 +169,9 @@ class NormMonitor(VitalsCallback):
             the embedding) and reported under its first (``model.embed_tokens.weight``).
         per_param_kinds: which per-parameter norms to write: ``"grad"`` and/or ``"param"``.
         max_nonfinite_names: how many non-finite gradients the warning names.
+        expert_pattern: regex (``re.search`` on canonical names) of the plain-tensor parameters
+            held by one expert-parallel rank each (default: an ``experts.<i>`` component, as
+            in ``TensorStatsMonitor``); used only when ``groups.ep`` has more than one rank.
         log_every_n_steps: interval in optimizer steps (default: the run's).
         writer: where values go (default: the run's writer).
 
@@ -173,9 +195,10 @@ class NormMonitor(VitalsCallback):
     When a gradient holds NaN/Inf, ``l2_norm/grad/global`` is NaN/Inf too. The first logging
     step of a run with such gradients is warned (``RuntimeWarning``, issued once the values
     reach the host, at the latest by the next logging step): its step and the first
-    ``max_nonfinite_names`` bad tensors in parameter order. Later ones are not warned one by
-    one (a diverged run would warn at every logging step): ``nonfinite_count`` shows them
-    step by step, and at the run's end (or when it raises) one more warning says how many
+    ``max_nonfinite_names`` bad tensors in parameter order (those held by other pipeline
+    stages or expert-parallel ranks are counted, by every rank, but not named). Later ones
+    are not warned one by one (a diverged run would warn at every logging step):
+    ``nonfinite_count`` shows them step by step, and at the run's end (or when it raises) one more warning says how many
     logging steps of the run had them and the last one's step, when there was more than
     one. A logging step counts once however many ``step()`` calls it writes. The first
     step, its names and the number of such logging steps (``first_nonfinite_step``,
@@ -208,10 +231,19 @@ class NormMonitor(VitalsCallback):
         per_param: str | Sequence[str] | None = None,
         per_param_kinds: Sequence[str] = ("grad",),
         max_nonfinite_names: int = 5,
+        expert_pattern: str = r"(?:^|\.)experts\.(\d+)(?:\.|/|$)",
         log_every_n_steps: int | None = None,
         writer: Any = None,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
+        if not isinstance(expert_pattern, str):
+            raise TypeError(
+                f"expert_pattern must be a regex string, got {type(expert_pattern).__name__}"
+            )
+        try:
+            self.expert_pattern = re.compile(expert_pattern)
+        except re.error as exc:
+            raise ValueError(f"expert_pattern is not a valid regex: {exc}") from exc
         self.per_param = _globs(per_param)
         kinds = (per_param_kinds,) if isinstance(per_param_kinds, str) else per_param_kinds
         if not kinds or any(k not in _KINDS for k in kinds):
@@ -231,6 +263,9 @@ class NormMonitor(VitalsCallback):
         self._named: list[tuple[str, torch.nn.Parameter]] = []  # every parameter, frozen too
         self._trainable: tuple[bool, ...] | None = None  # requires_grad of each, at last look
         self._tracked: list[_Tracked] = []
+        # the totals of plain-tensor experts are summed over groups.ep (decided at run start,
+        # from every parameter, frozen ones too: the same on every rank)
+        self._ep_experts = False
         self._selected_names: list[str] = []
         self._unsupported = False
         self._pending: _PendingFlags | None = None
@@ -281,6 +316,9 @@ class NormMonitor(VitalsCallback):
         self._named = [
             (canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)
         ]
+        self._ep_experts = group_size(ctx.groups.ep) > 1 and any(
+            self._is_expert(n, p) for n, p in self._named
+        )
         self._check_globs(ctx)
         self._track_trainable()
 
@@ -465,18 +503,37 @@ class NormMonitor(VitalsCallback):
         param_sq = [p.sq[: len(p.tracked)] for p in parts]
         grad_sq = [p.sq[len(p.tracked) :] for p in parts]
         bad = [p.nonfinite() for p in parts]
-        rows = [
-            sum((x.sum() for x in param_sq), zero),
-            sum((x.sum() for x in grad_sq), zero),
-            sum((b.sum() for b in bad), zero).to(torch.float64),
-            sum((p.present.sum() for p in parts), zero),  # gradients present (summed counts)
-        ]
+        # Plain-tensor experts (other experts on each EP rank) are summed apart, then over
+        # groups.ep; ``split(x, mask)``: the (others, experts) sums of a per-parameter ``x``.
+        ep = self._ep_experts
+        masks = [_expert_mask(p) if ep else None for p in parts]
+
+        def split(x: torch.Tensor, mask: torch.Tensor | None) -> tuple[Any, Any]:
+            x = x.to(torch.float64)
+            if mask is None:
+                return x.sum().to(device), zero
+            none = torch.zeros((), dtype=x.dtype, device=x.device)
+            mask = mask.to(x.device)
+            return (
+                torch.where(mask, none, x).sum().to(device),
+                torch.where(mask, x, none).sum().to(device),
+            )
+
+        rows: list[Any] = []
+        expert_rows: list[Any] = []
+        for per_part in (param_sq, grad_sq, bad, [p.present for p in parts]):
+            # (the last: gradients present, summed counts)
+            sums = [split(x, m) for x, m in zip(per_part, masks, strict=True)]
+            rows.append(sum((a for a, _ in sums), zero))
+            expert_rows.append(sum((b for _, b in sums), zero))
         # optimizer index -> its rows (param, grad, gradients present)
         by_optimizer: dict[int, list[int]] = {}
         for k, part in enumerate(parts):
             if part.optimizer is None:  # (one optimizer, or all at once: no optimizer_<i> keys)
                 continue
             index = torch.tensor(part.owned, dtype=torch.long, device=part.sq.device)
+            mask = masks[k]
+            mask = None if mask is None else mask.index_select(0, index.to(mask.device))
             owned = (
                 param_sq[k].index_select(0, index),
                 grad_sq[k].index_select(0, index),
@@ -485,11 +542,19 @@ class NormMonitor(VitalsCallback):
             if part.optimizer not in by_optimizer:
                 by_optimizer[part.optimizer] = [len(rows), len(rows) + 1, len(rows) + 2]
                 rows += [zero, zero, zero]
+                expert_rows += [zero, zero, zero]
             # (an optimizer stepped several times in the step: its parameters are in the
             # part of its last step(), the earlier parts hold none of them)
             for r, x in zip(by_optimizer[part.optimizer], owned, strict=True):
-                rows[r] = rows[r] + x.sum().to(device)
+                a, b = split(x, mask)
+                rows[r] = rows[r] + a
+                expert_rows[r] = expert_rows[r] + b
         totals = torch.stack([r.to(device) for r in rows])
+        if ep:
+            # (one collective on every EP rank, experts tracked here or not: the ranks decided
+            # at run start, from the same model layout)
+            experts = torch.stack([r.to(device) for r in expert_rows])
+            totals = totals + all_reduce_coalesced([experts], "sum", ctx.groups.ep)[0]
         if pipeline:
             totals = all_reduce_coalesced([totals], "sum", ctx.groups.pp)[0]
         # A grad key whose gradients are None on every rank of its reduction (a step without
@@ -499,7 +564,7 @@ class NormMonitor(VitalsCallback):
         present: dict[str, bool | torch.Tensor] = {
             "l2_norm/grad/global": _presence(
                 [h for p in parts for h in p.has_grad],
-                pipeline or any(any(p.shared) for p in parts),
+                pipeline or ep or any(any(p.shared) for p in parts),
                 totals[3],
             )
         }
@@ -515,7 +580,7 @@ class NormMonitor(VitalsCallback):
             mine = [(p, k) for p in parts if p.optimizer == optimizer for k in p.owned]
             present[key] = _presence(
                 [p.has_grad[k] for p, k in mine],
-                pipeline or any(p.shared[k] for p, k in mine),
+                pipeline or ep or any(p.shared[k] for p, k in mine),
                 totals[c],
             )
         for part in parts:
@@ -539,7 +604,7 @@ class NormMonitor(VitalsCallback):
         self.write(ctx, values, step)
         names = [t.name for part in parts for t in part.tracked]
         flags = torch.cat([b.to(device) for b in bad]) if bad else torch.zeros(0, dtype=torch.bool)
-        self._pending = _to_host(step, names, flags)
+        self._pending = _to_host(step, names, flags, totals[2])
         self._report_pending(block=False)
 
     def _track_trainable(self) -> None:
@@ -559,7 +624,11 @@ class NormMonitor(VitalsCallback):
         )
         named = [(n, p) for (n, p), t in zip(self._named, trainable, strict=True) if t]
         grouped = group_named_tensors(named)
-        self._tracked = [_Tracked(name, p, sharding_groups(p)) for name, p, _ in grouped]
+        self._tracked = [
+            _Tracked(name, p, groups, self._ep_experts and self._is_expert(name, p))
+            for name, p, _ in grouped
+            for groups in (sharding_groups(p),)
+        ]
         # A tied parameter is selected by any of its names (``*lm_head.weight`` of a head tied
         # to the embedding) and reported under its first, the name it is counted under.
         self._selected_names = [
@@ -567,6 +636,11 @@ class NormMonitor(VitalsCallback):
             for name, _, aliases in grouped
             if any(fnmatch.fnmatchcase(a, glob) for a in aliases for glob in self.per_param)
         ]
+
+    def _is_expert(self, name: str, param: torch.Tensor) -> bool:
+        """A plain-tensor parameter of one expert (a DTensor expert carries its own shard
+        groups)."""
+        return local_tensor(param) is param and self.expert_pattern.search(name) is not None
 
     def _check_globs(self, ctx: RunContext) -> None:
         # Against every parameter, frozen ones too (they may be unfrozen later), by each of
@@ -595,7 +669,10 @@ class NormMonitor(VitalsCallback):
             pending.event.synchronize()
         self._pending = None
         bad = [pending.names[i] for i in pending.flags.nonzero().flatten().tolist()]
-        if not bad:
+        # NaN/Inf gradients held by other pipeline stages or expert-parallel ranks are in the
+        # reduced count only: every rank counts the step alike, and the warning says so
+        total = len(bad) if pending.count is None else max(len(bad), int(pending.count))
+        if not total:
             return
         if pending.step == self._last_counted_step:
             # The same step written again (one optimizer stepped twice in a Lightning batch;
@@ -614,8 +691,13 @@ class NormMonitor(VitalsCallback):
             shown = ", ".join(bad[: self.max_nonfinite_names])
             extra = len(bad) - self.max_nonfinite_names
             more = f" and {extra} more" if extra > 0 else ""
+            if total > len(bad):
+                more += (
+                    f"{'; ' if bad else ''}{total - len(bad)} held by other pipeline stages or "
+                    "expert-parallel ranks (not named here)"
+                )
             warnings.warn(
-                f"NormMonitor: {len(bad)} gradient(s) hold NaN/Inf at step {pending.step}: "
+                f"NormMonitor: {total} gradient(s) hold NaN/Inf at step {pending.step}: "
                 f"{shown}{more} (parameter order); later logging steps with NaN/Inf gradients "
                 "are not warned one by one (l2_norm/grad/nonfinite_count has each step's "
                 "count; a summary at the end of the run)",
@@ -663,6 +745,14 @@ def _unsupported_layout(model: torch.nn.Module, ctx: RunContext) -> str | None:
     return None
 
 
+def _expert_mask(part: _Part) -> torch.Tensor | None:
+    """bool per parameter of ``part``: a plain-tensor expert (None: there is none)."""
+    flags = [t.expert for t in part.tracked]
+    if not any(flags):
+        return None
+    return torch.tensor(flags, dtype=torch.bool, device=part.sq.device)
+
+
 def _presence(has: list[bool], shared: bool, count: torch.Tensor) -> bool | torch.Tensor:
     """Whether some gradient of a key is present on some rank of its reduction: known on the
     host when this rank holds one (``has``) or when none is reduced with other ranks
@@ -684,12 +774,18 @@ def _globs(per_param: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(per_param)
 
 
-def _to_host(step: int, names: list[str], flags: torch.Tensor) -> _PendingFlags:
-    """Start copying the flags to the host without waiting (CUDA: pinned memory + event)."""
-    if flags.device.type == "cuda":
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+def _to_host(
+    step: int, names: list[str], flags: torch.Tensor, count: torch.Tensor
+) -> _PendingFlags:
+    """Start copying the flags and the count to the host without waiting (CUDA: pinned memory
+    + event)."""
+    if flags.device.type == "cuda" or count.device.type == "cuda":
+        host, host_count = (
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (flags, count)
+        )
         host.copy_(flags, non_blocking=True)
+        host_count.copy_(count, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return _PendingFlags(step, names, host, event)
-    return _PendingFlags(step, names, flags.cpu(), None)
+        return _PendingFlags(step, names, host, event, host_count)
+    return _PendingFlags(step, names, flags.cpu(), None, count.cpu())
