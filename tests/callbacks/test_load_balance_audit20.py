@@ -14,23 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from tests.callbacks.test_load_balance_monitor import check_row
+from tests.callbacks.test_load_balance_monitor import (  # noqa: F401 (an autouse fixture)
+    _fresh_moe_tracker,
+    check_row,
+)
 from tests.helpers.moe_models import tiny_moe_lm
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
 
 VOCAB = 32
-
-
-@pytest.fixture(autouse=True)
-def _fresh_moe_tracker():
-    """TinyMoELM's routers record into the global MoE tracker: start each test without one."""
-    from trainvitals.moe import destroy_moe_metrics_tracker
-
-    destroy_moe_metrics_tracker()
-    yield
-    destroy_moe_metrics_tracker()
 
 
 class TrainingMaps:
