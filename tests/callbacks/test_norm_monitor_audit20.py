@@ -174,3 +174,80 @@ def test_plain_experts_count_in_their_optimizers_norms(ran):
             )
         every = list(full.parameters())
         assert row["l2_norm/grad/global"] == pytest.approx(norm(every, True), rel=1e-6)
+
+
+class _MegatronNamedMoE(nn.Module):
+    """Megatron-LM's SequentialMLP naming: ``moe.experts.local_experts.<local i>`` (the index
+    local to the rank), and a ``shared_experts`` layer that is a replica like the dense one."""
+
+    def __init__(self, first: int, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense = nn.Linear(D, D)
+        every = [nn.Linear(D, D) for _ in range(E)]
+        self.first = first
+        self.moe = nn.Module()
+        self.moe.shared_experts = nn.Linear(D, D)
+        self.moe.experts = nn.Module()
+        self.moe.experts.local_experts = nn.ModuleList(every[first : first + n])
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.dense(x).pow(2).mean() + self.moe.shared_experts(x).pow(2).mean()
+        for i, expert in enumerate(self.moe.experts.local_experts):
+            out = out + expert(x * (self.first + i + 1)).pow(2).mean()
+        return out
+
+
+def _megatron_body(
+    rank: int, world_size: int, frozen_rank: int | None, megatron_names: bool = True
+) -> dict:
+    import torch.distributed as dist
+
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+    from trainvitals.distributed import ProcessGroups
+
+    groups = ProcessGroups(dp=dist.group.WORLD, ep=dist.group.WORLD)
+    n = E // world_size
+    model = (_MegatronNamedMoE if megatron_names else _MoE)(rank * n, n)
+    if rank == frozen_rank:  # (a rank with nothing to train still joins the EP all-reduce)
+        model.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    writer = RecordingWriter()
+    from trainvitals.distributed import collective_counter
+
+    before = dict(collective_counter)
+    with Vitals([NormMonitor()], writer=writer, log_every_n_steps=1, groups=groups) as vitals:
+        vitals.attach(model, opt)
+        vitals.batch(_x())
+        loss = model.loss(_x())
+        if loss.requires_grad:
+            loss.backward()
+        opt.step()
+    trained = [
+        float(p.detach().double().pow(2).sum()) for p in model.parameters() if p.requires_grad
+    ]
+    issued = {k: v - before.get(k, 0) for k, v in collective_counter.items()}
+    return {"steps": writer.steps, "experts_sq": trained, "rank": rank, "issued": issued}
+
+
+@on_ranks(2, _megatron_body, None)
+def test_megatron_named_experts_are_summed_over_ep(ran):
+    # (before: the default pattern wanted experts.<i>: these were counted on their rank only)
+    full = _MegatronNamedMoE(0, E).double()
+    param = math.sqrt(sum(float(p.detach().pow(2).sum()) for p in full.parameters()))
+    for res in ran[1]:
+        assert res["steps"][0]["l2_norm/param/global"] == pytest.approx(param, rel=1e-6)
+
+
+@on_ranks(2, _megatron_body, 1, False)
+def test_an_ep_rank_with_nothing_to_train_joins_the_sum(ran):
+    # rank 1 is frozen: no parameter tracked, it returned before the all-reduce over ep that
+    # rank 0 issued (rank 0 waited, then failed). Rank 0's totals: its own parameters (the
+    # replicas counted here once) and its experts; rank 1's experts are frozen, not counted.
+    by_rank = {res["rank"]: res for res in ran[1]}
+    assert set(by_rank) == {0, 1}
+    # the same collectives on both ranks (before: rank 1 issued one all_reduce fewer)
+    assert by_rank[0]["issued"] == by_rank[1]["issued"]
+    expected = math.sqrt(sum(by_rank[0]["experts_sq"]))
+    assert by_rank[0]["steps"][0]["l2_norm/param/global"] == pytest.approx(expected, rel=1e-6)

@@ -170,8 +170,10 @@ class NormMonitor(VitalsCallback):
         per_param_kinds: which per-parameter norms to write: ``"grad"`` and/or ``"param"``.
         max_nonfinite_names: how many non-finite gradients the warning names.
         expert_pattern: regex (``re.search`` on canonical names) of the plain-tensor parameters
-            held by one expert-parallel rank each (default: an ``experts.<i>`` component, as
-            in ``TensorStatsMonitor``); used only when ``groups.ep`` has more than one rank.
+            that differ between expert-parallel ranks (default: a component ``experts``:
+            Hugging Face's ``experts.<i>.*`` and fused ``experts.gate_up_proj``, Megatron-LM's
+            ``experts.local_experts.<i>.*`` and ``experts.linear_fc1.weight<i>``; not
+            ``shared_experts``); used only when ``groups.ep`` has more than one rank.
         log_every_n_steps: interval in optimizer steps (default: the run's).
         writer: where values go (default: the run's writer).
 
@@ -231,7 +233,7 @@ class NormMonitor(VitalsCallback):
         per_param: str | Sequence[str] | None = None,
         per_param_kinds: Sequence[str] = ("grad",),
         max_nonfinite_names: int = 5,
-        expert_pattern: str = r"(?:^|\.)experts\.(\d+)(?:\.|/|$)",
+        expert_pattern: str = r"(?:^|\.)experts\.",
         log_every_n_steps: int | None = None,
         writer: Any = None,
     ) -> None:
@@ -316,9 +318,20 @@ class NormMonitor(VitalsCallback):
         self._named = [
             (canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)
         ]
-        self._ep_experts = group_size(ctx.groups.ep) > 1 and any(
-            self._is_expert(n, p) for n, p in self._named
-        )
+        ep_size = group_size(ctx.groups.ep)
+        self._ep_experts = ep_size > 1 and any(self._is_expert(n, p) for n, p in self._named)
+        if (
+            ep_size > 1
+            and not self._ep_experts
+            and all(local_tensor(p) is p for _, p in self._named)
+        ):
+            # (the same layout on every rank: every rank warns alike)
+            self.warn_once(
+                "ep_experts",
+                f"groups.ep has {ep_size} ranks but no parameter name matches expert_pattern "
+                f"{self.expert_pattern.pattern!r}: the totals count this rank's experts only; "
+                "pass the pattern of your expert parameters' names",
+            )
         self._check_globs(ctx)
         self._track_trainable()
 
@@ -493,10 +506,10 @@ class NormMonitor(VitalsCallback):
     def _write(self, ctx: RunContext, parts: list[_Part], step: int) -> None:
         """Write the step's norms from its parts (one, or one per optimizer stepped)."""
         pipeline = group_size(ctx.groups.pp) > 1
-        # A pipeline stage without trainable parameters (a frozen stage) still takes part in
-        # the totals' collective over the stages, with zeros: skipping it would leave the other
-        # stages waiting in that all-reduce.
-        if not pipeline and not any(p.tracked for p in parts):
+        # A pipeline stage (or an expert-parallel rank) without trainable parameters (frozen)
+        # still takes part in the totals' collectives over the stages (and groups.ep), with
+        # zeros: skipping it would leave the others waiting in that all-reduce.
+        if not pipeline and not self._ep_experts and not any(p.tracked for p in parts):
             return
         device = next((p.sq.device for p in parts if p.tracked), torch.device("cpu"))
         zero = torch.zeros((), dtype=torch.float64, device=device)
