@@ -166,3 +166,30 @@ def test_unreadable_window_sizes_are_warned_and_the_rest_is_restored(tmp_path):
     _train(resumed, model, opt, 1)
     assert resumed.step == 3
     resumed.close()
+
+
+def test_a_tensorboard_summary_writer_is_refused_with_the_sink_to_use(tmp_path):
+    # SummaryWriter.add_scalars(main_tag, tag_scalar_dict, global_step) passed the add_scalars
+    # check; every callback then failed at its first write and was disabled
+    from torch.utils.tensorboard import SummaryWriter
+
+    from trainvitals.adapters import FanoutWriter
+    from trainvitals.adapters.sinks.tensorboard import TensorBoardSink
+
+    summary = SummaryWriter(log_dir=str(tmp_path / "tb"))
+    try:
+        with pytest.raises(TypeError, match=r"main_tag.*TensorBoardSink\(summary_writer\)"):
+            Vitals([NormMonitor()], writer=summary)
+        # the suggested writer works: a step's global norm reaches the event file's writer
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        writer = FanoutWriter([TensorBoardSink(summary)])
+        with Vitals([NormMonitor()], writer=writer, log_every_n_steps=1) as vitals:
+            vitals.attach(model, opt)
+            vitals.batch(torch.ones(2, 3))
+            model(torch.ones(2, 3)).sum().backward()
+            opt.step()
+        writer.close()
+        assert not vitals.callbacks[0]._disabled
+    finally:
+        summary.close()

@@ -152,6 +152,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import numbers
 import sys
 import threading
@@ -304,8 +305,19 @@ def _check_not_running_elsewhere(callbacks: Sequence[Any], driver: Vitals | None
     raise ValueError(
         f"callbacks: {names} already running in another Vitals that is not closed; a callback "
         "instance serves one run at a time (sharing it mixes both runs' values): create new "
-        "instances for this driver, or close() the other one first"
+        "instances for this driver, or close() the other one first (a driver dropped without "
+        "close() stays hooked into its model and optimizer, and runs its callbacks still)"
     )
+
+
+def _takes_main_tag(add_scalars: Any) -> bool:
+    """Whether ``add_scalars`` takes a ``main_tag`` first (TensorBoard's signature; a
+    FanoutWriter takes the mapping first and ``main_tag`` as a keyword)."""
+    try:
+        params = list(inspect.signature(add_scalars).parameters)
+    except (TypeError, ValueError):  # (a builtin without a signature: not TensorBoard's)
+        return False
+    return params[:1] == ["main_tag"]
 
 
 class Vitals:
@@ -390,6 +402,13 @@ class Vitals:
                 "writer must be a FanoutWriter (or an object with add_scalars(mapping, step)), "
                 f"got {type(writer).__name__}: {writer!r:.80}; "
                 "pass run_dir= for a folder"
+            )
+        if writer is not None and _takes_main_tag(writer.add_scalars):
+            # TensorBoard's SummaryWriter.add_scalars(main_tag, tag_scalar_dict, step): every
+            # callback failed at its first write and was disabled
+            raise TypeError(
+                f"writer: {type(writer).__name__}.add_scalars takes a main_tag (TensorBoard's "
+                "SummaryWriter); pass FanoutWriter([TensorBoardSink(summary_writer)]) instead"
             )
         if groups is not None and not isinstance(groups, ProcessGroups):
             raise TypeError(
