@@ -14,6 +14,7 @@ from trainvitals.moe.tracker import (
     MoEMetricsTracker,
     _check_layer_freq,
     _check_percentiles,
+    _moe_layer_mask,
     _resolve_names,
     get_moe_metrics_tracker,
 )
@@ -85,7 +86,9 @@ class MoEMetricsMonitor(VitalsCallback):
             the layers that have a recording :class:`~trainvitals.moe.TopKRouter` in the model
             (one that knows its global ``layer_number`` and ``num_layers``; a router without
             them records nothing and is ignored), on any pipeline stage; every layer when no
-            router records or the recording routers disagree on ``num_layers``.
+            router records or the recording routers disagree on ``num_layers``. A given
+            pattern that makes a recording router's layer dense raises ``ValueError`` at run
+            start (its values would enter the mean over the MoE layers uncounted).
         mtp_num_layers: Multi-Token-Prediction layers after the transformer layers.
         tracker: the tracker to report (default: the global one).
         log_every_n_steps: see :class:`~trainvitals.callbacks.base.VitalsCallback`.
@@ -201,6 +204,10 @@ class MoEMetricsMonitor(VitalsCallback):
         self._layer_freq = self.moe_layer_freq
         if self._layer_freq is None:
             self._layer_freq = _pattern_from_routers(layers, self.num_layers, self.mtp_num_layers)
+        else:
+            _check_routers_in_moe_layers(
+                layers, self._layer_freq, self.num_layers, self.mtp_num_layers
+            )
 
     def validation_start(self, ctx: RunContext) -> None:
         self._validation_snapshot = self.tracker._snapshot()
@@ -369,6 +376,48 @@ def _check_router_sizes(
             f"MoEMetricsMonitor(num_layers={num_layers}, mtp_num_layers={mtp_num_layers}) "
             f"expects per-layer vectors of {expected} entries, but the model's TopKRouters "
             f"record {sizes[0]} (router.set_layer_number(..., num_layers=)); make them agree"
+        )
+
+
+def _check_routers_in_moe_layers(
+    routers: list[tuple[int | None, int | None]],
+    moe_layer_freq: int | list[int],
+    num_layers: int | None,
+    mtp_num_layers: int | None,
+) -> None:
+    """Raise ``ValueError`` at run start when a recording router's layer is a dense layer of
+    the given ``moe_layer_freq``. The tracker's mean over the MoE layers sums every layer slot
+    and divides by the MoE layers (Megatron's ``v.sum() / num_moe_layers``), so such a router's
+    values were added into the mean without being counted in its divisor (a load-balancing loss
+    of 2.01 at balance), and the per-layer keys went to the pattern's layers, written as 0.0
+    where no router records. The usual cause: an int ``f`` selects the layers ``i % f == 0``
+    (Megatron's convention, layers 0, 2, ...), while Qwen-MoE's ``decoder_sparse_step`` makes
+    the layers ``(i + 1) % f == 0`` MoE (layers 1, 3, ...). Pattern layers without a router
+    are not an error: they have no record and are left out (as a layer skipped by layer-drop).
+    Only routers that record and agree on their vector length are checked; a pattern whose
+    length does not fit is left to the tracker, which names the sizes."""
+    routers = [(n, size) for n, size in routers if n is not None and size is not None]
+    sizes = {size for _, size in routers}
+    if not routers or len(sizes) != 1:
+        return
+    (size,) = sizes
+    layers = size - (mtp_num_layers or 0)  # type: ignore[operator]
+    if layers <= 0 or (num_layers is not None and num_layers != layers):
+        return
+    if isinstance(moe_layer_freq, list) and len(moe_layer_freq) != layers:
+        return
+    is_moe = _moe_layer_mask(layers, moe_layer_freq, 0)
+    recorded = sorted({n - 1 for n, _ in routers if n <= layers})  # type: ignore[operator]
+    dense = [i for i in recorded if not is_moe[i]]
+    if dense:
+        pattern = [int(i in recorded) for i in range(layers)]
+        raise ValueError(
+            f"MoEMetricsMonitor(moe_layer_freq={moe_layer_freq!r}) makes layers {dense} "
+            "(0-based, the modules layers.{i}) dense, but the model's TopKRouters record into "
+            f"them: their values would be added into the mean over the MoE layers without "
+            f"being counted in it. An int f selects the layers i % f == 0 (Megatron's "
+            f"convention). The routers record layers {recorded}: pass "
+            f"moe_layer_freq={pattern} or leave it out (the default finds it from the routers)"
         )
 
 
