@@ -326,7 +326,9 @@ class Vitals:
     Args:
         callbacks: the callbacks to run, e.g. ``[NormMonitor(), MemoryMonitor()]``; an
             instance runs in one driver at a time (another driver still open with it:
-            ``ValueError``), and again after that one's :meth:`close` (a second run).
+            ``ValueError``), and again after that one's :meth:`close` (a second run). A class
+            instead of an instance, or an object that is not a trainvitals callback:
+            ``TypeError``.
         writer: where values go; default: ``FanoutWriter.from_accelerator(accelerator)`` when an
             accelerator is given and it has trackers, else a JSONL file ``metrics.jsonl`` in
             ``run_dir``. A rollback in the same process (:meth:`load_state_dict` of an earlier
@@ -338,15 +340,21 @@ class Vitals:
             own writer is told the step the run starts at (``FanoutWriter.resume_at``: 0, or
             the step :meth:`load_state_dict` restored) before anything is logged, so its JSONL
             file drops what an interrupted run wrote after that checkpoint; a writer given here
-            is the caller's to tell.
+            is the caller's to tell. A writer needs ``add_scalars(mapping, step)`` (``flush()``
+            is called at :meth:`close` when it has one); TensorBoard's ``SummaryWriter``, whose
+            ``add_scalars`` takes a ``main_tag``, or an object without ``add_scalars``:
+            ``TypeError`` (wrap a ``SummaryWriter`` in ``FanoutWriter([TensorBoardSink(w)])``).
         accelerator: an ``accelerate.Accelerator``; gives the writer, the process groups and the
             gradient-accumulation steps.
         groups: the :class:`ProcessGroups`; default from the accelerator, else the world group
-            as data parallel when ``torch.distributed`` is initialised, else trivial.
+            as data parallel when ``torch.distributed`` is initialised, else trivial. Anything
+            other than a ``ProcessGroups`` or ``None``: ``TypeError``.
         log_every_n_steps: the default logging interval of the callbacks, in optimizer steps.
-        run_dir: folder for files the callbacks write (JSONL metrics, tensor statistics).
+        run_dir: folder for files the callbacks write (JSONL metrics, tensor statistics); not
+            a str or path: ``TypeError``; an existing file: ``ValueError``.
         max_steps: the training horizon in optimizer steps (for remaining-time estimates).
-        accumulate_grad_batches: micro-batches per optimizer step, when not counted.
+        accumulate_grad_batches: micro-batches per optimizer step, when not counted: a
+            positive int (else ``TypeError``/``ValueError``).
     """
 
     def __init__(
@@ -506,6 +514,9 @@ class Vitals:
         ``groups`` was given), except that the writer stays the constructor's (default: JSONL
         in ``run_dir``, not its trackers). When no single one is found: a warning saying to pass
         ``accelerator=``.
+
+        An empty list of optimizers, or a callback still running in another driver that is not
+        closed: ``ValueError``.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"attach() needs an nn.Module, got {type(model).__name__}")
@@ -1232,7 +1243,8 @@ class Vitals:
     # ------------------------------------------------------------------ end
 
     def close(self, exception: BaseException | None = None) -> None:
-        """End the run: final hooks, remove hooks, flush (and close the writer if we made it).
+        """End the run: final hooks, remove hooks, flush (and close the writer if we made it;
+        a writer given without ``flush`` is left as it is).
 
         ``exception``: what ended the run, if anything did (``with vitals:`` passes it). The
         callbacks get ``exception_raised`` and a writer we made ends its runs as failed (as

@@ -117,8 +117,8 @@ class NormMonitor(VitalsCallback):
     before clipping), the monitor computes every trainable parameter's and gradient's sum of
     squares on its device, sums the shards of ``DTensor`` parameters over their ``Shard`` mesh
     dims only (one collective per distinct group for parameters and gradients together), and
-    writes the norms. Plain tensors are replicas (DDP) and are not reduced; tied parameters
-    count once. Non-logging steps cost nothing: no computation, no sync, no collective.
+    writes the norms. Plain tensors are replicas (DDP) and are not reduced (plain experts under
+    expert parallelism excepted, below); tied parameters count once. Non-logging steps cost nothing: no computation, no sync, no collective.
 
     Under Lightning's manual optimization, whose ``training_step`` clips before ``opt.step()``,
     the gradients are read when ``self.clip_gradients(opt, gradient_clip_val=...)`` starts
@@ -137,8 +137,10 @@ class NormMonitor(VitalsCallback):
     (``global``, ``optimizer_<i>``, ``nonfinite_count``) over ``groups.ep`` in one more
     collective, as Megatron-LM's norms sum expert parameters over their expert groups (and
     not over ``groups.edp``, whose ranks hold the same experts); their per-parameter keys, and
-    the names in the NaN/Inf warning, are the reporting rank's experts'. Expert ``DTensor``
-    parameters (torchtitan) are summed over their ``Shard`` dims like any other.
+    the names in the NaN/Inf warning, are the reporting rank's experts'. An EP rank with
+    nothing to train takes part with zeros. Expert ``DTensor`` parameters (torchtitan) are
+    summed over their ``Shard`` dims like any other. When no parameter matches and none is a
+    ``DTensor``, a warning (once) says the totals count this rank's experts only.
 
     Several optimizers stepped apart (a GAN stepping ``opt_g`` and ``opt_d`` in one batch:
     Lightning's manual optimization, or the driver with both attached): the step is the batch,
@@ -173,7 +175,8 @@ class NormMonitor(VitalsCallback):
             that differ between expert-parallel ranks (default: a component ``experts``:
             Hugging Face's ``experts.<i>.*`` and fused ``experts.gate_up_proj``, Megatron-LM's
             ``experts.local_experts.<i>.*`` and ``experts.linear_fc1.weight<i>``; not
-            ``shared_experts``); used only when ``groups.ep`` has more than one rank.
+            ``shared_experts``); used only when ``groups.ep`` has more than one rank. Not a
+            string: ``TypeError``; not a valid regex: ``ValueError``.
         log_every_n_steps: interval in optimizer steps (default: the run's).
         writer: where values go (default: the run's writer).
 

@@ -604,7 +604,9 @@ class TopKRouter(nn.Module):
 
     def update_expert_bias(self, group: Any = None) -> None:
         """Aux-loss-free balancing step (call after each optimizer step): sum the loads over
-        ``group`` (default :attr:`dp_group`; one all-reduce) and move the bias."""
+        ``group`` (default :attr:`dp_group`; one all-reduce) and move the bias. Not after a
+        step the optimizer skipped (fp16's ``GradScaler``): the counts then go into the next
+        update (:func:`update_expert_biases` with ``stepped=`` decides on the device)."""
         update_expert_biases([self], group)
 
 

@@ -119,8 +119,8 @@ class TinyMoELM(nn.Module):
 
     The routers record into the global tracker with ``layer_number = i + 1`` and
     ``num_layers``; :meth:`set_process_groups` gives them the data-parallel group;
-    :meth:`moe_step_end` (after each optimizer step) updates expert biases and resets the
-    global-aux-loss counts.
+    :meth:`moe_step_end` (after each optimizer step) updates expert biases (not after a step
+    the optimizer skipped: ``optimizer_stepped=False``) and resets the global-aux-loss counts.
     """
 
     def __init__(
