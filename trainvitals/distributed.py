@@ -209,7 +209,8 @@ def all_reduce_coalesced(
     float32 values and integer counts up to 2**53 stay exact; ``None``: the inputs' common
     dtype, a ``ValueError`` when they differ), reduced, and split back into tensors of the
     original shapes, in ``dtype``. ``avg`` is a sum divided by the group size (gloo has no
-    AVG) and needs a floating ``dtype``. ``max``/``min`` return NaN where any rank has NaN, as
+    AVG) and needs a floating ``dtype``. A ``group`` this rank is not a member of:
+    ``ValueError`` on this rank, before any collective. ``max``/``min`` return NaN where any rank has NaN, as
     ``torch.amax``/``amin`` of the stacked inputs do. Returns new tensors; the inputs are not
     modified.
     """
@@ -291,7 +292,8 @@ def all_gather_coalesced(
     is rank ``r``'s value, in ``dtype`` (float64 by default: int64 values above 2**53 round;
     ``None``: the inputs' one dtype, a ``ValueError`` when they differ). Every rank must pass
     tensors of the same shapes (agree on them first with :func:`all_gather_objects` when they
-    can differ).
+    can differ). A ``group`` this rank is not a member of: ``ValueError`` (as
+    :func:`all_reduce_coalesced`; :func:`all_gather_objects` too).
     """
     tensors = list(tensors)
     if not tensors:
