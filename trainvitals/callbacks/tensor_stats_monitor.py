@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -356,7 +356,7 @@ class TensorStatsMonitor(VitalsCallback):
         # reentrant checkpoint hides (their no_grad forwards, e.g. generation, re-run nothing)
         self._held_back: dict[int, int] = {}
         # per site: the same, for first runs known to be inside a reentrant checkpoint
-        # (_function_ctx), which a call of the site with autograd on (the same
+        # (_in_recorded_function), which a call of the site with autograd on (the same
         # module used outside the checkpoint too) does not cancel
         self._ckpt_held: dict[int, int] = {}
         self._grad_sites: set[int] = set()
@@ -833,7 +833,7 @@ class TensorStatsMonitor(VitalsCallback):
                     # (a non-reentrant checkpoint's recomputation is no such re-run: its
                     # tensors only feed the saved values of the first run's graph, which got
                     # its hooks then; taking a count there left the reentrant re-run out)
-                    if held is not None and x.requires_grad and _function_ctx("backward"):
+                    if held is not None and x.requires_grad and _in_function_backward():
                         held[site] -= 1
                         target = _grad_target(module, slot, x)
                         self._handles.append(target.register_hook(self._make_grad_hook(site)))
@@ -1369,26 +1369,24 @@ def _count_once(
 
 def _in_recorded_function() -> bool:
     """Whether some custom autograd ``Function``'s ``forward`` on the Python stack is recorded
-    in the autograd graph (its ``ctx.next_functions`` not empty; see :func:`_function_ctx`).
+    in the autograd graph (its ``ctx.next_functions`` not empty; see :func:`_function_ctxs`).
     Every enclosing one is looked at, not the nearest only: a reentrant checkpoint inside
     another one runs in the outer one's first run, autograd off, so it is not recorded
     itself, yet the outer one is, and the backward pass re-runs both (a block used plainly and
     under two nested checkpoints lost half its activations and dgrads). Under an outer
     ``no_grad`` (generation) none is recorded."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "ctx":
-            ctx = frame.f_locals.get("ctx")
-            if isinstance(ctx, torch.autograd.function.BackwardCFunction) and ctx.next_functions:
-                return True
-        frame = frame.f_back
-    return False
+    return any(ctx.next_functions for ctx in _function_ctxs("forward"))
 
 
-def _function_ctx(method: str) -> Any:
-    """The ``ctx`` of the nearest custom autograd ``Function``'s ``method`` (``"forward"`` or
-    ``"backward"``) running on the Python stack, or None.
+def _in_function_backward() -> bool:
+    """Whether a custom autograd ``Function``'s ``backward`` is running (a reentrant
+    checkpoint's re-run; a non-reentrant checkpoint recomputes outside any)."""
+    return next(_function_ctxs("backward"), None) is not None
+
+
+def _function_ctxs(method: str) -> Iterator[Any]:
+    """The ``ctx`` of each custom autograd ``Function``'s ``method`` (``"forward"`` or
+    ``"backward"``) running on the Python stack, innermost first.
 
     A reentrant activation checkpoint (``torch.utils.checkpoint``'s ``CheckpointFunction``;
     Megatron's and DeepSpeed's are ``Function`` s too) runs its block in ``forward`` with
@@ -1404,9 +1402,8 @@ def _function_ctx(method: str) -> Any:
         if code.co_name == method and code.co_argcount and code.co_varnames[0] == "ctx":
             ctx = frame.f_locals.get("ctx")
             if isinstance(ctx, torch.autograd.function.BackwardCFunction):
-                return ctx
+                yield ctx
         frame = frame.f_back
-    return None
 
 
 def _first_float(obj: Any) -> torch.Tensor | None:
