@@ -152,7 +152,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import numbers
 import sys
 import threading
@@ -167,6 +166,7 @@ import torch
 
 from trainvitals._patching import AttributePatch
 from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
+from trainvitals.adapters.sinks.base import takes_main_tag
 from trainvitals.distributed import ProcessGroups
 
 
@@ -310,16 +310,6 @@ def _check_not_running_elsewhere(callbacks: Sequence[Any], driver: Vitals | None
     )
 
 
-def _takes_main_tag(add_scalars: Any) -> bool:
-    """Whether ``add_scalars`` takes a ``main_tag`` first (TensorBoard's signature; a
-    FanoutWriter takes the mapping first and ``main_tag`` as a keyword)."""
-    try:
-        params = list(inspect.signature(add_scalars).parameters)
-    except (TypeError, ValueError):  # (a builtin without a signature: not TensorBoard's)
-        return False
-    return params[:1] == ["main_tag"]
-
-
 class Vitals:
     """Runs trainvitals callbacks in a loop that has no callback system.
 
@@ -411,7 +401,7 @@ class Vitals:
                 f"got {type(writer).__name__}: {writer!r:.80}; "
                 "pass run_dir= for a folder"
             )
-        if writer is not None and _takes_main_tag(writer.add_scalars):
+        if writer is not None and takes_main_tag(writer.add_scalars):
             # TensorBoard's SummaryWriter.add_scalars(main_tag, tag_scalar_dict, step): every
             # callback failed at its first write and was disabled
             raise TypeError(

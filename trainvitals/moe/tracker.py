@@ -64,7 +64,6 @@ a layer whose value is 0, or negative, or NaN, is not one of the quantile's laye
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -73,6 +72,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.adapters.sinks.base import takes_main_tag
 from trainvitals.distributed import (
     ProcessGroups,
     all_gather_objects,
@@ -918,29 +918,10 @@ def _claim_problems(claims: Mapping[tuple[int, str], list[int]], what: str) -> l
     return out
 
 
-# add_scalars functions (unbound) -> whether they are TensorBoard's add_scalars(main_tag, ...):
-# inspect.signature costs tens of microseconds, too much to pay at every logging step.
-_MAIN_TAG: dict[Any, bool] = {}
-
-
-def _has_main_tag(add_scalars: Any) -> bool:
-    func = getattr(add_scalars, "__func__", None)  # the class's function of a bound method
-    if func is not None and func in _MAIN_TAG:
-        return _MAIN_TAG[func]
-    try:
-        params = inspect.signature(add_scalars).parameters
-    except (TypeError, ValueError):
-        params = {}
-    result = "main_tag" in params
-    if func is not None and len(_MAIN_TAG) < 256:
-        _MAIN_TAG[func] = result
-    return result
-
-
 def _write(writer: Any, scalars: dict[str, float], step: int) -> None:
     add_scalars = getattr(writer, "add_scalars", None)
     # not TensorBoard's add_scalars(main_tag, dict, step): one call with every key
-    if add_scalars is not None and not _has_main_tag(add_scalars):
+    if add_scalars is not None and not takes_main_tag(add_scalars):
         add_scalars(scalars, step)
         return
     for key, value in scalars.items():

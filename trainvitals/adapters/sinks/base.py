@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import inspect
 import logging
 import os
 import re
@@ -305,6 +306,28 @@ def refuse_step_beyond_int64(step: int, backend: str) -> None:
         raise StepRefused(
             f"{backend} stores steps as signed 64-bit integers; step {step} is above 2**63 - 1"
         )
+
+
+# add_scalars functions (unbound) -> whether they are TensorBoard's: inspect.signature costs
+# tens of microseconds, too much to pay at every logging step.
+_MAIN_TAG_FIRST: dict[Any, bool] = {}
+
+
+def takes_main_tag(add_scalars: Any) -> bool:
+    """Whether ``add_scalars`` is TensorBoard's ``SummaryWriter.add_scalars(main_tag,
+    tag_scalar_dict, global_step)`` (``main_tag`` its first parameter), which groups its keys
+    into runs of one chart, rather than ``add_scalars(mapping, step)`` of a
+    :class:`FanoutWriter` (which takes ``main_tag`` as a keyword only) or a duck-typed writer."""
+    func = getattr(add_scalars, "__func__", None)  # the class's function of a bound method
+    if func is not None and func in _MAIN_TAG_FIRST:
+        return _MAIN_TAG_FIRST[func]
+    try:
+        result = list(inspect.signature(add_scalars).parameters)[:1] == ["main_tag"]
+    except (TypeError, ValueError):  # (a builtin without a signature: not TensorBoard's)
+        result = False
+    if func is not None and len(_MAIN_TAG_FIRST) < 256:
+        _MAIN_TAG_FIRST[func] = result
+    return result
 
 
 class Sink:
