@@ -396,21 +396,16 @@ def _check_routers_in_moe_layers(
     are not an error: they have no record and are left out (as a layer skipped by layer-drop).
     Only routers that record and agree on their vector length are checked; a pattern whose
     length does not fit is left to the tracker, which names the sizes."""
-    routers = [(n, size) for n, size in routers if n is not None and size is not None]
-    sizes = {size for _, size in routers}
-    if not routers or len(sizes) != 1:
+    pattern = _pattern_from_routers(routers, num_layers, mtp_num_layers)
+    if pattern is None:
         return
-    (size,) = sizes
-    layers = size - (mtp_num_layers or 0)  # type: ignore[operator]
-    if layers <= 0 or (num_layers is not None and num_layers != layers):
-        return
+    layers = len(pattern)
     if isinstance(moe_layer_freq, list) and len(moe_layer_freq) != layers:
         return
     is_moe = _moe_layer_mask(layers, moe_layer_freq, 0)
-    recorded = sorted({n - 1 for n, _ in routers if n <= layers})  # type: ignore[operator]
+    recorded = [i for i, routed in enumerate(pattern) if routed]
     dense = [i for i in recorded if not is_moe[i]]
     if dense:
-        pattern = [int(i in recorded) for i in range(layers)]
         raise ValueError(
             f"MoEMetricsMonitor(moe_layer_freq={moe_layer_freq!r}) makes layers {dense} "
             "(0-based, the modules layers.{i}) dense, but the model's TopKRouters record into "
