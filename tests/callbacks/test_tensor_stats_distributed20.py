@@ -58,9 +58,13 @@ class Uneven(nn.Module):
         return self.c(torch.relu(self.b(torch.tanh(self.a(x)))))
 
 
-def _keep_sites(model: nn.Module, out: dict[str, dict[str, list[torch.Tensor]]]) -> list:
-    """The test's own record of every site's tensors and their gradients, as the model made
-    them on this rank (bf16 under the mixed-precision policy)."""
+def _keep_sites(
+    model: nn.Module,
+    out: dict[str, dict[str, list[torch.Tensor]]],
+    names: tuple[str, ...] = ("a", "b", "c"),
+) -> list:
+    """The test's own record of every site's tensors and their gradients (modules ``names``),
+    as the model made them on this rank (bf16 under the mixed-precision policy), in float64."""
 
     def keep(kind: str, site: str, t: torch.Tensor) -> None:
         out[kind].setdefault(site, []).append(t.detach().double().reshape(-1).clone())
@@ -74,7 +78,7 @@ def _keep_sites(model: nn.Module, out: dict[str, dict[str, list[torch.Tensor]]])
 
         return fn
 
-    return [model.get_submodule(n).register_forward_hook(hook(n)) for n in ("a", "b", "c")]
+    return [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
 
 
 def _fsdp_body(rank: int, world_size: int, run_dir: str, layout: str) -> dict:
@@ -244,23 +248,9 @@ def _tp_body(rank: int, world_size: int, run_dir: str) -> dict:
 def _tp_float64() -> dict[str, dict[str, torch.Tensor]]:
     """float64, one process, the whole sequence through the unsharded model."""
     out: dict[str, dict[str, list[torch.Tensor]]] = {"activation": {}, "dgrad": {}}
-
-    def keep(kind: str, site: str, t: torch.Tensor) -> None:
-        out[kind].setdefault(site, []).append(t.detach().reshape(-1).clone())
-
-    def hook(name: str):
-        def fn(module, args, output):
-            for suffix, t in (("input0", args[0]), ("output0", output)):
-                keep("activation", f"{name}/{suffix}", t)
-                if t.requires_grad:
-                    t.register_hook(lambda g, s=f"{name}/{suffix}": keep("dgrad", s, g))
-
-        return fn
-
     torch.manual_seed(0)
     model = TPNet().double()
-    for name in ("norm", "up", "down", "head"):
-        model.get_submodule(name).register_forward_hook(hook(name))
+    _keep_sites(model, out, ("norm", "up", "down", "head"))
     _loss(model(_sequence().double())).backward()
     want = {k: {s: torch.cat(v) for s, v in d.items()} for k, d in out.items()}
     want["param"] = {n: p.detach() for n, p in model.named_parameters()}
