@@ -275,7 +275,10 @@ def test_family_counts_equal_its_own_routing(model_type: str) -> None:
         capture = RouterCapture(model)
     seen = Seen(model, router_cls)
     assert [type(r.module).__name__ for r in capture.routers] == [router_cls] * num_routers
-    assert [r.has_aux_loss for r in capture.routers] == [form is not None] * num_routers
+    # (Ernie 4.5-VL: the layer's one loss term is on its text router's row, none on its vision
+    # router's: tests/moe/test_capture_audit21.py)
+    vision = [r.name.rsplit(".", 2)[-2] == "vision_moe" for r in capture.routers]
+    assert [r.has_aux_loss for r in capture.routers] == [form is not None and not v for v in vision]
     assert capture.num_experts == columns
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # counted: no warning

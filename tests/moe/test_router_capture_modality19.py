@@ -8,7 +8,6 @@ indexing of the attention mask, as the block takes its hidden states.
 
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
 
@@ -78,9 +77,7 @@ def test_each_modality_router_counts_its_own_tokens_without_padding() -> None:
         r.module.register_forward_hook(hook)
 
     expected = np.zeros((len(capture.routers), E))
-    aux_expected: list[list[float]] = [[] for _ in capture.routers]
     gen = torch.Generator().manual_seed(1)
-    lbl = importlib.import_module(type(model).__module__).load_balancing_loss_func
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # padding told apart: no warning
         for mask, types in _micro_batches():
@@ -94,20 +91,20 @@ def test_each_modality_router_counts_its_own_tokens_without_padding() -> None:
             for row, r in enumerate(capture.routers):
                 if not seen[r.name]:
                     continue
-                (logits, indices), *rest = seen[r.name]
+                (_logits, indices), *rest = seen[r.name]
                 assert not rest
                 vision = r.name.rsplit(".", 2)[-2] == "vision_moe"
                 own = flat_mask[flat_types != 0] if vision else flat_mask[flat_types == 0]
                 assert own.numel() == indices.shape[0]
                 keep = own.bool()
                 expected[row] += np.bincount(indices[keep].reshape(-1).numpy(), minlength=E)
-                aux_expected[row].append(float(lbl((logits,), E, K, own.reshape(1, -1))) / K)
 
     loads = capture.loads().numpy()
     np.testing.assert_array_equal(loads, expected)
     assert expected[1].sum() > 0 and expected[3].sum() > 0  # the vision routers routed
-    aux_sum, aux_count = capture.aux_losses()
-    assert aux_count.tolist() == [len(a) for a in aux_expected] == [3, 1, 3, 1]
-    np.testing.assert_allclose(
-        (aux_sum / aux_count).numpy(), [np.mean(a) for a in aux_expected], rtol=1e-5
-    )
+    # The aux loss is the layer's one term over both routers, on the text router's row (the
+    # model's own load_balancing_loss_func over its block's router_logits:
+    # tests/moe/test_capture_audit21.py); the vision routers report none.
+    _, aux_count = capture.aux_losses()
+    assert [r.has_aux_loss for r in capture.routers] == [True, False, True, False]
+    assert aux_count.tolist() == [3, 0, 3, 0]

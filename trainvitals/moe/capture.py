@@ -70,13 +70,17 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             itself; warned once per router), every token is counted; Ernie
                             4.5-VL's ``text_moe`` / ``vision_moe`` routers see only their
                             modality's tokens (by the forward's ``moe_mm_token_type_ids``), and
-                            each is matched with its own tokens' mask. For the
+                            each is matched with its own tokens' mask (their aux loss: below). For the
                             softmax families (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, JetMoE, DBRX)
                             and any other of these routers whose modeling module defines the
                             standard ``load_balancing_loss_func`` (PhiMoE, GraniteMoE, Ernie 4.5,
                             MiniMax, ...) the layer's aux loss is Hugging Face's per-layer
                             ``load_balancing_loss_func`` term with the attention mask, / ``top_k``
-                            (1.0 at perfect balance), computed as that function does: the top-k
+                            (1.0 at perfect balance; Ernie 4.5-VL: the layer's one term over
+                            both modality routers' logits, as its block returns them, with text
+                            expert ``e`` and vision expert ``e`` in one column, on the text
+                            router's row; the vision router reports none),
+                            computed as that function does: the top-k
                             counts and mean probabilities of ``softmax(router_logits)`` taken in
                             the logits' dtype, over the tokens that are not padding. Those loss
                             counts are not always the router's own choice, which the loads
@@ -672,14 +676,17 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
                 or _hf_switch_loss_family(module)
             )
             parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+            modality = _MODALITY_ROUTER_PARENTS.get(parent)
             return RouterInfo(
                 name,
                 module,
                 "hf",
                 num,
-                has_aux_loss=aux,
+                # Ernie 4.5-VL: the layer's one loss term, over both modality routers' logits,
+                # is reported on its text router's row (_add_modality_layer_aux)
+                has_aux_loss=aux and modality != "vision",
                 computed_experts=_hf_computed(module, num),
-                modality=_MODALITY_ROUTER_PARENTS.get(parent),
+                modality=modality,
             )
     buffer = _torchtitan_buffer(module)
     if buffer is not None:
@@ -840,6 +847,24 @@ class RouterCapture:
         # valid count clamped to 1, 1.0 when no token is valid else 0.0)
         self._valid_tokens: dict[tuple[torch.device, str | None], _ValidTokens] = {}
         self._mask_mismatch_warned: set[int] = set()
+        # Ernie 4.5-VL: routers of a block that splits tokens by modality, by the block's name
+        # (the text router's row holds the layer's aux loss: _add_modality_layer_aux), and the
+        # text router's sums of the latest forward of each block, for its vision router
+        self._modality_block: dict[int, str] = {
+            i: r.name.rsplit(".", 2)[0]
+            for i, r in enumerate(self.routers)
+            if r.modality is not None and r.name.count(".") >= 2
+        }
+        text_blocks = {
+            b for i, b in self._modality_block.items() if self.routers[i].modality == "text"
+        }
+        self._modality_layer_rows = {
+            i
+            for i, b in self._modality_block.items()
+            if b in text_blocks
+            and (self.routers[i].has_aux_loss or self.routers[i].modality == "vision")
+        }
+        self._modality_partial: dict[str, tuple[Any, ...]] = {}
         self._float32_warned = False  # counts past FLOAT32_EXACT_COUNTS (mps), warned once
         if attach:
             self.attach()
@@ -1127,14 +1152,19 @@ class RouterCapture:
                 # padding tokens go to the overflow column (never reported)
                 indices = indices.masked_fill(valid[0], r.num_experts)
             self._add_indices(i, indices)  # the router's own selection: the loads
-            if r.has_aux_loss and logits.ndim == 2:
+            layer_term = i in self._modality_layer_rows
+            if (r.has_aux_loss or layer_term) and logits.ndim == 2:
                 # the loss's own top-k (not the router's) and probabilities, as Hugging Face's
                 # load_balancing_loss_func takes them, on the logits' device
                 probs, counts = self._hf_loss_counts(local_tensor(logits), indices.shape[-1], valid)
-                aux = _switch_aux_loss(probs, counts, indices.shape[-1], valid)
-                self._add_aux(i, aux)
-                if aux is not None and valid is not None:
-                    self._add_aux_empty(i, valid[3])
+                aux = None
+                if r.has_aux_loss:
+                    aux = _switch_aux_loss(probs, counts, indices.shape[-1], valid)
+                    self._add_aux(i, aux)
+                    if aux is not None and valid is not None:
+                        self._add_aux_empty(i, valid[3])
+                if layer_term:
+                    self._add_modality_layer_aux(i, probs, counts, indices.shape[-1], valid, aux)
         elif r.kind == "topk_router":
             self._count_topk_router(i, module, output)
         elif r.kind == "torchtitan":  # counted by its own hook (_titan_hook)
@@ -1153,6 +1183,62 @@ class RouterCapture:
                 return
             self._add_counts(i, local_tensor(result).detach().reshape(-1))
             self._add_aux(i, aux)
+
+    def _add_modality_layer_aux(
+        self,
+        i: int,
+        probs: torch.Tensor,
+        counts: torch.Tensor,
+        top_k: int,
+        valid: _ValidTokens | None,
+        aux: Any,
+    ) -> None:
+        """Ernie 4.5-VL: make the text router's row hold the layer's loss term as transformers
+        computes it. ``Ernie4_5_VLMoeMoeBlock.forward`` (transformers 5.x) scatters both modality
+        routers' logits into one ``[B * S, E]`` tensor, each token's row from its own modality's
+        router, and ``load_balancing_loss_func`` takes one term of the layer over it: text
+        expert ``e`` and vision expert ``e`` share column ``e``. The text router runs first and
+        adds its own term (the layer's when the vision router does not run: a text-only
+        forward); the vision router, when it runs, adds the difference to the layer's term of
+        both routers' sums. Device kernels only."""
+        n_raw = (
+            torch.tensor(float(probs.shape[0]), device=probs.device)
+            if valid is None
+            else valid[1].sum().to(probs.device)
+        )
+        weighted = probs if valid is None else valid[1].to(probs.device).unsqueeze(-1) * probs
+        sums = (weighted.sum(dim=0), counts.to(probs.dtype), n_raw)
+        block = self._modality_block[i]
+        if self.routers[i].modality != "vision":
+            self._modality_partial[block] = (i, *sums, aux, valid)
+            return
+        held = self._modality_partial.pop(block, None)
+        if held is None:  # (the text router always runs first in the block)
+            return
+        text_row, text_probs, text_counts, text_n, text_aux, text_valid = held
+        total = text_n + _copy_to(sums[2], text_n.device)
+        n = total.clamp(min=1.0)
+        probs_sum = text_probs + _copy_to(sums[0], text_probs.device)
+        counts_sum = text_counts + _copy_to(sums[1], text_counts.device)
+        num_experts = probs_sum.shape[0]
+        layer = (counts_sum * probs_sum).sum() * num_experts / (n * n * top_k)
+        if text_aux is None:  # every token was an image or video token: no text term
+            self._add_aux(text_row, layer)
+            if valid is not None:
+                self._add_aux_empty(text_row, (total == 0).float())
+            return
+        self._add_aux_delta(text_row, layer - text_aux)
+        if text_valid is not None:
+            # the layer has a token when either router had one: undo the text forward's mark
+            self._add_aux_empty(text_row, -text_valid[3] * (sums[2] > 0).to(text_valid[3]))
+
+    def _add_aux_delta(self, i: int, delta: torch.Tensor) -> None:
+        """Add ``delta`` to row ``i``'s aux sum without counting a forward (device add)."""
+        delta = _as_aux_tensor(delta)
+        if delta.device != self._acc_device:
+            delta = _copy_to(delta, self._acc_device)
+        self._aux_rows[i].add_(delta.to(self._aux_rows[i].dtype))
+        self._dirty = True
 
     def _count_hf_dispatch(self, i: int, output: Any) -> None:
         """A router that returns its one-hot dispatch mask after the capacity drop
@@ -1600,6 +1686,7 @@ class RouterCapture:
                 self._aux_empty.zero_()
             self._aux_empty_dirty = False
         self._aux_count = [0] * len(self.routers)
+        self._modality_partial.clear()
         self._restore_titan_buffers()
         for runs in self._runs:  # (a held-back run of this step is not re-run any more)
             runs.held_back = 0
