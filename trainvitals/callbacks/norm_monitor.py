@@ -15,6 +15,7 @@ import torch
 from trainvitals.adapters.context import RunContext
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import (
+    all_gather_objects,
     all_reduce_coalesced,
     group_rank,
     group_size,
@@ -24,8 +25,10 @@ from trainvitals.stats.norms import (
     canonical_name,
     group_named_tensors,
     local_sq_norms,
+    natural_sort_key,
     reduce_sq_norms,
     sharding_groups,
+    sums_by_group,
     unwrap_model,
 )
 
@@ -42,6 +45,8 @@ class _Tracked:
     # a plain-tensor expert of an expert-parallel model: each EP rank holds other experts,
     # so its sums join the totals over ``groups.ep`` (its own keys stay this rank's)
     expert: bool = False
+    # its position in the run's group labels (``group_by``); None: in no group
+    group: int | None = None
 
 
 @dataclass
@@ -111,7 +116,7 @@ class _PendingFlags:
 
 
 class NormMonitor(VitalsCallback):
-    """Global L2 norms of the parameters and gradients, exact under DDP, FSDP2 and TP.
+    r"""Global L2 norms of the parameters and gradients, exact under DDP, FSDP2 and TP.
 
     On each logging step, in ``before_optimizer_step`` (gradients after AMP unscaling and
     before clipping), the monitor computes every trainable parameter's and gradient's sum of
@@ -131,7 +136,8 @@ class NormMonitor(VitalsCallback):
     the ``meta`` device (deferred initialisation never materialised) has no values and is left
     out, warned once.
     With pipeline parallelism (``groups.pp`` non-trivial) the totals are summed over the
-    pipeline stages in one more collective; per-parameter keys then come from rank 0's stage.
+    pipeline stages in one more collective; per-parameter keys then come from rank 0's stage
+    (``group_by`` keys from every stage: their rows ride in the same collective).
     With expert parallelism (``groups.ep`` non-trivial) each EP rank holds other experts: the
     plain-tensor parameters whose names match ``expert_pattern`` are summed into the totals
     (``global``, ``optimizer_<i>``, ``nonfinite_count``) over ``groups.ep`` in one more
@@ -169,7 +175,21 @@ class NormMonitor(VitalsCallback):
             for all. A glob matching no parameter is a ``ValueError`` at run start. A tied
             parameter is selected by any of its names (``*lm_head.weight`` of a head tied to
             the embedding) and reported under its first (``model.embed_tokens.weight``).
-        per_param_kinds: which per-parameter norms to write: ``"grad"`` and/or ``"param"``.
+        per_param_kinds: which per-parameter and per-group norms to write: ``"grad"``
+            and/or ``"param"``.
+        group_by: regex (``re.search`` on the canonical names ``per_param`` matches) with
+            exactly one capture group: every trainable parameter whose name matches counts in
+            the group named by the captured text (``r"layers\.(\d+)\."``: one norm per
+            transformer layer, ``l2_norm/grad/group/0``, ``.../group/1``, ...). A group's norm is
+            ``sqrt`` of the sum of its members' sums of squares, reduced like the ``global``
+            ones (DTensor shards over their ``Shard`` dims, plain experts over ``groups.ep``,
+            pipeline stages over ``groups.pp``: in the same collectives, none added); a tied
+            parameter counts once, in the group of its first name the regex matches. Every rank
+            writes the groups of every stage (their labels gathered over ``groups.pp`` once at
+            run start), in natural order (``"2"`` before ``"10"``). A name the regex does not
+            match, or whose group captures nothing, is in no group. Not a string:
+            ``TypeError``; not a valid regex or not one capture group: ``ValueError``; matching
+            no parameter (on any pipeline stage): ``ValueError`` at run start.
         max_nonfinite_names: how many non-finite gradients the warning names.
         expert_pattern: regex (``re.search`` on canonical names) of the plain-tensor parameters
             that differ between expert-parallel ranks (default: a component ``experts``:
@@ -192,6 +212,8 @@ class NormMonitor(VitalsCallback):
     ``l2_norm/param/<name>``          L2 norm of one parameter (``per_param_kinds`` has "param")   value
     ``l2_norm/grad/optimizer_<i>``    L2 norm of the gradients of optimizer ``i``'s parameters     value
     ``l2_norm/param/optimizer_<i>``   L2 norm of optimizer ``i``'s parameters                      value
+    ``l2_norm/grad/group/<label>``    L2 norm of the gradients of one group (``group_by`` only)    value
+    ``l2_norm/param/group/<label>``   L2 norm of one group (``per_param_kinds`` has "param")       value
     ================================  ===========================================================  ======
 
     "value": the unit of the tensor's elements (an L2 norm has the unit of what it measures).
@@ -235,6 +257,7 @@ class NormMonitor(VitalsCallback):
         *,
         per_param: str | Sequence[str] | None = None,
         per_param_kinds: Sequence[str] = ("grad",),
+        group_by: str | None = None,
         max_nonfinite_names: int = 5,
         expert_pattern: str = r"(?:^|\.)experts\.",
         log_every_n_steps: int | None = None,
@@ -250,6 +273,7 @@ class NormMonitor(VitalsCallback):
         except re.error as exc:
             raise ValueError(f"expert_pattern is not a valid regex: {exc}") from exc
         self.per_param = _globs(per_param)
+        self.group_by = _group_regex(group_by)
         kinds = (per_param_kinds,) if isinstance(per_param_kinds, str) else per_param_kinds
         if not kinds or any(k not in _KINDS for k in kinds):
             raise ValueError(
@@ -272,6 +296,10 @@ class NormMonitor(VitalsCallback):
         # from every parameter, frozen ones too: the same on every rank)
         self._ep_experts = False
         self._selected_names: list[str] = []
+        # group_by: the run's group labels (every rank of groups.pp alike, natural order), and
+        # each canonical name's label (None: in no group)
+        self._group_labels: list[str] = []
+        self._label_of: dict[str, str | None] = {}
         self._unsupported = False
         self._pending: _PendingFlags | None = None
         # Several optimizers stepped apart: the parts of the step measured so far (written at
@@ -306,6 +334,7 @@ class NormMonitor(VitalsCallback):
         self._report_pending(block=True)
         self._unsupported = False
         self._named, self._tracked, self._selected_names, self._trainable = [], [], [], None
+        self._group_labels, self._label_of = [], {}
         self._parts, self._parts_step, self._measured = [], None, set()
         self._written = None
         self._last_counted_step = None
@@ -336,6 +365,7 @@ class NormMonitor(VitalsCallback):
                 "pass the pattern of your expert parameters' names",
             )
         self._check_globs(ctx)
+        self._find_groups(ctx)
         self._track_trainable()
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
@@ -565,11 +595,16 @@ class NormMonitor(VitalsCallback):
                 a, b = split(x, mask)
                 rows[r] = rows[r] + a
                 expert_rows[r] = expert_rows[r] + b
-        totals = torch.stack([r.to(device) for r in rows])
+        # group_by: per label, 4 more rows (param, grad, gradients present, members), in the
+        # same totals, so they ride the same collectives over groups.ep and groups.pp
+        n_groups = len(self._group_labels)
+        grouped, grouped_experts = _group_rows(parts, masks, n_groups, device)
+        first_group = len(rows)
+        totals = torch.cat([torch.stack([r.to(device) for r in rows]), grouped])
         if ep:
             # (one collective on every EP rank, experts tracked here or not: the ranks decided
             # at run start, from the same model layout)
-            experts = torch.stack([r.to(device) for r in expert_rows])
+            experts = torch.cat([torch.stack([r.to(device) for r in expert_rows]), grouped_experts])
             totals = totals + all_reduce_coalesced([experts], "sum", ctx.groups.ep)[0]
         if pipeline:
             totals = all_reduce_coalesced([totals], "sum", ctx.groups.pp)[0]
@@ -599,6 +634,7 @@ class NormMonitor(VitalsCallback):
                 pipeline or ep or any(p.shared[k] for p, k in mine),
                 totals[c],
             )
+        self._group_values(parts, totals, first_group, pipeline or ep, values, present)
         for part in parts:
             n = len(part.tracked)
             norms = part.sq.sqrt() if part.selected else part.sq
@@ -623,6 +659,43 @@ class NormMonitor(VitalsCallback):
         self._pending = _to_host(step, names, flags, totals[2])
         self._report_pending(block=False)
 
+    def _group_values(
+        self,
+        parts: list[_Part],
+        totals: torch.Tensor,
+        first: int,
+        spread: bool,
+        values: dict[str, Any],
+        present: dict[str, bool | torch.Tensor],
+    ) -> None:
+        """The ``group/<label>`` keys, from the group rows of ``totals`` (from ``first`` on);
+        ``spread``: other ranks (pipeline stages, EP ranks) add members to the groups."""
+        n_groups = len(self._group_labels)
+        # label position -> (this rank's members measured at the step, as (part, position))
+        members: dict[int, list[tuple[_Part, int]]] = {}
+        for part in parts:
+            for k, t in enumerate(part.tracked):
+                if t.group is not None:
+                    members.setdefault(t.group, []).append((part, k))
+        for g, label in enumerate(self._group_labels):
+            mine = members.get(g, [])
+            param_row, grad_row, present_row, member_row = (
+                first + g + r * n_groups for r in range(4)
+            )
+            if "grad" in self.per_param_kinds:
+                key = f"l2_norm/grad/group/{label}"
+                values[key] = totals[grad_row].sqrt()
+                present[key] = _presence(
+                    [p.has_grad[k] for p, k in mine],
+                    spread or any(p.shared[k] for p, k in mine),
+                    totals[present_row],
+                )
+            if "param" in self.per_param_kinds:
+                # (a group none of whose members was measured, all frozen: no key, not 0)
+                key = f"l2_norm/param/group/{label}"
+                values[key] = totals[param_row].sqrt()
+                present[key] = _presence([bool(mine)], spread, totals[member_row])
+
     def _track_trainable(self) -> None:
         """Track the parameters that require a gradient now (deduplicated) and select the
         per-parameter ones. Training can freeze or unfreeze parameters after run start (Lightning's
@@ -640,8 +713,15 @@ class NormMonitor(VitalsCallback):
         )
         named = [(n, p) for (n, p), t in zip(self._named, trainable, strict=True) if t]
         grouped = group_named_tensors(named)
+        position = {label: i for i, label in enumerate(self._group_labels)}
         self._tracked = [
-            _Tracked(name, p, groups, self._ep_experts and self._is_expert(name, p))
+            _Tracked(
+                name,
+                p,
+                groups,
+                self._ep_experts and self._is_expert(name, p),
+                position.get(self._label_of.get(name)),  # type: ignore[arg-type]
+            )
             for name, p, _ in grouped
             for groups in (sharding_groups(p),)
         ]
@@ -657,6 +737,40 @@ class NormMonitor(VitalsCallback):
         """A plain-tensor parameter of one expert (a DTensor expert carries its own shard
         groups)."""
         return local_tensor(param) is param and self.expert_pattern.search(name) is not None
+
+    def _find_groups(self, ctx: RunContext) -> None:
+        """``group_by``: each parameter's group label, and the run's labels: this rank's, made
+        the union over the pipeline stages (and over the expert-parallel ranks, whose experts
+        differ) with one object gather at run start, so that every rank carries the same group
+        rows in the totals' collectives."""
+        if self.group_by is None:
+            return
+        # Every parameter, frozen ones too (they may be unfrozen later), once: a tied one
+        # under its first name that the regex matches (selected by any of its names, like
+        # per_param's globs; counted once).
+        for _, _, aliases in group_named_tensors(self._named):
+            label = next(filter(None, map(self._label, aliases)), None)
+            self._label_of.update(dict.fromkeys(aliases, label))
+        labels = {label for label in self._label_of.values() if label is not None}
+        names = [name for name, _ in self._named]
+        message = (
+            f"group_by {self.group_by.pattern!r} matches no parameter; names look like {names[:5]}"
+        )
+        ep = ctx.groups.ep if self._ep_experts else None
+        spread = [g for g in (ctx.groups.pp, ep) if group_size(g) > 1]
+        if not labels and not spread:
+            raise ValueError(f"NormMonitor: {message}")  # (before any collective)
+        for group in spread:  # (other stages', other EP ranks' labels)
+            labels = {label for got in all_gather_objects(sorted(labels), group) for label in got}
+        if not labels:  # (the same union on every rank: every rank raises, none waits)
+            raise ValueError(f"NormMonitor: {message} on any pipeline stage or EP rank")
+        self._group_labels = sorted(labels, key=natural_sort_key)
+
+    def _label(self, name: str) -> str | None:
+        """``name``'s group label: the text the ``group_by`` regex captures (None: no match, or
+        the group captured nothing)."""
+        match = self.group_by.search(name) if self.group_by is not None else None
+        return (match.group(1) or None) if match is not None else None
 
     def _check_globs(self, ctx: RunContext) -> None:
         # Against every parameter, frozen ones too (they may be unfrozen later), by each of
@@ -769,6 +883,33 @@ def _expert_mask(part: _Part) -> torch.Tensor | None:
     return torch.tensor(flags, dtype=torch.bool, device=part.sq.device)
 
 
+def _group_rows(
+    parts: list[_Part], masks: list[torch.Tensor | None], n_groups: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``group_by``: per group, the sums over its members in ``parts`` of the (param, grad)
+    sums of squares (already reduced over their shards), of the gradients present and of the
+    members, as one float64 vector ``[4 * n_groups]`` (row-major: all param sums, then all
+    grad sums, ...); the plain-tensor experts' (``masks``) apart, in the second vector."""
+    out = torch.zeros(4, n_groups, dtype=torch.float64, device=device)
+    experts = torch.zeros_like(out)
+    if n_groups:
+        for part, mask in zip(parts, masks, strict=True):
+            n = len(part.tracked)
+            if not n or all(t.group is None for t in part.tracked):
+                continue
+            index = [n_groups if t.group is None else t.group for t in part.tracked]
+            x = part.sq.to(device)
+            rows = torch.stack(
+                [x[:n], x[n:], part.present.to(device), torch.ones_like(part.present).to(device)]
+            )
+            where = torch.tensor(index, dtype=torch.long, device=device)
+            sums, expert_sums = sums_by_group(rows, where, n_groups, mask)
+            out += sums
+            if expert_sums is not None:
+                experts += expert_sums
+    return out.flatten(), experts.flatten()
+
+
 def _presence(has: list[bool], shared: bool, count: torch.Tensor) -> bool | torch.Tensor:
     """Whether some gradient of a key is present on some rank of its reduction: known on the
     host when this rank holds one (``has``) or when none is reduced with other ranks
@@ -776,6 +917,23 @@ def _presence(has: list[bool], shared: bool, count: torch.Tensor) -> bool | torc
     if any(has):
         return True
     return count if shared else False
+
+
+def _group_regex(group_by: str | None) -> re.Pattern[str] | None:
+    if group_by is None:
+        return None
+    if not isinstance(group_by, str):
+        raise TypeError(f"group_by must be None or a regex string, got {type(group_by).__name__}")
+    try:
+        pattern = re.compile(group_by)
+    except re.error as exc:
+        raise ValueError(f"group_by is not a valid regex: {exc}") from exc
+    if pattern.groups != 1:
+        raise ValueError(
+            f"group_by must have exactly one capture group (the group's label), "
+            f"{group_by!r} has {pattern.groups}"
+        )
+    return pattern
 
 
 def _globs(per_param: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -38,6 +38,7 @@ No I/O, no framework imports; collectives only through :mod:`trainvitals.distrib
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +60,11 @@ __all__ = [
     "dedupe_named_tensors",
     "group_named_tensors",
     "local_sq_norms",
+    "natural_sort_key",
     "reduce_sq_norms",
     "sharding_groups",
     "stored_values",
+    "sums_by_group",
     "unwrap_model",
 ]
 
@@ -464,3 +467,32 @@ def reduce_sq_norms(sq_norms: torch.Tensor, groups: Sequence[tuple[Any, ...]]) -
     for index, values in zip(indices, reduced, strict=True):
         out.index_copy_(0, index, values.to(out.device))
     return out
+
+
+def natural_sort_key(label: str) -> tuple[Any, ...]:
+    """Sort key that orders the digit runs of ``label`` as numbers (``"2"`` before ``"10"``,
+    ``"layer2"`` before ``"layer10"``); the label itself breaks ties (``"01"`` and ``"1"``), so
+    every rank sorts a set of labels alike."""
+    parts = re.split(r"(\d+)", label)
+    return (tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts), label)
+
+
+def sums_by_group(
+    rows: torch.Tensor, index: torch.Tensor, size: int, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sum the columns of ``rows`` (``[k, n]``, one column per tensor) into ``size`` groups:
+    column ``j`` goes to group ``index[j]`` (``size`` or more: no group). Returns ``[k, size]``
+    float64 sums, and with ``mask`` (bool per column) those of the masked columns apart:
+    ``(unmasked, masked)``. On the device: no host sync."""
+    rows = rows.to(torch.float64)
+    k = rows.shape[0]
+    index = index.to(rows.device).clamp(max=size)  # (the spare column ``size`` is dropped)
+    out = torch.zeros(k, size + 1, dtype=torch.float64, device=rows.device)
+    if mask is None:
+        return out.index_add_(1, index, rows)[:, :size], None
+    mask = mask.to(rows.device)
+    zero = torch.zeros((), dtype=torch.float64, device=rows.device)
+    # (where, not a product: a NaN or -inf of the other kind must not leak into a sum)
+    masked = torch.zeros_like(out).index_add_(1, index, torch.where(mask, rows, zero))
+    out.index_add_(1, index, torch.where(mask, zero, rows))
+    return out[:, :size], masked[:, :size]
