@@ -209,8 +209,11 @@ def all_reduce_coalesced(
     float32 values and integer counts up to 2**53 stay exact; ``None``: the inputs' common
     dtype, a ``ValueError`` when they differ), reduced, and split back into tensors of the
     original shapes, in ``dtype``. ``avg`` is a sum divided by the group size (gloo has no
-    AVG) and needs a floating ``dtype``. A ``group`` this rank is not a member of:
-    ``ValueError`` on this rank, before any collective. ``max``/``min`` return NaN where any rank has NaN, as
+    AVG) and needs a floating ``dtype``. A floating ``dtype`` narrower than float32 (float16,
+    bfloat16) is summed (``sum``, ``avg``) as float32 and the result cast back once: in its own
+    dtype the sum overflowed (four float16 30000.0 averaged to inf) and was rounded at each
+    step of the reduction. A ``group`` this rank is not a member of: ``ValueError`` on this
+    rank, before any collective. ``max``/``min`` return NaN where any rank has NaN, as
     ``torch.amax``/``amin`` of the stacked inputs do. Returns new tensors; the inputs are not
     modified.
     """
@@ -234,6 +237,9 @@ def all_reduce_coalesced(
     # as int64, exact for their values (cast back, a sum wraps as the dtype's own sum would)
     narrow = dtype.itemsize == 1 or (op == "min" and not dtype.is_signed)
     wire = torch.int64 if narrow and not dtype.is_floating_point else dtype
+    if dtype.is_floating_point and dtype.itemsize < 4 and op in ("sum", "avg"):
+        # float16's max is 65504: the sum of an average overflows where the average fits
+        wire = torch.float32
     # values become ``dtype`` first, then the wire's int64: cast straight to int64, a float
     # 0.5 asked for as bool was 0 (False), an int 200 asked for as int8 won a MAX over 5
     # (it is -56 in int8), and -1 and 1 as bool summed to 0 (False)

@@ -278,10 +278,12 @@ def infer_batch_size(batch: Any) -> int | None:
 
 
 def infer_num_tokens(batch: Any) -> int | None:
-    """Tokens in a batch: ``input_ids``' element count when present (a dict or
-    ``BatchEncoding``); else the element count of the batch's token ids: its first tensor of
-    two or more dims (bool masks skipped), when that is a 2-d ``int64``/``int32`` tensor
-    (``[batch, seq]``: the index types ``nn.Embedding`` takes); ``None`` otherwise. A float
+    """Tokens in a batch: ``input_ids``' element count when present (a dict,
+    ``BatchEncoding``, dataclass or named tuple holding it, or such a mapping or record first in
+    a tuple or list: a ``(features, labels)`` collate); else the element count of the batch's
+    token ids: its first tensor of two or more dims (bool masks skipped), when that is a 2-d
+    ``int64``/``int32`` tensor (``[batch, seq]``: the index types ``nn.Embedding`` takes);
+    ``None`` otherwise. A float
     tensor first (images, features, embeddings) or an 8- or 16-bit integer one (``uint8``
     images, flattened or not) means the batch's input is not token ids, and an integer tensor
     after it (class labels ``[batch, 1]``, multi-hot labels ``[batch, classes]``) is not
@@ -297,10 +299,29 @@ def infer_num_tokens(batch: Any) -> int | None:
     tensor stays on the device until a logging step reads it (``int(...)`` would wait for the
     device at every micro-batch).
     """
-    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
-        return int(batch["input_ids"].numel())
+    ids = _input_ids(batch)
+    if ids is None and isinstance(batch, list | tuple) and batch:
+        # ``(features, labels)``: the features' ``input_ids``, not their first tensor (pixels
+        # before it left the batch uncounted, decoder labels before it were counted instead)
+        ids = _input_ids(batch[0])
+    if ids is not None:
+        return int(ids.numel())
     tensor = _first_tensor(batch, _not_a_mask)
     return None if tensor is None or not _token_ids(tensor) else int(tensor.numel())
+
+
+def _input_ids(obj: Any) -> torch.Tensor | None:
+    """``obj``'s ``input_ids`` tensor when ``obj`` is a mapping, dataclass or named tuple
+    holding one."""
+    if isinstance(obj, Mapping):
+        ids = obj.get("input_ids")
+    elif (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or (
+        isinstance(obj, tuple) and hasattr(obj, "_fields")
+    ):
+        ids = getattr(obj, "input_ids", None)
+    else:
+        return None
+    return ids if isinstance(ids, torch.Tensor) else None
 
 
 def _first_tensor(obj: Any, fits: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:

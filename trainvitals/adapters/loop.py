@@ -823,8 +823,9 @@ class Vitals:
         ``batch_size_fn``/``num_tokens_fn`` reads off ``batch``, else to what can be read off it
         (:func:`~trainvitals.adapters.context.infer_batch_size`: the first dim of its first
         tensor, dataclass fields included; :func:`~trainvitals.adapters.context.infer_num_tokens`:
-        the element count of ``input_ids``, else of a 2-d ``int64``/``int32`` tensor that is
-        the batch's first of two or more dims, bool masks skipped; padding included). Pass them
+        the element count of ``input_ids``, also of a ``(features, labels)`` batch's features,
+        else of a 2-d ``int64``/``int32`` tensor that is the batch's first of two or more dims,
+        bool masks skipped; padding included). Pass them
         to count only real tokens (``num_tokens=batch["attention_mask"].sum()``: a 0-d tensor
         stays on the device until a logging step), or the tokens of this rank.
         Calls inside :meth:`validating` are ignored (validation batches are not training).

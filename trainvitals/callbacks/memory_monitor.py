@@ -305,11 +305,12 @@ class MemoryMonitor(VitalsCallback):
         names = cuda_names + host_names
         group = world_group()
         reduced: dict[str, torch.Tensor] = {}
+        # (a device's NaN makes the rank's max NaN: "not measured here")
+        mine = torch.cat([cuda.amax(0) if cuda_names else cuda.new_empty(0), host])
         # A CUDA key is reduced over every device of every rank (a process may compute on
         # several: device_map="auto"), a host key over the ranks.
         if self.reduce == ("max",):
-            local = torch.cat([cuda.amax(0) if cuda_names else cuda.new_empty(0), host])
-            reduced["max"] = all_reduce_coalesced([local], "max", group)[0]
+            reduced["max"] = all_reduce_coalesced([mine], "max", group)[0]
         else:
             # Per rank: the devices' max, min, sum and count, then the host readings; the
             # mean over devices is the sum of the sums over the sum of the counts (ranks may
@@ -327,6 +328,19 @@ class MemoryMonitor(VitalsCallback):
                 reduced["max"] = torch.cat([rows[:, :k].amax(0), reduced["max"]])
                 reduced["min"] = torch.cat([rows[:, k : 2 * k].amin(0), reduced["min"]])
                 reduced["mean"] = torch.cat([mean, reduced["mean"]])
+        # A key some other rank could not read is left out here too; only that rank warned,
+        # so say it in this rank's log (rank 0's is the one read) rather than drop it silently.
+        others = [
+            n
+            for n, m, r in zip(names, mine.tolist(), reduced[self.reduce[0]].tolist(), strict=True)
+            if math.isnan(r) and not math.isnan(m)
+        ]
+        if others:
+            self.warn_once(
+                "peer_missing",
+                f"{', '.join(f'memory/{n}' for n in others)} left out: another rank could not "
+                "read it (that rank's log says why)",
+            )
         out: dict[str, Any] = {}
         for kind in self.reduce:
             suffix = "" if kind == "max" else f"/{kind}"

@@ -217,9 +217,10 @@ class ThroughputMonitor(VitalsCallback):
         window_size: optimizer steps in the rolling window.
         warmup_steps: steps of each run (start, restore, another fit) left out of the window.
         batch_size_fn: ``batch -> samples`` (default: the first dim of the first tensor).
-        num_tokens_fn: ``batch -> tokens`` (default: ``input_ids.numel()``, else the element
-            count of the batch's 2-d ``int64``/``int32`` token ids when they are its first
-            tensor of two or more dims, padding included:
+        num_tokens_fn: ``batch -> tokens`` (default: ``input_ids.numel()``, also of a
+            ``(features, labels)`` batch's features, else the element count of the batch's 2-d
+            ``int64``/``int32`` token ids when they are its first tensor of two or more dims,
+            padding included:
             :func:`~trainvitals.adapters.context.infer_num_tokens`). Under the driver, explicit
             ``vitals.batch(batch_size=..., num_tokens=...)`` values win. With ``measure_flops``
             the first step's flops are spread over the tokens counted here: counting only real

@@ -33,6 +33,16 @@ class TinyMoELightningModule(pl.LightningModule):
     :meth:`TinyMoELM.moe_step_end`, telling it whether the optimizer really stepped: a step
     that fp16's ``GradScaler`` skipped (non-finite gradients) leaves the expert biases alone.
 
+    Under manual optimization (``self.automatic_optimization = False`` in a subclass, whose
+    ``training_step`` calls ``opt.step()`` itself) Lightning never calls
+    :meth:`optimizer_step`: the biases stayed at zero and the token counts grew without end.
+    There, from train start to train end, each ``step()`` of the ``LightningOptimizer`` that
+    :meth:`optimizers` returns is followed by the same update, once per real step (several
+    optimizers: each one's step). A subclass that steps otherwise (the torch optimizer itself,
+    ``self.optimizers(use_pl_optimizer=False).step()``, or an ``on_train_start`` that does not
+    call ``super().on_train_start()``) calls ``self.model.moe_step_end(optimizer_stepped=...)``
+    after each optimizer step itself (``False`` when the step was skipped).
+
     Example:
         >>> module = TinyMoELightningModule(lr=1e-3, vocab_size=64, hidden_size=32,
         ...                                 num_layers=2, num_experts=4, top_k=2)
@@ -55,11 +65,38 @@ class TinyMoELightningModule(pl.LightningModule):
         set_aux_loss_backward_scale(
             1.0 / max(int(self.trainer.accumulate_grad_batches), 1), grad_scaler=grad_scaler
         )
+        if not self.automatic_optimization:
+            self._follow_manual_steps()
 
     def on_train_end(self) -> None:
         previous = getattr(self, "_previous_aux_loss_scale", None)
         if previous is not None:
             set_aux_loss_backward_scale(previous[0], grad_scaler=previous[1])
+        for optimizer in getattr(self, "_followed_optimizers", []):
+            vars(optimizer).pop("step", None)
+        self._followed_optimizers: list[Any] = []
+
+    def _follow_manual_steps(self) -> None:
+        """Follow each ``step()`` of the run's ``LightningOptimizer`` objects (what
+        ``self.optimizers()`` hands a manual ``training_step``) with the bias update: Lightning
+        calls no module hook around a manual step."""
+        optimizers = self.optimizers(use_pl_optimizer=True)
+        followed = []
+        for optimizer in optimizers if isinstance(optimizers, list) else [optimizers]:
+            if "step" in vars(optimizer):  # followed already (a run that did not end)
+                continue
+            original = optimizer.step
+
+            def step(
+                closure: Any = None, *, _original: Any = original, _opt: Any = optimizer, **kw: Any
+            ) -> Any:
+                result: list[Any] = []
+                self._step_then_update(_opt, lambda: result.append(_original(closure, **kw)))
+                return result[0] if result else None
+
+            optimizer.step = step  # an instance attribute: shadows the class's step
+            followed.append(optimizer)
+        self._followed_optimizers = followed
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(batch["input_ids"], batch["labels"]).loss
@@ -70,6 +107,14 @@ class TinyMoELightningModule(pl.LightningModule):
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
     ) -> None:
+        step = super().optimizer_step
+        self._step_then_update(
+            optimizer, lambda: step(epoch, batch_idx, optimizer, optimizer_closure)
+        )
+
+    def _step_then_update(self, optimizer: Any, run_step: Any) -> None:
+        """Run ``run_step()`` (one step of ``optimizer``), then update the expert biases unless
+        the step was skipped."""
         # GradScaler.step() does not call optimizer.step() when the gradients are not finite:
         # a post hook on the wrapped torch optimizer sees whether it ran (torchtitan, whose
         # bias update is a step pre hook, skips it the same way). Under 32-bit precision the
@@ -82,7 +127,7 @@ class TinyMoELightningModule(pl.LightningModule):
             # instead (it backs off exactly on a skipped step), compared on the device.
             before = getattr(scaler, "_scale", None)
             before = None if before is None else before.clone()
-            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+            run_step()
             after = getattr(scaler, "_scale", None)
             if after is None:  # (a disabled scaler: nothing skipped)
                 self.model.moe_step_end()
@@ -95,7 +140,7 @@ class TinyMoELightningModule(pl.LightningModule):
         register = getattr(inner, "register_step_post_hook", None)
         handle = register(lambda *_: stepped.append(True)) if register is not None else None
         try:
-            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+            run_step()
         finally:
             if handle is not None:
                 handle.remove()
