@@ -82,8 +82,8 @@ def make_callbacks() -> list:
         LoadBalanceMonitor(mode="detailed"),
         # per-layer RMS and kurtosis on the dashboards too (tensor_stats.jsonl has every tensor)
         TensorStatsMonitor(layer_pattern=r"layers\.(\d+)\."),
-        # each router's gradient norm next to the global one
-        NormMonitor(per_param=["*.router.weight"]),
+        # each router's gradient norm and each layer's next to the global one
+        NormMonitor(per_param=["*.router.weight"], group_by=r"layers\.(\d+)\."),
         MemoryMonitor(),
         # flops counted on the first step: TinyMoELM runs every expert on every token, so they
         # are hardware flops (docs/callbacks.md); CPUs have no peak in the table, so no MFU key

@@ -122,6 +122,10 @@ def test_demo_logs_to_every_backend(example_runs, request):
     logged = {k for r in records if r["step"] == 3 for k in r["metrics"]}
     for prefix in ("train/loss", "moe/", "l2_norm/", "memory/", "throughput/", "time/"):
         assert any(k.startswith(prefix) for k in logged), prefix
+    # the demo's per-layer norms (group_by): one key per layer of its 4
+    assert sorted(k for k in logged if k.startswith("l2_norm/grad/group/")) == [
+        f"l2_norm/grad/group/{i}" for i in range(4)
+    ]
     assert (tmp_path / "tensor_stats.jsonl").stat().st_size > 0
     report = (tmp_path / "report.html").read_text()
     assert str(tmp_path / "report.html") in out
