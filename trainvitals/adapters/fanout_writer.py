@@ -87,10 +87,21 @@ _STOP = object()
 
 
 def _bad_key(key: Any) -> None:
+    """Raise for a key no backend can store; return for a non-ASCII key that is fine."""
     if not isinstance(key, str):
         raise TypeError(f"metric key must be a str, got {type(key).__name__}: {key!r}")
     if not key or key.isspace():
         raise ValueError(f"metric key must be a non-empty string, got {key!r}")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate ("\udcff": os.fsdecode of a name that is not UTF-8) has no UTF-8
+        # form: TensorBoard's and W&B's protobufs raised for it at every retry of its step,
+        # so each of those sinks was switched off and lost the rest of the run.
+        raise ValueError(
+            f"metric key {key!r} is not valid Unicode text (it holds a lone surrogate, which "
+            "has no UTF-8 encoding); TensorBoard and W&B cannot store it"
+        ) from None
 
 
 def _as_value(key: str, value: Any) -> float | torch.Tensor:
@@ -1149,9 +1160,9 @@ class FanoutWriter:
         sinks decide how values are stored (``TensorBoardSink(..., double_precision=True)``).
 
         Raises ``TypeError``/``ValueError`` (naming the key) for a missing, non-string or empty
-        key, a missing or non-numeric value, a tensor with more than one element, a missing,
-        negative or decreasing step, a ``walltime`` that is not a finite number of seconds
-        ``>= 0``. After :meth:`close` the value is dropped with one warning (for the writer's
+        key, a key holding a lone surrogate (no UTF-8 form), a missing or non-numeric value, a
+        tensor with more than one element, a missing, negative or decreasing step, a
+        ``walltime`` that is not a finite number of seconds ``>= 0``. After :meth:`close` the value is dropped with one warning (for the writer's
         lifetime), whatever its step: a lower step than the last one no longer raises.
 
         Example::
@@ -1161,7 +1172,7 @@ class FanoutWriter:
         """
         if tag is not None or scalar_value is not _UNSET or value is _UNSET:
             name, value = _scalar_args(name, value, tag, scalar_value)
-        if type(name) is not str or not name or name.isspace():
+        if type(name) is not str or not name or name.isspace() or not name.isascii():
             _bad_key(name)
         tv = type(value)
         if tv is not float and (
@@ -1249,7 +1260,7 @@ class FanoutWriter:
         checked: dict[str, Any] = {}
         has_tensors = False
         for k, v in mapping.items():
-            if type(k) is not str or not k or k.isspace():
+            if type(k) is not str or not k or k.isspace() or not k.isascii():
                 _bad_key(k)
             tv = type(v)
             if tv is not float:

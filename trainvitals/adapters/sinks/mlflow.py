@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Mapping
@@ -75,6 +76,11 @@ class MLflowSink(Sink):
     over HTTP the same happens on the server. Treat +-``sys.float_info.max`` from MLflow as
     +-Inf. A step above ``2**63 - 1`` (MLflow's ``step`` is an int64) is refused
     (:class:`~trainvitals.adapters.StepRefused`).
+
+    A deleted experiment ``experiment_name`` (MLflow refuses new runs in it) or a run deleted
+    while the sink logs to it (MLflow refuses its points) cannot take anything: the sink raises
+    a ``PermissionError`` naming it, which has the writer disable the sink at once (one
+    warning) instead of retrying it until ``close()`` ran out of ``close_timeout``.
 
     Every ``log_batch`` is synchronous, also under ``MLFLOW_ENABLE_ASYNC_LOGGING``: a step
     counts as delivered only once MLflow has stored it.
@@ -161,6 +167,18 @@ class MLflowSink(Sink):
     def _start_run(self, first_step: int) -> None:
         """Reopen the run recorded in ``run_dir`` when this run resumes, else create one."""
         experiment = self.client.get_experiment_by_name(self.experiment_name)
+        if experiment is not None and experiment.lifecycle_stage != "active":
+            # MLflow refuses a run in a deleted experiment ("must be in the 'active' state") at
+            # every retry, and cannot make another experiment of that name until it is purged
+            # (mlflow.set_experiment refuses it too): an errno the writer does not retry, so
+            # that close() does not wait its close_timeout for a sink that cannot work.
+            raise PermissionError(
+                errno.EPERM,
+                f"the MLflow experiment {self.experiment_name!r} (id {experiment.experiment_id})"
+                " is deleted; restore it (`mlflow experiments restore`) or give MLflowSink "
+                "another experiment_name",
+                self._store_uri(),
+            )
         if experiment is not None:
             experiment_id = experiment.experiment_id
         else:
@@ -230,7 +248,29 @@ class MLflowSink(Sink):
                     _check_writable(database)
                 except OSError as why:
                     raise why from e
+            if getattr(e, "error_code", None) == "INVALID_PARAMETER_VALUE":
+                self._raise_if_run_deleted(e)
             raise
+
+    def _raise_if_run_deleted(self, error: Exception) -> None:
+        """A run deleted while it was logged to (in the UI, ``mlflow runs delete``): MLflow
+        refuses its every ``log_batch`` ("must be in the 'active' state"), which the writer
+        retried until ``close()`` gave up after its whole ``close_timeout``. Raise an errno
+        the writer does not retry instead."""
+        run_id = self.run_id
+        if run_id is None or self.client is None:
+            return
+        try:
+            stage = self.client.get_run(run_id).info.lifecycle_stage
+        except Exception:  # (the store cannot say: the original error stands)
+            return
+        if stage != "active":
+            raise PermissionError(
+                errno.EPERM,
+                f"the MLflow run {run_id} is {stage}; MLflow takes nothing more for it "
+                "(restore it to log to it again)",
+                self._store_uri(),
+            ) from error
 
     def _store_uri(self) -> str | None:
         if self.tracking_uri is not None:
