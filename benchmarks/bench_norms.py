@@ -11,7 +11,8 @@ shared machine hits every variant alike; medians over rounds:
    round's baseline steps (median of the per-round ratios reported, with their range).
 2. The gradient-norm work alone, called where it would run (grads complete, before the
    optimizer step): ``NormMonitor`` (global param + grad norms, plus the writer's single
-   device-to-host transfer), ``NormMonitor(per_param="*")``, Composer ``OptimizerMonitor`` /
+   device-to-host transfer), ``NormMonitor(per_param="*")``, ``NormMonitor(group_by=...)`` (one
+   norm per block), Composer ``OptimizerMonitor`` /
    Megatron-Bridge ``report_l2_norm_grad`` style (one ``p.grad.norm().item()`` per parameter,
    global from the per-parameter values), Lightning ``grad_norm(model, 2)``.
 
@@ -201,6 +202,10 @@ def main() -> None:
     calls = {
         "NormMonitor (params + grads)": make_monitor_call(model),
         "NormMonitor(per_param='*')": make_monitor_call(model, per_param="*"),
+        # one norm per block (7), params and grads: the per-layer view without per-param keys
+        "NormMonitor(group_by: 7 blocks, param+grad)": make_monitor_call(
+            model, group_by=r"blocks\.(\d+)\.", per_param_kinds=("grad", "param")
+        ),
         "Composer/Megatron-Bridge per-param .item() (grads only)": lambda: composer_style(model),
         "per-param .item(), params + grads (NormMonitor's outputs)": lambda: (
             item_style_params_and_grads(model)
