@@ -118,7 +118,12 @@ def _run_query(args: argparse.Namespace) -> int:
 def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     """Why a query gave no rows, found by reading the file once more (only then): the message,
     and whether the file holds no tensor-statistics record at all (a wrong file: an error)."""
-    from trainvitals.report.query import matcher, parse_steps, read_tensor_stats
+    from trainvitals.report.query import (
+        TENSOR_STATS_FILE,
+        matcher,
+        parse_steps,
+        read_tensor_stats,
+    )
     from trainvitals.report.sources import name_a_few
 
     first, last = parse_steps(args.steps)
@@ -144,7 +149,17 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
                 names = list(rec["tensors"])
             grouped = grouped or any(match(n) for n in rec["tensors"])
     if not spans:
-        if Path(args.run_dir).is_file():
+        given = Path(args.run_dir)
+        path = given / TENSOR_STATS_FILE if given.is_dir() else given
+        if _is_blank(path):
+            # (a run that has not logged yet, or whose first line was cut: "is it a
+            # tensor_stats.jsonl file?" of the very file the monitor writes misled)
+            return (
+                f"{path} holds no line yet: TensorStatsMonitor writes one per logging step "
+                "and kind (none logged so far)",
+                True,
+            )
+        if given.is_file():
             return _query_of_a_wrong_file(Path(args.run_dir)), True
         return (
             f"{args.run_dir} holds no tensor-statistics record (is it a tensor_stats.jsonl "
@@ -165,6 +180,15 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     if by_used:
         return f"no tensor name of --group {args.group!r} matches --by {args.by!r}", False
     return "no matching tensors", False
+
+
+def _is_blank(path: Path) -> bool:
+    """Whether ``path`` holds only whitespace (an empty file), read in blocks."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 16):
+            if block.strip():
+                return False
+    return True
 
 
 def _format(rows: list[dict[str, Any]], fmt: str, stat: str | list[str]) -> str:

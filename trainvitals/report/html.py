@@ -76,6 +76,7 @@ from trainvitals.report.query import (
     read_tensor_stats,
 )
 from trainvitals.report.sources import StepValues, find_metrics, load_metrics, name_a_few
+from trainvitals.stats.moments import FIELDS
 
 __all__ = ["DEFAULT_MAX_POINTS", "decimate", "family_of", "render_report", "write_report"]
 
@@ -631,7 +632,9 @@ class _KindStats:
 
 def _nonfinite_counts(rec: dict[str, Any]) -> dict[str, float]:
     """The tensors of a record with non-finite elements, and how many."""
-    fields = rec.get("fields", [])
+    # (no ``fields``: the version-1 order, as read_tensor_stats and the merge read it; ``[]``
+    # here hid the tensors' non-finite counts from Attention, which said none ever was)
+    fields = rec.get("fields", FIELDS)
     if "nonfinite" not in fields:
         return {}
     col = fields.index("nonfinite")
@@ -985,11 +988,15 @@ def write_report(
     text = render_report(run_dir, **options)
     path = Path(output) if output is not None else Path(run_dir) / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # (the name cut: an --output name of 240 characters gave a hidden name beyond the 255 a
+    # file system takes, "File name too long", of a file the user never named)
+    tmp = path.with_name(f".{path.name[:200]}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
-    except OSError:
+    except OSError as exc:
         tmp.unlink(missing_ok=True)  # (`-o` naming a folder) leave no hidden file behind
+        if exc.filename == str(tmp):  # (name the file asked for, not the hidden one beside it)
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from None
         raise
     return path

@@ -22,6 +22,7 @@ import gc
 import itertools
 import json
 import math
+import operator
 import re
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -47,6 +48,12 @@ KINDS = ("param", "grad", "activation", "dgrad")
 #: Records of one kind held and merged at a time while a file is read (:func:`query`, the HTML
 #: report): bounds memory whatever the file's length, and keeps one merge per few hundred steps.
 CHUNK_RECORDS = 256
+#: Tensors (moment vectors) of the records held at a time, whatever their number: a chunk is
+#: also merged once it holds this many. Parsed, a vector costs about 0.3 kB (a list of eight
+#: boxed numbers and its key), so 256 records of 20,000 tensors each held ~1.7 GB (the report
+#: holds a chunk per kind: ~700 MB above the interpreter for a 200 MB file read whole); this
+#: bounds a chunk to ~20 MB, and a merge still spans ~65,000 rows.
+CHUNK_TENSORS = 1 << 16
 #: Skipped lines of a file warned about one by one; the rest are counted in one warning.
 MAX_LINE_WARNINGS = 5
 #: The types a moment vector's element may have once parsed: a number, or ``null`` for a
@@ -306,7 +313,13 @@ def parse_steps(
     if isinstance(steps, int):
         return steps, steps
     if isinstance(steps, tuple | list) and len(steps) == 2:
-        first, last = steps
+        try:  # (an integer of any type, numpy's too, as an int; a float end was compared as
+            # is, 1.5 showing step 2, and a str one failed in "<")
+            if any(isinstance(e, bool) for e in steps):
+                raise TypeError
+            first, last = (None if e is None else operator.index(e) for e in steps)
+        except TypeError:
+            raise TypeError(f"steps: a (first, last) pair of ints or None, got {steps!r}") from None
     elif isinstance(steps, str):
         text = steps.strip()
         try:
@@ -353,7 +366,9 @@ def matcher(group: str | None) -> Callable[[str], bool]:
 def natural_key(text: str) -> tuple:
     """Sort key that orders the integers inside names as numbers (``layer_2`` before
     ``layer_10``, label ``"2"`` before ``"10"``); used by the query rows and the report."""
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
+    # (the captures, at odd places, are the numbers: ``str.isdigit`` is also true of "²",
+    # which int() refuses, so a tensor named "w²" failed the query and the report)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", text)))
 
 
 def format_value(v: Any) -> str:
@@ -441,8 +456,9 @@ def query(
 
 class StepChunks:
     """Records of one kind, in file order, turned into results per step :data:`CHUNK_RECORDS`
-    at a time by ``reduce`` (one call per chunk, from the chunk's records keyed by step to
-    results keyed by step): memory holds one chunk of records and the results, not the file.
+    at a time, fewer where they hold :data:`CHUNK_TENSORS` tensors together, by ``reduce``
+    (one call per chunk, from the chunk's records keyed by step to results keyed by step):
+    memory holds one chunk of records and the results, not the file.
     A step read again (a resumed run) replaces what its earlier line gave: the later line
     wins. Used by :func:`query` and by the HTML report."""
 
@@ -450,10 +466,15 @@ class StepChunks:
         self.results: dict[int, Any] = {}
         self._reduce = reduce
         self._pending: dict[int, dict[str, Any]] = {}
+        self._tensors = 0  # the tensors of the records pending
 
     def add(self, step: int, record: dict[str, Any]) -> None:
+        replaced = self._pending.get(step)
+        if replaced is not None:
+            self._tensors -= _size(replaced)
         self._pending[step] = record
-        if len(self._pending) >= CHUNK_RECORDS:
+        self._tensors += _size(record)
+        if len(self._pending) >= CHUNK_RECORDS or self._tensors >= CHUNK_TENSORS:
             self.flush()
 
     def flush(self) -> None:
@@ -464,6 +485,13 @@ class StepChunks:
             self.results.pop(step, None)
         self.results.update(self._reduce(self._pending))
         self._pending = {}
+        self._tensors = 0
+
+
+def _size(record: dict[str, Any]) -> int:
+    """The tensors of a record (0 for a ``tensors`` that is not a collection)."""
+    tensors = record.get("tensors")
+    return len(tensors) if isinstance(tensors, dict) else 0
 
 
 class Grouping:
