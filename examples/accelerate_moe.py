@@ -11,7 +11,10 @@ the folder, and two runs in one folder are read back as one, by TensorBoard and 
 ``trainvitals report``.)
 
 (``accelerate launch --num_processes 2 --cpu`` starts one process: with ``--cpu`` Accelerate's
-launcher ignores ``--num_processes``.)
+launcher ignores ``--num_processes``. ``accelerate launch --multi_gpu --num_processes 2
+--num_machines 1 --mixed_precision no --dynamo_backend no examples/accelerate_moe.py ...``
+starts two, on a machine without a GPU too: the script's ``Accelerator(cpu=True)`` runs them on
+CPU over gloo.)
 
 The callbacks write into the Accelerate trackers (here TensorBoard), with tensor values
 converted to numbers (Accelerate's own trackers drop tensors silently); gradients are seen
@@ -47,12 +50,27 @@ def positive_int(text: str) -> int:
     return value
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Command lines kept as written, and each option's default."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", default="runs/accelerate", type=Path)
-    parser.add_argument("--steps", default=100, type=positive_int)
-    parser.add_argument("--accumulate", default=2, type=positive_int)
-    parser.add_argument("--log-every", default=10, type=positive_int)
+    # --help shows the docstring's command lines (how to start two ranks) and the defaults
+    first, rest = __doc__.replace("``", "`").split("\n\n", 1)
+    parser = argparse.ArgumentParser(description=first, epilog=rest, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--run-dir",
+        default="runs/accelerate",
+        type=Path,
+        help="Accelerate's project_dir: the TensorBoard event files and report.html",
+    )
+    parser.add_argument("--steps", default=100, type=positive_int, help="optimizer steps")
+    parser.add_argument(
+        "--accumulate", default=2, type=positive_int, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--log-every", default=10, type=positive_int, help="optimizer steps between logged values"
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)

@@ -94,20 +94,45 @@ def make_callbacks() -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", default="runs/demo", type=Path)
+    # --help shows each option's default
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--run-dir",
+        default="runs/demo",
+        type=Path,
+        help="where the TensorBoard, MLflow and JSONL logs and report.html go",
+    )
     parser.add_argument("--steps", default=300, type=positive_int, help="optimizer steps")
     parser.add_argument(
-        "--micro-batches", default=MICRO_BATCHES, type=positive_int, help="gradient accumulation"
+        "--micro-batches",
+        default=MICRO_BATCHES,
+        type=positive_int,
+        help="micro-batches per optimizer step (gradient accumulation)",
     )
-    parser.add_argument("--batch-size", default=BATCH_SIZE, type=positive_int)
-    parser.add_argument("--seq-len", default=SEQ_LEN, type=positive_int)
-    parser.add_argument("--log-every", default=10, type=positive_int)
     parser.add_argument(
-        "--val-every", default=100, type=positive_int, help="steps between validations"
+        "--batch-size", default=BATCH_SIZE, type=positive_int, help="sequences per micro-batch"
     )
-    parser.add_argument("--lr", default=3e-3, type=float)
-    parser.add_argument("--seed", default=0, type=int)
+    parser.add_argument(
+        "--seq-len", default=SEQ_LEN, type=positive_int, help="tokens (bytes) per sequence"
+    )
+    parser.add_argument(
+        "--log-every", default=10, type=positive_int, help="optimizer steps between logged values"
+    )
+    parser.add_argument(
+        "--val-every", default=100, type=positive_int, help="optimizer steps between validations"
+    )
+    parser.add_argument(
+        "--lr", default=3e-3, type=float, help="peak learning rate (warm-up, then cosine decay)"
+    )
+    parser.add_argument(
+        "--seed",
+        default=0,
+        type=int,
+        help="seed of the model's initialisation (the batches are fixed)",
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)

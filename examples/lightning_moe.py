@@ -55,14 +55,34 @@ class LoggedTinyMoE(TinyMoELightningModule):
         return loss
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Command lines kept as written, and each option's default."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", default="runs/lightning", type=Path)
-    parser.add_argument("--steps", default=100, type=positive_int)
-    parser.add_argument("--devices", default=1, type=positive_int)
-    parser.add_argument("--accumulate", default=2, type=positive_int)
-    parser.add_argument("--log-every", default=10, type=positive_int)
-    parser.add_argument("--val-every", default=50, type=positive_int, help="optimizer steps")
+    # --help shows the docstring's command lines and the defaults
+    first, rest = __doc__.replace("``", "`").split("\n\n", 1)
+    parser = argparse.ArgumentParser(description=first, epilog=rest, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--run-dir",
+        default="runs/lightning",
+        type=Path,
+        help="the loggers' folder: tb/version_<n> (event files, tensor_stats.jsonl, "
+        "report.html) and csv/version_<n>",
+    )
+    parser.add_argument("--steps", default=100, type=positive_int, help="optimizer steps")
+    parser.add_argument(
+        "--devices", default=1, type=positive_int, help="CPU processes (2 or more: DDP, gloo)"
+    )
+    parser.add_argument(
+        "--accumulate", default=2, type=positive_int, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--log-every", default=10, type=positive_int, help="optimizer steps between logged values"
+    )
+    parser.add_argument(
+        "--val-every", default=50, type=positive_int, help="optimizer steps between validations"
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -100,8 +120,11 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(module, loader, val_loader)
     if trainer.is_global_zero:
         print(f"logs in {args.run_dir} (tensorboard --logdir {args.run_dir / 'tb'})")
-        # the TensorBoard logger's folder holds the event file and tensor_stats.jsonl
-        print(f"HTML report: {write_report(trainer.loggers[0].log_dir)}")
+        # the TensorBoard logger's folder holds the event file and tensor_stats.jsonl; it, not
+        # --run-dir (two loggers' folders: two runs to `trainvitals`), is the run folder
+        run_folder = trainer.loggers[0].log_dir
+        print(f"HTML report: {write_report(run_folder)}")
+        print(f"queries: trainvitals query {run_folder} --kind grad --stat kurtosis")
 
 
 if __name__ == "__main__":
