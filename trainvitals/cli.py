@@ -57,8 +57,18 @@ def _add_query_arguments(p: argparse.ArgumentParser) -> None:
     from trainvitals.stats.moments import DERIVED
 
     p.epilog = _EXIT_CODES  # (argparse reads it when the help is printed)
-    p.add_argument("run_dir", help="run folder holding tensor_stats.jsonl (or the file itself)")
-    p.add_argument("--kind", default="grad", choices=["param", "grad", "activation", "dgrad"])
+    p.add_argument(
+        "run_dir",
+        help="run folder holding tensor_stats.jsonl (or the file itself; a folder whose "
+        "subfolders hold exactly one, such as a logger's version_0/, reads that one)",
+    )
+    p.add_argument(
+        "--kind",
+        default="grad",
+        choices=["param", "grad", "activation", "dgrad"],
+        help="param (weights), grad (their gradients), activation (module inputs/outputs), "
+        "dgrad (gradients flowing back into those); default: grad",
+    )
     p.add_argument(
         "--group",
         default=None,
@@ -68,7 +78,7 @@ def _add_query_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stat",
         default="kurtosis",
-        help=f"comma-separated statistics, or 'all': {', '.join(DERIVED)}",
+        help=f"comma-separated statistics, or 'all': {', '.join(DERIVED)}; default: kurtosis",
     )
     p.add_argument("--steps", default=None, help="'100:200' (inclusive), '100:', ':200' or '150'")
     p.add_argument(
@@ -78,7 +88,12 @@ def _add_query_arguments(p: argparse.ArgumentParser) -> None:
         "(e.g. 'layers\\.(\\d+)\\.' for per-layer rows); tensors it does not match are left out",
     )
     p.add_argument("--per-tensor", action="store_true", help="one row per tensor, no merging")
-    p.add_argument("--format", default="table", choices=["table", "csv", "json"])
+    p.add_argument(
+        "--format",
+        default="table",
+        choices=["table", "csv", "json"],
+        help="table (aligned text), csv or json (one object per row); default: table",
+    )
     p.add_argument("--output", "-o", default=None, help="write to this file instead of stdout")
 
 
@@ -119,10 +134,10 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     """Why a query gave no rows, found by reading the file once more (only then): the message,
     and whether the file holds no tensor-statistics record at all (a wrong file: an error)."""
     from trainvitals.report.query import (
-        TENSOR_STATS_FILE,
         matcher,
         parse_steps,
         read_tensor_stats,
+        tensor_stats_path,
     )
     from trainvitals.report.sources import name_a_few
 
@@ -150,7 +165,7 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
             grouped = grouped or any(match(n) for n in rec["tensors"])
     if not spans:
         given = Path(args.run_dir)
-        path = given / TENSOR_STATS_FILE if given.is_dir() else given
+        path = tensor_stats_path(given)
         if _is_blank(path):
             # (a run that has not logged yet, or whose first line was cut: "is it a
             # tensor_stats.jsonl file?" of the very file the monitor writes misled)

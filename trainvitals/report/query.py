@@ -62,8 +62,9 @@ _ELEMENT_TYPES = frozenset({int, float, type(None)})
 _REGEX_CHARS = re.compile(r"[\\^$()+|{}]")
 #: The TensorStatsMonitor file a run folder holds (its default ``filename``).
 TENSOR_STATS_FILE = "tensor_stats.jsonl"
-#: Folder levels below a run folder searched for tensor statistics files, only to name them in
-#: the error: ``lightning_logs/version_0/``, ``runs/<name>/version_0/``.
+#: Folder levels below a run folder searched for tensor statistics files when it holds none
+#: (the only one found is read; several are named in the error): ``lightning_logs/version_0/``,
+#: ``runs/<name>/version_0/``.
 _SEARCH_DEPTH = 2
 
 
@@ -74,18 +75,42 @@ class NewerVersionError(ValueError):
     not know it; the HTML report catches it to show the run's metrics with the message."""
 
 
-def _found_below(folder: Path | None) -> str:
-    """The tail of the missing-file error: the files a folder of several runs (or of a run
-    moved aside by a new one) holds instead, so the user can name one."""
-    if folder is None or not folder.is_dir():
-        return ""
-    # earlier runs moved aside (.1, .2, ...)
+def _files_below(folder: Path) -> list[Path]:
+    """The tensor statistics files a run folder without its own holds: earlier runs moved
+    aside (``.1``, ``.2``, ...), then those of subfolders (a logger's version folder)."""
     found = sorted(folder.glob(f"{TENSOR_STATS_FILE}.*"))
     for depth in range(1, _SEARCH_DEPTH + 1):  # bounded: a folder may hold a big tree
         found += sorted(folder.glob("/".join(["*"] * depth + [TENSOR_STATS_FILE])))
+    return found
+
+
+def _found_below(found: list[Path], folder: Path) -> str:
+    """The tail of the missing-file error: the files a folder of several runs (or of a run
+    moved aside by a new one) holds instead, so the user can name one."""
     if not found:
         return ""
     return f"; {len(found)} found in or below {folder}: {name_a_few(found)} (give one of them)"
+
+
+def tensor_stats_path(path: str | Path) -> Path:
+    """The file a query of ``path`` reads: ``path`` itself, or a run folder's
+    ``tensor_stats.jsonl``; a folder without its own whose subfolders (two levels down:
+    ``<logger>/version_0/``) hold exactly one is read from that one, as ``trainvitals report``
+    of the same folder does. ``FileNotFoundError`` otherwise (naming the files found, when
+    several runs or runs moved aside leave the user to name one)."""
+    path = Path(path)
+    if path.is_dir():
+        folder, path = path, path / TENSOR_STATS_FILE
+        if not path.exists():
+            found = _files_below(folder)
+            if len(found) == 1 and found[0].name == TENSOR_STATS_FILE:
+                return found[0]
+            raise FileNotFoundError(
+                f"no tensor statistics file at {path}{_found_below(found, folder)}"
+            )
+    if not path.exists():
+        raise FileNotFoundError(f"no tensor statistics file at {path}")
+    return path
 
 
 def read_tensor_stats(
@@ -116,18 +141,15 @@ def read_tensor_stats(
     twice, the later line wins (:func:`query` applies this).
 
     Raises:
-        FileNotFoundError: no such file (a folder's message names the files found below it).
+        FileNotFoundError: no such file (a folder's message names the files found below it;
+            a folder without its own file whose subfolders, two levels down, hold exactly one
+            is read from that one, as the HTML report does).
         NewerVersionError: (a ``ValueError``) no line could be read and some are of a newer
             schema version than :data:`SUPPORTED_VERSIONS` (a file written by a newer
             trainvitals: upgrade), raised once the file was read. A file with some readable
             lines only warns about the newer ones.
     """
-    path = Path(path)
-    folder = path if path.is_dir() else None
-    if folder is not None:
-        path = folder / TENSOR_STATS_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"no tensor statistics file at {path}{_found_below(folder)}")
+    path = tensor_stats_path(path)
     skipped = 0
     read = 0  # records yielded, and lines passed over (_passed_over)
     filtered = kinds is not None or first is not None or last is not None
