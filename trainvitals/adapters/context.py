@@ -300,9 +300,16 @@ def infer_num_tokens(batch: Any) -> int | None:
     device at every micro-batch).
     """
     ids = _input_ids(batch)
-    if ids is None and isinstance(batch, list | tuple) and batch:
+    if (
+        ids is None
+        and isinstance(batch, list | tuple)
+        and batch
+        and not any(_input_ids(item) is not None for item in batch[1:])
+    ):
         # ``(features, labels)``: the features' ``input_ids``, not their first tensor (pixels
-        # before it left the batch uncounted, decoder labels before it were counted instead)
+        # before it left the batch uncounted, decoder labels before it were counted instead);
+        # not a list of samples each with its own (an uncollated batch: its first sample's
+        # would be a fraction of the tokens)
         ids = _input_ids(batch[0])
     if ids is not None:
         return int(ids.numel())

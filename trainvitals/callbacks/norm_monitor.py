@@ -757,7 +757,10 @@ class NormMonitor(VitalsCallback):
             f"group_by {self.group_by.pattern!r} matches no parameter; names look like {names[:5]}"
         )
         ep = ctx.groups.ep if self._ep_experts else None
-        spread = [g for g in (ctx.groups.pp, ep) if group_size(g) > 1]
+        # over groups.ep first: a stage without plain experts gathers over groups.pp only, so
+        # each stage-mate it meets there must hold its EP ranks' union already (pp first, a
+        # dense stage got one EP rank's expert labels and the totals' lengths differed)
+        spread = [g for g in (ep, ctx.groups.pp) if group_size(g) > 1]
         if not labels and not spread:
             raise ValueError(f"NormMonitor: {message}")  # (before any collective)
         for group in spread:  # (other stages', other EP ranks' labels)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -72,9 +73,11 @@ class TinyMoELightningModule(pl.LightningModule):
         previous = getattr(self, "_previous_aux_loss_scale", None)
         if previous is not None:
             set_aux_loss_backward_scale(previous[0], grad_scaler=previous[1])
-        for optimizer in getattr(self, "_followed_optimizers", []):
-            vars(optimizer).pop("step", None)
-        self._followed_optimizers: list[Any] = []
+        for ref in getattr(self, "_followed_optimizers", []):
+            optimizer = ref()
+            if optimizer is not None:
+                vars(optimizer).pop("step", None)
+        self._followed_optimizers: list[weakref.ref[Any]] = []
 
     def _follow_manual_steps(self) -> None:
         """Follow each ``step()`` of the run's ``LightningOptimizer`` objects (what
@@ -96,7 +99,14 @@ class TinyMoELightningModule(pl.LightningModule):
 
             optimizer.step = step  # an instance attribute: shadows the class's step
             followed.append(optimizer)
-        self._followed_optimizers = followed
+        # weak references, left out of pickles (__getstate__): the module keeps no optimizer
+        # alive and stays picklable mid-fit or after a fit that raised (no on_train_end)
+        self._followed_optimizers = [weakref.ref(o) for o in followed]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_followed_optimizers", None)
+        return state
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(batch["input_ids"], batch["labels"]).loss

@@ -474,7 +474,9 @@ def natural_sort_key(label: str) -> tuple[Any, ...]:
     ``"layer2"`` before ``"layer10"``); the label itself breaks ties (``"01"`` and ``"1"``), so
     every rank sorts a set of labels alike."""
     parts = re.split(r"(\d+)", label)
-    return (tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts), label)
+    # (the captures, at odd places, are the numbers: str.isdigit is also true of "²", which
+    # int() refuses)
+    return (tuple((0, int(p), "") if i % 2 else (1, 0, p) for i, p in enumerate(parts)), label)
 
 
 def sums_by_group(
