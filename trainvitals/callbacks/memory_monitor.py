@@ -44,7 +44,11 @@ class MemoryMonitor(VitalsCallback):
     process (Hugging Face's ``device_map="auto"``, a hand-made pipeline) reports its worst
     device, not only its first (one more host-side ``memory_stats`` call per device on
     logging steps, no sync). A CUDA key is reduced over every device read on every rank (its
-    ``/mean`` is the mean over devices), a host key over the ranks. The readings of all ranks
+    ``/mean`` is the mean over devices), a host key over the ranks. A rank that reads no CUDA
+    device (CUDA not available or not initialised there, a CPU-only rank of a mixed job, a
+    model left on the CPU) still takes part, with no device: the CUDA keys are then those of
+    the devices the other ranks read (one warning on every rank), and no CUDA key is written
+    when no rank reads one. The readings of all ranks
     are reduced in ONE collective: an all-reduce MAX when only ``"max"`` is asked for, else
     one all-gather from which max, min and mean are taken. Non-logging steps read nothing.
     When the host memory cannot be read (at run start, or on one rank at one logging step: a
@@ -205,7 +209,8 @@ class MemoryMonitor(VitalsCallback):
             self.warn_once(
                 "nothing",
                 f"no host readings and the run uses no CUDA device (model on {ctx.device}): "
-                "there is nothing to measure and no key is written"
+                "there is nothing to measure on this rank (keys are written only from what "
+                "other ranks read)"
                 + (" while the host memory cannot be read" if self.host else ""),
             )
         if not self._cuda and (self.record_history or self.snapshot_steps):
@@ -294,40 +299,59 @@ class MemoryMonitor(VitalsCallback):
                         exc,
                         "memory/rss_gb and memory/peak_rss_gb are left out while it fails",
                     )
-        cuda_names = list(memory_stats.CUDA_STATS) if rows else []
-        cuda = torch.tensor([[row[n] for n in cuda_names] for row in rows], dtype=torch.float64)
+        # The CUDA slots are sent even by a rank that reads no CUDA device (zero rows): every
+        # rank must send the same layout into the collective, or gloo aborts on the size
+        # mismatch (NCCL hangs), and a rank without keys must not skip it.
+        cuda_names = list(memory_stats.CUDA_STATS)
+        cuda = torch.tensor(
+            [[row[n] for n in cuda_names] for row in rows], dtype=torch.float64
+        ).reshape(len(rows), len(cuda_names))
         return cuda_names, cuda, host_names, torch.tensor(host, dtype=torch.float64)
 
     def _read_and_reduce(self) -> dict[str, Any]:
         cuda_names, cuda, host_names, host = self._readings()
-        if not cuda_names and not host_names:
-            return {}
         names = cuda_names + host_names
         group = world_group()
+        k, devices = len(cuda_names), cuda.shape[0]
+        # A rank that reads no CUDA device contributes no device: -inf to the max, +inf to the
+        # min, 0 to the sums and the count (NaN would mean "could not read it": left out on
+        # every rank). A device's NaN makes the rank's max NaN: "not measured here".
+        top = cuda.amax(0) if devices else cuda.new_full((k,), -math.inf)
+        bottom = cuda.amin(0) if devices else cuda.new_full((k,), math.inf)
         reduced: dict[str, torch.Tensor] = {}
-        # (a device's NaN makes the rank's max NaN: "not measured here")
-        mine = torch.cat([cuda.amax(0) if cuda_names else cuda.new_empty(0), host])
         # A CUDA key is reduced over every device of every rank (a process may compute on
         # several: device_map="auto"), a host key over the ranks.
         if self.reduce == ("max",):
-            reduced["max"] = all_reduce_coalesced([mine], "max", group)[0]
+            # (the last slot: 1 where a rank reads no CUDA device)
+            local = torch.cat([top, host, host.new_full((1,), float(devices == 0))])
+            out = all_reduce_coalesced([local], "max", group)[0]
+            reduced["max"] = out[:-1]
+            some_none = bool(out[-1] > 0)
+            readers = not bool(torch.isneginf(out[:k]).all())
         else:
             # Per rank: the devices' max, min, sum and count, then the host readings; the
             # mean over devices is the sum of the sums over the sum of the counts (ranks may
-            # read different numbers of devices).
-            k = len(cuda_names)
-            local = host
-            if k:
-                count = cuda.new_full((1,), cuda.shape[0])
-                local = torch.cat([cuda.amax(0), cuda.amin(0), cuda.sum(0), count, host])
-            rows = all_gather_coalesced([local], group)[0]  # [ranks, 3k (+1) + h]
-            hosts = rows[:, 3 * k + 1 :] if k else rows
-            reduced = {"max": hosts.amax(0), "min": hosts.amin(0), "mean": hosts.mean(0)}
-            if k:
-                mean = rows[:, 2 * k : 3 * k].sum(0) / rows[:, 3 * k].sum()
-                reduced["max"] = torch.cat([rows[:, :k].amax(0), reduced["max"]])
-                reduced["min"] = torch.cat([rows[:, k : 2 * k].amin(0), reduced["min"]])
-                reduced["mean"] = torch.cat([mean, reduced["mean"]])
+            # read different numbers of devices, none included).
+            count = cuda.new_full((1,), devices)
+            local = torch.cat([top, bottom, cuda.sum(0), count, host])
+            rows = all_gather_coalesced([local], group)[0]  # [ranks, 3k + 1 + h]
+            hosts = rows[:, 3 * k + 1 :]
+            counts = rows[:, 3 * k]
+            some_none, readers = bool((counts == 0).any()), bool(counts.sum() > 0)
+            mean = rows[:, 2 * k : 3 * k].sum(0) / counts.sum().clamp(min=1)
+            reduced["max"] = torch.cat([rows[:, :k].amax(0), hosts.amax(0)])
+            reduced["min"] = torch.cat([rows[:, k : 2 * k].amin(0), hosts.amin(0)])
+            reduced["mean"] = torch.cat([mean, hosts.mean(0)])
+        mine = torch.cat([top, host])
+        if not readers:  # no rank reads a CUDA device: no CUDA key
+            names, mine = host_names, mine[k:]
+            reduced = {kind: values[k:] for kind, values in reduced.items()}
+        elif some_none:
+            self.warn_once(
+                "cuda_some_ranks",
+                "a rank reads no CUDA device (CUDA not available or not initialised there, or "
+                "its model on the CPU): the CUDA keys cover the devices of the ranks that do",
+            )
         # A key some other rank could not read is left out here too; only that rank warned,
         # so say it in this rank's log (rank 0's is the one read) rather than drop it silently.
         others = [
