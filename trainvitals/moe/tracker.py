@@ -374,7 +374,10 @@ class MoEMetricsTracker:
             num_layers: transformer layers (without MTP); default: the metric's length minus
                 ``mtp_num_layers``.
             moe_layer_freq: which layers are MoE: an int ``f`` (layers ``i % f == 0``) or a 0/1
-                list of length ``num_layers``; default: every layer.
+                list of length ``num_layers``; default: every layer. A layer it calls dense
+                that holds a record is a ``ValueError`` naming the layers (its value would be
+                summed into the mean over the MoE layers and its per-layer key left out),
+                raised on every rank alike from the reduced values, after the collectives.
             mtp_num_layers: Multi-Token-Prediction layers, counted as MoE layers after the
                 ``num_layers`` transformer layers.
             total_loss_dict: keys ending in ``loss`` get this report's value (a float),
@@ -469,6 +472,8 @@ class MoEMetricsTracker:
         if marks is not None:
             vectors += [marks[name] for name in schema]
         host = torch.cat(vectors).tolist() if schema else []
+        if moe_layer_freq is not None:
+            _check_dense_slots(plans, host, marks)
         scale = float(loss_scale)
         keys: list[str] = []
         numbers: list[float] = []
@@ -821,6 +826,39 @@ def _moe_layer_mask(num_layers: int, freq: int | list[int] | None, mtp: int) -> 
             raise ValueError(f"moe_layer_freq list has {len(freq)} entries, not {num_layers}")
         mask = [bool(x) for x in freq]
     return mask + [True] * mtp
+
+
+def _check_dense_slots(
+    plans: list[_Plan], host: list[float], marks: Mapping[str, Any] | None
+) -> None:
+    """``moe_layer_freq`` against what was recorded: a layer it calls dense that holds a
+    record would be summed into the mean over the MoE layers (Megatron's ``v.sum() /
+    num_moe_layers``), while its per-layer key is not written: a wrong number. Read from the
+    reduced vectors (and record counts or flags, when reduced along) already on the host, the
+    same on every rank: every rank raises alike, after the report's collectives, none waits."""
+    offset = 0
+    count_offset = sum(plan.size for plan in plans)
+    problems = []
+    for plan in plans:
+        v = host[offset : offset + plan.size]
+        counts = host[count_offset : count_offset + plan.size] if marks is not None else None
+        offset += plan.size
+        count_offset += plan.size if marks is not None else 0
+        moe = set(plan.moe_slots)
+        dense = [
+            i
+            for i in range(plan.size)
+            if i not in moe and (v[i] != 0 or (counts is not None and counts[i] > 0))
+        ]
+        if dense:
+            problems.append(f"{plan.name!r} at layers {dense}")
+    if problems:
+        raise ValueError(
+            "moe_layer_freq calls layers dense that recorded values: "
+            f"{'; '.join(problems)} (their values would be summed into the mean over the MoE "
+            "layers, and their per-layer keys left out); pass the moe_layer_freq that matches "
+            "the layers that record (None: every layer)"
+        )
 
 
 def percentile_key(name: str, q: float) -> str:
