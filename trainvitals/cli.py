@@ -377,6 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as exc:  # OSError: `-o` naming a folder, say
         print(f"trainvitals {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except (OverflowError, RecursionError) as exc:
+        # (what a contrived file can still raise where no reader names it, a number beyond a
+        # C type or JSON nested past the recursion limit: one line, not a traceback)
+        print(f"trainvitals {args.command}: error: unreadable input: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     finally:
         warnings.formatwarning = original
 

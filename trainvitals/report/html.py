@@ -53,8 +53,8 @@ import re
 import statistics
 import sys
 import warnings
+from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -394,7 +394,7 @@ def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list
                 lines = [(_member_label(m), series[m].ordered()) for m in members]
             else:
                 title = fam
-                lines = _band([series[m] for m in members])
+                lines = _band([(series[m].points.steps, series[m].points.values) for m in members])
             charts.append(
                 f'<div class="card">{_chart_title(title)}{_chart(title, lines, max_points)}</div>'
             )
@@ -422,12 +422,16 @@ def _metrics_sections(series: dict[str, _Series], max_points: int) -> tuple[list
     return nav, parts
 
 
-def _band(members: Sequence[_Series]) -> list[tuple[str, list[tuple[int, float]]]]:
-    """Lines ``min``, ``median``, ``max`` across ``members`` at each step (finite values; a
-    step where some member was non-finite gets a NaN on the ``max`` line, so it is marked)."""
+def _band(
+    members: Sequence[tuple[Sequence[int], Sequence[float]]],
+) -> list[tuple[str, list[tuple[int, float]]]]:
+    """Lines ``min``, ``median``, ``max`` across ``members`` (each its steps and its values)
+    at each step (finite values; a step where some member was non-finite gets a NaN on the
+    ``max`` line, so it is marked). A family of more than :data:`MAX_LINES` metric keys is
+    drawn so, and so are the per-layer tensor charts of more than that many layers."""
     by_step: dict[int, list[float]] = {}
-    for m in members:
-        for step, v in zip(m.points.steps, m.points.values, strict=True):
+    for steps, values in members:
+        for step, v in zip(steps, values, strict=True):
             by_step.setdefault(step, []).append(v)
     lo, mid, hi = [], [], []
     for step in sorted(by_step):
@@ -566,13 +570,25 @@ def _load_color(tokens: float, util: float) -> str:
     )
 
 
-@dataclass
 class _StepStats:
-    """What the report keeps of one step of one kind."""
+    """What the report keeps of one step of one kind, in float64 arrays: ``merged``, the
+    :data:`_TENSOR_STATS` of all tensors (None: the step holds none); ``labels``, its layers
+    (one tuple shared by the steps of the same layers) and ``values``, their
+    :data:`_LAYER_STATS`, layer after layer; ``nonfinite``, tensor -> count (nonzero only).
+    A dict per layer and step (``{"rms": ..., "kurtosis": ...}``) cost ~250 bytes a layer,
+    ~170 MB for 80 layers x 4 kinds x 2,000 steps; 16 bytes here (docs/benchmarks.md,
+    session 21)."""
 
-    merged: dict[str, float] | None = None  # charted stat -> value, all tensors (None: none)
-    layers: dict[str, dict[str, float]] = field(default_factory=dict)  # layer -> stat -> value
-    nonfinite: dict[str, float] = field(default_factory=dict)  # tensor -> count (nonzero only)
+    __slots__ = ("labels", "merged", "nonfinite", "values")
+
+    def __init__(self, nonfinite: dict[str, float]) -> None:
+        self.merged: array | None = None
+        self.labels: tuple[str, ...] = ()
+        self.values = _NO_VALUES
+        self.nonfinite = nonfinite
+
+
+_NO_VALUES = array("d")  # (shared by the steps without layers; never appended to)
 
 
 class _KindStats:
@@ -592,6 +608,7 @@ class _KindStats:
         # (kept for the whole file: each plans a list of tensor names once, not once per line)
         self._all = Grouping(everything, None, False)
         self._by_layer = Grouping(everything, LAYER_NUMBER, False)
+        self._labels: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple per list of layers
 
     def add(self, step: int, rec: dict[str, Any]) -> None:
         self.steps.add(step)
@@ -603,26 +620,66 @@ class _KindStats:
         self.chunks.flush()
 
     def _reduce(self, records: dict[int, dict[str, Any]]) -> dict[int, _StepStats]:
-        out = {step: _StepStats(nonfinite=_nonfinite_counts(rec)) for step, rec in records.items()}
+        out = {step: _StepStats(_nonfinite_counts(rec)) for step, rec in records.items()}
         # all tensors and each layer in one merge (the numbers of two merges of their own)
         merged, layers = merge_grouped(
             records, self.kind, [(_CHART_MERGE, self._all), (_LAYER_STATS, self._by_layer)]
         )
         for r in merged:
-            out[r["step"]].merged = {s: _stat(r, s) for s in _TENSOR_STATS}
-        for r in layers:
-            out[r["step"]].layers[r["group"]] = {s: _stat(r, s) for s in _LAYER_STATS}
+            out[r["step"]].merged = array("d", [_stat(r, s) for s in _TENSOR_STATS])
+        labels: dict[int, list[str]] = {}
+        for r in layers:  # (in step order, then the layers' order)
+            step = r["step"]
+            labels.setdefault(step, []).append(r["group"])
+            st = out[step]
+            if st.values is _NO_VALUES:
+                st.values = array("d")
+            st.values.extend([_stat(r, s) for s in _LAYER_STATS])
+        for step, names in labels.items():
+            key = tuple(names)
+            out[step].labels = self._labels.setdefault(key, key)
+        return out
+
+    def layer_series(self) -> dict[str, tuple[list[int], list[array]]]:
+        """layer -> (its steps; per stat of :data:`_LAYER_STATS`, its values, float64), in
+        step order, for the steps holding that layer. (The steps in a list: a record's step
+        is any JSON integer, and an int64 array refused one of 2**63.)"""
+        results = self.chunks.results
+        out: dict[str, tuple[list[int], list[array]]] = {}
+        width = len(_LAYER_STATS)
+        for step in sorted(results):
+            st = results[step]
+            for j, g in enumerate(st.labels):
+                found = out.get(g)
+                if found is None:
+                    found = out[g] = ([], [array("d") for _ in _LAYER_STATS])
+                found[0].append(step)
+                for k, values in enumerate(found[1]):
+                    values.append(st.values[j * width + k])
         return out
 
     @property
     def merged(self) -> dict[int, dict[str, float]]:
         """step -> charted stat -> value, for the steps with tensors."""
-        return {s: v.merged for s, v in self.chunks.results.items() if v.merged is not None}
+        return {
+            s: dict(zip(_TENSOR_STATS, v.merged, strict=True))
+            for s, v in self.chunks.results.items()
+            if v.merged is not None
+        }
 
     @property
     def layers(self) -> dict[int, dict[str, dict[str, float]]]:
-        """step -> layer -> stat -> value, for the steps with layered tensors."""
-        return {s: v.layers for s, v in self.chunks.results.items() if v.layers}
+        """step -> layer -> stat -> value, for the steps with layered tensors (made from the
+        arrays when asked for: the report itself reads :meth:`layer_series`)."""
+        width = len(_LAYER_STATS)
+        return {
+            s: {
+                g: dict(zip(_LAYER_STATS, v.values[j * width : (j + 1) * width], strict=True))
+                for j, g in enumerate(v.labels)
+            }
+            for s, v in self.chunks.results.items()
+            if v.labels
+        }
 
     @property
     def nonfinite(self) -> dict[int, dict[str, float]]:
@@ -665,18 +722,17 @@ def _tensor_sections(
                 f'<div class="card">{_chart_title(title)}'
                 f"{_chart(title, [('all', pts)], max_points)}</div>"
             )
-        by_step = ks.layers
-        layer_steps = sorted(by_step)
-        layers = sorted({g for rows in by_step.values() for g in rows}, key=_label_order)
+        per_layer = ks.layer_series()
+        layers = sorted(per_layer, key=_label_order)
         if len(layers) > 1:
-            for stat in _LAYER_STATS:
-                lines = [
-                    (
-                        f"layer {g}",
-                        [(s, by_step[s][g][stat]) for s in layer_steps if g in by_step[s]],
-                    )
-                    for g in layers
-                ]
+            for k, stat in enumerate(_LAYER_STATS):
+                if len(layers) <= MAX_LINES:
+                    lines = [
+                        (f"layer {g}", list(zip(per_layer[g][0], per_layer[g][1][k], strict=True)))
+                        for g in layers
+                    ]
+                else:  # (a line per layer: 80 layers drew 80 lines no one tells apart)
+                    lines = _band([(per_layer[g][0], per_layer[g][1][k]) for g in layers])
                 title = f"{kind}/layer_*/{stat}"
                 charts.append(
                     f'<div class="card">{_chart_title(title)}{_chart(title, lines, max_points)}'

@@ -175,7 +175,9 @@ def read_tensor_stats(
                 continue
             try:
                 rec = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
+                # (RecursionError: JSON nested deeper than the interpreter's recursion limit,
+                # ~1,000 levels of arrays in a hand-made line: a traceback out of the CLI)
                 unreadable = i
                 continue
             version = rec.get("version") if isinstance(rec, dict) else None

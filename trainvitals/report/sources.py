@@ -231,6 +231,34 @@ def load_metrics(
             points = src.values[key] = StepValues()
         points.append(step, value)
 
+    try:
+        _read_into(src, path, add, shown, keep, first, last)
+    except OverflowError:
+        # (the step arrays are int64: a step of 2**63 or more, or a CSV's 1e30, ended the
+        # report with a traceback; no trainer counts that far)
+        raise ValueError(
+            f"{path}: a step outside the 64-bit integer range (-2**63 to 2**63 - 1): "
+            "not a step count a run writes"
+        ) from None
+    except RecursionError:
+        # (json.loads of a line nested deeper than the recursion limit, in iter_jsonl)
+        raise ValueError(f"{path}: a line nested too deeply to be read as JSON") from None
+    for points in src.values.values():
+        points.finish()
+    return src
+
+
+def _read_into(
+    src: MetricsSource,
+    path: Path,
+    add: Callable[[str, int, float], None],
+    shown: Callable[[int], bool],
+    keep: Callable[[str], bool],
+    first: int | None,
+    last: int | None,
+) -> None:
+    """The reading of :func:`load_metrics`: every point of ``path`` into ``src`` (unfinished)
+    and its description."""
     if path.is_dir() or path.name.startswith("events.out.tfevents."):
         files = sorted(path.rglob(_EVENTS)) if path.is_dir() else [path]
         if not files:
@@ -273,9 +301,6 @@ def load_metrics(
                     to[1](value)
         shown_only = " in the steps shown" if first is not None or last is not None else ""
         src.description = f"{path} ({lines} line{'s' * (lines != 1)}{shown_only})"
-    for points in src.values.values():
-        points.finish()
-    return src
 
 
 def _appends(src: MetricsSource, key: str) -> tuple[Callable[[int], None], Callable[[float], None]]:
@@ -480,7 +505,7 @@ def _csv_scalars(path: Path) -> Iterator[tuple[int, str, float]]:
         for row in reader:
             try:
                 step = int(float(row["step"]))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # (OverflowError: a step of inf)
                 continue
             for key, text in row.items():
                 # (LIGHTNING_EPOCH: an axis, not a metric; see the module docstring)
