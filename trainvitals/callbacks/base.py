@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
@@ -100,6 +101,27 @@ _CARRIED_ATTR = "_trainvitals_carried"
 # the trainer's global_step when its last fit that trained ended normally (teardown): a later fit
 # starting there continues that fit's timeline (see _lightning_writer); None after a crash
 _ENDED_AT_ATTR = "_trainvitals_fit_ended_at"
+
+
+def compile_one_group(arg: str, pattern: str | None) -> re.Pattern[str] | None:
+    """``pattern`` compiled, for an argument ``arg`` whose one capture group names a tensor's
+    group (a layer index, an expert index, a label); ``None`` stays ``None``. Not a string:
+    ``TypeError``; not a valid regex, or not exactly one capture group: ``ValueError``, both
+    naming ``arg`` (at construction, before any collective)."""
+    if pattern is None:
+        return None
+    if not isinstance(pattern, str):
+        raise TypeError(f"{arg} must be None or a regex string, got {type(pattern).__name__}")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{arg} is not a valid regex: {exc}") from exc
+    if compiled.groups != 1:
+        raise ValueError(
+            f"{arg} must have exactly one capture group (the label), {pattern!r} has "
+            f"{compiled.groups}"
+        )
+    return compiled
 
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from trainvitals.adapters.context import RunContext
-from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.callbacks.base import VitalsCallback, compile_one_group
 from trainvitals.distributed import (
     all_gather_objects,
     all_reduce_coalesced,
@@ -273,7 +273,7 @@ class NormMonitor(VitalsCallback):
         except re.error as exc:
             raise ValueError(f"expert_pattern is not a valid regex: {exc}") from exc
         self.per_param = _globs(per_param)
-        self.group_by = _group_regex(group_by)
+        self.group_by = compile_one_group("group_by", group_by)
         kinds = (per_param_kinds,) if isinstance(per_param_kinds, str) else per_param_kinds
         if not kinds or any(k not in _KINDS for k in kinds):
             raise ValueError(
@@ -920,23 +920,6 @@ def _presence(has: list[bool], shared: bool, count: torch.Tensor) -> bool | torc
     if any(has):
         return True
     return count if shared else False
-
-
-def _group_regex(group_by: str | None) -> re.Pattern[str] | None:
-    if group_by is None:
-        return None
-    if not isinstance(group_by, str):
-        raise TypeError(f"group_by must be None or a regex string, got {type(group_by).__name__}")
-    try:
-        pattern = re.compile(group_by)
-    except re.error as exc:
-        raise ValueError(f"group_by is not a valid regex: {exc}") from exc
-    if pattern.groups != 1:
-        raise ValueError(
-            f"group_by must have exactly one capture group (the group's label), "
-            f"{group_by!r} has {pattern.groups}"
-        )
-    return pattern
 
 
 def _globs(per_param: str | Sequence[str] | None) -> tuple[str, ...]:

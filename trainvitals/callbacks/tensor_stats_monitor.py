@@ -27,7 +27,7 @@ from torch import nn
 from trainvitals._hooks import eager_hook
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.adapters.jsonl import _drop_steps_from, drop_steps_from, move_aside
-from trainvitals.callbacks.base import VitalsCallback
+from trainvitals.callbacks.base import VitalsCallback, compile_one_group
 from trainvitals.distributed import (
     all_gather_coalesced,
     all_gather_objects,
@@ -303,8 +303,8 @@ class TensorStatsMonitor(VitalsCallback):
                 raise TypeError(f"{name} must be a list of glob strings, got {globs!r}")
         self.include = list(include) if include is not None else None
         self.exclude = list(exclude or [])
-        self.layer_pattern = _compile_one_group("layer_pattern", layer_pattern)
-        self.expert_pattern = _compile_one_group("expert_pattern", expert_pattern)
+        self.layer_pattern = compile_one_group("layer_pattern", layer_pattern)
+        self.expert_pattern = compile_one_group("expert_pattern", expert_pattern)
         if kernel not in ("auto", "compile", "eager"):
             raise ValueError(f"kernel must be 'auto', 'compile' or 'eager', got {kernel!r}")
         self.kernel = kernel
@@ -1265,20 +1265,6 @@ class TensorStatsMonitor(VitalsCallback):
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-def _compile_one_group(arg: str, pattern: str | None) -> re.Pattern[str] | None:
-    if pattern is None:
-        return None
-    if not isinstance(pattern, str):
-        raise TypeError(f"{arg} must be a regex string, got {type(pattern).__name__}")
-    try:
-        compiled = re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"{arg} is not a valid regex: {exc}") from exc
-    if compiled.groups != 1:
-        raise ValueError(f"{arg} must have exactly one capture group, got {compiled.groups}")
-    return compiled
 
 
 def _default_site_types() -> tuple[type, ...]:
