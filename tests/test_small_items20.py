@@ -20,6 +20,22 @@ fresh_tracker = fresh_tracker_fixture()
 # 1. TinyMoELightningModule: a skipped optimizer step does not move the expert biases
 
 
+def record_router_loads(module) -> tuple[list, list[list[torch.Tensor]]]:
+    """A TinyMoE module's routers, and per router the tokens per expert (float64) of each
+    training forward, recorded by forward hooks (the expected bias updates follow from them)."""
+    routers = [r for _, r in module.model.routers()]
+    loads: list[list[torch.Tensor]] = [[] for _ in routers]  # per router, per step (float64)
+    for router, seen in zip(routers, loads, strict=True):
+        router.register_forward_hook(
+            lambda mod, args, out, seen=seen: (
+                seen.append(out[1].detach().reshape(-1, out[1].shape[-1]).double().sum(dim=0))
+                if mod.training
+                else None
+            )
+        )
+    return routers, loads
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_lightning_16_mixed_skipped_step_leaves_expert_biases_alone(tmp_path, fused):
     # fused=True: an optimizer that unscales itself; GradScaler.step always calls its step(),
@@ -44,16 +60,7 @@ def test_lightning_16_mixed_skipped_step_leaves_expert_biases_alone(tmp_path, fu
     module = InfFirstStep(
         **tiny_moe_kwargs(num_layers=2, expert_bias=True, bias_update_rate=rate, z_loss_coeff=0.0)
     )
-    routers = [r for _, r in module.model.routers()]
-    loads: list[list[torch.Tensor]] = [[] for _ in routers]  # per router, per step (float64)
-    for router, seen in zip(routers, loads, strict=True):
-        router.register_forward_hook(
-            lambda mod, args, out, seen=seen: (
-                seen.append(out[1].detach().reshape(-1, out[1].shape[-1]).double().sum(dim=0))
-                if mod.training
-                else None
-            )
-        )
+    routers, loads = record_router_loads(module)
 
     class Record(pl.Callback):
         def __init__(self):

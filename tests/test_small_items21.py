@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers.moe_models import fresh_tracker_fixture, tiny_moe_kwargs
 from tests.helpers.shared_ranks import SharedRanks
+from tests.test_small_items20 import record_router_loads
 
 fresh_tracker = fresh_tracker_fixture()
 ranks = SharedRanks(__name__)  # the two 2-rank cases share their gloo processes
@@ -143,16 +144,7 @@ def _manual_run(tmp_path, *, fp16: bool):
     module = Manual(
         **tiny_moe_kwargs(num_layers=2, expert_bias=True, bias_update_rate=rate, z_loss_coeff=0.0)
     )
-    routers = [r for _, r in module.model.routers()]
-    loads: list[list[torch.Tensor]] = [[] for _ in routers]  # per router, per step (float64)
-    for router, seen in zip(routers, loads, strict=True):
-        router.register_forward_hook(
-            lambda mod, args, out, seen=seen: (
-                seen.append(out[1].detach().reshape(-1, out[1].shape[-1]).double().sum(dim=0))
-                if mod.training
-                else None
-            )
-        )
+    routers, loads = record_router_loads(module)
     biases: list[list[torch.Tensor]] = []
 
     class Record(pl.Callback):
