@@ -130,6 +130,8 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_every_sink_got_every_step(written) -> None:
+    # one status per sink given (an empty status would pass the loop below unchecked)
+    assert len(written["status"]) == len(written["sinks"])
     for name, st in written["status"].items():
         assert st["delivered"] == N_STEPS and st["missed"] == 0 and st["failures"] == 0, name
 

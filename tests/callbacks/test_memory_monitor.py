@@ -139,7 +139,8 @@ def test_history_on_cpu_warns_and_does_nothing(monkeypatch):
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs):
-    with pytest.raises(ValueError):
+    # the error names the bad argument (not a ValueError from elsewhere in the constructor)
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
         MemoryMonitor(**kwargs)
 
 
@@ -314,6 +315,12 @@ def test_without_psutil_the_host_keys_come_from_proc(monkeypatch):
         assert set(row) == {"memory/rss_gb", "memory/peak_rss_gb"}
         assert row["memory/rss_gb"] == pytest.approx(rss, rel=0.1)
         assert row["memory/rss_gb"] <= row["memory/peak_rss_gb"]
+    # the /proc reading itself against psutil's taken right after it: the 10 % above (RSS
+    # moves during a run) would let a unit slip such as GiB for GB (7 %) through
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    got = memory_stats.host_memory_readings()
+    monkeypatch.undo()
+    assert got["rss_gb"] == pytest.approx(psutil.Process().memory_info().rss / 1e9, rel=1e-3)
 
 
 def test_without_psutil_nor_proc_the_cuda_keys_are_still_written(fake_cuda, monkeypatch):

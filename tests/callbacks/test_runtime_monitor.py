@@ -131,7 +131,8 @@ def test_unknown_horizon_warns_and_writes_no_estimate():
     [{"time_unit": "weeks"}, {"max_steps": 0}, {"warmup_steps": -2}, {"log_every_n_steps": -1}],
 )
 def test_bad_arguments_raise_value_error(kwargs):
-    with pytest.raises(ValueError):
+    # the error names the bad argument (not a ValueError from elsewhere in the constructor)
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
         RuntimeMonitor(**kwargs)
 
 

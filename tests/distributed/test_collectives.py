@@ -6,6 +6,8 @@ here in float64 from all ranks' inputs.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -240,14 +242,24 @@ def test_a_collective_returns_only_once_the_worker_let_go_of_its_tensors(monkeyp
     thread.join()
 
     # bounded: a reference never let go stops the wait after the timeout (with a warning),
-    # and the wait is off from then on in this process
-    monkeypatch.setattr(tvd, "_RELEASE_TIMEOUT_S", 0.05)
+    # and the wait is off from then on in this process. A fake clock in the module (each sleep
+    # advances it 1/64 s, exact in binary) checks the bound without asserting on wall time.
+    clock = {"now": 100.0}
+
+    def fake_sleep(seconds: float) -> None:
+        clock["now"] += 1 / 64
+
+    monkeypatch.setattr(
+        tvd, "time", SimpleNamespace(monotonic=lambda: clock["now"], sleep=fake_sleep)
+    )
+    monkeypatch.setattr(tvd, "_RELEASE_TIMEOUT_S", 4 / 64)
     monkeypatch.setattr(tvd, "_release_wait_off", False)
     kept = t.view(-1)
-    started_at = time.monotonic()
     with pytest.warns(RuntimeWarning, match="no longer waiting"):
         tvd._let_worker_release([(t, uses)])
-    assert time.monotonic() - started_at >= 0.05 and t._use_count() > uses
+    # the timeout (4/64) waited in full, and at most a step or two of the clock more
+    assert 4 / 64 <= clock["now"] - 100.0 <= 6 / 64
+    assert t._use_count() > uses
     assert tvd._release_wait_off
     monkeypatch.setattr(tvd, "_RELEASE_TIMEOUT_S", 60.0)
     tvd._let_worker_release([(t, uses)])  # returns at once: off

@@ -764,12 +764,19 @@ def test_forward_rejects_wrong_hidden_size():
 
 
 def test_update_expert_biases_accepts_a_model():
-    model = torch.nn.Sequential(make_router(expert_bias=True), make_router(expert_bias=True))
+    model = torch.nn.Sequential(make_router(expert_bias=True), make_router(1, expert_bias=True))
     for r in model:
         r(torch.randn(10, H))
-    update_expert_biases(model)
+    # float64 by hand: each router's bias moves by its rate towards its own mean load
+    wants = []
     for r in model:
-        assert r.expert_bias.abs().sum() > 0
+        load = r.local_tokens_per_expert.double()
+        before = r.expert_bias.double().clone()
+        wants.append(before + r.bias_update_rate * torch.sign(load.mean() - load))
+        assert not torch.equal(wants[-1], before)  # an update that moves something
+    update_expert_biases(model)
+    for r, want in zip(model, wants, strict=True):
+        torch.testing.assert_close(r.expert_bias.double(), want, rtol=1e-6, atol=0)
         assert r.local_tokens_per_expert.sum() == 0
 
 
