@@ -177,15 +177,22 @@ class ThroughputMonitor(VitalsCallback):
     to the step's last ``before_optimizer_step``, validation inside the step left out, on this
     rank's model as it runs: the whole model under DDP/FSDP, the local shard under tensor
     parallelism, DTensor included; it slows that one step; exact under ``torch.compile`` with
-    the eager, aot_eager and inductor backends on CPU; a
-    forward re-run by activation checkpointing is counted, so the MFU keys are then hardware
-    flops utilisation in PaLM's terms, not model flops: give ``flops_per_token`` for MFU); the
-    count is divided by the step's tokens (else samples, else batches) and kept in the
-    checkpoint. Per token it is exact for steps of the measured step's sequence length only:
-    attention's flops per token grow with the length, so with variable-length batches the flops
-    keys of longer (shorter) steps come out low (high); a window whose tokens per sample differ
-    from the measured step's is warned about once (give ``flops_per_token`` or
-    ``flops_per_sample`` for such runs). On a MoE model the count is the matmul work that runs:
+    the eager, aot_eager and inductor backends on CPU). It counts hardware flops, the matmul
+    work that runs, not model flops: a forward re-run by activation checkpointing is counted,
+    and so is the score matrix that fused attention (``scaled_dot_product_attention``'s flash,
+    memory-efficient, cuDNN and CPU kernels) recomputes in its backward (five backward
+    matmuls where the PaLM / Megatron-LM / torchtitan model-flops formula
+    ``6 * N + 12 * L * H * Q * T`` per token counts four), so the measurement is
+    ``2 * L * H * Q * T`` per token above model flops even without checkpointing (``L``
+    layers, ``H`` heads of size ``Q``, ``T`` tokens per sequence): the MFU keys are hardware
+    flops utilisation in PaLM's terms; give ``flops_per_token`` for model-flops MFU. The count
+    is divided by the step's tokens (else samples, else batches), kept in the checkpoint and
+    used for every later step: exact for steps doing the same work per token, an
+    approximation otherwise (below). Per token it is exact for steps of the measured step's
+    sequence length only: attention's flops per token grow with the length, so with
+    variable-length batches the flops keys of longer (shorter) steps come out low (high); a
+    window whose tokens per sample differ from the measured step's is warned about once (give
+    ``flops_per_token`` or ``flops_per_sample`` for such runs). On a MoE model the count is the matmul work that runs:
     the routed top-k experts, each on its own tokens, when the experts compute only their
     tokens (transformers 5.x's ``grouped_mm``, ``batched_mm`` and ``eager`` experts: the
     grouped matmuls, which ``FlopCounterMode`` of torch 2.13 has no formula for, are counted
@@ -193,7 +200,15 @@ class ThroughputMonitor(VitalsCallback):
     for a layer that runs them all and masks the result (``TinyMoELM``'s dense einsum):
     MFU is then hardware flops utilisation, above Megatron's MFU, which counts the routed
     experts only; give ``flops_per_token`` for that. Expert kernels the mode cannot see (custom
-    CUDA kernels: DeepGEMM, SonicMoE) are missing from the count. A step restored from a
+    CUDA kernels: DeepGEMM, SonicMoE) are missing from the count. Every token runs exactly
+    ``top_k`` experts in transformers' MoE families (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3),
+    so the routed work per token, and the measured step's count, is the same in every step
+    however the router splits the tokens (experts that get no token count nothing). Where the
+    work per token depends on the routing, the first step's figure is reused for every step
+    and is an approximation: zero-computation (identity) experts (LongCat-Flash: a later step
+    measured 7% above the first in the test), token dropping under a capacity factor, and,
+    under expert parallelism, each rank's own expert share (the device keys; the global sum
+    stays exact while each rank's token count is the measured step's). A step restored from a
     checkpoint taken inside its accumulation window before the count was made is not measured
     (its carried micro-batches, told again with ``batch=None``, ran in the earlier process:
     their flops would be missing from the count, not their tokens); the next full step is, and
@@ -265,8 +280,9 @@ class ThroughputMonitor(VitalsCallback):
     over all devices' peak), ``throughput/device/mfu`` torchtitan's (the flops of this rank's
     tokens split over its tensor-, pipeline- and context-parallel peers); measured
     (``measure_flops``), the flops this rank's matmuls ran, summed over every rank for the
-    global keys: hardware flops (a forward re-run by activation checkpointing counted, so
-    hardware flops utilisation in PaLM's terms). The global keys are the same on every rank
+    global keys: hardware flops (a forward re-run by activation checkpointing and the scores
+    fused attention recomputes in its backward counted, so hardware flops utilisation in
+    PaLM's terms). The global keys are the same on every rank
     that has the counts (a pipeline stage without tokens has none when flops are given per
     token); ``throughput/mfu`` divides the window's flops by its device-seconds times the peak:
     ``world_size * peak`` per second, and window entries restored from a run on another number

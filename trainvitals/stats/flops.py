@@ -155,8 +155,12 @@ def measure_flops(fn: Callable[[], Any]) -> int:
     ``meta`` device, which costs no memory or time); matrix products, convolutions and
     attention are counted, element-wise work is not. Grouped matmuls (MoE experts) and CPU
     attention, which torch's counter misses, are counted too (:func:`extra_flop_formulas`).
-    Activation recomputation is counted too, so under activation checkpointing this is
-    hardware, not model, flops.
+    Recomputation is counted: a forward re-run by activation checkpointing, and the score
+    matrix fused attention recomputes in its backward (torch's ``sdpa_backward_flop_count``:
+    five matmuls where the PaLM / torchtitan formula ``6 * N + 12 * L * H * Q * T`` per token
+    counts four), so this is hardware flops, ``2 * L * H * Q * T`` per token above model flops
+    with fused attention even without checkpointing (on the meta device
+    ``scaled_dot_product_attention`` runs its math path, plain matmuls: four).
 
     Example::
 
