@@ -104,10 +104,10 @@ class TensorStatsMonitor(VitalsCallback):
     What happens when:
 
     * ``micro_batch_start`` of an activation logging step: forward hooks are installed on the
-      sites (the first input and the output of every ``nn.Linear``, ``nn.Embedding`` and MoE
-      router, by default). A forward hook folds the site's tensors into per-row moments on
-      the device (a tensor seen at several sites is reduced once) and, for ``dgrad``, puts a
-      gradient hook on the same tensors. Integer inputs (token ids) are passed over for the
+      sites (the first input and the output of every ``nn.Linear``, ``nn.Embedding``, MoE
+      router and fused experts module, by default). A forward hook folds the site's tensors
+      into per-row moments on the device (a tensor seen at several sites is reduced once) and,
+      for ``dgrad``, puts a gradient hook on the same tensors. Integer inputs (token ids) are passed over for the
       first floating-point one. Forwards re-run inside backward (activation checkpointing) are
       not counted twice; under a reentrant checkpoint, whose first run has autograd off, the
       re-run is where the gradient hooks go. A ``no_grad`` forward of a site that trains with
@@ -203,8 +203,14 @@ class TensorStatsMonitor(VitalsCallback):
         log_every_n_steps: interval of ``param``/``grad`` in optimizer steps (default: the run's).
         activation_every_n_steps: interval of ``activation``/``dgrad`` (default: the same).
         module_types: module classes (one, or a sequence) whose inputs/outputs are sites
-            (default ``nn.Linear``, ``nn.Embedding`` and MoE routers:
-            :class:`trainvitals.moe.TopKRouter` and any class whose name ends in ``Router``).
+            (default ``nn.Linear``, ``nn.Embedding``, MoE routers:
+            :class:`trainvitals.moe.TopKRouter` and any class whose name ends in ``Router``,
+            and fused experts modules: any class whose name ends in ``Experts`` that has
+            parameters and holds no ``nn.Linear``, ``nn.Embedding`` or router, such as
+            transformers' ``MixtralExperts`` or ``Qwen3MoeExperts`` with their 3-d
+            ``gate_up_proj [E, 2F, H]``; their ``input0`` is the hidden states entering the
+            experts, ``output0`` their combined output, see :func:`_is_fused_experts`). Classes
+            given replace the whole default set (routers and fused experts included).
         include: globs (``fnmatch``) over tensor names (``layers.0.mlp.fc1.weight``,
             ``layers.0.mlp.fc1/input0``); only matching tensors are recorded. Default: all.
         exclude: globs of tensor names to leave out (e.g. ``["*lm_head/*"]`` for the logits; the
@@ -395,7 +401,11 @@ class TensorStatsMonitor(VitalsCallback):
         self._modules = [
             (canonical_name(n), m)
             for n, m in model.named_modules()
-            if n and (isinstance(m, types) or (self.module_types is None and _is_router(m)))
+            if n
+            and (
+                isinstance(m, types)
+                or (self.module_types is None and (_is_router(m) or _is_fused_experts(m, types)))
+            )
         ]
         self._ep_info = self._expert_offsets(ctx, [n for n, _ in model.named_parameters()])
         self._names = {}
@@ -1280,6 +1290,27 @@ def _default_site_types() -> tuple[type, ...]:
 
 def _is_router(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Router")
+
+
+def _is_fused_experts(module: nn.Module, site_types: tuple[type, ...]) -> bool:
+    """Whether ``module`` computes a set of experts from weights no other site sees: its class
+    name ends in ``Experts``, it has parameters, and no module inside it (itself included) is
+    a site of ``site_types`` or a router.
+
+    transformers 5.x keeps the experts of its MoE families (``MixtralExperts``,
+    ``Qwen3MoeExperts``, ``OlmoeExperts``, ``DeepseekV3Experts``, ``GptOssExperts``, ...) as 3-d
+    parameters (``gate_up_proj [E, 2F, H]``) used through ``F.linear``/grouped matmuls inside
+    ``forward(hidden_states, top_k_index, top_k_weights)``: no ``nn.Linear`` to hook, so
+    nothing of the experts was recorded. The rule asks for no 3-d shape: ``DbrxExperts``
+    holds its weights in a child as ``[E * F, H]``, and torchtitan's ``GroupedExperts`` (3-d
+    ``w1``/``w2``/``w3``) fits it too. A ``ModuleDict``/``ModuleList`` of per-expert MLPs
+    (``NllbMoeExperts``, ``SwitchTransformersExperts``) is not one: its ``nn.Linear`` sites see
+    each expert already."""
+    if not type(module).__name__.endswith("Experts"):
+        return False
+    if any(isinstance(m, site_types) or _is_router(m) for m in module.modules()):
+        return False
+    return next(module.parameters(), None) is not None
 
 
 def _is_dtensor(x: torch.Tensor) -> bool:
