@@ -60,7 +60,8 @@ def _add_query_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "run_dir",
         help="run folder holding tensor_stats.jsonl (or the file itself; a folder whose "
-        "subfolders hold exactly one, such as a logger's version_0/, reads that one)",
+        "subfolders, up to two levels down, hold exactly one, such as a logger's version_0/, "
+        "reads that one)",
     )
     p.add_argument(
         "--kind",

@@ -54,3 +54,13 @@ def test_a_second_file_below_or_one_moved_aside_still_leaves_the_choice_to_the_u
     assert main(["query", str(top)]) == 2
     err = capsys.readouterr().err
     assert "2 found" in err and str(second / "tensor_stats.jsonl") in err, err
+
+
+def test_a_folder_named_like_the_file_below_is_not_taken_for_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    top = tmp_path / "runs"
+    (top / "x" / "tensor_stats.jsonl").mkdir(parents=True)  # a folder, not a run's file
+    assert main(["query", str(top)]) == 2
+    err = capsys.readouterr().err
+    assert f"no tensor statistics file at {top / 'tensor_stats.jsonl'}; 1 found" in err, err

@@ -209,8 +209,12 @@ class MemoryMonitor(VitalsCallback):
             self.warn_once(
                 "nothing",
                 f"no host readings and the run uses no CUDA device (model on {ctx.device}): "
-                "there is nothing to measure on this rank (keys are written only from what "
-                "other ranks read)"
+                + (
+                    "there is nothing to measure on this rank (keys are written only from what "
+                    "other ranks read)"
+                    if ctx.world_size > 1
+                    else "there is nothing to measure and no key is written"
+                )
                 + (" while the host memory cannot be read" if self.host else ""),
             )
         if not self._cuda and (self.record_history or self.snapshot_steps):

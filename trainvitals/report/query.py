@@ -94,16 +94,18 @@ def _found_below(found: list[Path], folder: Path) -> str:
 
 def tensor_stats_path(path: str | Path) -> Path:
     """The file a query of ``path`` reads: ``path`` itself, or a run folder's
-    ``tensor_stats.jsonl``; a folder without its own whose subfolders (two levels down:
-    ``<logger>/version_0/``) hold exactly one is read from that one, as ``trainvitals report``
-    of the same folder does. ``FileNotFoundError`` otherwise (naming the files found, when
-    several runs or runs moved aside leave the user to name one)."""
+    ``tensor_stats.jsonl``; a folder without its own whose subfolders, up to two levels down
+    (``<logger>/version_0/``), hold exactly one, and no earlier run moved aside
+    (``tensor_stats.jsonl.1``), is read from that one. ``FileNotFoundError`` otherwise (naming
+    the files found, when several runs or runs moved aside leave the user to name one).
+    (``trainvitals report`` searches the whole tree and ignores moved-aside files: a report
+    shows one run, a query must not pick a run the user did not mean.)"""
     path = Path(path)
     if path.is_dir():
         folder, path = path, path / TENSOR_STATS_FILE
         if not path.exists():
             found = _files_below(folder)
-            if len(found) == 1 and found[0].name == TENSOR_STATS_FILE:
+            if len(found) == 1 and found[0].name == TENSOR_STATS_FILE and found[0].is_file():
                 return found[0]
             raise FileNotFoundError(
                 f"no tensor statistics file at {path}{_found_below(found, folder)}"
@@ -142,8 +144,8 @@ def read_tensor_stats(
 
     Raises:
         FileNotFoundError: no such file (a folder's message names the files found below it;
-            a folder without its own file whose subfolders, two levels down, hold exactly one
-            is read from that one, as the HTML report does).
+            a folder without its own file whose subfolders, up to two levels down, hold exactly
+            one, and no run moved aside, is read from that one: :func:`tensor_stats_path`).
         NewerVersionError: (a ``ValueError``) no line could be read and some are of a newer
             schema version than :data:`SUPPORTED_VERSIONS` (a file written by a newer
             trainvitals: upgrade), raised once the file was read. A file with some readable
