@@ -118,6 +118,18 @@ class MLflowSink(Sink):
             raise ValueError(
                 "MLflowSink needs a client and run_id, a run_id, a tracking_uri or a run_dir"
             )
+        # Checked here, in the caller's thread: MLflow refuses them at the first delivery, which
+        # the writer retried until close() gave up (a run's end held for close_timeout).
+        if not isinstance(experiment_name, str) or not experiment_name.strip():
+            raise TypeError(f"experiment_name must be a non-empty str, got {experiment_name!r}")
+        if run_name is not None and not isinstance(run_name, str):
+            raise TypeError(f"run_name must be a str or None, got {run_name!r}")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise TypeError(f"run_id must be a non-empty str or None, got {run_id!r}")
+        if tags is not None and (
+            not isinstance(tags, Mapping) or not all(isinstance(k, str) and k for k in tags)
+        ):
+            raise TypeError(f"tags must be a mapping with non-empty str keys, got {tags!r}")
         creates_run = run_id is None
         super().__init__(name=name, owned=creates_run)
         self.client = client
