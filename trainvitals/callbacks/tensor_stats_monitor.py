@@ -209,8 +209,12 @@ class TensorStatsMonitor(VitalsCallback):
             parameters and holds no ``nn.Linear``, ``nn.Embedding`` or router, such as
             transformers' ``MixtralExperts`` or ``Qwen3MoeExperts`` with their 3-d
             ``gate_up_proj [E, 2F, H]``; their ``input0`` is the hidden states entering the
-            experts, ``output0`` their combined output, see :func:`_is_fused_experts`). Classes
-            given replace the whole default set (routers and fused experts included).
+            experts, ``output0`` their combined output, see :func:`_is_fused_experts`; not
+            one whose weights are DTensors sharded over a tensor-parallel mesh dim, where
+            ``forward`` may return one rank's partial sums: left out with a warning, see
+            :func:`_tensor_parallel_weights`). Classes given replace the whole default set
+            (routers and fused experts included); a class named so is a site whatever its
+            layout (transformers' ``moe_tp_experts`` sums inside ``forward``: name its class).
         include: globs (``fnmatch``) over tensor names (``layers.0.mlp.fc1.weight``,
             ``layers.0.mlp.fc1/input0``); only matching tensors are recorded. Default: all.
         exclude: globs of tensor names to leave out (e.g. ``["*lm_head/*"]`` for the logits; the
@@ -398,15 +402,20 @@ class TensorStatsMonitor(VitalsCallback):
             raise ValueError("TensorStatsMonitor needs the model (ctx.model is None)")
         model = unwrap_model(ctx.model)
         types = self.module_types or _default_site_types()
-        self._modules = [
-            (canonical_name(n), m)
-            for n, m in model.named_modules()
-            if n
-            and (
-                isinstance(m, types)
-                or (self.module_types is None and (_is_router(m) or _is_fused_experts(m, types)))
-            )
-        ]
+        self._modules, left_out = [], []
+        members: dict[int, frozenset[int]] = {}
+        for n, m in model.named_modules():
+            if not n:
+                continue
+            if isinstance(m, types) or (self.module_types is None and _is_router(m)):
+                self._modules.append((canonical_name(n), m))
+            elif self.module_types is None and _is_fused_experts(m, types):
+                # (the model's layout alone decides: the same on every rank, so every rank
+                # has the same sites and issues the same collectives)
+                if _tensor_parallel_weights(m, ctx.groups, members):
+                    left_out.append(canonical_name(n))
+                else:
+                    self._modules.append((canonical_name(n), m))
         self._ep_info = self._expert_offsets(ctx, [n for n, _ in model.named_parameters()])
         self._names = {}
         self._params = None
@@ -433,7 +442,10 @@ class TensorStatsMonitor(VitalsCallback):
         self._warn_missing_edp(ctx)
         if ctx.global_rank == 0:
             params = [self._global_name(canonical_name(n)) for n, _ in model.named_parameters()]
-            self._warn_unmatched_globs(params + every_site)
+            # the left-out experts' names are the model's still: a glob naming them matches
+            dropped = [f"{name}/{suffix}" for name in left_out for suffix in _SITE_SUFFIXES]
+            self._warn_unmatched_globs(params + every_site + dropped)
+            self._warn_tensor_parallel_experts(left_out)
         self._path = Path(ctx.run_dir) / self.filename
         if ctx.trainer is not None and getattr(ctx.trainer, "fast_dev_run", False):
             # Lightning's debug run: its loggers and checkpoints are off; so is this file (it
@@ -1211,6 +1223,27 @@ class TensorStatsMonitor(VitalsCallback):
                 "groups with ProcessGroups.from_device_mesh on a mesh with an 'ep' dim",
             )
 
+    def _warn_tensor_parallel_experts(self, left_out: list[str]) -> None:
+        """Say once which fused experts modules the default rule left out for their
+        tensor-parallel weights (only those whose sites ``include``/``exclude`` would keep)."""
+        if not any(k in self.kinds for k in ("activation", "dgrad")):
+            return
+        named = [n for n in left_out if any(self._wanted(f"{n}/{s}") for s in _SITE_SUFFIXES)]
+        if not named:
+            return
+        shown = ", ".join(named[:3]) + (f", ... ({len(named)} in all)" if len(named) > 3 else "")
+        self.warn_once(
+            "tensor-parallel-experts",
+            f"fused experts module(s) {shown} have weights sharded over a tensor-parallel "
+            "mesh dim and are not activation/dgrad sites: a forward run on the local weight "
+            "shards may return this rank's partial sums (torchtitan's TensorParallel / "
+            "ExpertTensorParallel on GroupedExperts sum after the module), which would be "
+            "recorded as the layer's values. If the class's forward returns the summed "
+            "output (transformers' moe_tp_experts all-reduces inside it), name the class in "
+            "module_types= (with the other site classes, e.g. nn.Linear) to record it; the "
+            "default cannot tell the two apart",
+        )
+
     def _gather_experts(
         self,
         ep: Any,
@@ -1311,6 +1344,47 @@ def _is_fused_experts(module: nn.Module, site_types: tuple[type, ...]) -> bool:
     if any(isinstance(m, site_types) or _is_router(m) for m in module.modules()):
         return False
     return next(module.parameters(), None) is not None
+
+
+def _tensor_parallel_weights(
+    module: nn.Module, groups: Any, members: dict[int, frozenset[int]]
+) -> bool:
+    """Whether a parameter of ``module`` is a DTensor sharded over a tensor-parallel mesh
+    dim: ``groups.tp``, or any group outside ``groups.dp_cp``, unless the group lies inside
+    ``groups.ep`` or ``groups.edp`` (whole experts per rank, or their FSDP shards: torchtitan's
+    ``ep`` and transformers' may borrow the tensor-parallel ranks, even be the ``tp`` ranks).
+
+    torchtitan's ``TensorParallel`` / ``ExpertTensorParallel`` on ``GroupedExperts`` shard
+    ``w1``/``w3`` on dim 1 and ``w2`` on dim 2 over ``tp``, run ``forward`` on the
+    ``to_local()`` shards and leave the row-parallel sum to the MoE block's output layout: the
+    module's ``output0`` and the dgrad of its ``input0`` are one rank's partial sums. FSDP2
+    (``Shard(0)`` over ``dp``) and expert parallelism (``Shard(0)`` over ``ep``) keep whole
+    activations and are not caught. Group membership comes from the local table (no
+    collective); ``members`` caches each group's global ranks by ``id``."""
+    if not dist.is_available() or not dist.is_initialized():
+        return False  # (a DTensor needs a process group)
+
+    def ranks(group: Any) -> frozenset[int]:
+        key = id(group)
+        if key not in members:
+            members[key] = frozenset(dist.get_process_group_ranks(group))
+        return members[key]
+
+    def inside(r: frozenset[int], *among: Any) -> bool:
+        return any(group_size(g) > 1 and r <= ranks(g) for g in among)
+
+    tp = ranks(groups.tp) if group_size(groups.tp) > 1 else None
+    for p in module.parameters():
+        if not _is_dtensor(p):
+            continue
+        shards, _, _ = groups_by_placement(p.device_mesh, p.placements, replicas=False)
+        for g in shards:
+            r = ranks(g) if group_size(g) > 1 else None
+            if r is None or inside(r, groups.ep, groups.edp):
+                continue
+            if r == tp or not inside(r, groups.dp_cp):
+                return True
+    return False
 
 
 def _is_dtensor(x: torch.Tensor) -> bool:
