@@ -33,11 +33,11 @@ def test_records_in_layers_called_dense_are_an_error_naming_them():
     ):
         tracker.report(1.0, 0, writer, per_layer_logging=True, moe_layer_freq=2)
     assert writer.rows == {}  # nothing written
-    # zeroed as after any report: a corrected call reports the next interval alone
-    tracker.record("load_balancing_loss", 1.5, 1, 4)
-    tracker.record("load_balancing_loss", 2.5, 3, 4)
-    tracker.report(1.0, 1, writer, moe_layer_freq=2)
-    assert writer.rows[1]["moe/load_balancing_loss"] == pytest.approx((1.5 + 2.5) / 2, rel=1e-6)
+    # kept, as for any refused argument: a corrected call reports this interval once
+    tracker.report(1.0, 1, writer, per_layer_logging=True)
+    assert writer.rows[1]["moe/load_balancing_loss"] == pytest.approx(1.25, rel=1e-6)
+    tracker.report(1.0, 2, writer)  # (then zeroed, as after any report)
+    assert writer.rows[2]["moe/load_balancing_loss"] == 0.0
 
 
 @pytest.mark.parametrize("freq", [2, [1, 0, 1, 0]])

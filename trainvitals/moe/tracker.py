@@ -379,7 +379,8 @@ class MoEMetricsTracker:
                 summed into the mean over the MoE layers and its per-layer key left out),
                 raised after the collectives from the reduced values (on every rank alike
                 when ``groups`` reduces them over the ranks; with trivial groups each rank
-                checks its own), the values zeroed as after any report.
+                checks its own); the values are kept, as for any refused argument, so a
+                corrected call reports them.
             mtp_num_layers: Multi-Token-Prediction layers, counted as MoE layers after the
                 ``num_layers`` transformer layers.
             total_loss_dict: keys ending in ``loss`` get this report's value (a float),
@@ -461,14 +462,10 @@ class MoEMetricsTracker:
         #    single process the record counts to divide by), then divide, scale, average over
         #    the MoE layers, percentiles and per-layer values on the host in float64: a handful
         #    of Python operations instead of several kernels per metric.
-        try:
-            plans = [
-                self._plan(name, size, num_layers, mtp_num_layers, pattern_arg, moe_layer_freq)
-                for name, (size, _) in schema.items()
-            ]
-        except ValueError:
-            self.clear()  # (zeroed as after any report: a corrected call starts afresh)
-            raise
+        plans = [
+            self._plan(name, size, num_layers, mtp_num_layers, pattern_arg, moe_layer_freq)
+            for name, (size, _) in schema.items()
+        ]
         vectors = [reduced[name] for name in schema]
         # After the values, per layer slot: the record counts (single process: the divisors)
         # or, with skip_unrecorded(_layers), the reduced has-records flags (> 0: some rank
@@ -479,11 +476,9 @@ class MoEMetricsTracker:
             vectors += [marks[name] for name in schema]
         host = torch.cat(vectors).tolist() if schema else []
         if moe_layer_freq is not None:
-            try:
-                _check_dense_slots(plans, host, marks)
-            except ValueError:
-                self.clear()  # (a corrected call must not sum this interval into its own)
-                raise
+            # (refused, the values stay, as for any refused argument: a corrected call
+            # reports this interval)
+            _check_dense_slots(plans, host, marks)
         scale = float(loss_scale)
         keys: list[str] = []
         numbers: list[float] = []
