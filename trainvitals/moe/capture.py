@@ -133,7 +133,9 @@ checkpointing runs a forward twice, and which run to count depends on its kind:
   and such a forward drops its held-back runs.
 
 The attention mask a Hugging Face router's tokens are matched with is that of the latest
-training-mode forward of its model. For a reentrant re-run that is the mask of the forward being
+training-mode forward of the transformers models that contain it (an encoder-decoder's encoder
+routers take the encoder stack's mask, its decoder routers the decoder stack's, whichever ran
+last). For a reentrant re-run that is the mask of the forward being
 re-run when each micro-batch's forward and backward come in order (gradient accumulation); a
 schedule that interleaves forwards and backwards of different micro-batches through the same
 model (a pipeline schedule, a training-mode forward between a forward and its backward) could
@@ -550,19 +552,25 @@ def _argument_position(module: nn.Module, argument: str) -> int | None:
     return None
 
 
-def _hf_mask_sources(model: nn.Module, routers: list[RouterInfo]) -> list[nn.Module]:
-    """The transformers models (``PreTrainedModel``) that contain a Hugging Face router: the
-    modules whose forward receives the attention mask (outer and inner, e.g. ``...ForCausalLM``
-    and its ``.model``)."""
+def _hf_mask_sources(model: nn.Module, routers: list[RouterInfo]) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the transformers models (``PreTrainedModel``) that contain a Hugging
+    Face router: the modules whose forward receives the attention mask (outer and inner, e.g.
+    ``...ForCausalLM`` and its ``.model``; an encoder-decoder's ``.encoder`` and ``.decoder``
+    stacks, each with its own mask)."""
     names = [r.name for r in routers if r.kind == "hf"]
     if not names:
         return []
     return [
-        module
+        (name, module)
         for name, module in model.named_modules()
-        if any(name == "" or n.startswith(name + ".") for n in names)
-        and _is_hf_pretrained_model(module)
+        if any(_contains(name, n) for n in names) and _is_hf_pretrained_model(module)
     ]
+
+
+def _contains(outer: str, name: str) -> bool:
+    """Whether the module named ``outer`` contains the module named ``name`` (the root ``""``
+    contains every module)."""
+    return outer == "" or name.startswith(outer + ".")
 
 
 def _warn_unrecognised_hf_routers(model: nn.Module, routers: list[RouterInfo]) -> None:
@@ -839,13 +847,29 @@ class RouterCapture:
         self._invalid: set[int] = set()  # rows whose counts of this step are unknown
         # Hugging Face routers see no attention mask: it is taken from the forward of the
         # transformers models that contain them, to leave padding tokens out (_hf_valid_tokens).
-        self._mask_sources = _hf_mask_sources(model, self.routers)
-        self._attention_mask: torch.Tensor | None = None  # [B, S] of the last model forward
+        sources = _hf_mask_sources(model, self.routers)
+        self._mask_sources = [module for _, module in sources]
+        # per Hugging Face router, the mask sources that contain it: its mask is the latest
+        # recorded by one of them, never one of a model beside it (an encoder-decoder's
+        # decoder stack records its own mask after the encoder's, and a reentrant re-run of an
+        # encoder layer in the backward pass must still get the encoder's)
+        self._router_sources: dict[int, list[int]] = {
+            i: [s for s, (name, _) in enumerate(sources) if _contains(name, r.name)]
+            for i, r in enumerate(self.routers)
+            if r.kind == "hf"
+        }
+        # per mask source: (record number, 2-d attention mask or None, moe_mm_token_type_ids
+        # [B, S] or None) of its latest training forward
+        self._source_masks: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}
+        self._mask_records = 0
+        # [B, S] of the last model forward, whichever source (each router reads its own
+        # sources' through _router_mask)
+        self._attention_mask: torch.Tensor | None = None
         # moe_mm_token_type_ids [B, S] of that forward (modality routers), None without one
         self._token_types: torch.Tensor | None = None
-        # derived from them once per device and modality: (padding [N, 1] bool, valid [N],
-        # valid count clamped to 1, 1.0 when no token is valid else 0.0)
-        self._valid_tokens: dict[tuple[torch.device, str | None], _ValidTokens] = {}
+        # derived from them once per mask source, device and modality: (padding [N, 1] bool,
+        # valid [N], valid count clamped to 1, 1.0 when no token is valid else 0.0)
+        self._valid_tokens: dict[tuple[int, torch.device, str | None], _ValidTokens] = {}
         self._mask_mismatch_warned: set[int] = set()
         # Ernie 4.5-VL: routers of a block that splits tokens by modality, by the block's name
         # (the text router's row holds the layer's aux loss: _add_modality_layer_aux), and the
@@ -905,11 +929,12 @@ class RouterCapture:
                     eager_hook(self._make_hook(i)), always_call=r.kind == "torchtitan"
                 )
             )
-        for module in self._mask_sources:
+        for source, module in enumerate(self._mask_sources):
             self._handles.append(
                 module.register_forward_pre_hook(
                     eager_hook(
                         self._make_mask_pre_hook(
+                            source,
                             _argument_position(module, "attention_mask"),
                             _argument_position(module, _TOKEN_TYPES_ARG),
                         )
@@ -927,7 +952,7 @@ class RouterCapture:
         self._record_attention_mask(None)
 
     def _make_mask_pre_hook(
-        self, position: int | None, types_position: int | None
+        self, source: int, position: int | None, types_position: int | None
     ) -> Callable[..., None]:
         """A pre-hook on a transformers model that records its forward's 2-d attention mask
         (``attention_mask=`` or the positional argument at ``position``); any other (none, a 4-d
@@ -946,11 +971,16 @@ class RouterCapture:
             self._record_attention_mask(
                 argument(args, kwargs, "attention_mask", position),
                 argument(args, kwargs, _TOKEN_TYPES_ARG, types_position),
+                source,
             )
 
         return mask_pre_hook
 
-    def _record_attention_mask(self, mask: Any, token_types: Any = None) -> None:
+    def _record_attention_mask(
+        self, mask: Any, token_types: Any = None, source: int | None = None
+    ) -> None:
+        """Record the mask of a forward of mask source ``source``; ``None``: forget every
+        source's mask (the hooks were removed)."""
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             self._attention_mask = local_tensor(mask).detach()
             self._token_types = (
@@ -962,7 +992,28 @@ class RouterCapture:
         else:
             self._attention_mask = None
             self._token_types = None
+        if source is None:
+            self._source_masks.clear()
+        else:
+            self._mask_records += 1
+            self._source_masks[source] = (
+                self._mask_records,
+                self._attention_mask,
+                self._token_types,
+            )
         self._valid_tokens.clear()
+
+    def _router_mask(self, i: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """``(source, attention mask, token types)`` for router ``i``: the latest recorded by
+        the transformers models that contain it (the innermost one in a plain forward; the
+        encoder stack's, not the decoder's, for an encoder router), ``(-1, None, None)``
+        when none has recorded one."""
+        best = (-1, -1, None, None)
+        for s in self._router_sources.get(i, ()):
+            entry = self._source_masks.get(s)
+            if entry is not None and entry[0] > best[1]:
+                best = (s, *entry)
+        return best[0], best[2], best[3]
 
     def _hf_valid_tokens(
         self, i: int, num_tokens: int, device: torch.device
@@ -976,10 +1027,10 @@ class RouterCapture:
         token ``b * S + s`` is ``mask[b, s]``; a modality router (Ernie 4.5-VL) sees the tokens
         of its modality only, in the same order (:meth:`_modality_mask`). Device kernels only:
         no host synchronisation."""
-        mask = self._attention_mask
+        source, mask, token_types = self._router_mask(i)
         if mask is None:
             return None
-        modality = self.routers[i].modality if self._token_types is not None else None
+        modality = self.routers[i].modality if token_types is not None else None
         # a modality router sees at most every token (how many are its own is on the device)
         if num_tokens > mask.numel() if modality is not None else mask.numel() != num_tokens:
             if i not in self._mask_mismatch_warned:
@@ -994,17 +1045,18 @@ class RouterCapture:
                     stacklevel=4,
                 )
             return None
-        derived = self._valid_tokens.get((device, modality))
+        derived = self._valid_tokens.get((source, device, modality))
         if derived is None:
             flat = mask.reshape(-1)
             if flat.device != device:
                 flat = _copy_to(flat, device)
             if modality is not None:
-                flat = self._modality_mask(flat, modality, num_tokens)
+                assert token_types is not None
+                flat = self._modality_mask(flat, token_types, modality, num_tokens)
             padding = (flat == 0).unsqueeze(-1)
             valid = (flat != 0).float()
             num_valid = valid.sum()
-            derived = self._valid_tokens[(device, modality)] = (
+            derived = self._valid_tokens[(source, device, modality)] = (
                 padding,
                 valid,
                 num_valid.clamp(min=1.0),
@@ -1012,7 +1064,9 @@ class RouterCapture:
             )
         return derived
 
-    def _modality_mask(self, flat: torch.Tensor, modality: str, num_tokens: int) -> torch.Tensor:
+    def _modality_mask(
+        self, flat: torch.Tensor, token_types: torch.Tensor, modality: str, num_tokens: int
+    ) -> torch.Tensor:
         """The attention-mask values ``[num_tokens]`` of the tokens a modality router sees:
         those of ``flat`` (``[B * S]``) whose ``moe_mm_token_type_ids`` is 0 (``text``) or
         not 0 (``vision``), in order, as the block's ``hidden_states[mask]`` takes them.
@@ -1020,8 +1074,7 @@ class RouterCapture:
         Without a host read of how many there are: each selected token's rank among them (a
         cumulative sum) is its place in the output; the others go to one spare slot past the
         end, which is dropped. The router's own ``N`` is the number selected."""
-        assert self._token_types is not None
-        types = self._token_types.reshape(-1)
+        types = token_types.reshape(-1)
         if types.device != flat.device:
             types = _copy_to(types, flat.device)
         selected = types == 0 if modality == "text" else types != 0
