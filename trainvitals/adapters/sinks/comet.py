@@ -97,14 +97,23 @@ class CometSink(Sink):
             raise TypeError(
                 f"CometSink needs a comet_ml Experiment, got {type(experiment).__name__}"
             )
-        if experiment_kwargs is not None and (
-            not isinstance(experiment_kwargs, Mapping)
-            or not all(isinstance(k, str) for k in experiment_kwargs)
+        # (the kwargs build the OfflineExperiment: unused, and not checked, with an experiment)
+        if (
+            experiment is None
+            and experiment_kwargs is not None
+            and (
+                not isinstance(experiment_kwargs, Mapping)
+                or not all(isinstance(k, str) for k in experiment_kwargs)
+            )
         ):
             raise TypeError(
                 f"experiment_kwargs must be a mapping of keyword names, got {experiment_kwargs!r}"
             )
-        if experiment_kwargs is not None and "offline_directory" in experiment_kwargs:
+        if (
+            experiment is None
+            and isinstance(experiment_kwargs, Mapping)
+            and "offline_directory" in experiment_kwargs
+        ):
             # (passed twice to OfflineExperiment: a TypeError at every retry of the first step)
             raise ValueError(
                 "experiment_kwargs must not hold offline_directory: give it as CometSink's "

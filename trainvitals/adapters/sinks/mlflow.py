@@ -118,18 +118,17 @@ class MLflowSink(Sink):
             raise ValueError(
                 "MLflowSink needs a client and run_id, a run_id, a tracking_uri or a run_dir"
             )
-        # Checked here, in the caller's thread: MLflow refuses them at the first delivery, which
-        # the writer retried until close() gave up (a run's end held for close_timeout).
-        if not isinstance(experiment_name, str) or not experiment_name.strip():
+        # Checked here, in the caller's thread, what MLflow refuses at the first delivery (the
+        # writer retried it until close() gave up: a run's end held for close_timeout); what
+        # MLflow takes as text (a run_name or tag of another type) is left to it.
+        if run_id is None and (not isinstance(experiment_name, str) or not experiment_name.strip()):
             raise TypeError(f"experiment_name must be a non-empty str, got {experiment_name!r}")
-        if run_name is not None and not isinstance(run_name, str):
-            raise TypeError(f"run_name must be a str or None, got {run_name!r}")
         if run_id is not None and (not isinstance(run_id, str) or not run_id):
             raise TypeError(f"run_id must be a non-empty str or None, got {run_id!r}")
-        if tags is not None and (
-            not isinstance(tags, Mapping) or not all(isinstance(k, str) and k for k in tags)
-        ):
-            raise TypeError(f"tags must be a mapping with non-empty str keys, got {tags!r}")
+        try:
+            tags = dict(tags or {})
+        except (TypeError, ValueError):
+            raise TypeError(f"tags must be a mapping (or key, value pairs), got {tags!r}") from None
         creates_run = run_id is None
         super().__init__(name=name, owned=creates_run)
         self.client = client
@@ -145,7 +144,7 @@ class MLflowSink(Sink):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.experiment_name = experiment_name
         self.run_name = run_name
-        self.tags = dict(tags or {})
+        self.tags = tags
         self.resume = resume
         # where the id of the run this sink creates is recorded (and read back on a resume)
         self._run_id_file = (
