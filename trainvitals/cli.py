@@ -11,7 +11,8 @@ Example::
         --steps 100:200 --by 'layers\\.(\\d+)\\.' --format csv --output kurt.csv
 
 Exit status (as grep's): 0 on success, 1 when ``query`` matched no row (it still writes the
-header, and says why on stderr), 2 on an error (bad arguments, a missing or wrong file), 141
+header, and says why on stderr), 2 on an error (bad arguments, a missing or wrong file, a
+contrived one: one line on stderr, not a traceback), 141
 when the reader of stdout went away (``| head``), as for a tool that SIGPIPE ended.
 
 A command runs torch on one thread unless ``OMP_NUM_THREADS`` is set (:func:`_one_torch_thread`);

@@ -280,11 +280,12 @@ def infer_batch_size(batch: Any) -> int | None:
 def infer_num_tokens(batch: Any) -> int | None:
     """Tokens in a batch: ``input_ids``' element count when present (a dict,
     ``BatchEncoding``, dataclass or named tuple holding it, or such a mapping or record first in
-    a tuple or list: a ``(features, labels)`` collate); else the element count of the batch's
-    token ids: its first tensor of two or more dims (bool masks skipped), when that is a 2-d
-    ``int64``/``int32`` tensor (``[batch, seq]``: the index types ``nn.Embedding`` takes);
-    ``None`` otherwise. A float
-    tensor first (images, features, embeddings) or an 8- or 16-bit integer one (``uint8``
+    a tuple or list whose later items hold none: a ``(features, labels)`` collate, not a list
+    of uncollated samples, each with its own, whose first is no count of the batch); else the
+    element count of the batch's token ids: its first tensor of two or more dims (bool masks
+    skipped), when that is a 2-d ``int64``/``int32`` tensor (``[batch, seq]``: the index types
+    ``nn.Embedding`` takes; of an uncollated list, its first sample's); ``None`` otherwise. A
+    float tensor first (images, features, embeddings) or an 8- or 16-bit integer one (``uint8``
     images, flattened or not) means the batch's input is not token ids, and an integer tensor
     after it (class labels ``[batch, 1]``, multi-hot labels ``[batch, classes]``) is not
     counted as tokens.

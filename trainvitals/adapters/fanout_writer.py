@@ -937,7 +937,7 @@ class FanoutWriter:
     to the writer raises ``ValueError``; the same step again after a ``flush()`` is delivered as
     a second batch of that step. After ``close()`` values are dropped with one warning,
     whatever their step; ``end_step()``, ``flush()`` and ``resume_at()`` call no sink. Keys
-    must be non-empty strings, values real numbers, bools, numpy scalars or one-element tensors
+    must be non-empty strings with a UTF-8 form (no lone surrogate), values real numbers, bools, numpy scalars or one-element tensors
     (see the module docstring for the tensor contract).
 
     Resuming: a run restored from a checkpoint of step N calls ``resume_at(N)`` before it logs

@@ -140,11 +140,11 @@ class NormMonitor(VitalsCallback):
     (``group_by`` keys from every stage: their rows ride in the same collective).
     With expert parallelism (``groups.ep`` non-trivial) each EP rank holds other experts: the
     plain-tensor parameters whose names match ``expert_pattern`` are summed into the totals
-    (``global``, ``optimizer_<i>``, ``nonfinite_count``) over ``groups.ep`` in one more
-    collective, as Megatron-LM's norms sum expert parameters over their expert groups (and
-    not over ``groups.edp``, whose ranks hold the same experts); their per-parameter keys, and
-    the names in the NaN/Inf warning, are the reporting rank's experts'. An EP rank with
-    nothing to train takes part with zeros. Expert ``DTensor`` parameters (torchtitan) are
+    (``global``, ``optimizer_<i>``, ``group/<label>``, ``nonfinite_count``) over ``groups.ep``
+    in one more collective, as Megatron-LM's norms sum expert parameters over their expert
+    groups (and not over ``groups.edp``, whose ranks hold the same experts); their
+    per-parameter keys, and the names in the NaN/Inf warning, are the reporting rank's
+    experts'. An EP rank with nothing to train takes part with zeros. Expert ``DTensor`` parameters (torchtitan) are
     summed over their ``Shard`` dims like any other. When no parameter matches and none is a
     ``DTensor``, a warning (once) says the totals count this rank's experts only.
 
@@ -185,11 +185,12 @@ class NormMonitor(VitalsCallback):
             ones (DTensor shards over their ``Shard`` dims, plain experts over ``groups.ep``,
             pipeline stages over ``groups.pp``: in the same collectives, none added); a tied
             parameter counts once, in the group of its first name the regex matches. Every rank
-            writes the groups of every stage (their labels gathered over ``groups.pp`` once at
-            run start), in natural order (``"2"`` before ``"10"``). A name the regex does not
-            match, or whose group captures nothing, is in no group. Not a string:
-            ``TypeError``; not a valid regex or not one capture group: ``ValueError``; matching
-            no parameter (on any pipeline stage): ``ValueError`` at run start.
+            writes the groups of every stage (their labels gathered once at run start over
+            ``groups.ep`` when plain experts are summed there, then over ``groups.pp``), in
+            natural order (``"2"`` before ``"10"``). A name the regex does not match, or whose
+            group captures nothing, is in no group. Not a string: ``TypeError``; not a valid
+            regex or not one capture group: ``ValueError``; matching no parameter (on any
+            pipeline stage or EP rank): ``ValueError`` at run start.
         max_nonfinite_names: how many non-finite gradients the warning names.
         expert_pattern: regex (``re.search`` on canonical names) of the plain-tensor parameters
             that differ between expert-parallel ranks (default: a component ``experts``:

@@ -168,7 +168,9 @@ class TensorStatsMonitor(VitalsCallback):
     ``Replicate`` dim of the ``DTensor`` or of the one ``to_local()`` came from, a ``Partial``
     dgrad once summed) only the lowest rank's copy counts (see :func:`_count_once`; no extra
     collective). Other plain activation tensors are taken to be replicated over tensor-parallel
-    ranks outside ``dp_cp`` and different on the ranks of ``dp_cp``. Moments need a
+    ranks outside ``dp_cp`` and different on the ranks of ``dp_cp`` (not so the partial sums a
+    fused experts module returns when the sum is done after it: such a module is no default
+    site when its weights are sharded over a tensor-parallel mesh dim, see ``module_types``). Moments need a
     merge, not a sum: each group gets one ``all_gather`` of all per-rank moments that need it,
     merged on every rank (one collective per distinct group per logging step; a two-collective
     shared-shift scheme would need a second round trip for the same result). Min and max ride

@@ -244,7 +244,8 @@ class ThroughputMonitor(VitalsCallback):
         flops_per_token: model flops (forward + backward) per token (MoE: of the active
             parameters, the routed top-k and shared experts).
         flops_per_sample: model flops (forward + backward) per sample.
-        measure_flops: measure the flops of the first step with ``FlopCounterMode``.
+        measure_flops: measure the flops of the first step with ``FlopCounterMode``: hardware
+            flops, recomputation included (above).
         peak_flops: dense peak FLOP/s of one device (overrides the table).
         precision: the table column for the peak: one of ``fp32``, ``tf32``, ``bf16``,
             ``fp16``, ``fp8``. Default: the run's precision under Lightning (``bf16-*`` is

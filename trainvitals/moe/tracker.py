@@ -418,7 +418,8 @@ class MoEMetricsTracker:
                 four layers at 1.0, one without a record. Percentiles already leave it out
                 (it is not positive). When no MoE slot has a record, the mean is Megatron's.
 
-        The values and record counts of every metric (tracked or not) are zeroed afterwards.
+        The values and record counts of every metric (tracked or not) are zeroed afterwards;
+        a report that raises keeps them.
         """
         # 1. Arguments: checked before any collective, so no rank is left waiting.
         if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float):

@@ -29,7 +29,8 @@ Charts:
   ``moe/layer_1/cv``, ...: family ``moe/layer_*/cv``); it gets one chart with a line per
   member, on one y scale, or, above :data:`MAX_LINES` members (tokens per expert of every
   layer), three lines: the min, median and max across its keys at each step. A key with no
-  integers, or alone in its family, gets a chart of its own.
+  integers, or alone in its family, gets a chart of its own. The per-layer tensor charts
+  (RMS, kurtosis) have a line per layer, banded the same way above :data:`MAX_LINES` layers.
 * Long series are thinned for drawing by keeping, in each of ``max_points / 2`` buckets of
   consecutive steps, the smallest and the largest value (:func:`decimate`): a one-step spike is
   never dropped, unlike taking every k-th point. The tables use every value.
@@ -90,7 +91,8 @@ _PALETTE = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
     "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
 )  # fmt: skip
-# Anchors of a perceptually ordered ramp (viridis) for families of more than 10 lines.
+# Anchors of a perceptually ordered ramp (viridis) for a chart of more lines than _PALETTE
+# (none since families and per-layer charts above MAX_LINES are banded: min / median / max).
 _RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
 _TENSOR_STATS = ("rms", "kurtosis", "skewness", "abs_max", "nonfinite")
 _TABLE_STATS = ("count", "mean", "std", "rms", "skewness", "kurtosis", "min", "max", "nonfinite")

@@ -424,7 +424,9 @@ def query(
     """Statistics of a group of tensors, step by step, merged exactly.
 
     Args:
-        run_dir: the run folder (or the ``tensor_stats.jsonl`` file itself).
+        run_dir: the run folder (or the ``tensor_stats.jsonl`` file itself); a folder
+            without its own whose subfolders hold exactly one is read from that one
+            (:func:`tensor_stats_path`).
         kind: ``"param"``, ``"grad"``, ``"activation"`` or ``"dgrad"``.
         group: which tensors: a glob over full names (``"layers.*.mlp.*"``), a regex (prefix
             ``re:``, or any pattern with ``\\ ^ $ ( ) + | { }``), or None for all.

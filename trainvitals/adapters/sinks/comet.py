@@ -21,7 +21,10 @@ class CometSink(Sink):
         offline_directory: instead of ``experiment``: the sink creates an
             ``OfflineExperiment`` writing its archive (a ``.zip``) into this directory on its
             first delivery, and ends it (which writes the archive) when the writer closes.
-        experiment_kwargs: extra keyword arguments for that ``OfflineExperiment``.
+        experiment_kwargs: extra keyword arguments for that ``OfflineExperiment`` (unused
+            with ``experiment``): not a mapping of keyword names, ``TypeError``; holding
+            ``offline_directory`` (give it as the sink's own), ``ValueError``; both when the
+            sink is built, not at every retry of its first delivery.
         name: the sink's name in warnings.
 
     Threads: an experiment passed in is shared with the loop's own logging, so the sink calls

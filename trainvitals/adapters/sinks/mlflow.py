@@ -82,6 +82,12 @@ class MLflowSink(Sink):
     a ``PermissionError`` naming it, which has the writer disable the sink at once (one
     warning) instead of retrying it until ``close()`` ran out of ``close_timeout``.
 
+    Arguments MLflow would refuse at the first delivery are a ``TypeError`` when the sink is
+    built: a ``run_id`` that is not a non-empty string, ``tags`` that are neither a mapping nor
+    key-value pairs, and, when the sink creates its run, an ``experiment_name`` that is not a
+    non-empty string (a ``run_name`` or tag of another type is stored as its text, as MLflow
+    does).
+
     Every ``log_batch`` is synchronous, also under ``MLFLOW_ENABLE_ASYNC_LOGGING``: a step
     counts as delivered only once MLflow has stored it.
 
