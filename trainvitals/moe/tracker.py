@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -479,19 +479,13 @@ class MoEMetricsTracker:
         if moe_layer_freq is not None:
             # (refused, the values stay, as for any refused argument: a corrected call
             # reports this interval)
-            _check_dense_slots(plans, host, marks)
+            _check_dense_slots(_plan_slices(plans, host, marks is not None))
         scale = float(loss_scale)
         keys: list[str] = []
         numbers: list[float] = []
         unrecorded: list[str] = []
-        offset = 0
-        count_offset = sum(plan.size for plan in plans)
-        for plan in plans:
-            v = host[offset : offset + plan.size]
-            offset += plan.size
-            if marks is not None:
-                counts = host[count_offset : count_offset + plan.size]
-                count_offset += plan.size
+        for plan, v, counts in _plan_slices(plans, host, marks is not None):
+            if counts is not None:
                 if skip_unrecorded and not any(c > 0 for c in counts):
                     unrecorded.append(plan.name)  # no record anywhere: no value to write
                     continue
@@ -499,7 +493,7 @@ class MoEMetricsTracker:
                     v = [x / c if c > 0 else x for x, c in zip(v, counts, strict=True)]
             v = [x * scale for x in v]
             slots, layer_keys, num_moe_layers = plan.moe_slots, plan.layer_keys, plan.num_moe_layers
-            if skip_unrecorded_layers and marks is not None:
+            if skip_unrecorded_layers and counts is not None:
                 recorded = [j for j, i in enumerate(slots) if counts[i] > 0]
                 if recorded and len(recorded) < len(slots):
                     # the MoE layers without any record have no value: out of the mean's
@@ -834,22 +828,27 @@ def _moe_layer_mask(num_layers: int, freq: int | list[int] | None, mtp: int) -> 
     return mask + [True] * mtp
 
 
-def _check_dense_slots(
-    plans: list[_Plan], host: list[float], marks: Mapping[str, Any] | None
-) -> None:
+def _plan_slices(
+    plans: list[_Plan], host: list[float], with_counts: bool
+) -> Iterator[tuple[_Plan, list[float], list[float] | None]]:
+    """Per plan, its slice of the host vector's values and (``with_counts``) of the record
+    counts or flags that follow all the values, in the plans' order."""
+    offset, count_offset = 0, sum(plan.size for plan in plans)
+    for plan in plans:
+        counts = host[count_offset : count_offset + plan.size] if with_counts else None
+        yield plan, host[offset : offset + plan.size], counts
+        offset += plan.size
+        count_offset += plan.size
+
+
+def _check_dense_slots(slices: Iterable[tuple[_Plan, list[float], list[float] | None]]) -> None:
     """``moe_layer_freq`` against what was recorded: a layer it calls dense that holds a
     record would be summed into the mean over the MoE layers (Megatron's ``v.sum() /
     num_moe_layers``), while its per-layer key is not written: a wrong number. Read from the
     reduced vectors (and record counts or flags, when reduced along) already on the host, the
     same on every rank: every rank raises alike, after the report's collectives, none waits."""
-    offset = 0
-    count_offset = sum(plan.size for plan in plans)
     problems = []
-    for plan in plans:
-        v = host[offset : offset + plan.size]
-        counts = host[count_offset : count_offset + plan.size] if marks is not None else None
-        offset += plan.size
-        count_offset += plan.size if marks is not None else 0
+    for plan, v, counts in slices:
         moe = set(plan.moe_slots)
         dense = [
             i
