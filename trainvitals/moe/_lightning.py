@@ -93,9 +93,7 @@ class TinyMoELightningModule(pl.LightningModule):
             def step(
                 closure: Any = None, *, _original: Any = original, _opt: Any = optimizer, **kw: Any
             ) -> Any:
-                result: list[Any] = []
-                self._step_then_update(_opt, lambda: result.append(_original(closure, **kw)))
-                return result[0] if result else None
+                return self._step_then_update(_opt, lambda: _original(closure, **kw))
 
             optimizer.step = step  # an instance attribute: shadows the class's step
             followed.append(optimizer)
@@ -122,9 +120,9 @@ class TinyMoELightningModule(pl.LightningModule):
             optimizer, lambda: step(epoch, batch_idx, optimizer, optimizer_closure)
         )
 
-    def _step_then_update(self, optimizer: Any, run_step: Any) -> None:
+    def _step_then_update(self, optimizer: Any, run_step: Any) -> Any:
         """Run ``run_step()`` (one step of ``optimizer``), then update the expert biases unless
-        the step was skipped."""
+        the step was skipped; returns what ``run_step()`` returned."""
         # GradScaler.step() does not call optimizer.step() when the gradients are not finite:
         # a post hook on the wrapped torch optimizer sees whether it ran (torchtitan, whose
         # bias update is a step pre hook, skips it the same way). Under 32-bit precision the
@@ -137,25 +135,26 @@ class TinyMoELightningModule(pl.LightningModule):
             # instead (it backs off exactly on a skipped step), compared on the device.
             before = getattr(scaler, "_scale", None)
             before = None if before is None else before.clone()
-            run_step()
+            result = run_step()
             after = getattr(scaler, "_scale", None)
             if after is None:  # (a disabled scaler: nothing skipped)
                 self.model.moe_step_end()
-                return
+                return result
             if before is None:  # (its first scale() ran inside the step: from init_scale)
                 before = torch.full_like(after, float(scaler._init_scale))
             self.model.moe_step_end(optimizer_stepped=after >= before)
-            return
+            return result
         stepped: list[bool] = []
         register = getattr(inner, "register_step_post_hook", None)
         handle = register(lambda *_: stepped.append(True)) if register is not None else None
         try:
-            run_step()
+            result = run_step()
         finally:
             if handle is not None:
                 handle.remove()
         # (an optimizer without step hooks, DeepSpeed's: updated every step, as before)
         self.model.moe_step_end(optimizer_stepped=bool(stepped) or handle is None)
+        return result
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
