@@ -356,11 +356,13 @@ class MemoryMonitor(VitalsCallback):
                 "a rank reads no CUDA device (CUDA not available or not initialised there, or "
                 "its model on the CPU): the CUDA keys cover the devices of the ranks that do",
             )
+        # host values: the readings and the collective's result are on the CPU
+        values = {kind: reduced[kind].tolist() for kind in self.reduce}
         # A key some other rank could not read is left out here too; only that rank warned,
         # so say it in this rank's log (rank 0's is the one read) rather than drop it silently.
         others = [
             n
-            for n, m, r in zip(names, mine.tolist(), reduced[self.reduce[0]].tolist(), strict=True)
+            for n, m, r in zip(names, mine.tolist(), values[self.reduce[0]], strict=True)
             if math.isnan(r) and not math.isnan(m)
         ]
         if others:
@@ -372,8 +374,7 @@ class MemoryMonitor(VitalsCallback):
         out: dict[str, Any] = {}
         for kind in self.reduce:
             suffix = "" if kind == "max" else f"/{kind}"
-            # host values: the readings and the collective's result are on the CPU
-            for name, value in zip(names, reduced[kind].tolist(), strict=True):
+            for name, value in zip(names, values[kind], strict=True):
                 if not math.isnan(value):  # NaN: some rank could not read it this step
                     out[f"memory/{name}{suffix}"] = value
         return out
