@@ -1348,6 +1348,15 @@ def _is_fused_experts(module: nn.Module, site_types: tuple[type, ...]) -> bool:
     return next(module.parameters(), None) is not None
 
 
+def _group_members(group: Any, members: dict[int, frozenset[int]]) -> frozenset[int]:
+    """``group``'s global ranks, from the local group table (no collective), cached in
+    ``members`` by the group's ``id`` for one caller's run."""
+    key = id(group)
+    if key not in members:
+        members[key] = frozenset(dist.get_process_group_ranks(group))
+    return members[key]
+
+
 def _tensor_parallel_weights(
     module: nn.Module, groups: Any, members: dict[int, frozenset[int]]
 ) -> bool:
@@ -1367,10 +1376,7 @@ def _tensor_parallel_weights(
         return False  # (a DTensor needs a process group)
 
     def ranks(group: Any) -> frozenset[int]:
-        key = id(group)
-        if key not in members:
-            members[key] = frozenset(dist.get_process_group_ranks(group))
-        return members[key]
+        return _group_members(group, members)
 
     def inside(r: frozenset[int], *among: Any) -> bool:
         return any(group_size(g) > 1 and r <= ranks(g) for g in among)
@@ -1446,10 +1452,7 @@ def _count_once(
         return shards + data, True
 
     def ranks(group: Any) -> frozenset[int]:
-        key = id(group)
-        if key not in members:
-            members[key] = frozenset(dist.get_process_group_ranks(group))
-        return members[key]
+        return _group_members(group, members)
 
     inside = ranks(data[0])
     kept = tuple(g for g in shards if group_size(g) == 1 or not ranks(g) <= inside)
