@@ -178,6 +178,20 @@ def test_bad_group_by(group_by, error):
         NormMonitor(group_by=group_by)
 
 
+@pytest.mark.parametrize(
+    ("expert_pattern", "error", "match"),
+    [
+        (3, TypeError, r"expert_pattern must be a regex string, got int"),
+        (r"experts\.(\d+", ValueError, r"expert_pattern is not a valid regex"),
+    ],
+)
+def test_bad_expert_pattern(expert_pattern, error, match):
+    # (the same check as group_by's, without its one-group rule: any regex names experts)
+    with pytest.raises(error, match=match):
+        NormMonitor(expert_pattern=expert_pattern)
+    assert NormMonitor(expert_pattern=r"experts\.\d+\.").expert_pattern.groups == 0
+
+
 def test_group_by_matching_no_parameter_is_an_error_at_run_start():
     model = _Stack()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -103,6 +103,19 @@ _CARRIED_ATTR = "_trainvitals_carried"
 _ENDED_AT_ATTR = "_trainvitals_fit_ended_at"
 
 
+def compile_regex(arg: str, pattern: Any, *, optional: bool = False) -> re.Pattern[str]:
+    """``pattern`` compiled for the argument ``arg``: not a string, ``TypeError``; not a valid
+    regex, ``ValueError``; both naming ``arg`` (at construction, before any collective).
+    ``optional``: the message says ``None`` is allowed too (the caller handles it)."""
+    if not isinstance(pattern, str):
+        allowed = "None or a regex string" if optional else "a regex string"
+        raise TypeError(f"{arg} must be {allowed}, got {type(pattern).__name__}")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{arg} is not a valid regex: {exc}") from exc
+
+
 def compile_one_group(arg: str, pattern: str | None) -> re.Pattern[str] | None:
     """``pattern`` compiled, for an argument ``arg`` whose one capture group names a tensor's
     group (a layer index, an expert index, a label); ``None`` stays ``None``. Not a string:
@@ -110,12 +123,7 @@ def compile_one_group(arg: str, pattern: str | None) -> re.Pattern[str] | None:
     naming ``arg`` (at construction, before any collective)."""
     if pattern is None:
         return None
-    if not isinstance(pattern, str):
-        raise TypeError(f"{arg} must be None or a regex string, got {type(pattern).__name__}")
-    try:
-        compiled = re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"{arg} is not a valid regex: {exc}") from exc
+    compiled = compile_regex(arg, pattern, optional=True)
     if compiled.groups != 1:
         raise ValueError(
             f"{arg} must have exactly one capture group (the label), {pattern!r} has "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 
 from trainvitals.adapters.context import RunContext
-from trainvitals.callbacks.base import VitalsCallback, compile_one_group
+from trainvitals.callbacks.base import VitalsCallback, compile_one_group, compile_regex
 from trainvitals.distributed import (
     all_gather_objects,
     all_reduce_coalesced,
@@ -265,14 +264,7 @@ class NormMonitor(VitalsCallback):
         writer: Any = None,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps, writer=writer)
-        if not isinstance(expert_pattern, str):
-            raise TypeError(
-                f"expert_pattern must be a regex string, got {type(expert_pattern).__name__}"
-            )
-        try:
-            self.expert_pattern = re.compile(expert_pattern)
-        except re.error as exc:
-            raise ValueError(f"expert_pattern is not a valid regex: {exc}") from exc
+        self.expert_pattern = compile_regex("expert_pattern", expert_pattern)
         self.per_param = _globs(per_param)
         self.group_by = compile_one_group("group_by", group_by)
         kinds = (per_param_kinds,) if isinstance(per_param_kinds, str) else per_param_kinds
