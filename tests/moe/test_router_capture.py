@@ -467,7 +467,7 @@ def test_hf_mask_hooks_removed_with_the_capture() -> None:
     )
     model.train()
     model(torch.randint(0, VOCAB, (2, 6)), attention_mask=PADDED_MASKS[0]).logits.sum().backward()
-    assert capture.loads().sum() == 0 and capture._attention_mask is None
+    assert capture.loads().sum() == 0 and capture._source_masks == {}  # (no mask recorded)
     capture.attach()  # and they come back with the router hooks
     assert [m for m in model.modules() if m._forward_pre_hooks] == [model, model.model]
 

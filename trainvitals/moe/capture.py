@@ -862,11 +862,6 @@ class RouterCapture:
         # [B, S] or None) of its latest training forward
         self._source_masks: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}
         self._mask_records = 0
-        # [B, S] of the last model forward, whichever source (each router reads its own
-        # sources' through _router_mask)
-        self._attention_mask: torch.Tensor | None = None
-        # moe_mm_token_type_ids [B, S] of that forward (modality routers), None without one
-        self._token_types: torch.Tensor | None = None
         # derived from them once per mask source, device and modality: (padding [N, 1] bool,
         # valid [N], valid count clamped to 1, 1.0 when no token is valid else 0.0)
         self._valid_tokens: dict[tuple[int, torch.device, str | None], _ValidTokens] = {}
@@ -981,26 +976,17 @@ class RouterCapture:
     ) -> None:
         """Record the mask of a forward of mask source ``source``; ``None``: forget every
         source's mask (the hooks were removed)."""
-        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
-            self._attention_mask = local_tensor(mask).detach()
-            self._token_types = (
-                local_tensor(token_types).detach()
-                if isinstance(token_types, torch.Tensor)
-                and token_types.shape == self._attention_mask.shape
-                else None
-            )
-        else:
-            self._attention_mask = None
-            self._token_types = None
         if source is None:
             self._source_masks.clear()
         else:
+            recorded: torch.Tensor | None = None
+            types: torch.Tensor | None = None  # moe_mm_token_type_ids [B, S] (modality routers)
+            if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+                recorded = local_tensor(mask).detach()
+                if isinstance(token_types, torch.Tensor) and token_types.shape == recorded.shape:
+                    types = local_tensor(token_types).detach()
             self._mask_records += 1
-            self._source_masks[source] = (
-                self._mask_records,
-                self._attention_mask,
-                self._token_types,
-            )
+            self._source_masks[source] = (self._mask_records, recorded, types)
         self._valid_tokens.clear()
 
     def _router_mask(self, i: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
