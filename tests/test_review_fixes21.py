@@ -1,7 +1,7 @@
 """Defects a review found in session 21's own changes, each fixed with its test here:
 ``NormMonitor(group_by=...)`` labels gathered over pipeline stages before the expert-parallel
 ranks (a stage without plain experts got another union, and the totals' all-reduce over the
-stages had different lengths: gloo's "collective mismatch"); ``natural_sort_key`` on a label with
+stages had different lengths: gloo's "collective mismatch"); the natural order of a label with
 a superscript digit; an uncollated list of samples counted as its first sample's tokens; a
 ``TinyMoELightningModule`` that could not be pickled after a manual-optimization fit raised."""
 
@@ -17,11 +17,11 @@ from torch import nn
 
 from tests.callbacks.test_norm_monitor_helpers import RecordingWriter
 from tests.helpers.shared_ranks import SharedRanks
+from trainvitals._natural import natural_order
 from trainvitals.adapters.context import infer_num_tokens
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.norm_monitor import NormMonitor
 from trainvitals.moe.tiny_model import RandomTokenDataset, TinyMoELightningModule
-from trainvitals.stats.norms import natural_sort_key
 
 EXPERT = r"experts\.(\d+)\."
 
@@ -99,7 +99,7 @@ def test_expert_groups_under_pipeline_and_expert_parallelism_agree_on_every_rank
 
 
 def test_labels_with_a_superscript_digit_sort_and_group():
-    assert sorted(["10", "1²", "2", "1"], key=natural_sort_key) == ["1", "1²", "2", "10"]
+    assert sorted(["10", "1²", "2", "1"], key=natural_order) == ["1", "1²", "2", "10"]
     model = nn.ModuleDict({"x1²": nn.Linear(2, 2), "x2": nn.Linear(2, 2)})
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     writer = RecordingWriter()

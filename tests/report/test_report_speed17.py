@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from trainvitals._natural import natural_key
 from trainvitals.report import html as report_html
 from trainvitals.report import query, read_tensor_stats, render_report
 
@@ -194,7 +195,7 @@ def test_query_matches_float64_of_the_elements(run: Run, case: int, kind: str) -
     rows = query(run.path, kind=kind, stat="all", **args)
     want = expect_groups(run, kind, label_of, steps)
     assert [(r["step"], r["group"]) for r in rows] == sorted(
-        want, key=lambda k: (k[0], query_module.natural_key(k[1]), k[1])
+        want, key=lambda k: (k[0], natural_key(k[1]), k[1])
     )
     for row in rows:
         names = want[(row["step"], row["group"])]

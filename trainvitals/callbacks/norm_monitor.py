@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from trainvitals._natural import natural_order
 from trainvitals.adapters.context import RunContext
 from trainvitals.callbacks.base import VitalsCallback, compile_one_group, compile_regex
 from trainvitals.distributed import (
@@ -24,7 +25,6 @@ from trainvitals.stats.norms import (
     canonical_name,
     group_named_tensors,
     local_sq_norms,
-    natural_sort_key,
     reduce_sq_norms,
     sharding_groups,
     sums_by_group,
@@ -760,7 +760,7 @@ class NormMonitor(VitalsCallback):
             labels = {label for got in all_gather_objects(sorted(labels), group) for label in got}
         if not labels:  # (the same union on every rank: every rank raises, none waits)
             raise ValueError(f"NormMonitor: {message} on any pipeline stage or EP rank")
-        self._group_labels = sorted(labels, key=natural_sort_key)
+        self._group_labels = sorted(labels, key=natural_order)
 
     def _label(self, name: str) -> str | None:
         """``name``'s group label: the text the ``group_by`` regex captures (None: no match, or

@@ -60,6 +60,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from trainvitals._natural import natural_key, natural_order
 from trainvitals.moe.capture import LAYER_NUMBER
 from trainvitals.report.query import (
     KINDS,
@@ -72,7 +73,6 @@ from trainvitals.report.query import (
     matcher,
     merge_grouped,
     merge_records,
-    natural_key,
     parse_steps,
     read_tensor_stats,
 )
@@ -450,14 +450,6 @@ def _band(
     return [(f"min of {n}", lo), (f"median of {n}", mid), (f"max of {n}", hi)]
 
 
-def _label_order(label: str) -> tuple:
-    """Sort key of layer labels: numbers as numbers, then the label itself, so that labels of
-    one natural key (``"01"`` and ``"1"``) come in one order (sorted from a set by
-    :func:`natural_key` alone, their order followed Python's string hashing, which changes
-    from process to process: two reports of one run differed)."""
-    return natural_key(label), label
-
-
 def _member_label(key: str) -> str:
     nums = _DIGITS.findall(key)
     return "/".join(nums)
@@ -481,7 +473,7 @@ def _expert_load_section(series: dict[str, _Series]) -> tuple[list[str], str]:
             cells[(m.group(1), int(m.group(2)))] = ser
     if not cells:
         return [], ""
-    layers = sorted({lab for lab, _ in cells}, key=_label_order)
+    layers = sorted({lab for lab, _ in cells}, key=natural_order)
     experts = sorted({e for _, e in cells})
     last = max(ser.points.steps[-1] for ser in cells.values())
 
@@ -725,7 +717,7 @@ def _tensor_sections(
                 f"{_chart(title, [('all', pts)], max_points)}</div>"
             )
         per_layer = ks.layer_series()
-        layers = sorted(per_layer, key=_label_order)
+        layers = sorted(per_layer, key=natural_order)
         if len(layers) > 1:
             for k, stat in enumerate(_LAYER_STATS):
                 if len(layers) <= MAX_LINES:

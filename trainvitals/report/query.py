@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainvitals._natural import natural_order
 from trainvitals.report.sources import name_a_few
 from trainvitals.stats.moments import DERIVED, FIELDS, combine_moments, derive
 
@@ -389,14 +390,6 @@ def matcher(group: str | None) -> Callable[[str], bool]:
     return lambda name: fnmatch.fnmatchcase(name, group)
 
 
-def natural_key(text: str) -> tuple:
-    """Sort key that orders the integers inside names as numbers (``layer_2`` before
-    ``layer_10``, label ``"2"`` before ``"10"``); used by the query rows and the report."""
-    # (the captures, at odd places, are the numbers: ``str.isdigit`` is also true of "²",
-    # which int() refuses, so a tensor named "w²" failed the query and the report)
-    return tuple(int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", text)))
-
-
 def format_value(v: Any) -> str:
     """A table cell: 6 significant digits, ``-`` for none, ``NaN``/``inf``/``-inf`` spelt out
     (the query tool's table and the HTML report)."""
@@ -564,7 +557,7 @@ class Grouping:
             rows.append(j)
             labels.append(label)
         # the label itself breaks ties ("01" and "1" have one natural key): a stable order
-        distinct = sorted(set(labels), key=lambda g: (natural_key(g), g))
+        distinct = sorted(set(labels), key=natural_order)
         pos = {g: i for i, g in enumerate(distinct)}
         found = (
             np.array(rows, dtype=np.intp),

@@ -38,7 +38,6 @@ No I/O, no framework imports; collectives only through :mod:`trainvitals.distrib
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +59,6 @@ __all__ = [
     "dedupe_named_tensors",
     "group_named_tensors",
     "local_sq_norms",
-    "natural_sort_key",
     "reduce_sq_norms",
     "sharding_groups",
     "stored_values",
@@ -467,16 +465,6 @@ def reduce_sq_norms(sq_norms: torch.Tensor, groups: Sequence[tuple[Any, ...]]) -
     for index, values in zip(indices, reduced, strict=True):
         out.index_copy_(0, index, values.to(out.device))
     return out
-
-
-def natural_sort_key(label: str) -> tuple[Any, ...]:
-    """Sort key that orders the digit runs of ``label`` as numbers (``"2"`` before ``"10"``,
-    ``"layer2"`` before ``"layer10"``); the label itself breaks ties (``"01"`` and ``"1"``), so
-    every rank sorts a set of labels alike."""
-    parts = re.split(r"(\d+)", label)
-    # (the captures, at odd places, are the numbers: str.isdigit is also true of "²", which
-    # int() refuses)
-    return (tuple((0, int(p), "") if i % 2 else (1, 0, p) for i, p in enumerate(parts)), label)
 
 
 def sums_by_group(
