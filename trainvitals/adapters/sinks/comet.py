@@ -101,27 +101,20 @@ class CometSink(Sink):
                 f"CometSink needs a comet_ml Experiment, got {type(experiment).__name__}"
             )
         # (the kwargs build the OfflineExperiment: unused, and not checked, with an experiment)
-        if (
-            experiment is None
-            and experiment_kwargs is not None
-            and (
-                not isinstance(experiment_kwargs, Mapping)
-                or not all(isinstance(k, str) for k in experiment_kwargs)
-            )
-        ):
-            raise TypeError(
-                f"experiment_kwargs must be a mapping of keyword names, got {experiment_kwargs!r}"
-            )
-        if (
-            experiment is None
-            and isinstance(experiment_kwargs, Mapping)
-            and "offline_directory" in experiment_kwargs
-        ):
-            # (passed twice to OfflineExperiment: a TypeError at every retry of the first step)
-            raise ValueError(
-                "experiment_kwargs must not hold offline_directory: give it as CometSink's "
-                "offline_directory"
-            )
+        if experiment is None and experiment_kwargs is not None:
+            if not isinstance(experiment_kwargs, Mapping) or not all(
+                isinstance(k, str) for k in experiment_kwargs
+            ):
+                raise TypeError(
+                    "experiment_kwargs must be a mapping of keyword names, got "
+                    f"{experiment_kwargs!r}"
+                )
+            if "offline_directory" in experiment_kwargs:
+                # (passed twice to OfflineExperiment: a TypeError at every retry of its first step)
+                raise ValueError(
+                    "experiment_kwargs must not hold offline_directory: give it as CometSink's "
+                    "offline_directory"
+                )
         super().__init__(name=name, owned=experiment is None)
         self.thread_safe = experiment is None  # see "Threads" above
         self.experiment = experiment
