@@ -414,6 +414,11 @@ class ThroughputMonitor(VitalsCallback):
         self._last_sizes: tuple[Any, Any] | None = None
         self._untrained: dict[str, Any] = _nothing_untrained()
         self._groups = ProcessGroups()
+        # A checkpoint's measured flops by rank and the model-parallel sizes they were measured
+        # under, restored before the run's groups are known (Lightning, the driver): each rank
+        # picks its own at run_start (_own_measurement). _running: the groups are this run's.
+        self._restored_by_rank: tuple[list[Any], Any] | None = None
+        self._running = False
         self._peak: float | None = None
         self._mp = {"tokens": 1, "samples": 1}
         self._cuda: torch.device | None = None
@@ -428,6 +433,10 @@ class ThroughputMonitor(VitalsCallback):
         # previous run left unfinished are not counted into it, and its warm-up applies.
         self._restart()
         self._groups = ctx.groups
+        self._running = True
+        if self._restored_by_rank is not None:
+            self._measured, self._measured_seq = self._own_measurement(*self._restored_by_rank)
+            self._restored_by_rank = None
         device = ctx.device
         self._cuda = device if device.type == "cuda" else None
         self._clock.sync_fn = (
@@ -548,9 +557,11 @@ class ThroughputMonitor(VitalsCallback):
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._finish_flop_measurement(complete=False)
+        self._running = False
 
     def run_end(self, ctx: RunContext) -> None:
         self._finish_flop_measurement(complete=False)
+        self._running = False
 
     def release(self, ctx: RunContext) -> None:
         # disabled by the guard: its step_end will not come to leave the FlopCounterMode,
@@ -777,7 +788,14 @@ class ThroughputMonitor(VitalsCallback):
             "measured": list(self._measured) if self._measured is not None else None,
             "measured_tokens_per_sample": self._measured_seq,
             "measured_by_rank": by_rank if slots else None,
+            "measured_layout": self._model_parallel_sizes() if slots else None,
         }
+
+    def _model_parallel_sizes(self) -> list[int]:
+        """Sizes of this run's tensor-, pipeline-, context- and expert-parallel groups: a
+        rank's share of the model's work, which its measured flops per unit depend on."""
+        g = self._groups
+        return [group_size(group) for group in (g.tp, g.pp, g.cp, g.ep)]
 
     def _measured_slots(self) -> int:
         """Ranks whose measured flops the state_dict's collective carries: every rank of the
@@ -802,20 +820,42 @@ class ThroughputMonitor(VitalsCallback):
         seq = state_dict.get("measured_tokens_per_sample")
         self._measured_seq = None if seq is None or self._measured is None else float(seq)
         by_rank = state_dict.get("measured_by_rank")
+        self._restored_by_rank = None
         if by_rank:
-            self._measured, self._measured_seq = self._own_measurement(by_rank)
+            layout = state_dict.get("measured_layout")
+            # Before a run its groups are not known yet (the model-parallel sizes are checked
+            # at run_start, which picks again); during one (a rollback) they are.
+            self._measured, self._measured_seq = self._own_measurement(
+                by_rank, layout if self._running else None
+            )
+            if not self._running:
+                self._restored_by_rank = (by_rank, layout)
         # A restore is a restart, also on an instance that has already trained (a rollback,
         # fit(ckpt_path=) with the same callbacks): its own clock and warm-up, as RuntimeMonitor,
         # so the time before the restore is not timed as the next step; micro-batches of a step
         # in progress at the restore are dropped (the restored run replays it).
         self._restart()
 
-    def _own_measurement(self, by_rank: list[Any]) -> tuple[tuple[str, float] | None, float | None]:
-        """This rank's measured flops from a checkpoint's ``measured_by_rank``: its own entry
-        when the world has the checkpoint's size; on another world size, the one figure all
-        ranks measured, else none (measured again when ``measure_flops``: a rank of the new
-        layout may do another rank's share of the work)."""
+    def _own_measurement(
+        self, by_rank: list[Any], layout: Any = None
+    ) -> tuple[tuple[str, float] | None, float | None]:
+        """This rank's measured flops from a checkpoint's ``measured_by_rank``: none when it
+        was measured under other model-parallel sizes (``layout``, ``measured_layout``: a
+        data-parallel run resumed under tensor parallelism runs half of each matmul per rank,
+        and kept its whole-model figure: twice the flops); else its own entry when the world
+        has the checkpoint's size; on another world size, the one figure all ranks measured,
+        else none (measured again when ``measure_flops``: a rank of the new layout may do
+        another rank's share of the work)."""
         world = group_size(world_group())
+        mine = self._model_parallel_sizes()
+        if layout is not None and [int(n) for n in layout] != mine:
+            self.warn_once(
+                "flops_layout",
+                f"the checkpoint's measured flops were measured under tensor/pipeline/context/"
+                f"expert-parallel sizes {list(layout)}, this run has {mine}: they are not "
+                "restored" + (" (measured again)" if self.measure_flops else ""),
+            )
+            return None, None
         if len(by_rank) == world:
             return _decode_measured(by_rank[group_rank(world_group())])
         decoded = [_decode_measured(entry) for entry in by_rank]
