@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +19,12 @@ from trainvitals.distributed import (
     group_rank,
     group_size,
 )
-from trainvitals.moe.capture import HF_ROUTER_CLASSES, RouterCapture, unpack_loads
+from trainvitals.moe.capture import (
+    HF_ROUTER_CLASSES,
+    RouterCapture,
+    unpack_loads,
+    unpack_z_losses,
+)
 from trainvitals.stats.load_balance import (
     AGGREGATES,
     LAYER_METRICS,
@@ -48,9 +53,9 @@ class LoadBalanceMonitor(VitalsCallback):
     between ``validation_start`` and ``validation_end`` even in training mode, and
     activation-checkpoint re-runs are not counted); for ``TopKRouter`` the hook only keeps the
     forward's routing map and the step's maps are counted together when it is read. At the end of a logging
-    step the counts of all layers, and the aux-loss sums when routers report them, are summed
-    over the data- and context-parallel ranks (``ctx.groups.dp_cp``) in ONE collective (plus
-    one over ``ctx.groups.pp`` with pipeline stages) of one buffer
+    step the counts of all layers, and the aux-loss (and z-loss) sums when routers report
+    them, are summed over the data- and context-parallel ranks (``ctx.groups.dp_cp``) in ONE
+    collective (plus one over ``ctx.groups.pp`` with pipeline stages) of one buffer
     (:meth:`~trainvitals.moe.capture.RouterCapture.packed`), the summed ``[layers, experts]``
     counts come to the host in one transfer (over gloo, which reduces host tensors, that
     transfer comes before the collective), and the statistics are computed there in float64
@@ -118,9 +123,9 @@ class LoadBalanceMonitor(VitalsCallback):
     logging steps are not counted; "load" = token-to-expert assignments, a token routed to
     ``k`` experts counts ``k`` times; utilization = load / (layer's load / E)):
 
-    =================================================  ===============================================  =====
+    =================================================  ===============================================  =======
     key                                                meaning                                          unit
-    =================================================  ===============================================  =====
+    =================================================  ===============================================  =======
     ``moe/cv_{mean,median,min,max}``                   CV (std/mean of the loads) across layers         1
     ``moe/dead_expert_frac_{mean,median,min,max}``     fraction of a layer's experts with no token      1
     ``moe/expert_diversity_{mean,median,min,max}``     ``exp(entropy of the load distribution) / E``    1
@@ -131,6 +136,12 @@ class LoadBalanceMonitor(VitalsCallback):
                                                        ``last_aux_loss``, an extractor's, or from the
                                                        router logits of HF routers whose family
                                                        trains with ``load_balancing_loss_func``
+    ``moe/z_loss_{mean,median,min,max}``               the layers' router z-loss before its             logit^2
+                                                       coefficient, mean over the step's micro-batches
+                                                       and ranks of each forward's mean over its tokens
+                                                       (padding included) of ``logsumexp(logits)**2``:
+                                                       Switch Transformers' ``router_z_loss_func``
+                                                       (only written for Switch Transformers routers)
     ``moe/expert_utilization_<q>``                     quantiles of the utilization of all experts of   ratio
                                                        all layers together, ``<q>`` one of ``min``,
                                                        ``p25``, ``median``, ``p75``, ``max``
@@ -146,13 +157,14 @@ class LoadBalanceMonitor(VitalsCallback):
     ``moe/layer_<l>/utilization_<q>``                  quantiles of the layer's utilizations            ratio
                                                        (detailed), ``<q>`` as above
     ``moe/layer_<l>/aux_loss``                         the layer's aux loss (detailed, when known)      1
+    ``moe/layer_<l>/z_loss``                           the layer's z-loss (detailed, when known)        logit^2
     ``moe/layer_<l>/tokens_per_expert/<e>``            tokens routed to expert ``e`` in the step,       tokens
                                                        summed over micro-batches and ranks (detailed)
     ``moe/layer_<l>/tokens_skipped``                   assignments to the layer's experts without       tokens
                                                        compute (ZAYA's skip expert, LongCat-Flash's
                                                        zero experts), summed like tokens_per_expert
                                                        (detailed, only for such routers)
-    =================================================  ===============================================  =====
+    =================================================  ===============================================  =======
     """
 
     def __init__(
@@ -278,16 +290,19 @@ class LoadBalanceMonitor(VitalsCallback):
         assert capture is not None
         layout = self._layout
         num_layers, num_experts = len(layout.labels), layout.num_experts
-        if layout.rows is None and group_size(ctx.groups.dp_cp) == 1:
+        z_sum = z_count = [0.0] * num_layers
+        if layout.rows is None and group_size(ctx.groups.dp_cp) == 1 and not any(layout.has_z):
             # Nothing to reduce: the step's counts and aux sums come to the host in one
             # transfer (a few kernels, none per layer or micro-batch); the aux counts are host
             # ints already.
             rows, aux_sum, aux_count = capture.read_host()
         else:
+            # (z-losses: the packed buffer, one transfer; its reduction over one rank is a copy)
             host = self._reduce_to_host(ctx)
-            aux_count = host[num_layers * (num_experts + 1) :]
+            aux_count = host[num_layers * (num_experts + 1) : num_layers * (num_experts + 2)]
             rows, aux_sum = unpack_loads(host, num_layers, num_experts)
-        values = self._values(rows, aux_sum, aux_count)
+            z_sum, z_count = unpack_z_losses(host, num_layers, num_experts)
+        values = self._values(rows, aux_sum, aux_count, z_sum, z_count)
         computed = layout.computed
         if computed < num_experts:  # the experts that compute, without the no-compute columns
             rows = [row[:computed] for row in rows]
@@ -295,8 +310,9 @@ class LoadBalanceMonitor(VitalsCallback):
         self.write(ctx, values)
 
     def _reduce_to_host(self, ctx: RunContext) -> list[float]:
-        """The step's loads ``[L, E]`` (row-major), aux sums and aux counts ``[L]`` summed over
-        the ranks, as host floats: one buffer (:meth:`RouterCapture.packed`), one collective per
+        """The step's loads ``[L, E]`` (row-major), aux sums and aux counts ``[L]`` (and z-loss
+        sums and counts ``[L]`` when a layer has a z-loss) summed over the ranks, as host floats:
+        one buffer (:meth:`RouterCapture.packed`), one collective per
         group, one device->host transfer."""
         capture = self.capture
         assert capture is not None
@@ -325,25 +341,35 @@ class LoadBalanceMonitor(VitalsCallback):
 
     def _stage_table(self, packed: torch.Tensor) -> torch.Tensor:
         """This stage's :meth:`RouterCapture.packed` values placed in the zeroed buffer of the
-        same layout for all stages' layers (``n * (E + 2)`` values; a stage may have none)."""
+        same layout for all stages' layers (``n * (E + 2)`` values, ``n * (E + 4)`` when some
+        stage's layers have a z-loss; a stage may have none)."""
         layout = self._layout
         rows, n, e = layout.rows, len(layout.labels), layout.num_experts
         assert rows is not None
         cached = self._table_index
         if cached is None or cached[0] != packed.device:
-            # loads: row r's E values at r * E; aux sums at n * E + r; aux counts after them
+            # loads: row r's E values at r * E; aux sums at n * E + r; aux counts after them,
+            # then z-loss sums and counts when this stage's buffer has them
             index = [r * e + j for r in rows for j in range(e)]
             index += [n * e + r for r in rows] + [n * (e + 1) + r for r in rows]
+            if self.capture is not None and self.capture.has_z_loss:
+                index += [n * (e + 2) + r for r in rows] + [n * (e + 3) + r for r in rows]
             positions = torch.tensor(index, dtype=torch.long).to(packed.device, non_blocking=True)
             cached = self._table_index = (packed.device, positions)
-        full = torch.zeros(n * (e + 2), dtype=packed.dtype, device=packed.device)
+        size = n * (e + (4 if any(layout.has_z) else 2))
+        full = torch.zeros(size, dtype=packed.dtype, device=packed.device)
         return full.index_copy_(0, cached[1], packed)
 
     def _values(
-        self, rows: list[list[float]], aux_sum: list[float], aux_count: list[float]
+        self,
+        rows: list[list[float]],
+        aux_sum: list[float],
+        aux_count: list[float],
+        z_sum: list[float],
+        z_count: list[float],
     ) -> dict[str, float]:
         """The values of one report, by key (Python floats): the finite load statistics and
-        the aux losses of the layers that reported one (NaN and inf included)."""
+        the aux losses and z-losses of the layers that reported one (NaN and inf included)."""
         keys = self._key_cache()
         computed = self._layout.computed
         skipped: list[float] = []
@@ -353,21 +379,10 @@ class LoadBalanceMonitor(VitalsCallback):
             skipped = [sum(row[computed:]) for row in rows]
             rows = [row[:computed] for row in rows]
         stats = load_balance_stats_lists(rows, top_k=self.top_k)
-        # A layer's aux loss is known when some forward reported one (count > 0; a NaN count
-        # is a step not measured). A known value is written as it is, NaN or inf included (a
-        # diverged router must show, as in MoEMetricsTracker), and a NaN among them makes the
-        # aggregates NaN rather than the aggregates of the other layers; only layers with no
-        # value are left out.
-        aux = [s / c if c > 0 else None for s, c in zip(aux_sum, aux_count, strict=True)]
-        aux_values: dict[str, float] = {}
-        known = [a for a in aux if a is not None]
-        if keys.aux_aggregates and known:
-            aggregated = (
-                [math.nan] * len(AGGREGATES)
-                if any(a != a for a in known)
-                else aggregate_across_layers_lists(known)
-            )
-            aux_values.update(zip(keys.aux_aggregates, aggregated, strict=True))
+        detailed = self.mode == "detailed"
+        aux_keys = [aux_key for aux_key, _ in keys.layer]
+        loss_values = _layer_losses(aux_sum, aux_count, keys.aux_aggregates, aux_keys, detailed)
+        loss_values.update(_layer_losses(z_sum, z_count, keys.z_aggregates, keys.z_layer, detailed))
         names: list[str] = list(keys.aggregates)
         numbers: list[float] = [v for row in stats.aggregates[: len(_AGGREGATED)] for v in row]
         names += keys.utilization_quantiles
@@ -377,14 +392,10 @@ class LoadBalanceMonitor(VitalsCallback):
         numbers += stats.top_values
         names += [expert_keys[i] for i in stats.bottom_indices]
         numbers += stats.bottom_values
-        if self.mode == "detailed":
+        if detailed:
             names += keys.per_layer
             numbers += [v for metric in stats.per_layer for v in metric]
-            for i, ((aux_key, token_keys), row, aux_value) in enumerate(
-                zip(keys.layer, rows, aux, strict=True)
-            ):
-                if aux_key is not None and aux_value is not None:
-                    aux_values[aux_key] = aux_value
+            for i, ((_, token_keys), row) in enumerate(zip(keys.layer, rows, strict=True)):
                 if skipped and (any(row) or skipped[i]):
                     names.append(keys.skipped[i])
                     numbers.append(skipped[i])
@@ -392,7 +403,7 @@ class LoadBalanceMonitor(VitalsCallback):
                     names += token_keys
                     numbers += row
         values = {k: v for k, v in zip(names, numbers, strict=True) if math.isfinite(v)}
-        values.update(aux_values)
+        values.update(loss_values)
         return values
 
     def _key_cache(self) -> _Keys:
@@ -401,6 +412,7 @@ class LoadBalanceMonitor(VitalsCallback):
         signature = (
             tuple(layout.labels),
             tuple(layout.has_aux),
+            tuple(layout.has_z),
             layout.num_experts,
             layout.computed,
             self.mode,
@@ -418,6 +430,11 @@ class LoadBalanceMonitor(VitalsCallback):
             aux_aggregates=(
                 [f"moe/aux_loss_{agg}" for agg in AGGREGATES] if any(layout.has_aux) else []
             ),
+            z_aggregates=([f"moe/z_loss_{agg}" for agg in AGGREGATES] if any(layout.has_z) else []),
+            z_layer=[
+                f"moe/layer_{label}/z_loss" if has_z else None
+                for label, has_z in zip(labels, layout.has_z, strict=True)
+            ],
             utilization_quantiles=[
                 f"moe/expert_utilization_{name}" for name, _ in UTILIZATION_QUANTILES
             ],
@@ -495,6 +512,8 @@ class _Keys:
     signature: tuple[Any, ...]
     aggregates: list[str]  # _AGGREGATED x AGGREGATES
     aux_aggregates: list[str]  # AGGREGATES, or none when no layer has an aux loss
+    z_aggregates: list[str]  # AGGREGATES, or none when no layer has a z-loss
+    z_layer: list[str | None]  # per layer: z-loss key
     utilization_quantiles: list[str]
     expert: list[str]  # by flat index layer_pos * E + expert
     per_layer: list[str]  # LAYER_METRICS x layers (detailed)
@@ -513,6 +532,38 @@ class _Layout:
     # the first `computed` columns are experts that compute; the others are no-compute experts
     # (ZAYA's skip expert, LongCat-Flash's zero experts), left out of the statistics
     computed: int
+    has_z: list[bool] = field(default_factory=list)  # per label: the router reports a z-loss
+
+
+def _layer_losses(
+    sums: list[float],
+    counts: list[float],
+    aggregate_keys: list[str],
+    layer_keys: list[str | None],
+    detailed: bool,
+) -> dict[str, float]:
+    """The across-layer aggregates (and, ``detailed``, the per-layer values) of a per-layer
+    loss given as sums and counts over the step's forwards (aux loss, z-loss).
+
+    A layer's loss is known when some forward reported one (count > 0; a NaN count is a step
+    not measured). A known value is written as it is, NaN or inf included (a diverged router
+    must show, as in MoEMetricsTracker), and a NaN among them makes the aggregates NaN rather
+    than the aggregates of the other layers; only layers with no value are left out."""
+    means = [s / c if c > 0 else None for s, c in zip(sums, counts, strict=True)]
+    values: dict[str, float] = {}
+    known = [m for m in means if m is not None]
+    if aggregate_keys and known:
+        aggregated = (
+            [math.nan] * len(AGGREGATES)
+            if any(m != m for m in known)
+            else aggregate_across_layers_lists(known)
+        )
+        values.update(zip(aggregate_keys, aggregated, strict=True))
+    if detailed:
+        for key, mean in zip(layer_keys, means, strict=True):
+            if key is not None and mean is not None:
+                values[key] = mean
+    return values
 
 
 def _capture_and_layout(
@@ -577,6 +628,7 @@ def _agree_over_dp_cp(layout: _Layout | None, error: Exception | None, dp_cp: An
                 layout.labels,
                 layout.has_aux,
                 layout.rows,
+                layout.has_z,
             )
         message = None if error is None else f"{type(error).__name__}: {error}"
         peers = all_gather_objects((mine, message), dp_cp)
@@ -593,7 +645,7 @@ def _agree_over_dp_cp(layout: _Layout | None, error: Exception | None, dp_cp: An
     layouts = [mine for mine, _ in peers]
     if any(other != layouts[0] for other in layouts):
         by_layout: dict[str, list[int]] = {}
-        for rank, ((num_experts, computed), labels, has_aux, rows) in enumerate(layouts):
+        for rank, ((num_experts, computed), labels, has_aux, rows, _) in enumerate(layouts):
             text = f"{len(labels)} MoE layers [{', '.join(labels)}] of {num_experts} experts"
             if computed != num_experts:
                 text += f" ({num_experts - computed} without compute)"
@@ -618,13 +670,14 @@ def _layout(
 ) -> _Layout:
     labels = capture.layer_labels
     has_aux = [r.has_aux_loss for r in capture.routers]
+    has_z = [r.has_z_loss for r in capture.routers]
     pp = getattr(groups, "pp", None)
     if group_size(pp) == 1:
         if not labels:
             raise ValueError(_no_router_message(model_name))
         computed = _computed_experts(capture)
-        return _Layout(labels, has_aux, capture.num_experts, None, computed)
-    mine = [(r.label, r.sort_key[:2], r.has_aux_loss) for r in capture.routers]
+        return _Layout(labels, has_aux, capture.num_experts, None, computed, has_z)
+    mine = [(r.label, r.sort_key[:2], r.has_aux_loss, r.has_z_loss) for r in capture.routers]
     sizes_mine = (capture.num_experts, 0)
     if error is None and capture.routers:
         try:
@@ -647,7 +700,7 @@ def _layout(
         raise ValueError(_no_router_message(model_name))
     seen: dict[str, int] = {}
     for _, routers in stages:
-        for label, _, _ in routers:
+        for label, *_ in routers:
             seen[label] = seen.get(label, 0) + 1
     clash = any(count > 1 for count in seen.values())
     if clash:
@@ -659,9 +712,9 @@ def _layout(
         )
     table = []
     for stage, (_, routers) in enumerate(stages):
-        for pos, (label, key, aux) in enumerate(routers):
+        for pos, (label, key, aux, z) in enumerate(routers):
             name = f"pp{stage}_{label}" if clash else label
-            table.append((tuple(key), stage, pos, name, aux))
+            table.append((tuple(key), stage, pos, name, aux, z))
     # Global layer order. Global numbers (torchtitan's layers.<i>): by number, the stage only
     # breaking ties. Stage-local numbers (every stage from layers.0): stage 0's layers first,
     # then stage 1's, ..., each stage's by number (not pp0_0, pp1_0, pp0_1, ...).
@@ -670,7 +723,7 @@ def _layout(
     else:
         table.sort(key=lambda row: (row[0], row[1], row[2]))
     me = group_rank(pp)
-    index = {(stage, pos): i for i, (_, stage, pos, _, _) in enumerate(table)}
+    index = {(stage, pos): i for i, (_, stage, pos, *_) in enumerate(table)}
     num_experts, computed = sizes.pop()
     return _Layout(
         labels=[row[3] for row in table],
@@ -678,6 +731,7 @@ def _layout(
         num_experts=num_experts,
         rows=[index[(me, pos)] for pos in range(len(capture.routers))],
         computed=computed,
+        has_z=[row[5] for row in table],
     )
 
 

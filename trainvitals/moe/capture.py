@@ -93,7 +93,11 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             per-sequence loss of the layer,
                             ``E**2 * mean_{b,e}(f_be P_be)`` over every token (its
                             ``load_balancing_loss_func`` takes no mask; the model adds it only
-                            with a sparse step > 1); a forward whose mask is all 0 (a micro-batch
+                            with a sparse step > 1), and, the only router with one, its router
+                            z-loss (:meth:`RouterCapture.z_losses`): ``router_z_loss_func`` of
+                            the layer, the mean over every token, padding included, of
+                            ``logsumexp(router_logits, -1)**2`` (logit**2; before
+                            ``router_z_loss_coef``); a forward whose mask is all 0 (a micro-batch
                             of padding) has no such loss and is left out of the layer's mean over
                             micro-batches (a count kept on the device: no host read)
 torchtitan ``MoE``          a module with a 1-d buffer ``tokens_per_expert_E`` (torchtitan 0.3) or
@@ -200,6 +204,7 @@ __all__ = [
     "layer_number_from_name",
     "register_router_extractor",
     "unpack_loads",
+    "unpack_z_losses",
 ]
 
 # Router classes of transformers 5.x verified against the installed source (modeling_*.py):
@@ -420,6 +425,7 @@ class RouterInfo:
             labels are assigned.
         label: the unique layer label used in keys (``str(layer)`` unless two routers clash).
         has_aux_loss: whether the router reports an auxiliary loss.
+        has_z_loss: whether the router reports a router z-loss (Switch Transformers).
         computed_experts: how many of the ``num_experts`` columns, the first ones, are experts
             that compute; the others are experts without compute (ZAYA's skip expert,
             LongCat-Flash's zero experts), which a load statistic leaves out. ``None``: all.
@@ -432,6 +438,7 @@ class RouterInfo:
     layer: int | None = None
     label: str = ""
     has_aux_loss: bool = False
+    has_z_loss: bool = False
     extractor: Extractor | None = field(default=None, repr=False)
     # the number of experts each token selects, where the router module does not say it
     # (DbrxRouter: its parent DbrxFFN's top_k)
@@ -693,6 +700,7 @@ def _classify(name: str, module: nn.Module, entries: list[_ExtractorEntry]) -> R
                 # Ernie 4.5-VL: the layer's one loss term, over both modality routers' logits,
                 # is reported on its text router's row (_add_modality_layer_aux)
                 has_aux_loss=aux and modality != "vision",
+                has_z_loss=cls in _DISPATCH_ROUTERS,  # Switch: router_z_loss_func
                 computed_experts=_hf_computed(module, num),
                 modality=modality,
             )
@@ -819,6 +827,11 @@ class RouterCapture:
         self._dirty = False  # something was added since the last reset (a host flag)
         self._aux_sum: torch.Tensor | None = None  # [L]
         self._aux_count = [0] * len(self.routers)  # host ints: no sync to count forwards
+        # [L] router z-loss sums and forward counts, like the aux loss's (Switch routers only;
+        # None without such a router: no tensor, no kernel for the other models)
+        self._z_sum: torch.Tensor | None = None
+        self._z_rows: list[torch.Tensor] = []
+        self._z_count = [0] * len(self.routers)
         # [L] forwards among those of _aux_count that had no token to average over (a Hugging
         # Face micro-batch that is all padding): known on the device only, subtracted from the
         # counts when they are read, so such a forward does not count in the layer's mean.
@@ -897,6 +910,10 @@ class RouterCapture:
     @property
     def has_aux_loss(self) -> bool:
         return any(r.has_aux_loss for r in self.routers)
+
+    @property
+    def has_z_loss(self) -> bool:
+        return any(r.has_z_loss for r in self.routers)
 
     @property
     def device(self) -> torch.device | None:
@@ -1306,6 +1323,8 @@ class RouterCapture:
         self._add_counts(i, flat.sum(dim=0))
         if self.routers[i].has_aux_loss:
             self._add_aux(i, _switch_seq_aux_loss(local_tensor(logits)))
+        if self.routers[i].has_z_loss:
+            self._add_z(i, _switch_z_loss(local_tensor(logits)))
 
     def _count_hf_product_keys(self, i: int, module: nn.Module, output: Any) -> None:
         """A product-key MoE module (``_PRODUCT_KEY_ROUTERS``, Doge's ``DogeCDMoE``): output
@@ -1425,6 +1444,9 @@ class RouterCapture:
             self._rows = list(acc.unbind(0))
             self._count_rows = list(acc[:, : self.num_experts].unbind(0))
             self._aux_rows = list(self._aux_sum.unbind(0))
+            if self.has_z_loss:
+                self._z_sum = torch.zeros(len(self.routers), dtype=dtype, device=device)
+                self._z_rows = list(self._z_sum.unbind(0))
             self._acc = acc
             self._acc_device = acc.device
         return self._acc
@@ -1536,6 +1558,9 @@ class RouterCapture:
             self._aux_rows[i].zero_()
             self._aux_empty_rows[i].zero_()
             self._aux_count[i] = 0
+            if self._z_rows:
+                self._z_rows[i].zero_()
+                self._z_count[i] = 0
 
     def _row_index(self, rows: list[int], device: torch.device) -> torch.Tensor:
         """The rows as a device index tensor, cached: the order of the layers' forwards is
@@ -1562,6 +1587,18 @@ class RouterCapture:
         self._aux_count[i] += 1
         self._dirty = True
 
+    def _add_z(self, i: int, z: Any) -> None:
+        """Add one forward's router z-loss to row ``i`` (a device add, as :meth:`_add_aux`)."""
+        if z is None:
+            return
+        if self._acc is None:
+            self._accumulator(z.device)
+        elif z.device != self._acc_device:
+            z = _copy_to(z, self._acc_device)
+        self._z_rows[i].add_(z)
+        self._z_count[i] += 1
+        self._dirty = True
+
     def _add_aux_empty(self, i: int, empty: torch.Tensor) -> None:
         """Mark the forward just counted by :meth:`_add_aux` as having had no token (``empty``
         a device 0-d 1.0) or not (0.0): one kernel, no host synchronisation."""
@@ -1579,6 +1616,12 @@ class RouterCapture:
         if self._aux_empty_dirty and self._aux_empty is not None:
             count = count - self._aux_empty.to(count.device, dtype)
         return count
+
+    def _z_count_tensor(self, device: torch.device | None) -> torch.Tensor:
+        """The ``[L]`` counts of forwards with a z-loss on ``device`` (built on the host, copied
+        without waiting for the device)."""
+        dtype = count_dtype(device)
+        return torch.tensor(self._z_count, dtype=dtype).to(device, non_blocking=True)
 
     # ------------------------------------------------------------------ reading
 
@@ -1604,23 +1647,42 @@ class RouterCapture:
             return torch.zeros(len(self.routers), dtype=count.dtype, device=dev), count
         return self._aux_sum.clone(), count
 
+    def z_losses(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum, count)`` of the router z-losses recorded per layer since the last reset, as
+        :meth:`aux_losses` (count 0: the router reports none)."""
+        self._fold()
+        dev = self._acc.device if self._acc is not None else device
+        count = self._z_count_tensor(dev)
+        if self._z_sum is None:
+            return torch.zeros(len(self.routers), dtype=count.dtype, device=dev), count
+        return self._z_sum.clone(), count
+
     def packed(self, device: torch.device | None = None) -> torch.Tensor:
         """One new tensor (:func:`count_dtype`) of ``L * E + 2 L`` values: the loads of :meth:`loads`
         (row-major), then the aux-loss sums and counts of :meth:`aux_losses`, on the
-        accumulator's device (or ``device`` when nothing was counted yet). For a caller that
-        reads everything in one transfer (:func:`unpack_loads` splits it). The counts are on
-        the device because a forward with no token to average over (a Hugging Face
-        micro-batch that is all padding) is known there only."""
+        accumulator's device (or ``device`` when nothing was counted yet); when a router
+        reports a z-loss (:attr:`has_z_loss`), ``2 L`` more: the z-loss sums and counts of
+        :meth:`z_losses`. For a caller that reads everything in one transfer
+        (:func:`unpack_loads`, :func:`unpack_z_losses` split it). The counts are on the device
+        because a forward with no token to average over (a Hugging Face micro-batch that is
+        all padding) is known there only."""
         self._fold()
+        z = self.has_z_loss
         if self._acc is None:
-            n = len(self.routers) * (self.num_experts + 1)
+            num_layers = len(self.routers)
+            n = num_layers * (self.num_experts + 1)
             loads_and_sums = torch.zeros(n, dtype=count_dtype(device), device=device)
-            return torch.cat([loads_and_sums, self._aux_count_tensor(loads_and_sums.device)])
+            parts = [loads_and_sums, self._aux_count_tensor(loads_and_sums.device)]
+            if z:  # nothing counted: no z-loss either
+                parts.append(torch.zeros_like(loads_and_sums[: 2 * num_layers]))
+            return torch.cat(parts)
         parts = [
             self._acc[:, : self.num_experts].reshape(-1),
             self._aux_sum,
             self._aux_count_tensor(self._acc.device),
         ]
+        if z:
+            parts += [self._z_sum, self._z_count_tensor(self._acc.device)]
         return torch.cat(parts)  # type: ignore[arg-type]
 
     def read_host(self) -> tuple[list[list[float]], list[float], list[int]]:
@@ -1647,7 +1709,8 @@ class RouterCapture:
     def _read_host(self) -> tuple[list[list[float]], list[float], list[int]]:
         """``(loads, aux_sums, aux_counts)`` since the last :meth:`reset`, on the host: ``L``
         rows of ``E`` floats (the values of :meth:`loads`), ``L`` floats and ``L`` ints, read
-        with one device-to-host transfer. For a caller with nothing to reduce across ranks.
+        with one device-to-host transfer. For a caller with nothing to reduce across ranks
+        (without the z-losses: read :meth:`packed` for those).
 
         The step's held routing maps are summed per forward on the device (a stack and a
         sum, whatever the number of layers and micro-batches) and read back together with
@@ -1668,7 +1731,7 @@ class RouterCapture:
         ):
             host_values = self.packed().cpu().tolist()
             rows, aux_sum = unpack_loads(host_values, num_layers, e)
-            counts = host_values[num_layers * (e + 1) :]
+            counts = host_values[num_layers * (e + 1) : num_layers * (e + 2)]
             return rows, aux_sum, [int(c) for c in counts]
         parts: list[torch.Tensor] = []
         with_acc = self._dirty and acc is not None and self._aux_sum is not None
@@ -1719,12 +1782,15 @@ class RouterCapture:
                 self._acc.zero_()
             if self._aux_sum is not None:
                 self._aux_sum.zero_()
+            if self._z_sum is not None:
+                self._z_sum.zero_()
             self._dirty = False
         if self._aux_empty_dirty:
             if self._aux_empty is not None:
                 self._aux_empty.zero_()
             self._aux_empty_dirty = False
         self._aux_count = [0] * len(self.routers)
+        self._z_count = [0] * len(self.routers)
         self._modality_partial.clear()
         self._restore_titan_buffers()
         for runs in self._runs:  # (a held-back run of this step is not re-run any more)
@@ -1744,6 +1810,18 @@ def unpack_loads(
     n = num_layers * num_experts
     rows = [host[i : i + num_experts] for i in range(0, n, num_experts)]
     return rows, host[n : n + num_layers]
+
+
+def unpack_z_losses(
+    host: list[float], num_layers: int, num_experts: int
+) -> tuple[list[float], list[float]]:
+    """The ``[layers]`` router z-loss sums and counts from the host copy of a buffer laid out as
+    :meth:`RouterCapture.packed` makes it with :attr:`RouterCapture.has_z_loss` (after the
+    loads and the aux sums and counts); zeros when the buffer has no z-loss part."""
+    start = num_layers * (num_experts + 2)
+    if len(host) < start + 2 * num_layers:
+        return [0.0] * num_layers, [0.0] * num_layers
+    return host[start : start + num_layers], host[start + num_layers : start + 2 * num_layers]
 
 
 def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -1848,6 +1926,16 @@ def _switch_seq_aux_loss(logits: torch.Tensor) -> Any:
     probs = logits.softmax(dim=-1)
     top1 = torch.nn.functional.one_hot(logits.argmax(dim=-1), num_experts).float()
     return (top1.mean(dim=1) * probs.mean(dim=1)).mean() * num_experts**2
+
+
+def _switch_z_loss(logits: torch.Tensor) -> torch.Tensor | None:
+    """Switch Transformers' router z-loss of one layer and forward, before its coefficient:
+    transformers 5.x ``modeling_switch_transformers.py::router_z_loss_func``, the mean over
+    every token of the ``[B, S, E]`` logits, padding included (it takes no mask), of
+    ``logsumexp(router_logits, -1) ** 2`` (the z-loss of ST-MoE, Zoph et al. 2022), in float32."""
+    if logits.numel() == 0:
+        return None
+    return torch.logsumexp(logits.detach().float(), dim=-1).square().mean()
 
 
 def _switch_aux_loss(
