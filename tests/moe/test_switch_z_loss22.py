@@ -110,14 +110,11 @@ def _train(
     return {"expected": expected, "model_z": model_z, "collectives": collectives}
 
 
-def _check_written(
-    row: dict[str, float], layer_means: dict[str, float], detailed: bool, prefix: str = ""
-) -> None:
-    """``row``'s z-loss keys against the float64 ``layer_means`` by label (``prefix``: what a
-    wrapper adds to the full-name labels, DDP's ``module_``)."""
+def _check_written(row: dict[str, float], layer_means: dict[str, float], detailed: bool) -> None:
+    """``row``'s z-loss keys against the float64 ``layer_means`` by label."""
     values = np.array([layer_means[label] for label in LABELS])
     for label in LABELS:
-        key = f"moe/layer_{prefix}{label}/z_loss"
+        key = f"moe/layer_{label}/z_loss"
         if detailed:
             np.testing.assert_allclose(row[key], layer_means[label], rtol=1e-6)
         else:
@@ -212,8 +209,9 @@ def test_two_gloo_ranks_average_the_z_loss_over_ranks(ran) -> None:
     means = {label: float(np.mean([v for p in per_rank for v in p[label]])) for label in LABELS}
     assert per_rank[0][LABELS[0]] != per_rank[1][LABELS[0]]  # the ranks saw other data
     for r in results:  # every rank computed the same reduced numbers
-        # (DDP's "module." is in the full-name labels of Switch's routers)
-        _check_written(r["rows"][0], means, detailed=True, prefix="module_")
+        # (the full-name labels of Switch's routers are those of the unwrapped model: DDP's
+        # "module." is left out)
+        _check_written(r["rows"][0], means, detailed=True)
     # the logging step's reduction: the z sums ride in the loads' one all-reduce
     # (DDP's own gradient all-reduces are not counted by trainvitals' counter)
     for r in results:
@@ -269,3 +267,23 @@ def test_pipeline_stage_with_z_loss_beside_one_without(ran) -> None:
             assert tokens == 2 * 12 * 2
             assert f"moe/layer_{layer}/aux_loss" in row
             assert f"moe/layer_{layer}/z_loss" not in row
+
+
+def test_full_name_labels_leave_the_wrappers_out() -> None:
+    # Switch's encoder and decoder routers share block numbers, so their labels are full module
+    # names; a wrapper's components (torch.compile's "_orig_mod.", DDP's "module.", activation
+    # checkpointing's "_checkpoint_wrapped_module.") must not enter them, or the same model
+    # writes other keys on one rank and on several.
+    from trainvitals.moe.capture import RouterCapture
+
+    model = _switch_model()
+    plain = RouterCapture(model, attach=False).layer_labels
+    assert sorted(plain) == sorted(LABELS)
+
+    class Wrapper(torch.nn.Module):  # DDP's and Accelerate's attribute name
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    for wrapped in (torch.compile(model), Wrapper(model), Wrapper(torch.compile(model))):
+        assert RouterCapture(wrapped, attach=False).layer_labels == plain

@@ -192,6 +192,7 @@ from trainvitals._hooks import eager_hook
 from trainvitals._strict import strict as _strict
 from trainvitals.distributed import group_size, local_tensor
 from trainvitals.moe._checkpointing import CheckpointRuns
+from trainvitals.stats.norms import canonical_name
 
 __all__ = [
     "FLOAT32_EXACT_COUNTS",
@@ -747,7 +748,9 @@ def _assign_labels(routers: list[RouterInfo]) -> None:
         lambda r: "_".join(str(i) for i in r.sort_key[1]),
         same_stack=lambda group: len({_stack_of(r.name) for r in group}) == 1,
     )
-    _dedupe(routers, lambda r: r.name.replace(".", "_"))
+    # Full names without the wrappers' components (DDP's ``module.``, torch.compile's
+    # ``_orig_mod.``, ...): the same model's keys on one and on several ranks.
+    _dedupe(routers, lambda r: canonical_name(r.name).replace(".", "_"))
 
 
 def _stack_of(name: str) -> str:
