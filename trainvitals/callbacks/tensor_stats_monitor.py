@@ -136,8 +136,10 @@ class TensorStatsMonitor(VitalsCallback):
     gradient is shown at once (the driver's unscaling or clipping of every optimizer's
     parameters before any steps), every parameter is measured at once, as above.
 
-    Hooks exist only during an activation logging step; other steps run no code of this class
-    beyond two integer comparisons, and nothing leaves the device on them. The hooks keep
+    Hooks exist only during an activation logging step (a ``torch.compile``'d model keeps its
+    forward hooks from run start to run end, off between logging steps: see
+    :meth:`_register_site_hooks`); other steps run no code of this class beyond two integer
+    comparisons, and nothing leaves the device on them. The hooks keep
     references and reduce 8 tensors at a time (warm caches), and what waits right before each
     optimizer step (which changes parameters in place: a parameter fed to a site, such as
     learned latent queries); a tensor changed in place before its batch leaves its site out of
@@ -337,7 +339,12 @@ class TensorStatsMonitor(VitalsCallback):
         self._site_expert: list[bool] = []
         self._site_index: dict[str, int] = {}
         self._modules: list[tuple[str, nn.Module]] = []
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # this step's hooks (gradient hooks; forward hooks too)
+        # A compiled model's forward hooks stay from run start to run end (see _install);
+        # ``_collecting`` tells them whether this step is an activation logging step.
+        self._site_handles: list[Any] = []
+        self._persistent = False
+        self._collecting = False
         self._acc: dict[str, MomentAccumulator] = {}
         self._pending: dict[str, _Kind] = {}
         self._logged_steps: dict[str, int] = {}
@@ -392,7 +399,7 @@ class TensorStatsMonitor(VitalsCallback):
         # two intervals: which kinds are due (and, at step end, collected) decide the
         # collectives of a hook; with several optimizers stepped apart, also which optimizer
         # steps and whether it is the step's first (which parameters a call measures)
-        key = (hook, self._param_step(ctx), bool(self._handles), tuple(self._pending))
+        key = (hook, self._param_step(ctx), self._collecting, tuple(self._pending))
         if hook == "before_optimizer_step" and ctx.stepping_apart:
             return (*key, ctx.stepping_index, self._parts_step != ctx.step)
         return key
@@ -427,6 +434,8 @@ class TensorStatsMonitor(VitalsCallback):
         # model's as this one's (a site index that trained with autograd on there made this
         # model's frozen site under no_grad look like a generation pass: left out, silently)
         self._remove_hooks()
+        self._remove_site_hooks()
+        self._persistent = _is_compiled(ctx.model)
         self._grad_sites, self._immediate, self._held_back = set(), set(), {}
         self._ckpt_held = {}
         self._site_groups, self._site_replicas = {}, {}
@@ -442,6 +451,8 @@ class TensorStatsMonitor(VitalsCallback):
                 self._site_expert.append(self._is_expert(site))
         self._site_index = {s: i for i, s in enumerate(self._sites)}
         self._warn_missing_edp(ctx)
+        if self._persistent and any(k in self.kinds for k in ("activation", "dgrad")):
+            self._register_site_hooks(self._site_handles)
         if ctx.global_rank == 0:
             params = [self._global_name(canonical_name(n)) for n, _ in model.named_parameters()]
             # the left-out experts' names are the model's still: a glob naming them matches
@@ -528,10 +539,10 @@ class TensorStatsMonitor(VitalsCallback):
 
     def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
         self._drop_abandoned_steps(ctx)
-        if self._handles and self._hook_step != ctx.step:
+        if self._collecting and self._hook_step != ctx.step:
             # a step that never ended (an epoch cut mid-accumulation): drop its partial data
             self._remove_hooks()
-        if not self._handles and self._act_step(ctx):
+        if not self._collecting and self._act_step(ctx):
             self._hook_step = ctx.step
             self._install(ctx)
 
@@ -574,7 +585,7 @@ class TensorStatsMonitor(VitalsCallback):
             self._pending[kind] = part if earlier is None else _concat_kinds(earlier, part)
 
     def step_end(self, ctx: RunContext) -> None:
-        if self._handles:
+        if self._collecting:
             try:
                 self._reduce_deferred()
             except Exception as exc:
@@ -609,6 +620,7 @@ class TensorStatsMonitor(VitalsCallback):
     def _discard_step(self) -> None:
         """Remove the step's hooks and drop everything it collected so far."""
         self._remove_hooks()
+        self._remove_site_hooks()
         self._pending, self._acc = {}, {}
         self._parts_step, self._measured = None, set()
 
@@ -756,6 +768,22 @@ class TensorStatsMonitor(VitalsCallback):
         self._hooks_failed = False
         self._held_back, self._ckpt_held = {}, {}
         self._hook_ctx = ctx
+        self._collecting = True
+        if not self._persistent:  # (a compiled model's are on since run_start)
+            self._register_site_hooks(self._handles)
+
+    def _register_site_hooks(self, handles: list[Any]) -> None:
+        """The forward hooks of every site, their handles appended to ``handles``.
+
+        A compiled model gets them at run start and keeps them to run end; ``_collecting`` (a
+        host flag) turns them off outside activation logging steps. Dynamo does not guard on
+        a module's hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default):
+        code compiled without them never calls hooks added later (a model compiled at a step
+        that did not log got empty activation and dgrad records at every logging step,
+        silently), and code compiled with them calls whatever the hook dicts hold. Installed
+        before the first compiled forward and kept, they are the same objects at every step:
+        no recompilation, and no site missed.
+        """
         for name, module in self._modules:
             idx = [self._site_index.get(self._global_name(f"{name}/{s}")) for s in _SITE_SUFFIXES]
             if idx == [None, None]:
@@ -768,13 +796,12 @@ class TensorStatsMonitor(VitalsCallback):
             taken = [False, False]
             reduced: list[tuple[tuple[int, ...], tuple[Any, ...]] | None] = [None, None]
             for early in (True, False):
-                hook = self._make_forward_hook(idx, taken, reduced, early)
-                self._handles.append(
-                    module.register_forward_hook(hook, with_kwargs=True, prepend=early)
-                )
+                hook = self._make_forward_hook(module, idx, taken, reduced, early)
+                handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=early))
 
     def _make_forward_hook(
         self,
+        owner: nn.Module,
         idx: list[int | None],
         taken: list[bool],
         reduced: list[tuple[tuple[int, ...], tuple[Any, ...]] | None],
@@ -784,6 +811,10 @@ class TensorStatsMonitor(VitalsCallback):
         want_dgrad = "dgrad" in self.kinds
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            # (a compiled model's hooks stay between logging steps; a copy of the model, a
+            # deepcopy for EMA or a float64 reference, carries them too: not our site)
+            if not self._collecting or module is not owner:
+                return
             # a forward re-run inside backward (activation checkpointing): only for the
             # gradient hooks of a reentrant checkpoint's first run, which had autograd off
             rerun = torch._C._current_graph_task_id() != -1
@@ -999,9 +1030,16 @@ class TensorStatsMonitor(VitalsCallback):
         """Remove the step's hooks and drop what they hold (tensors waiting for their batched
         reduction live exactly as long as the hooks that saw them)."""
         handles, self._handles = self._handles, []
+        self._collecting = False
         for h in handles:
             h.remove()
         self._deferred, self._deferred_elements = [], 0
+
+    def _remove_site_hooks(self) -> None:
+        """Remove a compiled model's forward hooks, kept from step to step (run end)."""
+        handles, self._site_handles = self._site_handles, []
+        for h in handles:
+            h.remove()
 
     def _merged_sites(self, ctx: RunContext, kind: str) -> _Kind:
         """All micro-batches' parts of one kind merged into one row per site (exact)."""
@@ -1321,6 +1359,20 @@ def _default_site_types() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover
         pass
     return tuple(types)
+
+
+def _is_compiled(model: Any) -> bool:
+    """Whether ``model`` is or holds a ``torch.compile``'d module: ``torch.compile(model)``
+    (an ``OptimizedModule``, whose ``_orig_mod`` is the user's), or ``module.compile()`` (per
+    transformer block, torchtitan style: the module's ``_compiled_call_impl``). A model whose
+    forward is compiled as a function (``torch.compile(train_step)``) is not seen here."""
+    if not isinstance(model, nn.Module):
+        return False
+    return any(
+        isinstance(getattr(m, "_orig_mod", None), nn.Module)
+        or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    )
 
 
 def _is_router(module: nn.Module) -> bool:
