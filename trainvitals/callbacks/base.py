@@ -776,8 +776,13 @@ class VitalsCallback:
         setattr(trainer, _CARRIED_ATTR, carried)
 
     @property
-    def _legacy_state_key(self) -> str:
-        return type(self).__qualname__
+    def _legacy_state_key(self) -> type:
+        # Lightning restores a callback whose state_key is not in the checkpoint from this key
+        # (meant for checkpoints before 1.5, keyed by type). The type, as Lightning's own
+        # Callback returns: never a string key of a newer checkpoint. The class name matched
+        # an unnamed instance's state_key, and a named callback added on resume beside one was
+        # restored from that one's state.
+        return type(self)
 
     def _generate_state_key(self, **kwargs: Any) -> str:
         return f"{type(self).__qualname__}{kwargs!r}"
