@@ -163,6 +163,8 @@ def _wandb_records(path: str) -> Any:
     and its data; a block tail shorter than a header is zero padding.
     """
     data = Path(path).read_bytes()
+    if len(data) < 7:  # the service has not written the header yet
+        return
     assert data[:4] == b":W&B", data[:7]
     block, header = 32768, 7
     pos, parts = 7, b""
@@ -224,8 +226,9 @@ def read_wandb_offline(
     """The history rows of the (single) offline run under ``wandb_dir``, JSON-decoded.
 
     ``run.finish()`` returns before wandb's service has written the whole ``.wandb`` file: read
-    until its ``exit`` record is there.
+    until its ``exit`` record is there (a record being written reads as corrupt: read again).
     """
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     deadline = time.monotonic() + timeout
@@ -236,7 +239,10 @@ def read_wandb_offline(
         rows, finished = [], False
         for raw in _wandb_records(files[0]) if files else ():
             rec = pb.Record()
-            rec.ParseFromString(raw)
+            try:
+                rec.ParseFromString(raw)
+            except DecodeError:  # the service is writing this record: no exit record yet
+                break
             kind = rec.WhichOneof("record_type")
             finished = finished or kind == "exit"
             if kind == "history":
