@@ -11,7 +11,9 @@ test, destroyed afterwards).
 
 ``HF_TINY`` holds the sizes every tiny Hugging Face MoE config of the family tests shares;
 ``randomise_selection_biases(model, names)`` draws the named selection-bias buffers from
-N(0, 0.5) in module order (so that a bias changes the routers' own top-k)."""
+N(0, 0.5) in module order (so that a bias changes the routers' own top-k).
+``tiny_switch_transformers(vocab_size, num_experts, **overrides)``: the tiny encoder-decoder
+Switch Transformers model of the capture and z-loss tests."""
 
 from __future__ import annotations
 
@@ -118,3 +120,32 @@ def randomise_selection_biases(
                 bias.data.normal_(0, 0.5)
         if then is not None:
             then(module)
+
+
+def tiny_switch_transformers(vocab_size: int, num_experts: int = 4, **overrides: Any) -> nn.Module:
+    """``torch.manual_seed(0)`` (the same weights on every rank), then a tiny
+    ``SwitchTransformersForConditionalGeneration``: 4 encoder and 4 decoder blocks, blocks 1 and 3
+    of each stack sparse (sparse step 2: the model adds its aux and z losses), width 16,
+    ``expert_capacity`` 4, padding token 0; ``overrides`` replace any config field."""
+    import transformers
+
+    config = transformers.SwitchTransformersConfig(
+        **{
+            "vocab_size": vocab_size,
+            "d_model": 16,
+            "d_kv": 8,
+            "d_ff": 16,
+            "expert_capacity": 4,
+            "num_layers": 4,
+            "num_sparse_encoder_layers": 2,
+            "num_decoder_layers": 4,
+            "num_sparse_decoder_layers": 2,
+            "num_heads": 2,
+            "num_experts": num_experts,
+            "pad_token_id": 0,
+            "decoder_start_token_id": 0,
+        }
+        | overrides
+    )
+    torch.manual_seed(0)
+    return transformers.SwitchTransformersForConditionalGeneration(config)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.moe_models import HF_TINY, HF_VOCAB
+from tests.helpers.moe_models import HF_TINY, HF_VOCAB, tiny_switch_transformers
 from trainvitals.moe.capture import RouterCapture, find_routers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,23 +28,9 @@ E, K = 8, 2
 
 
 def _switch_model(sparse_encoder: int, sparse_decoder: int) -> nn.Module:
-    config = transformers.SwitchTransformersConfig(
-        vocab_size=VOCAB,
-        d_model=16,
-        d_kv=8,
-        d_ff=16,
-        expert_capacity=4,
-        num_layers=4,
-        num_sparse_encoder_layers=sparse_encoder,
-        num_decoder_layers=4,
-        num_sparse_decoder_layers=sparse_decoder,
-        num_heads=2,
-        num_experts=4,
-        pad_token_id=0,
-        decoder_start_token_id=0,
+    return tiny_switch_transformers(
+        VOCAB, num_sparse_encoder_layers=sparse_encoder, num_sparse_decoder_layers=sparse_decoder
     )
-    torch.manual_seed(0)
-    return transformers.SwitchTransformersForConditionalGeneration(config)
 
 
 def test_switch_transformers_labels_name_the_stack() -> None:

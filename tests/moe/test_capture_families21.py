@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.moe_models import tiny_switch_transformers
 from trainvitals.moe.capture import RouterCapture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,25 +25,15 @@ E, VOCAB = 4, 64
 
 
 def _switch_model() -> torch.nn.Module:
-    config = transformers.SwitchTransformersConfig(
-        vocab_size=VOCAB,
+    return tiny_switch_transformers(
+        VOCAB,
+        E,
         d_model=32,
-        d_kv=8,
         d_ff=32,
         expert_capacity=64,  # no drop: the re-run dispatches exactly as the first run
-        num_layers=4,
-        num_sparse_encoder_layers=2,
-        num_decoder_layers=4,
-        num_sparse_decoder_layers=2,
-        num_heads=2,
-        num_experts=E,
-        pad_token_id=0,
-        decoder_start_token_id=0,
         router_jitter_noise=0.0,  # deterministic re-run
         dropout_rate=0.0,
     )
-    torch.manual_seed(0)
-    return transformers.SwitchTransformersForConditionalGeneration(config)
 
 
 def test_encoder_routers_rerun_by_reentrant_checkpointing_keep_the_encoder_mask() -> None:

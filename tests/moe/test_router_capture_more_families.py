@@ -19,7 +19,13 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.moe_models import HF_MLA, HF_TINY, HF_VOCAB, randomise_selection_biases
+from tests.helpers.moe_models import (
+    HF_MLA,
+    HF_TINY,
+    HF_VOCAB,
+    randomise_selection_biases,
+    tiny_switch_transformers,
+)
 from trainvitals.moe.capture import RouterCapture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -235,23 +241,9 @@ def test_family_counts_and_aux_equal_the_models_own(model_type: str) -> None:
 
 
 def _switch_model() -> nn.Module:
-    config = transformers.SwitchTransformersConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=32,
-        expert_capacity=3,  # tokens of a sequence beyond 3 per expert are dropped
-        num_layers=4,
-        num_sparse_encoder_layers=2,  # blocks 1 and 3 sparse (sparse step 2: aux loss on)
-        num_decoder_layers=4,
-        num_sparse_decoder_layers=2,
-        num_heads=2,
-        num_experts=E,
-        pad_token_id=0,
-        decoder_start_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.SwitchTransformersForConditionalGeneration(config)
+    # blocks 1 and 3 sparse (sparse step 2: aux loss on); tokens of a sequence beyond 3 per
+    # expert are dropped
+    return tiny_switch_transformers(VOCAB, E, d_model=32, d_ff=32, expert_capacity=3)
 
 
 def test_switch_transformers_counts_dispatch_after_capacity_and_its_own_aux_loss() -> None:

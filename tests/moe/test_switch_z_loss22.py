@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.moe_models import tiny_switch_transformers
 from tests.helpers.shared_ranks import SharedRanks
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.adapters.loop import Vitals
@@ -29,25 +30,7 @@ SPARSE_BLOCKS = (1, 3)  # 4 blocks, 2 sparse per stack: sparse step 2, the model
 
 
 def _switch_model() -> torch.nn.Module:
-    config = transformers.SwitchTransformersConfig(
-        vocab_size=VOCAB,
-        d_model=16,
-        d_kv=8,
-        d_ff=16,
-        expert_capacity=4,
-        num_layers=4,
-        num_sparse_encoder_layers=2,
-        num_decoder_layers=4,
-        num_sparse_decoder_layers=2,
-        num_heads=2,
-        num_experts=E,
-        pad_token_id=0,
-        decoder_start_token_id=0,
-        router_z_loss_coef=0.01,
-        dropout_rate=0.0,
-    )
-    torch.manual_seed(0)  # the same weights on every rank
-    return transformers.SwitchTransformersForConditionalGeneration(config)
+    return tiny_switch_transformers(VOCAB, E, router_z_loss_coef=0.01, dropout_rate=0.0)
 
 
 def _label(stack: str, block: int) -> str:
