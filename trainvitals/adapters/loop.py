@@ -119,8 +119,10 @@ count samples and tokens), ``state_dict`` gathers every rank's sizes into it
 (``micro_batches_in_step_by_rank``, one object gather over the world group) and each rank
 restores its own row, so samples and tokens are exact too. Without such a callback
 ``state_dict`` issues no collective (a loop may call it on rank 0 alone) and every rank
-restores the saving rank's sizes (exact batches); so does a restore on another number of
-ranks (with a warning).
+restores the saving rank's sizes (exact batches). Restored on another number of ranks (the
+state keeps its ``world_size``), the new rank 0 restores every old rank's micro-batches and the
+other ranks none, so the step's counts summed over the ranks are those that ran (with a
+warning: which rank ran what in that step is not an uninterrupted run's).
 
 Under Accelerate, ``accelerator.end_training()`` closes the driver first (as
 :meth:`Vitals.close`; called inside an ``except`` or ``finally`` block, with the exception
@@ -1156,6 +1158,8 @@ class Vitals:
             "step": self.ctx.step,
             "callbacks": callbacks,
             "micro_batches_in_step": window,
+            # (a restore on another number of ranks splits the window's sizes by it: _own_window)
+            "world_size": _world_size(),
         }
         by_rank = gather_window(window, self.callbacks)
         if by_rank is not None:
@@ -1414,30 +1418,61 @@ def _collective_state(callback: Any) -> bool:
         return False
 
 
-def _own_window(state_dict: dict[str, Any]) -> Sequence[Any]:
-    """The micro-batch sizes of the step in progress that this rank carried when the checkpoint
-    was taken: its own row of ``micro_batches_in_step_by_rank`` when the checkpoint has one for
-    a world of this size, else ``micro_batches_in_step`` (the saving rank's, rank 0's in a
-    checkpoint kept once: exact batches, and samples and tokens where the ranks' sizes were
-    equal)."""
+def _world_size() -> int:
+    """The number of ranks (1 in a single process), saved with a window's sizes."""
+    from trainvitals.distributed import group_size, world_group
+
+    return group_size(world_group())
+
+
+def _own_window(
+    state_dict: dict[str, Any], where: str = "Vitals.load_state_dict", stacklevel: int = 4
+) -> Sequence[Any]:
+    """The micro-batch sizes of the step in progress that this rank restores from a checkpoint
+    taken inside an accumulation window: on as many ranks as saved it, its own row of
+    ``micro_batches_in_step_by_rank``, else ``micro_batches_in_step`` (the saving rank's, rank
+    0's in a checkpoint kept once: exact batches, and samples and tokens where the ranks' sizes
+    were equal). On another number of ranks a rank's row means nothing (the new ranks split the
+    rest of the window their own way): the new rank 0 restores every old rank's micro-batches
+    and the other ranks none, so that the step's batches, samples and tokens, summed over the
+    ranks, are those that ran (without the rows, rank 0's sizes stand for every old rank's:
+    exact batches). ``where``: the entry point the warning names."""
     from trainvitals.distributed import global_rank, group_size, world_group
 
+    world = group_size(world_group())
     by_rank = state_dict.get("micro_batches_in_step_by_rank")
+    window = state_dict.get("micro_batches_in_step", ())
     # (every row empty: taken between steps, nothing carried, whatever the world size; the
     # driver saves a row per rank also then)
     if isinstance(by_rank, list | tuple) and any(by_rank):
-        if len(by_rank) == group_size(world_group()):
+        if len(by_rank) == world:
             return by_rank[global_rank()]
-        warnings.warn(
-            f"Vitals.load_state_dict: the checkpoint was taken inside an accumulation window on "
-            f"{len(by_rank)} ranks, this run has {group_size(world_group())}: every rank "
-            "restores rank 0's micro-batch sizes (samples and tokens of the restored step may "
-            "differ from an uninterrupted run's)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return by_rank[0]
-    return state_dict.get("micro_batches_in_step", ())
+        saved, rows, exact = len(by_rank), list(by_rank), True
+    else:
+        saved = state_dict.get("world_size")  # (absent in older checkpoints: taken as this one)
+        if not window or not isinstance(saved, int) or saved < 1 or saved == world:
+            return window
+        # (rank 0's sizes stand for every old rank's: exact batches; samples and tokens too
+        # when it was the only one)
+        rows, exact = [window] * saved, saved == 1
+    # Replayed on every new rank, rank 0's row counted its micro-batches once per new rank and
+    # lost the other old ranks' (2 ranks -> 1: time/batches 10 for 11; 1 -> 2: 8 for 7).
+    counts = (
+        "batches, samples and tokens summed over the ranks are exact"
+        if exact
+        else "batches summed over the ranks are exact (its samples and tokens take rank 0's "
+        "sizes for every old rank's: the checkpoint holds rank 0's only)"
+    )
+    warnings.warn(
+        f"{where}: the checkpoint was taken inside an accumulation window on {saved} "
+        f"rank{'s' if saved > 1 else ''}, this run has {world}: rank 0 restores the "
+        "micro-batches every old rank ran in the step in progress and the other ranks none, "
+        f"so the step's {counts}; which rank ran what in that step (per-rank values: device "
+        "throughput) is not an uninterrupted run's",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
+    return [sizes for row in rows for sizes in row] if global_rank() == 0 else []
 
 
 def _checkpoint_step(value: Any) -> int:

@@ -714,7 +714,7 @@ class VitalsCallback:
         last = getattr(trainer, _LAST_BATCH_ATTR, None)
         if last is None or not isinstance(checkpoint, dict) or _CKPT_KEY in checkpoint:
             return  # (written by the first trainvitals callback of this checkpoint)
-        from trainvitals.adapters.loop import _number, gather_window
+        from trainvitals.adapters.loop import _number, _world_size, gather_window
 
         # plain ints: torch.load(weights_only=True) reads them
         saved: dict[str, Any] = {"batch_start_step": int(last[0]), "step_gap": int(last[1])}
@@ -731,8 +731,9 @@ class VitalsCallback:
         window = [{k: [_number(n) for n in pair] for k, pair in sizes.items()} for sizes in window]
         callbacks = [cb for cb in trainer.callbacks if isinstance(cb, VitalsCallback)]
         by_rank = gather_window(window, callbacks)  # (on every rank alike)
-        if window:  # (the same on every rank: they step together)
+        if window:  # (non-empty on every rank alike: they step together)
             saved["micro_batches_in_step"] = window
+            saved["world_size"] = _world_size()  # (restored on another: _own_window)
             if by_rank is not None:
                 saved["micro_batches_in_step_by_rank"] = by_rank
         checkpoint[_CKPT_KEY] = saved
@@ -760,7 +761,9 @@ class VitalsCallback:
             try:
                 window = [
                     {str(k): (pair[0], pair[1]) for k, pair in sizes.items()}
-                    for sizes in _own_window(dict(saved))
+                    for sizes in _own_window(
+                        dict(saved), "trainvitals (Lightning fit(ckpt_path=))", stacklevel=3
+                    )
                 ]
             except Exception as exc:  # a damaged entry must not stop the restore
                 warnings.warn(
