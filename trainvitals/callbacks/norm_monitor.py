@@ -130,8 +130,15 @@ class NormMonitor(VitalsCallback):
     ``torch.nn.utils.clip_grad_norm_`` called directly is not seen (clipped norms).
 
     The parameter norm is taken at the same moment, i.e. of the weights the step's gradients
-    were computed with (before the update). Only parameters with ``requires_grad`` at that
-    step count (parameters frozen or unfrozen during training drop out or join); one left on
+    were computed with (before the update). The norms of a logging step are over the
+    parameters that train at that step: those with ``requires_grad`` then (and, for the
+    gradient norms, a gradient present). Parameters frozen or unfrozen during training
+    (``BackboneFinetuning``) drop out or join, and so do parameters added to the model during
+    the run (LoRA adapters given to the optimizer with ``add_param_group``): each logging step
+    compares the ids of the parameters registered in the model's modules with the last look
+    and finds the names again only when they changed (where a name's tensor changed but only
+    the earlier one is in an optimizer, FSDP2's unsharded parameters left registered after
+    backward, the earlier one is kept); one left on
     the ``meta`` device (deferred initialisation never materialised) has no values and is left
     out, warned once.
     With pipeline parallelism (``groups.pp`` non-trivial) the totals are summed over the
@@ -187,9 +194,13 @@ class NormMonitor(VitalsCallback):
             writes the groups of every stage (their labels gathered once at run start over
             ``groups.ep`` when plain experts are summed there, then over ``groups.pp``), in
             natural order (``"2"`` before ``"10"``). A name the regex does not match, or whose
-            group captures nothing, is in no group. Not a string: ``TypeError``; not a valid
-            regex or not one capture group: ``ValueError``; matching no parameter (on any
-            pipeline stage or EP rank): ``ValueError`` at run start.
+            group captures nothing, is in no group. A group appears when it starts training
+            (unfrozen, or its parameters added during the run: a new label joins the labels,
+            except under pipeline or plain expert parallelism, where the run-start labels stay
+            and the new one's parameters count in the totals only, warned once). Not a
+            string: ``TypeError``; not a valid regex or not one capture group: ``ValueError``;
+            matching no parameter (on any pipeline stage or EP rank): ``ValueError`` at run
+            start.
         max_nonfinite_names: how many non-finite gradients the warning names.
         expert_pattern: regex (``re.search`` on canonical names) of the plain-tensor parameters
             that differ between expert-parallel ranks (default: a component ``experts``:
@@ -282,6 +293,10 @@ class NormMonitor(VitalsCallback):
                 f"max_nonfinite_names must be a positive int, got {max_nonfinite_names!r}"
             )
         self.max_nonfinite_names = max_nonfinite_names
+        self._model: torch.nn.Module | None = None  # the user's module (wrappers removed)
+        # ids of the parameters registered in its modules, at last look: parameters added
+        # during training (LoRA adapters) or put in place of others change them
+        self._registered: list[int] = []
         self._named: list[tuple[str, torch.nn.Parameter]] = []  # every parameter, frozen too
         self._trainable: tuple[bool, ...] | None = None  # requires_grad of each, at last look
         self._tracked: list[_Tracked] = []
@@ -327,6 +342,7 @@ class NormMonitor(VitalsCallback):
         self._report_pending(block=True)
         self._unsupported = False
         self._named, self._tracked, self._selected_names, self._trainable = [], [], [], None
+        self._model, self._registered = None, []
         self._group_labels, self._label_of = [], {}
         self._parts, self._parts_step, self._measured = [], None, set()
         self._written = None
@@ -340,9 +356,9 @@ class NormMonitor(VitalsCallback):
             self.warn_once("layout", f"{unsupported} is not supported; no norms are written")
             self._unsupported = True
             return
-        self._named = [
-            (canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)
-        ]
+        self._model = model
+        self._registered = _registered_ids(model)
+        self._named = _named_parameters(model)
         ep_size = group_size(ctx.groups.ep)
         self._ep_experts = ep_size > 1 and any(self._is_expert(n, p) for n, p in self._named)
         if (
@@ -692,8 +708,18 @@ class NormMonitor(VitalsCallback):
     def _track_trainable(self) -> None:
         """Track the parameters that require a gradient now (deduplicated) and select the
         per-parameter ones. Training can freeze or unfreeze parameters after run start (Lightning's
-        ``BackboneFinetuning``); every rank changes the same ones at the same step, so the
-        collectives stay alike. A look at host attributes, on logging steps only."""
+        ``BackboneFinetuning``) and add new ones (LoRA adapters); every rank changes the same
+        ones at the same step, so the collectives stay alike. A look at host attributes, on
+        logging steps only."""
+        if self._model is not None:
+            registered = _registered_ids(self._model)
+            if registered != self._registered:
+                # (a parameter added or put in place of another since the last look: the
+                # names found at run start would leave it out of every norm)
+                self._registered = registered
+                self._named = self._keep_optimized(_named_parameters(self._model))
+                self._label_new_parameters()
+                self._trainable = None
         # A parameter on the meta device (deferred initialisation never materialised, e.g. an
         # unused lazy weight) has no values: left out, with a warning, rather than making every
         # norm fail (a meta tensor cannot be read) and the monitor disabled.
@@ -725,6 +751,75 @@ class NormMonitor(VitalsCallback):
             for name, _, aliases in grouped
             if any(fnmatch.fnmatchcase(a, glob) for a in aliases for glob in self.per_param)
         ]
+
+    def _keep_optimized(
+        self, named: list[tuple[str, torch.nn.Parameter]]
+    ) -> list[tuple[str, torch.nn.Parameter]]:
+        """``named`` with, where a name now holds another tensor than before and only the
+        earlier one is in an optimizer (or the earlier one is a ``DTensor`` and the new one is
+        not), the earlier one: FSDP2 registers its unsharded parameters in place of the sharded
+        ones from forward to backward (and after backward under
+        ``set_reshard_after_backward(False)``); the sharded ones hold the gradients and are
+        what the optimizer updates. A parameter put in place of another and given to the
+        optimizer (a new head) is taken."""
+        before = dict(self._named)
+        ctx = self._ctx
+        optimized = {
+            id(p)
+            for o in (ctx.optimizers if ctx else ())
+            for g in o.param_groups
+            for p in g["params"]
+        }
+        out = []
+        for name, p in named:
+            old = before.get(name)
+            if (
+                old is not None
+                and old is not p
+                and id(p) not in optimized
+                and (
+                    id(old) in optimized or (local_tensor(old) is not old and local_tensor(p) is p)
+                )
+            ):
+                p = old
+            out.append((name, p))
+        return out
+
+    def _label_new_parameters(self) -> None:
+        """``group_by``: the labels of parameters added after run start. Without pipeline
+        stages or EP ranks to agree with, a new label joins the run's labels (every rank holds
+        the same names). With them, the labels were gathered once at run start and a new one
+        would change the length of the totals on some ranks only: its parameters count in the
+        totals but in no group, warned once."""
+        if self.group_by is None:
+            return
+        ctx = self._ctx
+        spread = ctx is not None and (
+            group_size(ctx.groups.pp) > 1 or (self._ep_experts and group_size(ctx.groups.ep) > 1)
+        )
+        known = set(self._group_labels)
+        new: set[str] = set()
+        for _, _, aliases in group_named_tensors(self._named):
+            if aliases[0] in self._label_of:
+                continue
+            label = next(filter(None, map(self._label, aliases)), None)
+            if label is not None and label not in known:
+                new.add(label)
+                if spread:
+                    label = None
+            self._label_of.update(dict.fromkeys(aliases, label))
+        if not new:
+            return
+        if spread:
+            self.warn_once(
+                "new-labels",
+                f"group_by labels {sorted(new, key=natural_order)} appeared after run start "
+                "(parameters added during training); with pipeline stages or EP ranks the "
+                "labels are gathered once, at run start: these parameters count in the totals "
+                "but in no group",
+            )
+            return
+        self._group_labels = sorted(known | new, key=natural_order)
 
     def _is_expert(self, name: str, param: torch.Tensor) -> bool:
         """A plain-tensor parameter of one expert (a DTensor expert carries its own shard
@@ -869,6 +964,17 @@ def _unsupported_layout(model: torch.nn.Module, ctx: RunContext) -> str | None:
     if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         return "FSDP1 (FullyShardedDataParallel; use FSDP2 fully_shard)"
     return None
+
+
+def _named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """Every parameter of ``model`` under its canonical names (a tied one under each)."""
+    return [(canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
+
+
+def _registered_ids(model: torch.nn.Module) -> list[int]:
+    """The ids of the parameters registered in ``model``'s modules, in module order: a cheap
+    look (no names built) at whether parameters were added or replaced since the last one."""
+    return [id(p) for m in model.modules() for p in m._parameters.values()]
 
 
 def _expert_mask(part: _Part) -> torch.Tensor | None:
