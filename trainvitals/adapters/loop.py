@@ -166,6 +166,7 @@ from typing import Any
 
 import torch
 
+from trainvitals._hooks import eager_hook, fullgraph_regions
 from trainvitals._patching import AttributePatch
 from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
 from trainvitals.adapters.sinks.base import takes_main_tag
@@ -537,7 +538,21 @@ class Vitals:
         for opt in dict.fromkeys(inner):  # (the same optimizer listed twice: hooked once)
             self._handles.append(opt.register_step_pre_hook(self._on_pre_step))
             self._handles.append(opt.register_step_post_hook(self._on_post_step))
-        self._handles.append(model.register_forward_pre_hook(self._on_model_forward))
+        # Run eagerly: traced, the pre-hook of a model compiled in place (model.compile()) is
+        # compiled as a frame of its own, guarding on the driver's state (recompiled forward
+        # after forward), and under fullgraph=True its graph breaks raise in the forward.
+        if not fullgraph_regions(model).inside(model):
+            self._handles.append(
+                model.register_forward_pre_hook(eager_hook(self._on_model_forward))
+            )
+        else:
+            warnings.warn(
+                "trainvitals Vitals.attach(): the model is compiled with fullgraph=True, hooks "
+                "on it included, so the driver cannot see its forwards: call "
+                "vitals.batch(batch) once per micro-batch to count them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         for cb in self.callbacks:
             _running_in[id(cb)] = self
         if self._accelerator is not None:

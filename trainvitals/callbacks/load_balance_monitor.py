@@ -674,7 +674,7 @@ def _layout(
     pp = getattr(groups, "pp", None)
     if group_size(pp) == 1:
         if not labels:
-            raise ValueError(_no_router_message(model_name))
+            raise ValueError(_no_router_message(model_name, capture.fullgraph_routers))
         computed = _computed_experts(capture)
         return _Layout(labels, has_aux, capture.num_experts, None, computed, has_z)
     mine = [(r.label, r.sort_key[:2], r.has_aux_loss, r.has_z_loss) for r in capture.routers]
@@ -697,7 +697,7 @@ def _layout(
             f"{sorted(c for _, c in sizes)}); they must all be the same"
         )
     if not sizes:
-        raise ValueError(_no_router_message(model_name))
+        raise ValueError(_no_router_message(model_name, capture.fullgraph_routers))
     seen: dict[str, int] = {}
     for _, routers in stages:
         for label, *_ in routers:
@@ -754,7 +754,16 @@ def _computed_experts(capture: RouterCapture) -> int:
     return found.pop() if found else columns
 
 
-def _no_router_message(model_name: str) -> str:
+def _no_router_message(model_name: str, compiled: list[str] | None = None) -> str:
+    if compiled:  # routers found, but none can be hooked
+        return (
+            f"LoadBalanceMonitor found {len(compiled)} router(s) in {model_name} (e.g. "
+            f"{compiled[0]!r}), all inside modules compiled with torch.compile(fullgraph=True): "
+            "a hook there would break the graph and Dynamo refuses, so no layer can be "
+            "counted. Compile without fullgraph=True, or leave the routers out of the "
+            "fullgraph-compiled regions (e.g. compile the blocks' other children), or leave "
+            "LoadBalanceMonitor out"
+        )
     return (
         f"LoadBalanceMonitor found no router in {model_name}. It looks for "
         "trainvitals.moe.TopKRouter, the Hugging Face routers "

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainvitals._hooks import eager_hook
+from trainvitals._hooks import eager_hook, fullgraph_regions
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.adapters.jsonl import _drop_steps_from, drop_steps_from, move_aside
 from trainvitals.callbacks.base import VitalsCallback, compile_one_group
@@ -145,8 +145,10 @@ class TensorStatsMonitor(VitalsCallback):
     learned latent queries); a tensor changed in place before its batch leaves its site out of
     that one step, with a warning, and that site is reduced inside its hook from then on (see
     ``docs/tensor_stats.md``). Under ``torch.compile`` the hooks run eagerly (excluded from the
-    graph), so this holds from a compiled model's first step. A module called several times in
-    a step (a block applied in a loop) merges every call into its one site, as micro-batches
+    graph), so this holds from a compiled model's first step; sites inside a module compiled
+    with ``fullgraph=True``, where Dynamo refuses that graph break, get no hook and are left out
+    with a warning (see :class:`trainvitals._hooks.FullgraphRegions`). A module called several
+    times in a step (a block applied in a loop) merges every call into its one site, as micro-batches
     are. A failure inside the hooks
     (e.g. out of memory) never reaches the model's forward or backward: that step's
     activations and dgrads are left out, on every rank, with a warning.
@@ -339,6 +341,8 @@ class TensorStatsMonitor(VitalsCallback):
         self._site_expert: list[bool] = []
         self._site_index: dict[str, int] = {}
         self._modules: list[tuple[str, nn.Module]] = []
+        # id of a site's module -> the module its hooks go on (a torch.compile wrapper)
+        self._targets: dict[int, nn.Module] = {}
         self._handles: list[Any] = []  # this step's hooks (gradient hooks; forward hooks too)
         # A compiled model's forward hooks stay from run start to run end (see _install);
         # ``_collecting`` tells them whether this step is an activation logging step.
@@ -425,6 +429,20 @@ class TensorStatsMonitor(VitalsCallback):
                     left_out.append(canonical_name(n))
                 else:
                     self._modules.append((canonical_name(n), m))
+        # Sites inside code compiled with fullgraph=True get no hook (Dynamo refuses the graph
+        # break of one); a compiled region's root is hooked on its wrapper, outside the graph
+        regions = fullgraph_regions(ctx.model)
+        self._targets = {}
+        compiled_out, kept = [], []
+        for name, m in self._modules:
+            target = regions.target(m)
+            if target is None:
+                compiled_out.append(name)
+                continue
+            kept.append((name, m))
+            if target is not m:
+                self._targets[id(m)] = target
+        self._modules = kept
         self._ep_info = self._expert_offsets(ctx, [n for n, _ in model.named_parameters()])
         self._names = {}
         self._params = None
@@ -456,9 +474,12 @@ class TensorStatsMonitor(VitalsCallback):
         if ctx.global_rank == 0:
             params = [self._global_name(canonical_name(n)) for n, _ in model.named_parameters()]
             # the left-out experts' names are the model's still: a glob naming them matches
-            dropped = [f"{name}/{suffix}" for name in left_out for suffix in _SITE_SUFFIXES]
+            dropped = [
+                f"{name}/{suffix}" for name in left_out + compiled_out for suffix in _SITE_SUFFIXES
+            ]
             self._warn_unmatched_globs(params + every_site + dropped)
             self._warn_tensor_parallel_experts(left_out)
+            self._warn_fullgraph_sites(compiled_out)
         self._path = Path(ctx.run_dir) / self.filename
         if ctx.trainer is not None and getattr(ctx.trainer, "fast_dev_run", False):
             # Lightning's debug run: its loggers and checkpoints are off; so is this file (it
@@ -795,9 +816,10 @@ class TensorStatsMonitor(VitalsCallback):
             # the groups it is sharded over if the style reduce-scatters it) for the last.
             taken = [False, False]
             reduced: list[tuple[tuple[int, ...], tuple[Any, ...]] | None] = [None, None]
+            target = self._targets.get(id(module), module)  # (a compiled region's wrapper)
             for early in (True, False):
-                hook = self._make_forward_hook(module, idx, taken, reduced, early)
-                handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=early))
+                hook = self._make_forward_hook(target, idx, taken, reduced, early, module)
+                handles.append(target.register_forward_hook(hook, with_kwargs=True, prepend=early))
 
     def _make_forward_hook(
         self,
@@ -806,7 +828,11 @@ class TensorStatsMonitor(VitalsCallback):
         taken: list[bool],
         reduced: list[tuple[tuple[int, ...], tuple[Any, ...]] | None],
         early: bool,
+        site_module: nn.Module,
     ) -> Any:
+        """The forward hook of ``site_module``, registered on ``owner`` (the module itself, or
+        the ``torch.compile`` wrapper around it: see
+        :class:`trainvitals._hooks.FullgraphRegions`)."""
         want_act = "activation" in self.kinds
         want_dgrad = "dgrad" in self.kinds
 
@@ -830,7 +856,7 @@ class TensorStatsMonitor(VitalsCallback):
                 # turns autograd on, hence grad_on read before).
                 inference = torch.is_inference_mode_enabled()
                 with torch.inference_mode(False) if inference else contextlib.nullcontext():
-                    observe(module, args, kwargs, output, rerun, grad_on)
+                    observe(site_module, args, kwargs, output, rerun, grad_on)
             except Exception as exc:  # never let telemetry break the user's forward
                 self._hook_failure(exc)
 
@@ -1262,6 +1288,22 @@ class TensorStatsMonitor(VitalsCallback):
                 "ProcessGroups(..., edp=<the ranks holding the same experts>) or build the "
                 "groups with ProcessGroups.from_device_mesh on a mesh with an 'ep' dim",
             )
+
+    def _warn_fullgraph_sites(self, left_out: list[str]) -> None:
+        """Say once which sites were left out for being inside code compiled with
+        ``fullgraph=True`` (only those ``include``/``exclude`` would keep)."""
+        if not any(k in self.kinds for k in ("activation", "dgrad")):
+            return
+        named = [n for n in left_out if any(self._wanted(f"{n}/{s}") for s in _SITE_SUFFIXES)]
+        if not named:
+            return
+        self.warn_once(
+            "fullgraph-sites",
+            f"{len(named)} activation/dgrad site module(s) (e.g. {named[0]}) are inside a module "
+            "compiled with fullgraph=True: a hook there would break the graph and Dynamo "
+            "refuses; they are not recorded (param and grad are). Compile without fullgraph, "
+            "or leave these modules out of the compiled region, to record them",
+        )
 
     def _warn_tensor_parallel_experts(self, left_out: list[str]) -> None:
         """Say once which fused experts modules the default rule left out for their

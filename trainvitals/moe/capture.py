@@ -188,7 +188,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainvitals._hooks import eager_hook
+from trainvitals._hooks import eager_hook, fullgraph_regions, on_behalf_of
 from trainvitals._strict import strict as _strict
 from trainvitals.distributed import group_size, local_tensor
 from trainvitals.moe._checkpointing import CheckpointRuns
@@ -581,6 +581,12 @@ def _contains(outer: str, name: str) -> bool:
     return outer == "" or name.startswith(outer + ".")
 
 
+def _hook_for(target: nn.Module, module: nn.Module, hook: Callable[..., Any]) -> Any:
+    """``hook`` of ``module``, to register on ``target`` (``module``, or the ``torch.compile``
+    wrapper around it, whose hooks then get ``module``), run eagerly (:func:`eager_hook`)."""
+    return eager_hook(hook if target is module else on_behalf_of(hook, module))
+
+
 def _warn_unrecognised_hf_routers(model: nn.Module, routers: list[RouterInfo]) -> None:
     """Warn (naming the model) about transformers modules that look like MoE routers (class
     names ending in ``Router`` / ``Gating``) but are not recognised: their layers would be
@@ -801,7 +807,31 @@ class RouterCapture:
     def __init__(
         self, model: nn.Module, *, extractors: Iterable[Any] | None = None, attach: bool = True
     ) -> None:
-        self.routers = find_routers(model, extractors)
+        found = find_routers(model, extractors)
+        # A router inside code compiled with fullgraph=True gets no hook (Dynamo refuses the
+        # graph break of one; a compiled region's root is hooked on its wrapper instead):
+        # left out, by name in fullgraph_routers (torchtitan compiles the MoE module's
+        # children, not the MoE module whose buffer is read: those stay)
+        regions = fullgraph_regions(model)
+        targets = [regions.target(r.module) for r in found]
+        self.routers = [r for r, t in zip(found, targets, strict=True) if t is not None]
+        self.fullgraph_routers = [r.name for r, t in zip(found, targets, strict=True) if t is None]
+        # per router index, the torch.compile wrapper its hooks go on
+        self._targets: dict[int, nn.Module] = {
+            i: t
+            for i, t in enumerate(t for t in targets if t is not None)
+            if t is not self.routers[i].module
+        }
+        if self.fullgraph_routers and self.routers:
+            warnings.warn(
+                f"trainvitals router capture: {len(self.fullgraph_routers)} router(s) (e.g. "
+                f"{self.fullgraph_routers[0]!r}) are inside a module compiled with "
+                "fullgraph=True: a hook there would break the graph and Dynamo refuses; their "
+                "layers are not counted. Compile without fullgraph, or leave the routers out of "
+                "the compiled region, to count them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         by_size: dict[int, list[str]] = {}
         for r in self.routers:
             by_size.setdefault(r.num_experts, []).append(r.name)
@@ -822,7 +852,7 @@ class RouterCapture:
                 "get_moe_metrics_tracker().record() record)"
             )
         self.num_experts = next(iter(by_size)) if by_size else 0
-        _warn_unrecognised_hf_routers(model, self.routers)
+        _warn_unrecognised_hf_routers(model, found)
         self.enabled = True
         self._handles: list[Any] = []
         self._acc: torch.Tensor | None = None  # [L, E + 1], last column = out-of-range indices
@@ -863,8 +893,13 @@ class RouterCapture:
         self._invalid: set[int] = set()  # rows whose counts of this step are unknown
         # Hugging Face routers see no attention mask: it is taken from the forward of the
         # transformers models that contain them, to leave padding tokens out (_hf_valid_tokens).
-        sources = _hf_mask_sources(model, self.routers)
+        sources = [
+            (name, module)
+            for name, module in _hf_mask_sources(model, self.routers)
+            if regions.target(module) is not None  # (its routers are inside too)
+        ]
         self._mask_sources = [module for _, module in sources]
+        self._mask_targets = [regions.target(module) for module in self._mask_sources]
         # per Hugging Face router, the mask sources that contain it: its mask is the latest
         # recorded by one of them, never one of a model beside it (an encoder-decoder's
         # decoder stack records its own mask after the encoder's, and a reentrant re-run of an
@@ -933,26 +968,34 @@ class RouterCapture:
         if self._handles:
             return
         for i, r in enumerate(self.routers):
+            target = self._targets.get(i, r.module)  # (a compiled region's wrapper)
             if r.kind == "torchtitan":
                 self._handles.append(
-                    r.module.register_forward_pre_hook(eager_hook(self._make_pre_hook(i)))
+                    target.register_forward_pre_hook(
+                        _hook_for(target, r.module, self._make_pre_hook(i))
+                    )
                 )
             # always_call: a torchtitan buffer set aside by the pre-hook is put back also when
             # the forward raises (torch passes output=None then)
             self._handles.append(
-                r.module.register_forward_hook(
-                    eager_hook(self._make_hook(i)), always_call=r.kind == "torchtitan"
+                target.register_forward_hook(
+                    _hook_for(target, r.module, self._make_hook(i)),
+                    always_call=r.kind == "torchtitan",
                 )
             )
         for source, module in enumerate(self._mask_sources):
+            target = self._mask_targets[source]
+            assert target is not None
             self._handles.append(
-                module.register_forward_pre_hook(
-                    eager_hook(
+                target.register_forward_pre_hook(
+                    _hook_for(
+                        target,
+                        module,
                         self._make_mask_pre_hook(
                             source,
                             _argument_position(module, "attention_mask"),
                             _argument_position(module, _TOKEN_TYPES_ARG),
-                        )
+                        ),
                     ),
                     with_kwargs=True,
                 )
