@@ -66,6 +66,18 @@ class LoadBalanceMonitor(VitalsCallback):
     step end: a non-logging step costs a Python check per router forward and nothing else (no
     kernel, no sync, no collective).
 
+    A logging step that ran training micro-batches while no router hook ran, in it or in any
+    logging step since run start (a host flag, :attr:`RouterCapture.fired`), is no
+    measurement: a model compiled and run before the monitor attached (Dynamo never calls
+    hooks added later), a forward calling ``router.forward`` directly, or routers found on
+    another model than the one trained. It writes no key (zero loads would read as measured)
+    and moves no dead-expert streak, and warns once with these causes and their fixes; with
+    several ranks, a rank in that state sends NaN ("not measured") through the step's
+    collective, so its layers are left out on every rank instead of summed without it (a
+    silent pipeline stage's layers only: the other stages' are written). Once a hook has run,
+    a step without one routed nothing (its micro-batches skipped the MoE layers) and is
+    written as such, without a warning.
+
     CV uses the population standard deviation (NeMo Automodel uses ``n - 1``; multiply ours by
     ``sqrt(E / (E - 1))`` to compare). Quantiles interpolate linearly. Layers that routed no
     tokens in the step get no per-layer keys and are left out of the aggregates (their
@@ -206,6 +218,9 @@ class LoadBalanceMonitor(VitalsCallback):
         # count once it ends (the step's own flag, kept up to date by step_end meanwhile).
         self._validating = False
         self._count_after_validation = False
+        # A router hook has run in a logging step of this capture (host flag): then a later
+        # step without one routed nothing (its micro-batches skipped the MoE layers).
+        self._hooks_seen = False
 
     # ------------------------------------------------------------------ hooks
 
@@ -219,6 +234,7 @@ class LoadBalanceMonitor(VitalsCallback):
         self.capture = capture
         self._layout = layout
         self._table_index = None
+        self._hooks_seen = False  # (new hooks)
         self._validating = False  # a validation that raised before its end is over
         for label in layout.labels:
             streak = self._dead_streak.get(label)
@@ -291,14 +307,23 @@ class LoadBalanceMonitor(VitalsCallback):
         layout = self._layout
         num_layers, num_experts = len(layout.labels), layout.num_experts
         z_sum = z_count = [0.0] * num_layers
+        silent = self._hooks_silent(ctx)
         if layout.rows is None and group_size(ctx.groups.dp_cp) == 1 and not any(layout.has_z):
+            if silent:
+                self._warn_hooks_silent(ctx)
+                return
             # Nothing to reduce: the step's counts and aux sums come to the host in one
             # transfer (a few kernels, none per layer or micro-batch); the aux counts are host
             # ints already.
             rows, aux_sum, aux_count = capture.read_host()
         else:
             # (z-losses: the packed buffer, one transfer; its reduction over one rank is a copy)
-            host = self._reduce_to_host(ctx)
+            host = self._reduce_to_host(ctx, silent)
+            if silent:  # (after the collective, which every rank takes part in)
+                self._warn_hooks_silent(ctx)
+                if layout.rows is None:
+                    return
+                # pipeline: the other stages' layers are measured; this stage's are NaN
             aux_count = host[num_layers * (num_experts + 1) : num_layers * (num_experts + 2)]
             rows, aux_sum = unpack_loads(host, num_layers, num_experts)
             z_sum, z_count = unpack_z_losses(host, num_layers, num_experts)
@@ -309,11 +334,45 @@ class LoadBalanceMonitor(VitalsCallback):
         values.update(self._update_dead_streaks(ctx, rows))
         self.write(ctx, values)
 
-    def _reduce_to_host(self, ctx: RunContext) -> list[float]:
+    def _hooks_silent(self, ctx: RunContext) -> bool:
+        """Whether this rank's zero counts are no measurement: the step ran training
+        micro-batches, this rank has routers, and no router hook has run in any logging step
+        since they were hooked (host flags only). After a hook has run, a step without one
+        routed nothing (micro-batches that skip the MoE layers); a step without micro-batches
+        (validation only) has nothing to say."""
+        capture = self.capture
+        assert capture is not None
+        if capture.fired:
+            self._hooks_seen = True
+            return False
+        return not self._hooks_seen and bool(capture.routers) and ctx.micro_batches_in_step > 0
+
+    def _warn_hooks_silent(self, ctx: RunContext) -> None:
+        assert self.capture is not None
+        self.warn_once(
+            "hooks_silent",
+            f"no router hook ran in logging step {ctx.step} ({ctx.micro_batches_in_step} "
+            f"training micro-batch(es)), nor in any logging step since the {len(self.capture)} "
+            "router(s) were hooked at run start: no load is known, so nothing is written for "
+            "such steps (not zeros, not 'no dead expert'). Likely causes: the model was "
+            "compiled (torch.compile) and run before the monitor attached, and code compiled "
+            "then never calls hooks added later (Dynamo does not guard on module hooks: "
+            "torch._dynamo.config.skip_nnmodule_hook_guards): attach before the compiled "
+            "model's first forward, or call torch.compiler.reset() after attaching; the "
+            "forward calls router.forward(x) (or a functional copy) instead of router(x), "
+            "which skips module hooks: call the routers through __call__; or the model given "
+            "to the monitor is not the one trained (a copy; a LightningModule vs an inner "
+            "model built later). If this step's micro-batches skipped the MoE layers, ignore "
+            "this; warned once",
+        )
+
+    def _reduce_to_host(self, ctx: RunContext, silent: bool = False) -> list[float]:
         """The step's loads ``[L, E]`` (row-major), aux sums and aux counts ``[L]`` (and z-loss
         sums and counts ``[L]`` when a layer has a z-loss) summed over the ranks, as host floats:
         one buffer (:meth:`RouterCapture.packed`), one collective per
-        group, one device->host transfer."""
+        group, one device->host transfer. ``silent`` (:meth:`_hooks_silent`): this rank's
+        values are sent as NaN, "not measured", so the sums of its layers are NaN on every
+        rank and left out, not the loads of the other ranks alone."""
         capture = self.capture
         assert capture is not None
         layout = self._layout
@@ -322,6 +381,8 @@ class LoadBalanceMonitor(VitalsCallback):
         # float64 (stats.load_balance_stats_lists): tens of microseconds instead of ~35 small
         # device kernels, with the same formulas.
         packed = capture.packed(device=capture.device or ctx.device)
+        if silent:
+            packed.fill_(math.nan)  # (a new tensor; before the pipeline table's zeros)
         if layout.rows is None:
             # One SUM collective over data x context parallel carries every layer (and the aux).
             groups: tuple[Any, ...] = (ctx.groups.dp_cp,)

@@ -799,6 +799,13 @@ class RouterCapture:
     resets every optimizer step: that many tokens of one step on one device, far beyond a
     single Apple GPU's step); :meth:`read_host` warns once when a count reaches it.
 
+    :attr:`fired` (a host bool) says whether a router hook ran while :attr:`enabled` since
+    the last :meth:`reset`: counts of zero with it ``False`` mean the hooks never ran (a model
+    compiled before they were added: Dynamo does not guard on module hooks,
+    ``torch._dynamo.config.skip_nnmodule_hook_guards``; a forward that calls
+    ``router.forward`` directly; another copy of the model trained), not that nothing was
+    routed.
+
     Raises ``ValueError`` when the routers do not all have the same number of experts (MoE
     layers with different expert counts, e.g. a Hunyuan-MoE config with a per-layer
     ``num_experts`` list, are not supported; layers without a router are fine).
@@ -854,6 +861,10 @@ class RouterCapture:
         self.num_experts = next(iter(by_size)) if by_size else 0
         _warn_unrecognised_hf_routers(model, found)
         self.enabled = True
+        # A router hook ran while counting was on, since the last reset (a host flag, set
+        # only in logging steps): the owner tells "nothing routed" from "the hooks never ran"
+        # (code compiled before they were added, a forward that bypasses __call__).
+        self.fired = False
         self._handles: list[Any] = []
         self._acc: torch.Tensor | None = None  # [L, E + 1], last column = out-of-range indices
         self._acc_device: torch.device | None = None
@@ -1135,7 +1146,10 @@ class RouterCapture:
 
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, inputs: Any) -> None:
-            if not self.enabled or i in self._broken or not module.training:
+            if not self.enabled:
+                return
+            self.fired = True
+            if i in self._broken or not module.training:
                 return
             if not self._runs[i].counts():
                 return
@@ -1162,7 +1176,10 @@ class RouterCapture:
                 self._titan_hook(i, module, output)
                 return
             # the cheapest test first (False on steps that are not logged)
-            if not self.enabled or i in self._broken or not module.training:
+            if not self.enabled:
+                return
+            self.fired = True
+            if i in self._broken or not module.training:
                 return
             if not self._runs[i].counts():
                 return
@@ -1822,7 +1839,9 @@ class RouterCapture:
 
     def reset(self) -> None:
         """Zero the counts on the device (no synchronisation; no kernel either when nothing
-        was counted since the last reset, e.g. on a step that is not logged)."""
+        was counted since the last reset, e.g. on a step that is not logged), and clear
+        :attr:`fired`."""
+        self.fired = False
         if self._dirty:
             if self._acc is not None:
                 self._acc.zero_()
