@@ -363,7 +363,7 @@ def test_resume_appends_without_duplicate_steps(tmp_path: Path) -> None:
             return vitals.state_dict()
 
     state = run(range(3), None)
-    assert state["callbacks"]["TensorStatsMonitor"]["logged_steps"] == {"param": 2, "activation": 2}
+    assert state["callbacks"]["TensorStatsMonitor"] == {}  # (the file is its own record)
     path = tmp_path / "tensor_stats.jsonl"
     # a crash cut a line of step 3; the checkpoint is from step 2: steps 2 and 3 are re-run
     with open(path, "a") as f:

@@ -24,7 +24,9 @@ from trainvitals.distributed import (
 from trainvitals.stats.norms import (
     canonical_name,
     group_named_tensors,
+    keep_sharded_parameters,
     local_sq_norms,
+    optimized_ids,
     reduce_sq_norms,
     sharding_groups,
     sums_by_group,
@@ -136,9 +138,9 @@ class NormMonitor(VitalsCallback):
     (``BackboneFinetuning``) drop out or join, and so do parameters added to the model during
     the run (LoRA adapters given to the optimizer with ``add_param_group``): each logging step
     compares the ids of the parameters registered in the model's modules with the last look
-    and finds the names again only when they changed (where a name's tensor changed but only
-    the earlier one is in an optimizer, FSDP2's unsharded parameters left registered after
-    backward, the earlier one is kept); one left on
+    and finds the names again only when they changed (FSDP2's unsharded parameters left
+    registered after backward are not taken for the sharded ones:
+    :func:`~trainvitals.stats.norms.keep_sharded_parameters`); one left on
     the ``meta`` device (deferred initialisation never materialised) has no values and is left
     out, warned once.
     With pipeline parallelism (``groups.pp`` non-trivial) the totals are summed over the
@@ -717,7 +719,12 @@ class NormMonitor(VitalsCallback):
                 # (a parameter added or put in place of another since the last look: the
                 # names found at run start would leave it out of every norm)
                 self._registered = registered
-                self._named = self._keep_optimized(_named_parameters(self._model))
+                ctx = self._ctx
+                self._named = keep_sharded_parameters(
+                    _named_parameters(self._model),
+                    dict(self._named),
+                    optimized_ids(ctx.optimizers if ctx else ()),
+                )
                 self._label_new_parameters()
                 self._trainable = None
         # A parameter on the meta device (deferred initialisation never materialised, e.g. an
@@ -751,39 +758,6 @@ class NormMonitor(VitalsCallback):
             for name, _, aliases in grouped
             if any(fnmatch.fnmatchcase(a, glob) for a in aliases for glob in self.per_param)
         ]
-
-    def _keep_optimized(
-        self, named: list[tuple[str, torch.nn.Parameter]]
-    ) -> list[tuple[str, torch.nn.Parameter]]:
-        """``named`` with, where a name now holds another tensor than before and only the
-        earlier one is in an optimizer (or the earlier one is a ``DTensor`` and the new one is
-        not), the earlier one: FSDP2 registers its unsharded parameters in place of the sharded
-        ones from forward to backward (and after backward under
-        ``set_reshard_after_backward(False)``); the sharded ones hold the gradients and are
-        what the optimizer updates. A parameter put in place of another and given to the
-        optimizer (a new head) is taken."""
-        before = dict(self._named)
-        ctx = self._ctx
-        optimized = {
-            id(p)
-            for o in (ctx.optimizers if ctx else ())
-            for g in o.param_groups
-            for p in g["params"]
-        }
-        out = []
-        for name, p in named:
-            old = before.get(name)
-            if (
-                old is not None
-                and old is not p
-                and id(p) not in optimized
-                and (
-                    id(old) in optimized or (local_tensor(old) is not old and local_tensor(p) is p)
-                )
-            ):
-                p = old
-            out.append((name, p))
-        return out
 
     def _label_new_parameters(self) -> None:
         """``group_by``: the labels of parameters added after run start. Without pipeline

@@ -53,6 +53,8 @@ from trainvitals.stats.moments import (
 from trainvitals.stats.norms import (
     canonical_name,
     dedupe_named_tensors,
+    keep_sharded_parameters,
+    optimized_ids,
     stored_values,
     unwrap_model,
 )
@@ -117,6 +119,9 @@ class TensorStatsMonitor(VitalsCallback):
       when the same module runs outside a checkpoint elsewhere in the step.
     * ``before_optimizer_step`` of a param/grad logging step: the moments of every trainable
       parameter and its gradient (after AMP unscaling, before clipping), in one fused call each.
+      The parameters are those the optimizer updates: FSDP2's unsharded ones, left registered
+      under ``set_reshard_after_backward(False)``, are not taken for the sharded ones (see
+      :func:`~trainvitals.stats.norms.keep_sharded_parameters`).
     * ``step_end``: hooks are removed; the micro-batches of the step are merged exactly; the
       moments are combined over ranks (below); rank 0 appends one JSONL line per kind to
       ``<run_dir>/tensor_stats.jsonl`` and writes scalar summaries.
@@ -147,11 +152,13 @@ class TensorStatsMonitor(VitalsCallback):
     ``docs/tensor_stats.md``). Under ``torch.compile`` the hooks run eagerly (excluded from the
     graph), so this holds from a compiled model's first step; sites inside a module compiled
     with ``fullgraph=True``, where Dynamo refuses that graph break, get no hook and are left out
-    with a warning (see :class:`trainvitals._hooks.FullgraphRegions`). A module called several
-    times in a step (a block applied in a loop) merges every call into its one site, as micro-batches
-    are. A failure inside the hooks
-    (e.g. out of memory) never reaches the model's forward or backward: that step's
-    activations and dgrads are left out, on every rank, with a warning.
+    with a warning (see :class:`trainvitals._hooks.FullgraphRegions`). A model compiled and run
+    before the monitor attached never calls its hooks (empty activation and dgrad records):
+    the first such logging step warns once (see :meth:`_warn_no_site_ran`). A module called
+    several times in a step (a block applied in a loop) merges every call into its one site, as
+    micro-batches are. A failure inside the hooks (e.g. out of memory) never reaches the
+    model's forward or backward: that step's activations and dgrads are left out, on every
+    rank, with a warning.
 
     Distributed: a ``DTensor`` parameter or gradient (FSDP2, tensor parallel) is merged over the
     groups of its ``Shard`` mesh dims only; ``Replicate`` dims and plain tensors (DDP replicas)
@@ -351,7 +358,6 @@ class TensorStatsMonitor(VitalsCallback):
         self._collecting = False
         self._acc: dict[str, MomentAccumulator] = {}
         self._pending: dict[str, _Kind] = {}
-        self._logged_steps: dict[str, int] = {}
         self._ep_info: tuple[int, dict[str, int]] | None = None
         # (kind, site) -> shard groups of the DTensor seen there (tensor parallel), fixed at
         # its first observation so every step and rank merges the same way
@@ -365,6 +371,10 @@ class TensorStatsMonitor(VitalsCallback):
         # the trainable parameters (deduplicated, canonical names), kept while the model's
         # parameter objects stay the same: (their ids and requires_grad, the list)
         self._params: tuple[tuple[tuple[int, bool], ...], list[tuple[str, Any]]] | None = None
+        # canonical name -> the parameter measured under it (found at run start, then at each
+        # rebuild of _params): FSDP2 registers other tensors under the same names, see
+        # trainvitals.stats.norms.keep_sharded_parameters
+        self._found: dict[str, Any] = {}
         # activations/dgrads waiting for their batched reduction: (kind, site, local, key,
         # local's version when seen); sites whose tensor was changed in place before its
         # reduction are reduced in the hook from then on
@@ -373,6 +383,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._immediate: set[tuple[str, int]] = set()
         self._dropped: set[tuple[str, int]] = set()  # left out of the current step
         self._hooks_failed = False  # hook work raised this step: no more moments this step
+        self._fired = False  # a site's forward hook ran in this activation logging step
         # per site: tensors seen with autograd off that a reentrant activation checkpoint will
         # re-run in the backward pass, where their gradient hook goes; and the sites seen with
         # autograd on (or a tensor needing a gradient) outside the backward pass, which no
@@ -446,6 +457,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._ep_info = self._expert_offsets(ctx, [n for n, _ in model.named_parameters()])
         self._names = {}
         self._params = None
+        self._found = dict(_named_parameters(model))
         self._parts_step, self._measured = None, set()
         # What was learned about the sites, kept by their index in the list rebuilt below, is
         # this run's only: an instance reused for a new run of another model read the earlier
@@ -616,11 +628,44 @@ class TensorStatsMonitor(VitalsCallback):
             for kind in ("activation", "dgrad"):
                 if kind in self.kinds:
                     self._pending[kind] = self._merged_sites(ctx, kind)
+            if not self._fired and self._sites and ctx.micro_batches_in_step > 0:
+                self._warn_no_site_ran(ctx)
         self._parts_step, self._measured = None, set()
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
         self._emit(ctx, pending)
+
+    def _warn_no_site_ran(self, ctx: RunContext) -> None:
+        """An activation logging step ran micro-batches, yet no site's forward hook ran: its
+        activation and dgrad records are empty. Almost always code compiled before the hooks
+        existed: Dynamo does not guard on module hooks
+        (``torch._dynamo.config.skip_nnmodule_hook_guards``), so it never calls hooks added
+        later. Said once, with the cause and the fix (one host flag; no device work)."""
+        head = (
+            f"no activation/dgrad site hook ran in logging step {ctx.step} "
+            f"({ctx.micro_batches_in_step} micro-batch(es)): its activation and dgrad records "
+            "are empty"
+        )
+        if self._persistent:
+            cause = (
+                "the compiled model was run before this monitor added its hooks (at run "
+                "start), and code compiled then never calls hooks added later (torch.compile "
+                "does not guard on module hooks: torch._dynamo.config."
+                "skip_nnmodule_hook_guards). Attach the monitor before the compiled model's "
+                "first forward, or call torch.compiler.reset() after attaching (the next "
+                "forward recompiles with the hooks)"
+            )
+        else:
+            cause = (
+                "none of the site modules ran a forward hook. The model given to the monitor "
+                "may not be the one trained, or the forward runs in code compiled before the "
+                "hooks were added (torch.compile of a function calling the model), which never "
+                "calls them (torch._dynamo.config.skip_nnmodule_hook_guards): compile the "
+                "model itself (torch.compile(model)) and attach the monitor before its first "
+                "forward"
+            )
+        self.warn_once("no-site-ran", f"{head}; {cause}")
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._drop_abandoned_steps(ctx)  # a rollback, then a crash before the next batch
@@ -645,11 +690,9 @@ class TensorStatsMonitor(VitalsCallback):
         self._pending, self._acc = {}, {}
         self._parts_step, self._measured = None, set()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": SCHEMA_VERSION, "logged_steps": dict(self._logged_steps)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._logged_steps = {str(k): int(v) for k, v in state_dict.get("logged_steps", {}).items()}
+    # No state_dict: a resumed run needs only its step (run start drops the file's lines from
+    # it on). Checkpoints of earlier versions hold {"version", "logged_steps"}, which nothing
+    # read; the base class's load_state_dict ignores them.
 
     # ------------------------------------------------------------------ param / grad moments
 
@@ -671,7 +714,13 @@ class TensorStatsMonitor(VitalsCallback):
         # (a parameter on the meta device, never materialised, has no values: left out, warned)
         key = tuple((id(p), p.requires_grad and not p.is_meta) for _, p in raw)
         if self._params is None or self._params[0] != key:
-            named = dedupe_named_tensors((canonical_name(n), p) for n, p in raw)
+            found = keep_sharded_parameters(
+                [(canonical_name(n), p) for n, p in raw],
+                self._found,
+                optimized_ids(ctx.optimizers),
+            )
+            self._found = dict(found)
+            named = dedupe_named_tensors(found)
             self.warn_meta_parameters(
                 [n for n, p in named if p.requires_grad and p.is_meta],
                 "the param and grad lines",
@@ -787,6 +836,7 @@ class TensorStatsMonitor(VitalsCallback):
         }
         self._dropped = set()
         self._hooks_failed = False
+        self._fired = False
         self._held_back, self._ckpt_held = {}, {}
         self._hook_ctx = ctx
         self._collecting = True
@@ -841,6 +891,7 @@ class TensorStatsMonitor(VitalsCallback):
             # deepcopy for EMA or a float64 reference, carries them too: not our site)
             if not self._collecting or module is not owner:
                 return
+            self._fired = True
             # a forward re-run inside backward (activation checkpointing): only for the
             # gradient hooks of a reentrant checkpoint's first run, which had autograd off
             rerun = torch._C._current_graph_task_id() != -1
@@ -1183,7 +1234,6 @@ class TensorStatsMonitor(VitalsCallback):
             if k in ("activation", "dgrad"):
                 line["micro_batches"] = micro
             lines.append(json.dumps(line, separators=(",", ":"), allow_nan=False))
-            self._logged_steps[k] = ctx.step
             if self.summaries:
                 scalars.update(self._summaries(k, names[k], h))
         self._drop_abandoned_steps(ctx)
@@ -1392,6 +1442,11 @@ class TensorStatsMonitor(VitalsCallback):
 # ---------------------------------------------------------------------------------- helpers
 
 
+def _named_parameters(model: nn.Module) -> list[tuple[str, Any]]:
+    """Every parameter of ``model`` under its canonical names (a tied one under each)."""
+    return [(canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
+
+
 def _default_site_types() -> tuple[type, ...]:
     types: list[type] = [nn.Linear, nn.Embedding]
     try:
@@ -1405,14 +1460,17 @@ def _default_site_types() -> tuple[type, ...]:
 
 def _is_compiled(model: Any) -> bool:
     """Whether ``model`` is or holds a ``torch.compile``'d module: ``torch.compile(model)``
-    (an ``OptimizedModule``, whose ``_orig_mod`` is the user's), or ``module.compile()`` (per
-    transformer block, torchtitan style: the module's ``_compiled_call_impl``). A model whose
+    (an ``OptimizedModule``, whose ``_orig_mod`` is the user's), ``module.compile()`` (per
+    transformer block, torchtitan style: the module's ``_compiled_call_impl``), or a
+    LightningModule Lightning took from ``torch.compile(lm)`` (``from_compiled``: its
+    ``forward`` and ``training_step`` compiled, its ``_compiler_ctx`` set). A model whose
     forward is compiled as a function (``torch.compile(train_step)``) is not seen here."""
     if not isinstance(model, nn.Module):
         return False
     return any(
         isinstance(getattr(m, "_orig_mod", None), nn.Module)
         or getattr(m, "_compiled_call_impl", None) is not None
+        or isinstance(getattr(m, "_compiler_ctx", None), dict)
         for m in model.modules()
     )
 

@@ -58,7 +58,9 @@ __all__ = [
     "canonical_name",
     "dedupe_named_tensors",
     "group_named_tensors",
+    "keep_sharded_parameters",
     "local_sq_norms",
+    "optimized_ids",
     "reduce_sq_norms",
     "sharding_groups",
     "stored_values",
@@ -105,6 +107,39 @@ def canonical_name(name: str) -> str:
     while len(parts) > 1 and parts[0] in WRAPPER_PREFIXES:
         parts = parts[1:]
     return ".".join(p for p in parts if p not in _WRAPPER_COMPONENTS)
+
+
+def keep_sharded_parameters(
+    named: Sequence[tuple[str, Any]], before: dict[str, Any], optimized: set[int]
+) -> list[tuple[str, Any]]:
+    """``named`` (name, parameter) with, under a name whose registered tensor is not the one
+    found there ``before``, the earlier one kept when it is a ``DTensor`` the optimizers hold
+    (``optimized``: their parameters' ids) and the new one is in no optimizer.
+
+    FSDP2 registers its unsharded parameters in place of the sharded ``DTensor`` s from
+    forward to backward, and after backward too under ``set_reshard_after_backward(False)``
+    (gradient accumulation): at the optimizer step the registered ones have no gradient, while
+    the sharded ones hold the gradients and are what the optimizer updates. A parameter a user
+    put in place of another is taken (given to an optimizer or not: the model computes with
+    it), and so is one added during the run (a LoRA adapter)."""
+    out = []
+    for name, p in named:
+        old = before.get(name)
+        if (
+            old is not None
+            and old is not p
+            and id(p) not in optimized
+            and id(old) in optimized
+            and local_tensor(old) is not old
+        ):
+            p = old
+        out.append((name, p))
+    return out
+
+
+def optimized_ids(optimizers: Iterable[Any]) -> set[int]:
+    """The ids of the parameters ``optimizers`` update."""
+    return {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
 
 
 def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
