@@ -166,7 +166,7 @@ from typing import Any
 
 import torch
 
-from trainvitals._hooks import eager_hook, fullgraph_regions
+from trainvitals._hooks import eager_hook
 from trainvitals._patching import AttributePatch
 from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
 from trainvitals.adapters.sinks.base import takes_main_tag
@@ -474,6 +474,9 @@ class Vitals:
         self._scaler_stepped: set[int] = set()
         self._scaled_at_step = False  # that optimizer steps with its gradients still scaled
         self._loop_calls_batch = False
+        # the attached model ran inside compiled code, where its pre-hook cannot count forwards
+        self._forwards_traced = False
+        self._warned_traced = False
         self._warned_scaled = False
         self._warned_fused = False
         self._closed = False
@@ -538,21 +541,7 @@ class Vitals:
         for opt in dict.fromkeys(inner):  # (the same optimizer listed twice: hooked once)
             self._handles.append(opt.register_step_pre_hook(self._on_pre_step))
             self._handles.append(opt.register_step_post_hook(self._on_post_step))
-        # Run eagerly: traced, the pre-hook of a model compiled in place (model.compile()) is
-        # compiled as a frame of its own, guarding on the driver's state (recompiled forward
-        # after forward), and under fullgraph=True its graph breaks raise in the forward.
-        if not fullgraph_regions(model).inside(model):
-            self._handles.append(
-                model.register_forward_pre_hook(eager_hook(self._on_model_forward))
-            )
-        else:
-            warnings.warn(
-                "trainvitals Vitals.attach(): the model is compiled with fullgraph=True, hooks "
-                "on it included, so the driver cannot see its forwards: call "
-                "vitals.batch(batch) once per micro-batch to count them",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        self._handles.append(model.register_forward_pre_hook(self._model_pre_hook()))
         for cb in self.callbacks:
             _running_in[id(cb)] = self
         if self._accelerator is not None:
@@ -855,6 +844,37 @@ class Vitals:
         self._loop_calls_batch = True
         self._micro_batch(batch, batch_size, num_tokens)
 
+    def _model_pre_hook(self) -> Any:
+        """The attached model's forward pre-hook, which counts its forwards as micro-batches in
+        a loop that does not call :meth:`batch`.
+
+        Its work runs eagerly (:func:`eager_hook`): traced, it would guard on the driver's
+        state (recompiled forward after forward). But a disabled function met while Dynamo
+        traces code compiled with ``fullgraph=True`` (``torch.compile(train_step,
+        fullgraph=True)`` calling the model, a model compiled whole with its hooks) makes the
+        user's forward raise. So the hook itself is a thin function that Dynamo may trace: a
+        loop that calls :meth:`batch` makes it return at once (a guard on a host flag); traced
+        otherwise (``torch.compiler.is_compiling()``), it only notes that forwards run where
+        the driver cannot count them (replayed by the compiled code: warned at the optimizer
+        step). Dynamo does not compile it as a frame of its own (``skip_code``): called
+        eagerly (from ``nn.Module.__call__`` outside compiled code, also for a model compiled
+        in place with ``model.compile()``), it counts."""
+        on_forward = eager_hook(self._on_model_forward)
+
+        def pre_hook(module: torch.nn.Module, args: Any) -> None:
+            if self._loop_calls_batch:
+                return
+            if torch.compiler.is_compiling():
+                self._forwards_traced = True
+                return
+            on_forward(module, args)
+
+        skip_code = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+        skip_code = getattr(skip_code, "skip_code", None)
+        if callable(skip_code):
+            skip_code(pre_hook.__code__)
+        return pre_hook
+
     def _on_model_forward(self, module: torch.nn.Module, args: Any) -> None:
         # A loop without batch() calls: count each training forward of the attached model as a
         # micro-batch with unknown sizes, so it still gets every step, step 0 included, from its
@@ -988,6 +1008,17 @@ class Vitals:
             self.ctx.stepping_optimizer = None
 
     def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._forwards_traced and not self._loop_calls_batch and not self._warned_traced:
+            self._warned_traced = True
+            warnings.warn(
+                "trainvitals Vitals: the attached model runs inside code compiled with "
+                "torch.compile (a compiled training function, or the model compiled whole with "
+                "its hooks), where the driver cannot see its forwards: call vitals.batch(batch) "
+                "once per micro-batch so that micro-batches, samples and tokens are counted "
+                "(warned once)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if self._scaled_at_step and self._scaler_stepping == id(optimizer):
             # scaler.step(fused optimizer): its gradients are still multiplied by the loss
             # scale here (it unscales them inside its step): none rather than scaled ones

@@ -399,6 +399,9 @@ class ThroughputMonitor(VitalsCallback):
         # exact for steps of that length only (attention grows with the length)
         self._measured_seq: float | None = None
         self._session: FlopCounterSession | None = None
+        # a session whose step ended while another dispatch mode entered after its counter was
+        # still on top of it: left as soon as it is on top again (_leave_left_on)
+        self._left_on: FlopCounterSession | None = None
         self._flops_before_optimizer: int | None = None  # the session's count at the last one
         # Flops the session counted during validation inside the measured step (validation
         # every few batches under gradient accumulation), and its count when validation began.
@@ -461,6 +464,7 @@ class ThroughputMonitor(VitalsCallback):
         }
 
     def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
+        self._leave_left_on()
         if ctx.in_validation:
             return
         self._clock.start()
@@ -523,6 +527,7 @@ class ThroughputMonitor(VitalsCallback):
             self._validation_flops += self._session.flops() - start
 
     def step_end(self, ctx: RunContext) -> None:
+        self._leave_left_on()
         log = self.should_log(ctx)
         if log:
             self._clock.sync()  # the window ends when the GPU's work ends
@@ -557,18 +562,32 @@ class ThroughputMonitor(VitalsCallback):
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._finish_flop_measurement(complete=False)
+        self._leave_left_on()
         self._running = False
 
     def run_end(self, ctx: RunContext) -> None:
         self._finish_flop_measurement(complete=False)
+        self._leave_left_on()
         self._running = False
 
     def release(self, ctx: RunContext) -> None:
         # disabled by the guard: its step_end will not come to leave the FlopCounterMode,
         # which would otherwise stay on (every op through Python) for the rest of the process
         self._finish_flop_measurement(complete=False)
+        self._leave_left_on()
 
     # ------------------------------------------------------------------ what it measures
+
+    def _leave_left_on(self) -> None:
+        """Leave a flop counter that could not be left when its step ended (a dispatch mode
+        entered after it, a user's profiler around backward and the optimizer step, was still
+        on top) once it is on top again: kept on, it would route every op of the process
+        through Python for good."""
+        session = self._left_on
+        if session is not None:
+            session.stop()
+            if not session.active:
+                self._left_on = None
 
     def _finish_flop_measurement(self, complete: bool = True) -> None:
         """Leave the flop-counting mode, if on. ``complete``: the measured step ended (its
@@ -582,6 +601,8 @@ class ThroughputMonitor(VitalsCallback):
         if session is None or not session.active:
             return
         flops = session.stop()
+        if session.active:  # another dispatch mode is still on top of the counter
+            self._left_on = session
         if not complete or self._untrained["batches"]:
             # (a step with a micro-batch that did not train: its forward is in the count, its
             # backward is not; the next step of this instance measures again)

@@ -209,14 +209,30 @@ class FlopCounterSession:
             return None
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-        if _get_current_dispatch_mode() is not getattr(self._mode, "mode", self._mode):
-            return None
-        self.active = False
-        self._mode.__exit__(None, None, None)
+        try:
+            if _get_current_dispatch_mode() is not getattr(self._mode, "mode", self._mode):
+                return None
+            self.active = False
+            self._mode.__exit__(None, None, None)
+            return self.flops()
+        finally:
+            # also when the mode cannot be left: the session ends here, and a force_eager left
+            # on would run every compiled model of the process eagerly from now on
+            self._restore_stance()
+
+    def _restore_stance(self) -> None:
+        """Put back the stance from before :meth:`start`, unless someone changed it since (a
+        user's ``with set_stance(...)`` entered after :meth:`start` and left before this:
+        ``set_stance``'s own exit restores the stance current when it was built, which would
+        bring back a stance the user has left)."""
         stance, self._stance = self._stance, None
-        if stance is not None:
-            stance.__exit__(None, None, None)  # the stance from before start()
-        return self.flops()
+        if stance is None:
+            return
+        from torch._dynamo import eval_frame
+
+        current = getattr(getattr(eval_frame, "_stance", None), "stance", "force_eager")
+        if current == "force_eager":
+            stance.__exit__(None, None, None)
 
 
 def _force_eager() -> Any:
