@@ -144,7 +144,9 @@ class TensorStatsMonitor(VitalsCallback):
     Hooks exist only during an activation logging step (a ``torch.compile``'d model keeps its
     forward hooks from run start to run end, off between logging steps: see
     :meth:`_register_site_hooks`); other steps run no code of this class beyond two integer
-    comparisons, and nothing leaves the device on them. The hooks keep
+    comparisons (and, for a compiled model, a flag check per site call, whose hooks also split
+    the compiled graph at every site on every step: measured 24 graph pieces for 1 on a
+    6-block model), and nothing leaves the device on them. The hooks keep
     references and reduce 8 tensors at a time (warm caches), and what waits right before each
     optimizer step (which changes parameters in place: a parameter fed to a site, such as
     learned latent queries); a tensor changed in place before its batch leaves its site out of
