@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.compiled_models import ResidualBlock
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import TensorStatsMonitor, ThroughputMonitor
@@ -38,20 +39,10 @@ class CountingBackend:
         return run
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
 class TwoBlocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = nn.ModuleList([ResidualBlock(), ResidualBlock()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.layers:

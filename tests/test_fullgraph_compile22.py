@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.compiled_models import ResidualBlock
 from tests.scripts.vitals_testing import RecordingWriter
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import (
@@ -42,21 +43,11 @@ def _compile(m: nn.Module) -> nn.Module:
     return torch.compile(m, fullgraph=True, backend="eager")
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
 class Dense(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 8)
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = nn.ModuleList([ResidualBlock(), ResidualBlock()])
         self.head = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
