@@ -7,18 +7,14 @@ hooks that record the training micro-batches only)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from tests.callbacks.test_load_balance_monitor import (  # noqa: F401 (an autouse fixture)
     _fresh_moe_tracker,
     check_row,
 )
-from tests.helpers.moe_models import tiny_moe_lm
+from tests.helpers.moe_models import RoutingMaps, tiny_moe_lm
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
@@ -26,38 +22,10 @@ from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
 VOCAB = 32
 
 
-class TrainingMaps:
-    """The routing maps and aux losses of the forwards run while ``recording`` is on."""
-
-    def __init__(self, model: nn.Module) -> None:
-        from trainvitals.moe import TopKRouter
-
-        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-        self.recording = True
-        self.loads = np.zeros((len(routers), routers[0].num_experts))
-        self.aux: list[list[float]] = [[] for _ in routers]
-        for i, router in enumerate(routers):
-            router.register_forward_hook(self._hook(i))
-
-    def _hook(self, i: int):
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if self.recording:
-                self.loads[i] += output[1].to(torch.float64).sum(0).numpy()
-                self.aux[i].append(float(module.last_aux_loss))
-
-        return hook
-
-    def take(self) -> tuple[np.ndarray, np.ndarray]:
-        out = self.loads.copy(), np.array([np.mean(a) for a in self.aux])
-        self.loads[:] = 0
-        self.aux = [[] for _ in self.aux]
-        return out
-
-
 @pytest.mark.parametrize("every", [1, 2])
 def test_validation_in_training_mode_is_not_counted(every: int) -> None:
     model = tiny_moe_lm(0, vocab_size=VOCAB)
-    maps = TrainingMaps(model)
+    maps = RoutingMaps(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     writer = Recorder()
     monitor = LoadBalanceMonitor(mode="detailed", top_k=2)

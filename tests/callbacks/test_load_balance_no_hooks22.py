@@ -18,7 +18,6 @@ import copy
 import warnings
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -27,12 +26,11 @@ from tests.callbacks.test_load_balance_monitor import (  # noqa: F401 (an autous
     _fresh_moe_tracker,
     check_row,
 )
-from tests.helpers.moe_models import EXPERTS, VOCAB, tiny_moe_lm
+from tests.helpers.moe_models import EXPERTS, VOCAB, RoutingMaps, tiny_moe_lm
 from tests.helpers.shared_ranks import SharedRanks
 from tests.scripts.vitals_testing import RecordingWriter as Recorder
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks.load_balance_monitor import LoadBalanceMonitor
-from trainvitals.moe import TopKRouter
 from trainvitals.moe.capture import RouterCapture
 from trainvitals.moe.tiny_model import MoEMLP
 
@@ -40,32 +38,6 @@ shared = SharedRanks(__name__)
 case_runs, ran = shared.fixtures()
 
 LABELS = ["0", "1", "2"]
-
-
-class Maps:
-    """The routers' routing maps (float64) and aux losses of each training forward, from hooks
-    of the test that run eagerly (so that compiled code calls them like the monitor's)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-        self.loads = np.zeros((len(routers), EXPERTS))
-        self.aux: list[list[float]] = [[] for _ in routers]
-        for i, router in enumerate(routers):
-            router.register_forward_hook(torch.compiler.disable(self._hook(i)))
-
-    def _hook(self, i: int):
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if module.training and torch.is_grad_enabled():
-                self.loads[i] += output[1].detach().to(torch.float64).sum(0).numpy()
-                self.aux[i].append(float(module.last_aux_loss))
-
-        return hook
-
-    def take(self) -> tuple[np.ndarray, np.ndarray]:
-        out = self.loads.copy(), np.array([np.mean(a) for a in self.aux])
-        self.loads[:] = 0
-        self.aux = [[] for _ in self.aux]
-        return out
 
 
 class DirectMLP(MoEMLP):
@@ -142,7 +114,7 @@ def test_compiled_before_attach_writes_nothing_and_warns_once() -> None:
         compiled(x, labels=x).loss.backward()
     model.zero_grad()
     frames = counter.frame_count
-    maps = Maps(model)
+    maps = RoutingMaps(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # (weights fixed: any order is fine)
     writer = Recorder()
     monitor = LoadBalanceMonitor(mode="detailed", top_k=2, dead_expert_patience=1)
@@ -177,7 +149,7 @@ def test_router_forward_called_directly_then_through_call() -> None:
     not warned about either."""
     model = tiny_moe_lm(1)
     _set_mlp_class(model, DirectMLP)
-    maps = Maps(model)
+    maps = RoutingMaps(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = Recorder()
     monitor = LoadBalanceMonitor(mode="detailed", top_k=2, dead_expert_patience=1)

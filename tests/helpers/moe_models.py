@@ -13,13 +13,15 @@ test, destroyed afterwards).
 ``randomise_selection_biases(model, names)`` draws the named selection-bias buffers from
 N(0, 0.5) in module order (so that a bias changes the routers' own top-k).
 ``tiny_switch_transformers(vocab_size, num_experts, **overrides)``: the tiny encoder-decoder
-Switch Transformers model of the capture and z-loss tests."""
+Switch Transformers model of the capture and z-loss tests. ``RoutingMaps(model)``: the
+``TopKRouter`` loads and aux losses of the training forwards, counted by the test's own hooks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -149,3 +151,35 @@ def tiny_switch_transformers(vocab_size: int, num_experts: int = 4, **overrides:
     )
     torch.manual_seed(0)
     return transformers.SwitchTransformersForConditionalGeneration(config)
+
+
+class RoutingMaps:
+    """The ``TopKRouter`` routing maps (summed in float64 per layer) and aux losses of the
+    training forwards of ``model`` (training mode, autograd on) run while ``recording`` is on:
+    the independent count the load-balance tests compare with. The hooks run eagerly
+    (``torch.compiler.disable``), so compiled code calls them as it calls the monitor's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from trainvitals.moe import TopKRouter
+
+        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.recording = True
+        self.loads = np.zeros((len(routers), routers[0].num_experts))
+        self.aux: list[list[float]] = [[] for _ in routers]
+        for i, router in enumerate(routers):
+            router.register_forward_hook(torch.compiler.disable(self._hook(i)))
+
+    def _hook(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if self.recording and module.training and torch.is_grad_enabled():
+                self.loads[i] += output[1].detach().to(torch.float64).sum(0).numpy()
+                self.aux[i].append(float(module.last_aux_loss))
+
+        return hook
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """The loads ``[layers, experts]`` and mean aux loss per layer since the last take."""
+        out = self.loads.copy(), np.array([np.mean(a) for a in self.aux])
+        self.loads[:] = 0
+        self.aux = [[] for _ in self.aux]
+        return out
