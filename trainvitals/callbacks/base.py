@@ -140,6 +140,51 @@ def _positive_int_or_none(name: str, value: Any) -> int | None:
     return value
 
 
+def flat_sharding(model: Any, ctx: RunContext) -> str | None:
+    """The layout's name when parameters and gradients are flat plain-tensor shards (FSDP1,
+    DeepSpeed), else ``None``; a callback that reads per-parameter values must not take them
+    for whole tensors.
+
+    FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) concatenates a wrapped
+    module's parameters into one ``FlatParameter`` (``_is_flat_param``) and keeps each rank's
+    slice of it; under ``use_orig_params=True`` the original parameters (``_fsdp_flattened``,
+    torch's ``_set_fsdp_flattened``) are views into that slice, whole, partial or empty on a
+    rank. Both marks are looked for too, so the inner module of a root-only wrap (Lightning's
+    ``pl_module``, ``accelerator.unwrap_model``) is caught. DeepSpeed ZeRO keeps gradients
+    outside ``p.grad`` and ZeRO-3 parameters are empty ``ds_tensor`` partitions. FSDP2
+    (``fully_shard``, Lightning's ``ModelParallelStrategy``, Accelerate's ``fsdp_version=2``)
+    shards as ``DTensor`` s and is not flagged. Names only, no import: Lightning,
+    Accelerate and DeepSpeed stay optional. Looks at every module and parameter (run start)."""
+    strategy = getattr(ctx.trainer, "strategy", None) if ctx.trainer is not None else None
+    strategy_names = {c.__name__ for c in type(strategy).__mro__} if strategy is not None else set()
+    accelerator = ctx.accelerator
+    kind = getattr(accelerator, "distributed_type", None)
+    distributed = getattr(kind, "value", kind)  # (accelerate's DistributedType is a str enum)
+    deepspeed = "DeepSpeed (ZeRO keeps gradients outside p.grad and partitions parameters)"
+    fsdp1 = "FSDP1 (FullyShardedDataParallel: flat parameter shards)"
+    if any("DeepSpeed" in n for n in strategy_names) or distributed == "DEEPSPEED":
+        return deepspeed
+    # (Lightning's FSDPStrategy is FSDP1; its ModelParallelStrategy, FSDP2, is another class)
+    if "FSDPStrategy" in strategy_names:
+        return fsdp1
+    if distributed == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
+        return fsdp1
+    if model is None:
+        return None
+    for m in model.modules():
+        names = {c.__name__ for c in type(m).__mro__}
+        if "DeepSpeedEngine" in names:
+            return deepspeed
+        if "FullyShardedDataParallel" in names:
+            return fsdp1
+    for p in model.parameters():
+        if getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False):
+            return fsdp1
+        if hasattr(p, "ds_tensor"):
+            return deepspeed
+    return None
+
+
 class VitalsCallback:
     """Base class of every trainvitals callback.
 

@@ -27,7 +27,7 @@ from torch import nn
 from trainvitals._hooks import eager_hook, fullgraph_regions
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.adapters.jsonl import _drop_steps_from, drop_steps_from, move_aside
-from trainvitals.callbacks.base import VitalsCallback, compile_one_group
+from trainvitals.callbacks.base import VitalsCallback, compile_one_group, flat_sharding
 from trainvitals.distributed import (
     all_gather_coalesced,
     all_gather_objects,
@@ -165,7 +165,11 @@ class TensorStatsMonitor(VitalsCallback):
     Distributed: a ``DTensor`` parameter or gradient (FSDP2, tensor parallel) is merged over the
     groups of its ``Shard`` mesh dims only; ``Replicate`` dims and plain tensors (DDP replicas)
     are not merged, so no element counts twice (a ``Partial`` gradient is first summed
-    elementwise over its partial groups). Activations and dgrads are merged over
+    elementwise over its partial groups). FSDP1 and DeepSpeed keep parameters and gradients
+    as flat plain-tensor shards, which would pass for whole replicated tensors: under them the
+    ``param`` and ``grad`` kinds are left out, with one warning naming FSDP2 as the fix
+    (activations and dgrads are kept; see :meth:`_refuse_flat_shards`).
+    Activations and dgrads are merged over
     ``groups.dp_cp`` (each data/context-parallel rank sees different tokens); a tensor-parallel
     site is observed while it is still a ``DTensor`` (a prepended forward hook runs before the
     parallel style's own) and is also merged over its ``Shard`` dims, a ``Partial`` output is
@@ -400,10 +404,15 @@ class TensorStatsMonitor(VitalsCallback):
         # collected, and the ids of the parameters measured in it
         self._parts_step: int | None = None
         self._measured: set[int] = set()
+        # The run's parameters are flat plain-tensor shards (FSDP1, DeepSpeed): no param/grad
+        # lines (see _refuse_flat_shards); the layout's name, set at run start
+        self._flat: str | None = None
 
     # ------------------------------------------------------------------ intervals
 
     def _param_step(self, ctx: RunContext) -> bool:
+        if self._flat is not None:
+            return False
         return any(k in self.kinds for k in ("param", "grad")) and self.should_log(ctx)
 
     def _act_step(self, ctx: RunContext) -> bool:
@@ -427,6 +436,7 @@ class TensorStatsMonitor(VitalsCallback):
         if ctx.model is None:
             raise ValueError("TensorStatsMonitor needs the model (ctx.model is None)")
         model = unwrap_model(ctx.model)
+        self._refuse_flat_shards(model, ctx)
         types = self.module_types or _default_site_types()
         self._modules, left_out = [], []
         members: dict[int, frozenset[int]] = {}
@@ -503,6 +513,29 @@ class TensorStatsMonitor(VitalsCallback):
             self._claim_file(self._path, ctx)  # before _prepare_jsonl moves another's file aside
             _prepare_jsonl(self._path, first_step=ctx.step)
         self._file_high_step = ctx.step - 1  # the file holds steps below this run's first only
+
+    def _refuse_flat_shards(self, model: nn.Module, ctx: RunContext) -> None:
+        """Leave the param and grad kinds out of a run whose parameters are flat plain-tensor
+        shards (FSDP1, DeepSpeed: :func:`~trainvitals.callbacks.base.flat_sharding`), warned
+        once (rank 0). Their tensors look like whole replicated ones: each line held one
+        rank's shard of a parameter (measured under FSDP1 on 2 ranks: ``2.weight`` 14 of its
+        30 elements, RMS 0.258 for 0.248; another's 0 elements) or of a ``_flat_param``
+        concatenating several. Activations and dgrads are per-rank data that parameter
+        sharding does not touch: kept. The same layout on every rank, so every rank skips the
+        same collectives."""
+        self._flat = None
+        if not any(k in self.kinds for k in ("param", "grad")):
+            return
+        self._flat = flat_sharding(model, ctx)
+        if self._flat is not None and ctx.global_rank == 0:
+            self.warn_once(
+                "flat-sharding",
+                f"{self._flat}: the param and grad lines are left out, their tensors being one "
+                "rank's flat shard and not whole parameters (activation and dgrad lines are "
+                "kept). Shard with FSDP2 for them: torch.distributed.fsdp.fully_shard, "
+                "Lightning's ModelParallelStrategy, or Accelerate's FSDP plugin with "
+                "fsdp_version=2",
+            )
 
     def _claim_file(self, path: Path, ctx: RunContext) -> None:
         """Claim ``path`` for this instance until its run ends; a ValueError (raised out of
