@@ -233,3 +233,26 @@ def test_a_parameter_swapped_in_without_the_optimizer_is_the_one_measured(tmp_pa
             opt.step()
             opt.zero_grad()
     assert writer.key("l2_norm/param/2.bias")[1] == pytest.approx(7.0 * math.sqrt(8), rel=1e-6)
+
+
+def test_norms_of_fsdp1_views_whose_units_are_out_of_reach_are_refused() -> None:
+    # FSDP1 with use_orig_params=True wrapped at the root only: the module the monitor is given
+    # holds views into this rank's flat shard (marked _fsdp_flattened) and no unit to add them
+    # over. Its "norms" were a rank's pieces taken for whole tensors.
+    model = _mlp()
+    for p in model.parameters():
+        p._fsdp_flattened = True  # torch's _set_fsdp_flattened mark
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = RecordingWriter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals([NormMonitor()], writer=writer, log_every_n_steps=1) as vitals:
+            vitals.attach(model, opt)
+            for _ in range(2):
+                x = torch.randn(4, 8)
+                vitals.batch(x)
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    assert not any(k.startswith("l2_norm/") for row in writer.rows.values() for k in row)
+    assert len([w for w in caught if "FSDP1" in str(w.message)]) == 1

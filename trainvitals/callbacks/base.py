@@ -140,9 +140,14 @@ def _positive_int_or_none(name: str, value: Any) -> int | None:
     return value
 
 
+#: :func:`flat_sharding`'s answers
+DEEPSPEED = "DeepSpeed (ZeRO keeps gradients outside p.grad and partitions parameters)"
+FSDP1 = "FSDP1 (FullyShardedDataParallel: flat parameter shards)"
+
+
 def flat_sharding(model: Any, ctx: RunContext) -> str | None:
-    """The layout's name when parameters and gradients are flat plain-tensor shards (FSDP1,
-    DeepSpeed), else ``None``; a callback that reads per-parameter values must not take them
+    """The layout's name when parameters and gradients are flat plain-tensor shards
+    (:data:`FSDP1`, :data:`DEEPSPEED`), else ``None``; a callback that reads per-parameter values must not take them
     for whole tensors.
 
     FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) concatenates a wrapped
@@ -160,8 +165,7 @@ def flat_sharding(model: Any, ctx: RunContext) -> str | None:
     accelerator = ctx.accelerator
     kind = getattr(accelerator, "distributed_type", None)
     distributed = getattr(kind, "value", kind)  # (accelerate's DistributedType is a str enum)
-    deepspeed = "DeepSpeed (ZeRO keeps gradients outside p.grad and partitions parameters)"
-    fsdp1 = "FSDP1 (FullyShardedDataParallel: flat parameter shards)"
+    deepspeed, fsdp1 = DEEPSPEED, FSDP1
     if any("DeepSpeed" in n for n in strategy_names) or distributed == "DEEPSPEED":
         return deepspeed
     # (Lightning's FSDPStrategy is FSDP1; its ModelParallelStrategy, FSDP2, is another class)

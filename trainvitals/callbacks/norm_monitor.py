@@ -13,7 +13,14 @@ import torch
 
 from trainvitals._natural import natural_order
 from trainvitals.adapters.context import RunContext
-from trainvitals.callbacks.base import VitalsCallback, compile_one_group, compile_regex
+from trainvitals.callbacks.base import (
+    DEEPSPEED,
+    FSDP1,
+    VitalsCallback,
+    compile_one_group,
+    compile_regex,
+    flat_sharding,
+)
 from trainvitals.distributed import (
     all_gather_objects,
     all_reduce_coalesced,
@@ -48,6 +55,9 @@ class _Tracked:
     expert: bool = False
     # its position in the run's group labels (``group_by``); None: in no group
     group: int | None = None
+    # an FSDP1 flat shard (a FlatParameter, or with use_orig_params a view of one): its
+    # gradient is a plain tensor sharded like it, summed over the same ``groups``
+    flat: bool = False
 
 
 @dataclass
@@ -117,7 +127,7 @@ class _PendingFlags:
 
 
 class NormMonitor(VitalsCallback):
-    r"""Global L2 norms of the parameters and gradients, exact under DDP, FSDP2 and TP.
+    r"""Global L2 norms of the parameters and gradients, exact under DDP, FSDP1, FSDP2 and TP.
 
     On each logging step, in ``before_optimizer_step`` (gradients after AMP unscaling and
     before clipping), the monitor computes every trainable parameter's and gradient's sum of
@@ -230,8 +240,15 @@ class NormMonitor(VitalsCallback):
     ================================  ===========================================================  ======
 
     "value": the unit of the tensor's elements (an L2 norm has the unit of what it measures).
-    FSDP1 and DeepSpeed, whose shards are flat plain tensors, are refused with a warning (no
-    keys) rather than reported wrongly.
+    FSDP1 (``FullyShardedDataParallel``: Lightning's ``FSDPStrategy``, Accelerate's FSDP
+    plugin with ``fsdp_version=1``): each unit's flat shards are summed over its
+    ``process_group`` under the sharded strategies (HYBRID: the shard group, within one
+    replica), not under NO_SHARD, as torch's ``FullyShardedDataParallel.clip_grad_norm_``
+    does; only the ``global``, ``optimizer_<i>`` and ``nonfinite_count`` keys are written (a
+    flat shard mixes pieces of several parameters: ``per_param`` and ``group_by`` keys are
+    left out, warned once), and ``nonfinite_count`` counts flat parameters (one per unit)
+    unless ``use_orig_params=True``. DeepSpeed, whose partitions live outside ``p.grad``,
+    is refused with a warning (no keys) rather than reported wrongly.
     When a gradient holds NaN/Inf, ``l2_norm/grad/global`` is NaN/Inf too. The first logging
     step of a run with such gradients is warned (``RuntimeWarning``, issued once the values
     reach the host, at the latest by the next logging step): its step and the first
@@ -311,6 +328,9 @@ class NormMonitor(VitalsCallback):
         self._group_labels: list[str] = []
         self._label_of: dict[str, str | None] = {}
         self._unsupported = False
+        # FSDP1: id of each parameter its units manage -> the groups its flat shard's sums are
+        # summed over (None: no FSDP1 in the model)
+        self._flat_groups: dict[int, tuple[Any, ...]] | None = None
         self._pending: _PendingFlags | None = None
         # Several optimizers stepped apart: the parts of the step measured so far (written at
         # step_end)
@@ -343,6 +363,7 @@ class NormMonitor(VitalsCallback):
         # (a layout refused there must not silence this run). Its flags are that run's.
         self._report_pending(block=True)
         self._unsupported = False
+        self._flat_groups = None
         self._named, self._tracked, self._selected_names, self._trainable = [], [], [], None
         self._model, self._registered = None, []
         self._group_labels, self._label_of = [], {}
@@ -352,12 +373,34 @@ class NormMonitor(VitalsCallback):
         self._run_start_count = self.nonfinite_logging_steps  # (restored by a resume)
         self._run_warned_step = self._run_last_step = None
         model = unwrap_model(ctx.model)
-        unsupported = _unsupported_layout(model, ctx)
-        if unsupported:
-            # Their parameters are plain tensors holding flat shards: a norm would be wrong.
-            self.warn_once("layout", f"{unsupported} is not supported; no norms are written")
+        sharding = flat_sharding(model, ctx)
+        units = _fsdp1_units(model, ctx) if sharding == FSDP1 else []
+        if sharding == DEEPSPEED or (sharding == FSDP1 and not units):
+            # Plain tensors holding flat shards, and (FSDP1 units out of reach: the inner
+            # module of a wrapper the monitor was not given) no group to add them over: a norm
+            # would be wrong.
+            self.warn_once("layout", f"{sharding} is not supported; no norms are written")
             self._unsupported = True
             return
+        if units:
+            flat = _fsdp1_shard_groups(units)
+            if flat is None:
+                self.warn_once(
+                    "layout",
+                    "FSDP1 (FullyShardedDataParallel) whose units lack torch's handle "
+                    "attributes is not supported; no norms are written",
+                )
+                self._unsupported = True
+                return
+            self._flat_groups = flat
+            if self.per_param or self.group_by is not None:
+                # A flat shard mixes pieces of several parameters (use_orig_params=False) and
+                # holds padding; per-parameter keys would need FSDP internals to be right.
+                self.warn_once(
+                    "fsdp1-per-param",
+                    "under FSDP1 (FullyShardedDataParallel) only the global and per-optimizer "
+                    "norms are written; per_param and group_by keys are left out",
+                )
         self._model = model
         self._registered = _registered_ids(model)
         self._named = _named_parameters(model)
@@ -375,8 +418,9 @@ class NormMonitor(VitalsCallback):
                 f"{self.expert_pattern.pattern!r}: the totals count this rank's experts only; "
                 "pass the pattern of your expert parameters' names",
             )
-        self._check_globs(ctx)
-        self._find_groups(ctx)
+        if self._flat_groups is None:
+            self._check_globs(ctx)
+            self._find_groups(ctx)
         self._track_trainable()
 
     def before_optimizer_step(self, ctx: RunContext) -> None:
@@ -523,7 +567,7 @@ class NormMonitor(VitalsCallback):
             device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
             sq = torch.full((len(tensors),), -math.inf, dtype=torch.float64, device=device)
         grad_groups = [
-            t.groups if g is None else sharding_groups(g)
+            t.groups if g is None or t.flat else sharding_groups(g)
             for t, g in zip(tracked, grads, strict=True)
         ]
         has_grad = [g is not None for g in grads]
@@ -740,23 +784,26 @@ class NormMonitor(VitalsCallback):
         named = [(n, p) for (n, p), t in zip(self._named, trainable, strict=True) if t]
         grouped = group_named_tensors(named)
         position = {label: i for i, label in enumerate(self._group_labels)}
+        flat = self._flat_groups or {}
         self._tracked = [
             _Tracked(
                 name,
                 p,
-                groups,
+                flat[id(p)] if id(p) in flat else sharding_groups(p),
                 self._ep_experts and self._is_expert(name, p),
                 position.get(self._label_of.get(name)),  # type: ignore[arg-type]
+                id(p) in flat,
             )
             for name, p, _ in grouped
-            for groups in (sharding_groups(p),)
         ]
         # A tied parameter is selected by any of its names (``*lm_head.weight`` of a head tied
         # to the embedding) and reported under its first, the name it is counted under.
+        # (FSDP1: no per-parameter keys, warned at run start)
+        globs = self.per_param if self._flat_groups is None else ()
         self._selected_names = [
             name
             for name, _, aliases in grouped
-            if any(fnmatch.fnmatchcase(a, glob) for a in aliases for glob in self.per_param)
+            if any(fnmatch.fnmatchcase(a, glob) for a in aliases for glob in globs)
         ]
 
     def _label_new_parameters(self) -> None:
@@ -765,7 +812,7 @@ class NormMonitor(VitalsCallback):
         the same names). With them, the labels were gathered once at run start and a new one
         would change the length of the totals on some ranks only: its parameters count in the
         totals but in no group, warned once."""
-        if self.group_by is None:
+        if self.group_by is None or self._flat_groups is not None:
             return
         ctx = self._ctx
         spread = ctx is not None and (
@@ -930,14 +977,56 @@ class NormMonitor(VitalsCallback):
         return all(group_rank(x) == 0 for x in (g.dp, g.tp, g.cp, g.ep))
 
 
-def _unsupported_layout(model: torch.nn.Module, ctx: RunContext) -> str | None:
-    """FSDP1 and DeepSpeed shard parameters and gradients as plain (non-DTensor) flat buffers."""
-    strategy = type(getattr(ctx.trainer, "strategy", None)).__name__
-    if "DeepSpeed" in strategy or type(model).__name__ == "DeepSpeedEngine":
-        return "DeepSpeed (ZeRO partitions parameters/gradients outside p.grad)"
-    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
-        return "FSDP1 (FullyShardedDataParallel; use FSDP2 fully_shard)"
-    return None
+def _fsdp1_units(model: torch.nn.Module, ctx: RunContext) -> list[torch.nn.Module]:
+    """The FSDP1 (``FullyShardedDataParallel``) instances in ``model`` and around it: Lightning's
+    ``FSDPStrategy`` wraps the ``LightningModule`` itself (``ctx.model``), its root unit is
+    only in ``trainer.strategy.model``."""
+    roots = [model]
+    outer = getattr(getattr(ctx.trainer, "strategy", None), "model", None)
+    if isinstance(outer, torch.nn.Module) and outer is not model:
+        roots.append(outer)
+    units = {
+        id(m): m
+        for root in roots
+        for m in root.modules()
+        if type(m).__name__ == "FullyShardedDataParallel"
+    }
+    return list(units.values())
+
+
+def _fsdp1_shard_groups(units: list[torch.nn.Module]) -> dict[int, tuple[Any, ...]] | None:
+    """id of each parameter the FSDP1 ``units`` manage -> the groups its local sums of squares
+    are summed over (None: a unit lacks torch's attributes, not recognised).
+
+    The registered parameters are the units' ``FlatParameter`` s (this rank's flat shard), or
+    with ``use_orig_params=True`` the original parameters, views of the pieces of them in
+    this rank's shard (empty where none). Either way each rank of a unit's ``process_group``
+    holds a disjoint part and the padding is zeros, so a sum of squares is the SUM over that
+    group under a sharded strategy (FULL_SHARD, SHARD_GRAD_OP; HYBRID_SHARD and
+    _HYBRID_SHARD_ZERO2, whose ``process_group`` is the shard group within one replica: the
+    replicas are not summed), and is not reduced under NO_SHARD (replicas). This is how
+    torch's ``FullyShardedDataParallel.clip_grad_norm_`` (torch/distributed/fsdp/
+    fully_sharded_data_parallel.py) takes the total norm: ``handle.uses_sharded_strategy``
+    sorts the parameters, the sharded ones' local sums are all-reduced over
+    ``self.process_group``, the others added once. Parameters of no unit (ignored modules)
+    are replicas: absent here, not reduced."""
+    out: dict[int, tuple[Any, ...]] = {}
+    for unit in units:
+        if "_handle" not in vars(unit):
+            return None
+        handle = unit._handle
+        if handle is None:
+            continue  # a unit without parameters of its own (all in its children)
+        try:
+            flat = handle.flat_param
+            params = list(flat._params) if handle._use_orig_params else [flat]
+            group = unit.process_group
+            sharded = bool(handle.uses_sharded_strategy)
+        except (AttributeError, TypeError):
+            return None
+        groups = (group,) if sharded and group_size(group) > 1 else ()
+        out.update(dict.fromkeys(map(id, params), groups))
+    return out
 
 
 def _named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
