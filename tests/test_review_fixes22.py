@@ -256,3 +256,29 @@ def test_norms_of_fsdp1_views_whose_units_are_out_of_reach_are_refused() -> None
                 opt.zero_grad()
     assert not any(k.startswith("l2_norm/") for row in writer.rows.values() for k in row)
     assert len([w for w in caught if "FSDP1" in str(w.message)]) == 1
+
+
+def test_an_evaluation_compiled_apart_is_not_warned_about() -> None:
+    # Training forwards run eagerly (counted by the pre-hook); an evaluation through a compiled
+    # function under no_grad traced the pre-hook too, which took it for training forwards it
+    # could not count and warned.
+    torch._dynamo.reset()
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    evaluate = torch.compile(lambda x: model(x), backend="eager")
+    writer = RecordingWriter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals([NormMonitor()], writer=writer, log_every_n_steps=1) as vitals:
+            vitals.attach(model, opt)
+            for _ in range(3):
+                x = torch.randn(4, 8)
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                model.eval()
+                with torch.no_grad():
+                    evaluate(x)
+                model.train()
+    assert not [w for w in caught if "cannot see its forwards" in str(w.message)]
+    assert sorted(writer.key("l2_norm/grad/global")) == [0, 1, 2]

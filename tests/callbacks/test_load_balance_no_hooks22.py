@@ -221,11 +221,11 @@ def test_model_copy_trained_writes_nothing() -> None:
 # ---------------------------------------------------------------------- two ranks
 
 
-def _two_ranks_body(rank: int, world_size: int) -> dict[str, Any]:
-    """Rank 1's routers are called through ``router.forward`` (its hooks are silent); rank 0's
-    through ``__call__``. Rank 0 writes."""
+def _two_ranks_body(rank: int, world_size: int, silent_rank: int) -> dict[str, Any]:
+    """``silent_rank``'s routers are called through ``router.forward`` (its hooks are silent);
+    the other rank's through ``__call__``."""
     model = tiny_moe_lm(0)
-    if rank == 1:
+    if rank == silent_rank:
         _set_mlp_class(model, DirectMLP)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = Recorder()
@@ -241,11 +241,15 @@ def _two_ranks_body(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@shared.on_ranks(2, _two_ranks_body)
-def test_silent_rank_is_not_measured_on_the_writing_rank(ran) -> None:
+@shared.on_ranks(2, _two_ranks_body, 0, param="0")
+@shared.on_ranks(2, _two_ranks_body, 1, param="1")
+@pytest.mark.parametrize("silent_rank", ["0", "1"])
+def test_silent_rank_is_not_measured_on_the_writing_rank(silent_rank: str, ran) -> None:
     _, results = ran
-    # before: rank 0 wrote its own loads alone as the step's (cv, tokens_per_expert, ...)
-    for step in (0, 1):
-        assert results[0]["rows"][step] == {"moe/dead_experts_persistent": 0.0}
-    assert results[0]["silent"] == 0 and results[1]["silent"] == 1
+    loud = 1 - int(silent_rank)
+    # before: rank 0 wrote its own loads alone as the step's (cv, tokens_per_expert, ...),
+    # then (a review) still moe/dead_experts_persistent 0.0, a count of a step not measured
+    for r in results:
+        assert r["rows"] == {}
+    assert results[loud]["silent"] == 0 and results[1 - loud]["silent"] == 1
     assert results[0]["dead"] == 0 and results[1]["dead"] == 0

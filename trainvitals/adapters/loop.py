@@ -865,7 +865,9 @@ class Vitals:
             if self._loop_calls_batch:
                 return
             if torch.compiler.is_compiling():
-                self._forwards_traced = True
+                # (a training forward: an evaluation run compiled is not one to count)
+                if module.training and torch.is_grad_enabled():
+                    self._forwards_traced = True
                 return
             on_forward(module, args)
 

@@ -327,6 +327,11 @@ class LoadBalanceMonitor(VitalsCallback):
             aux_count = host[num_layers * (num_experts + 1) : num_layers * (num_experts + 2)]
             rows, aux_sum = unpack_loads(host, num_layers, num_experts)
             z_sum, z_count = unpack_z_losses(host, num_layers, num_experts)
+            if all(any(v != v for v in row) for row in rows):
+                # No layer measured (NaN: a rank whose hooks never ran, or whose callback
+                # failed): nothing to write on any rank, not even the dead-expert count (the
+                # ranks that measured wrote it as if the step had been counted).
+                return
         values = self._values(rows, aux_sum, aux_count, z_sum, z_count)
         computed = layout.computed
         if computed < num_experts:  # the experts that compute, without the no-compute columns
