@@ -171,6 +171,66 @@ def test_fsdp1_per_parameter_keys_left_out_with_one_warning(ran):
         assert len(per_param) == 1 and "FSDP1" in per_param[0]
 
 
+def _fsdp1_reach_body(rank: int, world_size: int, variant: str) -> dict:
+    """``inner``: the monitor is given the inner module of the root unit (nested units found,
+    the root's own flat shard out of reach). ``clip``: the loop clips with
+    ``vitals.clip_grad_norm_`` (tiny max_norm: the gradients are scaled)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from trainvitals.adapters.loop import Vitals
+    from trainvitals.callbacks.norm_monitor import NormMonitor
+
+    torch.manual_seed(0)
+    model = FSDP(
+        MLP(),
+        device_id=torch.device("cpu"),
+        # (the root keeps MLP's other parameters: its own flat shard)
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    writer = RecordingWriter()
+    returned = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals([NormMonitor()], writer=writer, log_every_n_steps=1) as vitals:
+            vitals.attach(model.module if variant == "inner" else model, opt)
+            for step in range(STEPS):
+                x = _batch(rank, step)
+                vitals.batch(x)
+                _loss(model, x).backward()
+                if variant == "clip":
+                    returned.append(float(vitals.clip_grad_norm_(model.parameters(), 1e-3)))
+                opt.step()
+                opt.zero_grad()
+    messages = [str(w.message) for w in caught if "NormMonitor" in str(w.message)]
+    return {"steps": writer.steps, "returned": returned, "warnings": messages}
+
+
+@on_ranks(2, _fsdp1_reach_body, "inner")
+def test_fsdp1_units_out_of_reach_write_nothing(ran):
+    # Before: the root's flat shard, out of reach, was taken for whole tensors: rank 0 wrote a
+    # grad norm 2% low and rank 1 a param norm 28% low, the ranks disagreeing.
+    _, results = ran
+    for res in results:
+        assert res["steps"] == {}
+        assert len([m for m in res["warnings"] if "outside the model" in m]) == 1
+
+
+@on_ranks(2, _fsdp1_reach_body, "clip")
+def test_fsdp1_clipping_through_the_driver_clips_by_the_total(ran):
+    # torch.nn.utils.clip_grad_norm_ on flat shards clipped each rank by its own shard's norm
+    # (2.88 and 2.65 for a total of 3.91) and the ranks' weights drifted apart.
+    _, results = ran
+    ref = _reference(dp_size=2)
+    for res in results:
+        assert res["returned"][0] == pytest.approx(ref[0][1], rel=REL)
+        # the norms are the unclipped ones, seen before the clipping
+        assert res["steps"][0]["l2_norm/grad/global"] == pytest.approx(ref[0][1], rel=REL)
+    assert results[0]["returned"] == results[1]["returned"]
+    assert results[0]["steps"] == results[1]["steps"]
+
+
 # ------------------------------------------------------------------------------- Lightning
 
 

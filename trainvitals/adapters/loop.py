@@ -763,13 +763,44 @@ class Vitals:
         With several attached optimizers, clipping the parameters of only some of them (a GAN
         clipping one network before its optimizer steps) shows the gradients of those
         optimizers, one at a time, as their own ``step()`` would.
+
+        Under FSDP1 (``FullyShardedDataParallel``) the parameters are this rank's flat shards:
+        torch's function would clip each rank by its own shard's norm (2.88 and 2.65 for a
+        total of 3.91, and the ranks' weights drift apart). The attached model's own
+        ``FullyShardedDataParallel.clip_grad_norm_`` clips by the total instead; parameters
+        that are not all of that model's raise ``ValueError``.
         """
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        root = self._fsdp1_root(parameters)
         if len(self._attached) > 1:
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             self._gradients_final(parameters=parameters)
         else:
             self.gradients_ready()
+        if root is not None:
+            return root.clip_grad_norm_(max_norm, norm_type=kwargs.get("norm_type", 2.0))
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, **kwargs)
+
+    def _fsdp1_root(self, parameters: list[Any]) -> Any:
+        """The attached FSDP1 root whose ``clip_grad_norm_`` clips ``parameters`` (flat shards,
+        or views into them), ``None`` when they are not FSDP1's."""
+        if not any(
+            getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False)
+            for p in parameters
+        ):
+            return None
+        model = self.ctx.model
+        is_root = type(model).__name__ == "FullyShardedDataParallel" and callable(
+            getattr(model, "clip_grad_norm_", None)
+        )
+        if is_root and {id(p) for p in parameters} == {id(p) for p in model.parameters()}:
+            return model
+        raise ValueError(
+            "Vitals.clip_grad_norm_: the parameters are FSDP1 (FullyShardedDataParallel) "
+            "shards, which torch.nn.utils.clip_grad_norm_ would clip rank by rank; attach the "
+            "FSDP-wrapped root model and pass all of its parameters (clipped by its own "
+            "clip_grad_norm_), or call vitals.gradients_ready() and then your FSDP model's "
+            "clip_grad_norm_"
+        )
 
     def _gradients_final(
         self, *, parameters: list[Any] | None = None, optimizers: Any = None

@@ -392,6 +392,24 @@ class NormMonitor(VitalsCallback):
                 )
                 self._unsupported = True
                 return
+            unreached = [
+                n
+                for n, p in model.named_parameters()
+                if (getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False))
+                and id(p) not in flat
+            ]
+            if unreached:
+                # A flat shard (or a view into one) of a unit the monitor cannot see (attached
+                # to the inner module of an outer unit: the root's own flat parameter is out of
+                # reach): its pieces would be taken for whole tensors, and the ranks disagree.
+                self.warn_once(
+                    "layout",
+                    f"FSDP1 (FullyShardedDataParallel): {len(unreached)} parameter(s) (e.g. "
+                    f"{unreached[0]!r}) belong to a unit outside the model the monitor was "
+                    "given (give it the FSDP-wrapped model itself); no norms are written",
+                )
+                self._unsupported = True
+                return
             self._flat_groups = flat
             if self.per_param or self.group_by is not None:
                 # A flat shard mixes pieces of several parameters (use_orig_params=False) and
@@ -1009,7 +1027,8 @@ def _fsdp1_shard_groups(units: list[torch.nn.Module]) -> dict[int, tuple[Any, ..
     fully_sharded_data_parallel.py) takes the total norm: ``handle.uses_sharded_strategy``
     sorts the parameters, the sharded ones' local sums are all-reduced over
     ``self.process_group``, the others added once. Parameters of no unit (ignored modules)
-    are replicas: absent here, not reduced."""
+    are absent here and not reduced: each rank's own values, as torch's total takes them
+    (FSDP1 does not reduce their gradients, so the ranks' may differ; rank 0's is written)."""
     out: dict[int, tuple[Any, ...]] = {}
     for unit in units:
         if "_handle" not in vars(unit):
