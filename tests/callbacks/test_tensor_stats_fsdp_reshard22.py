@@ -19,10 +19,9 @@ from torch import nn
 
 from tests.helpers.shared_ranks import CASE_DIR, SharedRanks
 from tests.scripts.vitals_testing import NullWriter
-from tests.stats.test_moments import assert_matches, reference
+from tests.stats.test_moments import assert_written_moments
 from trainvitals.adapters.loop import Vitals
 from trainvitals.callbacks import TensorStatsMonitor
-from trainvitals.stats.moments import FIELDS, derive, moments_from_dicts
 
 ranks = SharedRanks(__name__)
 case_runs, ran = ranks.fixtures()
@@ -35,14 +34,6 @@ def _lines(path: Path) -> dict[tuple[int, str], dict]:
     return {
         (r["step"], r["kind"]): r["tensors"] for r in map(json.loads, path.read_text().splitlines())
     }
-
-
-def _check(got: dict, want: dict[str, torch.Tensor], what: str) -> None:
-    assert set(got) == set(want), (what, sorted(set(got) ^ set(want)))
-    names = sorted(want)
-    d = derive(moments_from_dicts([dict(zip(FIELDS, got[n], strict=True)) for n in names]))
-    for i, n in enumerate(names):
-        assert_matches(d, i, reference(want[n]), f"{what}/{n}")
 
 
 # ---------------------------------------------------------- FSDP2, no reshard after backward
@@ -121,7 +112,7 @@ def test_fsdp2_unsharded_parameters_left_registered_are_not_measured(ran) -> Non
         for kind in ("param", "grad"):
             want = {n: torch.from_numpy(a) for n, a in results[0]["whole"][step][kind].items()}
             # (before: every grad line empty, each name "not measured")
-            _check(lines[(step, kind)], want, f"step {step} {kind}")
+            assert_written_moments(lines[(step, kind)], want, f"step {step} {kind}")
 
 
 # ------------------------------------------------------------------ compiled before attaching
@@ -186,7 +177,7 @@ def test_model_compiled_and_run_before_attaching_is_warned_once(tmp_path) -> Non
         assert said == []
         lines = _lines(tmp_path / "reset" / "tensor_stats.jsonl")
         for step in range(2):
-            _check(
+            assert_written_moments(
                 {k: v for k, v in lines[(step, "activation")].items() if k == "0/input0"},
                 {"0/input0": seen[step]},
                 f"step {step}",

@@ -65,6 +65,16 @@ def assert_matches(got: dict[str, torch.Tensor], i: int, ref: dict[str, float], 
         assert abs(value - want) <= tol, f"{what}: {name} = {value!r}, float64 says {want!r}"
 
 
+def assert_written_moments(got: dict, want: dict[str, torch.Tensor], what: str) -> None:
+    """The moments of a ``tensor_stats.jsonl`` line's ``tensors`` (``got``: name -> field
+    values) against the float64 statistics of the whole tensors ``want``, name by name."""
+    assert set(got) == set(want), (what, sorted(set(got) ^ set(want)))
+    names = sorted(want)
+    d = derive(moments_from_dicts([dict(zip(FIELDS, got[n], strict=True)) for n in names]))
+    for i, n in enumerate(names):
+        assert_matches(d, i, reference(want[n]), f"{what}/{n}")
+
+
 def cases() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
 
