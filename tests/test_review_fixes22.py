@@ -282,3 +282,35 @@ def test_an_evaluation_compiled_apart_is_not_warned_about() -> None:
                 model.train()
     assert not [w for w in caught if "cannot see its forwards" in str(w.message)]
     assert sorted(writer.key("l2_norm/grad/global")) == [0, 1, 2]
+
+
+def test_a_window_restored_from_many_ranks_is_carried_again() -> None:
+    # 2 old ranks carried 2100 micro-batches each; restored on one rank, that rank is told all
+    # 4200, beyond the 4096 a window keeps: it warned "no optimizer step ran" and a checkpoint
+    # taken later in the step carried none of them (a second resume lost 4200 micro-batches).
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = ThroughputMonitor()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vitals = Vitals([monitor], writer=RecordingWriter(), log_every_n_steps=1)
+        vitals.attach(model, opt)
+        row = [{monitor.state_key: [2, 8]} for _ in range(2100)]
+        vitals.load_state_dict(
+            {
+                "step": 3,
+                "callbacks": {},
+                "micro_batches_in_step": row,
+                "micro_batches_in_step_by_rank": [row, row],
+                "world_size": 2,
+            }
+        )
+        x = torch.ones(2, 2)
+        vitals.batch(x)
+        model(x).sum().backward()
+        mid = vitals.state_dict()
+        opt.step()
+        opt.zero_grad()
+        vitals.close()
+    assert not [w for w in caught if "without the end of an optimizer step" in str(w.message)]
+    assert len(mid["micro_batches_in_step"]) == 4201  # the 4200 told again and this one

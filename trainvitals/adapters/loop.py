@@ -488,6 +488,9 @@ class Vitals:
         self._carried: list[dict[str, tuple[Any, Any]]] = []
         # the step in progress has more micro-batches than a window could have (_keep_sizes)
         self._sizes_dropped = False
+        # of the step in progress, the micro-batches a restored checkpoint carried: on fewer
+        # ranks than saved it, rank 0 carries every old rank's, beyond any one window
+        self._carried_in_step = 0
         self._warned_no_step = False
 
     # ------------------------------------------------------------------ wiring
@@ -975,6 +978,7 @@ class Vitals:
         runs (what hooks on the model can see: the carried ones' activations and gradients are
         not in the checkpoint)."""
         carried, self._carried = self._carried, []
+        self._carried_in_step += len(carried)
         for sizes in carried:
             self._keep_sizes(sizes)
             for cb in self.callbacks:
@@ -986,7 +990,7 @@ class Vitals:
     def _keep_sizes(self, sizes: dict[str, tuple[Any, Any]]) -> None:
         """Keep a micro-batch's sizes for a checkpoint taken inside the step's accumulation
         window, unless the step already has more micro-batches than any window could have
-        (``accumulate_grad_batches``, at least :data:`_MAX_WINDOW_MICRO_BATCHES`): then the
+        (:func:`_window_bound`: any window, plus the micro-batches a restore carried): then the
         driver sees no step end (a ``GradScaler`` not given to :meth:`attach` skipping every
         step, an optimizer stepped that is not attached), and the list would grow by one entry
         per micro-batch for the rest of the run (a 0-d tensor each, where the loop passes
@@ -994,7 +998,7 @@ class Vitals:
         dropped (a checkpoint carries none of its micro-batches) until a step ends."""
         if self._sizes_dropped:
             return
-        bound = max(self.ctx.accumulate_grad_batches, _MAX_WINDOW_MICRO_BATCHES)
+        bound = _window_bound(self.ctx.accumulate_grad_batches, self._carried_in_step)
         if len(self._step_batches) < bound:
             self._step_batches.append(sizes)
             return
@@ -1138,6 +1142,7 @@ class Vitals:
         self._unscaled.clear()
         self._step_batches = []
         self._carried = []
+        self._carried_in_step = 0
         self._sizes_dropped = False
 
     @contextlib.contextmanager
@@ -1452,6 +1457,15 @@ def _close_open_drivers() -> None:
 # keeps (or accumulate_grad_batches, if larger): more than any window has (a single device
 # reaching a global batch of 4M tokens with micro-batches of 2048 tokens accumulates 2048).
 _MAX_WINDOW_MICRO_BATCHES = 4096
+
+
+def _window_bound(accumulate_grad_batches: int | None, carried: int = 0) -> int:
+    """The most micro-batches of one step whose sizes a checkpoint inside its accumulation
+    window keeps: any window's (``accumulate_grad_batches``, at least
+    :data:`_MAX_WINDOW_MICRO_BATCHES`), plus the ``carried`` micro-batches a restored
+    checkpoint told this rank for the step (restored on fewer ranks, rank 0 is told every old
+    rank's: 1024 ranks x 8 micro-batches onto fewer)."""
+    return max(accumulate_grad_batches or 1, _MAX_WINDOW_MICRO_BATCHES) + carried
 
 
 def gather_window(window: list[Any], callbacks: Iterable[Any]) -> list[Any] | None:

@@ -639,7 +639,11 @@ class VitalsCallback:
             ctx.micro_batch = ctx.micro_batches_in_step
             ctx.micro_batches_in_step += 1
             if ctx._pl_window is not None:
-                if len(ctx._pl_window) < _max_window(ctx):
+                from trainvitals.adapters.loop import _window_bound
+
+                if len(ctx._pl_window) < _window_bound(
+                    ctx.accumulate_grad_batches, len(carried[1]) if carried else 0
+                ):
                     ctx._pl_window.append({})
                 else:  # no step for longer than any window: not one to carry (the driver's rule)
                     ctx._pl_window = None
@@ -1116,14 +1120,6 @@ class _ManualClipGate:
     def remove(self) -> None:
         self.shown.clear()
         self._patch.undo()
-
-
-def _max_window(ctx: RunContext) -> int:
-    """The most micro-batches of one step whose sizes a Lightning checkpoint inside its
-    accumulation window keeps (the driver's bound, ``trainvitals.adapters.loop``)."""
-    from trainvitals.adapters.loop import _MAX_WINDOW_MICRO_BATCHES
-
-    return max(ctx.accumulate_grad_batches or 1, _MAX_WINDOW_MICRO_BATCHES)
 
 
 def _step_gap(trainer: Any, previous: tuple[Any, ...] | None) -> int:
