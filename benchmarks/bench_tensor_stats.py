@@ -88,6 +88,11 @@ class PowerSumAccumulator:
         self.sums[slot, 0] += tensor.numel()
         self.sums[slot, 1:] += s.double()
 
+    def add_many(self, items):
+        # (the monitor hands its hooks' batches over at once since session 20; one add each)
+        for slot, tensor, key in items:
+            self.add(slot, tensor, key=key)
+
     def result(self):
         parts = torch.zeros(
             self.num_slots, NUM_FIELDS, dtype=torch.float64, device=self.sums.device
