@@ -88,7 +88,10 @@ def test_capture_fired_flag() -> None:
     capture.enabled = True
     with torch.no_grad():
         model.eval()
-        model(x)  # a hook ran (it counts nothing in evaluation)
+        model(x)  # an evaluation: its hooks running says nothing of the training forwards'
+    assert capture.fired is False  # (it said True: a silent compiled training went unwarned)
+    model.train()
+    model(x)
     assert capture.fired is True
     capture.reset()
     assert capture.fired is False

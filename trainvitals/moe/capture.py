@@ -799,12 +799,12 @@ class RouterCapture:
     resets every optimizer step: that many tokens of one step on one device, far beyond a
     single Apple GPU's step); :meth:`read_host` warns once when a count reaches it.
 
-    :attr:`fired` (a host bool) says whether a router hook ran while :attr:`enabled` since
-    the last :meth:`reset`: counts of zero with it ``False`` mean the hooks never ran (a model
-    compiled before they were added: Dynamo does not guard on module hooks,
-    ``torch._dynamo.config.skip_nnmodule_hook_guards``; a forward that calls
-    ``router.forward`` directly; another copy of the model trained), not that nothing was
-    routed.
+    :attr:`fired` (a host bool) says whether a router hook ran in a training forward (the
+    router in training mode) while :attr:`enabled` since the last :meth:`reset`: counts of
+    zero with it ``False`` mean the hooks never ran (a model compiled before they were added:
+    Dynamo does not guard on module hooks, ``torch._dynamo.config.skip_nnmodule_hook_guards``;
+    a forward that calls ``router.forward`` directly; another copy of the model trained), not
+    that nothing was routed. An evaluation forward does not set it.
 
     Raises ``ValueError`` when the routers do not all have the same number of experts (MoE
     layers with different expert counts, e.g. a Hunyuan-MoE config with a per-layer
@@ -1146,10 +1146,10 @@ class RouterCapture:
 
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, inputs: Any) -> None:
-            if not self.enabled:
+            if not self.enabled or not module.training:
                 return
-            self.fired = True
-            if i in self._broken or not module.training:
+            self.fired = True  # (a training forward: an evaluation does not say the hooks run)
+            if i in self._broken:
                 return
             if not self._runs[i].counts():
                 return
@@ -1176,10 +1176,10 @@ class RouterCapture:
                 self._titan_hook(i, module, output)
                 return
             # the cheapest test first (False on steps that are not logged)
-            if not self.enabled:
+            if not self.enabled or not module.training:
                 return
-            self.fired = True
-            if i in self._broken or not module.training:
+            self.fired = True  # (a training forward: an evaluation does not say the hooks run)
+            if i in self._broken:
                 return
             if not self._runs[i].counts():
                 return
