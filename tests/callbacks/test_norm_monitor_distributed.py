@@ -20,6 +20,8 @@ from tests.callbacks.test_norm_monitor_helpers import (
     TiedLM,
     float64_norms,
     lm_loss,
+    mlp_batch,
+    mlp_loss,
 )
 from tests.helpers.shared_ranks import CASE_DIR, SharedRanks
 from tests.scripts.vitals_testing import quiet_trainer
@@ -42,16 +44,6 @@ case_runs, ran = ranks.fixtures()
 def _lm_batch(dp_rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
     return torch.randint(0, 13, (4, 6), generator=g)
-
-
-def _mlp_batch(dp_rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randn(4, 8, generator=g)
-
-
-def _mlp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    y = model(x)
-    return y.pow(2).mean() + y[:, 0].mean()
 
 
 def _reference(model_cls, batch_fn, loss_fn, dp_size: int) -> dict[int, tuple[float, float]]:
@@ -197,7 +189,7 @@ def _fsdp_tp_body(rank: int, world_size: int) -> dict:
     fully_shard(model, mesh=mesh["dp"])
     dp_rank = mesh.get_local_rank("dp")
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    batches = [(_mlp_batch(dp_rank, s), _mlp_loss) for s in range(STEPS)]
+    batches = [(mlp_batch(dp_rank, s), mlp_loss) for s in range(STEPS)]
     monitor = NormMonitor(per_param="*", per_param_kinds=("grad", "param"))
     out = _train(model, opt, batches, monitor, groups=ProcessGroups.from_device_mesh(mesh))
     out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
@@ -207,7 +199,7 @@ def _fsdp_tp_body(rank: int, world_size: int) -> dict:
 @on_ranks(4, _fsdp_tp_body)
 def test_fsdp2_tp_sums_shard_dims_never_replicate_dims(ran):
     _, results = ran
-    ref = _reference(MLP, _mlp_batch, _mlp_loss, dp_size=2)
+    ref = _reference(MLP, mlp_batch, mlp_loss, dp_size=2)
     # the layout under test: sharded over dp and tp, over dp only, and Replicate over tp
     assert "Replicate()" in results[0]["placements"]["down.bias"]
     assert results[0]["placements"]["norm.weight"] == "(Shard(dim=0),)"
@@ -256,7 +248,7 @@ def _lightning_body(rank: int, world_size: int, strategy_name: str, out_dir: str
             fully_shard(self.model, mesh=mesh["data_parallel"])
 
         def training_step(self, batch, batch_idx):
-            return _mlp_loss(self.model, batch[0])
+            return mlp_loss(self.model, batch[0])
 
         def on_before_optimizer_step(self, optimizer):
             # independent float64 reference from the whole tensors (gathered when sharded)
@@ -277,7 +269,7 @@ def _lightning_body(rank: int, world_size: int, strategy_name: str, out_dir: str
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
     else:
         strategy = "ddp"
-    x = torch.cat([_mlp_batch(r, s) for s in range(STEPS) for r in range(2)])
+    x = torch.cat([mlp_batch(r, s) for s in range(STEPS) for r in range(2)])
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
     writer = RecordingWriter()
     module = Lit()

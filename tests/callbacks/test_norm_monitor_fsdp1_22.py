@@ -17,7 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from tests.callbacks.test_norm_monitor_helpers import MLP, RecordingWriter, float64_norms
+from tests.callbacks.test_norm_monitor_helpers import (
+    MLP,
+    RecordingWriter,
+    float64_norms,
+    mlp_batch,
+    mlp_loss,
+)
 from tests.helpers.shared_ranks import CASE_DIR, SharedRanks
 from tests.scripts.vitals_testing import quiet_trainer
 
@@ -33,16 +39,6 @@ on_ranks = ranks.on_ranks
 case_runs, ran = ranks.fixtures()
 
 
-def _batch(dp_rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randn(4, 8, generator=g)
-
-
-def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    y = model(x)
-    return y.pow(2).mean() + y[:, 0].mean()
-
-
 def _reference(dp_size: int) -> dict[int, tuple[float, float]]:
     """Float64, one process: the loss of a step is the mean of the ranks' losses (FSDP1
     averages the gradients over the data-parallel ranks), plain SGD between steps."""
@@ -51,7 +47,7 @@ def _reference(dp_size: int) -> dict[int, tuple[float, float]]:
     out = {}
     for step in range(STEPS):
         model.zero_grad()
-        loss = sum(_loss(model, _batch(r, step).double()) for r in range(dp_size)) / dp_size
+        loss = sum(mlp_loss(model, mlp_batch(r, step).double()) for r in range(dp_size)) / dp_size
         loss.backward()
         out[step] = float64_norms(list(model.parameters()))
         with torch.no_grad():
@@ -98,9 +94,9 @@ def _fsdp1_body(rank: int, world_size: int, strategy: str, orig: bool, per_param
         with Vitals([monitor], writer=writer, log_every_n_steps=1) as vitals:
             vitals.attach(model, opt)
             for step in range(STEPS):
-                x = _batch(rank, step)
+                x = mlp_batch(rank, step)
                 vitals.batch(x)
-                _loss(model, x).backward()
+                mlp_loss(model, x).backward()
                 # FSDP1's own total (clipping to 1e30 leaves the gradients as they are)
                 clipped.append(float(model.clip_grad_norm_(1e30)))
                 before = collective_counter["all_reduce"]
@@ -196,9 +192,9 @@ def _fsdp1_reach_body(rank: int, world_size: int, variant: str) -> dict:
         with Vitals([NormMonitor()], writer=writer, log_every_n_steps=1) as vitals:
             vitals.attach(model.module if variant == "inner" else model, opt)
             for step in range(STEPS):
-                x = _batch(rank, step)
+                x = mlp_batch(rank, step)
                 vitals.batch(x)
-                _loss(model, x).backward()
+                mlp_loss(model, x).backward()
                 if variant == "clip":
                     returned.append(float(vitals.clip_grad_norm_(model.parameters(), 1e-3)))
                 opt.step()
@@ -259,7 +255,7 @@ def _lightning_body(rank: int, world_size: int, wrap: str, out_dir: str) -> dict
             self.refs: dict[int, tuple[float, float]] = {}
 
         def training_step(self, batch, batch_idx):
-            return _loss(self.model, batch[0])
+            return mlp_loss(self.model, batch[0])
 
         def on_before_optimizer_step(self, optimizer):
             # independent float64 reference from the whole tensors, gathered on every rank
@@ -272,7 +268,7 @@ def _lightning_body(rank: int, world_size: int, wrap: str, out_dir: str) -> dict
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR)
 
-    x = torch.cat([_batch(r, s) for s in range(STEPS) for r in range(2)])
+    x = torch.cat([mlp_batch(r, s) for s in range(STEPS) for r in range(2)])
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
     writer = RecordingWriter()
     module = Lit()

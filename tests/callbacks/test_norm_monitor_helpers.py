@@ -68,6 +68,18 @@ class MLP(nn.Module):
         return self.norm(self.down(torch.relu(self.up(x))))
 
 
+def mlp_batch(dp_rank: int, step: int) -> torch.Tensor:
+    """The ``MLP`` input of one data-parallel rank at one step: 4 x 8, seeded by both."""
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randn(4, 8, generator=g)
+
+
+def mlp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient reaches every parameter unevenly (not a plain mean square)."""
+    y = model(x)
+    return y.pow(2).mean() + y[:, 0].mean()
+
+
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids[:, :-1])
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
