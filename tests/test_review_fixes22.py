@@ -314,3 +314,50 @@ def test_a_window_restored_from_many_ranks_is_carried_again() -> None:
         vitals.close()
     assert not [w for w in caught if "without the end of an optimizer step" in str(w.message)]
     assert len(mid["micro_batches_in_step"]) == 4201  # the 4200 told again and this one
+
+
+def test_a_frozen_fsdp1_teacher_leaves_the_students_statistics(tmp_path: Path) -> None:
+    # A frozen teacher wrapped in FSDP1 inside a student trained plainly (distillation): the
+    # FSDP1 check refused the student's param/grad lines too, though they are whole tensors.
+    class FullyShardedDataParallel(nn.Module):  # stands for torch's, by class name
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.teacher = FullyShardedDataParallel().requires_grad_(False)
+            self.body = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x) + self.teacher(x).detach()
+
+    torch.manual_seed(0)
+    model = Student()
+    opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Vitals(
+            [TensorStatsMonitor(kinds=("param",), kernel="eager")],
+            writer=RecordingWriter(),
+            run_dir=tmp_path,
+            log_every_n_steps=1,
+        ) as vitals:
+            vitals.attach(model, opt)
+            x = torch.randn(4, 8)
+            vitals.batch(x)
+            model(x).pow(2).mean().backward()
+            weight = model.body.weight.detach().double().clone()
+            opt.step()
+            opt.zero_grad()
+    assert not [w for w in caught if "FSDP1" in str(w.message)]
+    (line,) = [json.loads(s) for s in (tmp_path / "tensor_stats.jsonl").read_text().splitlines()]
+    from trainvitals.stats.moments import FIELDS
+
+    assert sorted(line["tensors"]) == ["body.bias", "body.weight"]
+    mean = line["tensors"]["body.weight"][FIELDS.index("mean")]
+    assert mean == pytest.approx(float(weight.mean()), rel=1e-6)

@@ -175,14 +175,17 @@ def flat_sharding(model: Any, ctx: RunContext) -> str | None:
         return fsdp1
     if model is None:
         return None
+    # (a unit whose parameters are all frozen, a teacher wrapped in FSDP1 inside a student
+    # trained plainly, holds nothing a callback measures: the student's are whole tensors)
     for m in model.modules():
         names = {c.__name__ for c in type(m).__mro__}
         if "DeepSpeedEngine" in names:
             return deepspeed
-        if "FullyShardedDataParallel" in names:
+        if "FullyShardedDataParallel" in names and any(p.requires_grad for p in m.parameters()):
             return fsdp1
     for p in model.parameters():
-        if getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False):
+        flat = getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False)
+        if flat and p.requires_grad:
             return fsdp1
         if hasattr(p, "ds_tensor"):
             return deepspeed
