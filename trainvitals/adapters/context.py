@@ -14,6 +14,7 @@ import torch
 
 from trainvitals.adapters.fanout_writer import _UNSET, _scalar_args, _tagged_scalars_args
 from trainvitals.distributed import ProcessGroups, global_rank, group_size, world_group
+from trainvitals.stats.norms import optimized_ids
 
 __all__ = [
     "BatchInfo",
@@ -128,10 +129,10 @@ class RunContext:
         optimizer's parameters, and of those among ``parameters`` that a callback measures at
         this ``step()``: its own, and at the batch's ``first`` step() also those in no
         optimizer (nothing else steps them)."""
-        owned = {id(p) for g in self.stepping_optimizer.param_groups for p in g["params"]}
+        owned = optimized_ids([self.stepping_optimizer])
         if not first:
             return owned, owned
-        every = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        every = optimized_ids(self.optimizers)
         return owned, owned | {id(p) for p in parameters if id(p) not in every}
 
 

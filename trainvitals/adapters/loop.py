@@ -171,6 +171,7 @@ from trainvitals._patching import AttributePatch
 from trainvitals.adapters.context import BatchInfo, RunContext, infer_batch_size, infer_num_tokens
 from trainvitals.adapters.sinks.base import takes_main_tag
 from trainvitals.distributed import ProcessGroups
+from trainvitals.stats.norms import is_flat_shard
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -786,10 +787,7 @@ class Vitals:
     def _fsdp1_root(self, parameters: list[Any]) -> Any:
         """The attached FSDP1 root whose ``clip_grad_norm_`` clips ``parameters`` (flat shards,
         or views into them), ``None`` when they are not FSDP1's."""
-        if not any(
-            getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False)
-            for p in parameters
-        ):
+        if not any(map(is_flat_shard, parameters)):
             return None
         model = self.ctx.model
         is_root = type(model).__name__ == "FullyShardedDataParallel" and callable(
@@ -1530,9 +1528,9 @@ def _own_window(
     and the other ranks none, so that the step's batches, samples and tokens, summed over the
     ranks, are those that ran (without the rows, rank 0's sizes stand for every old rank's:
     exact batches). ``where``: the entry point the warning names."""
-    from trainvitals.distributed import global_rank, group_size, world_group
+    from trainvitals.distributed import global_rank
 
-    world = group_size(world_group())
+    world = _world_size()
     by_rank = state_dict.get("micro_batches_in_step_by_rank")
     window = state_dict.get("micro_batches_in_step", ())
     # (every row empty: taken between steps, nothing carried, whatever the world size; the

@@ -88,6 +88,7 @@ from trainvitals.distributed import (
     recording_collectives,
     replay_missing,
 )
+from trainvitals.stats.norms import is_flat_shard
 
 _WRITER_ATTR = "_trainvitals_writer"
 # (global_step at the start of the trainer's last training batch, that batch's ctx.step_gap):
@@ -147,8 +148,8 @@ FSDP1 = "FSDP1 (FullyShardedDataParallel: flat parameter shards)"
 
 def flat_sharding(model: Any, ctx: RunContext) -> str | None:
     """The layout's name when parameters and gradients are flat plain-tensor shards
-    (:data:`FSDP1`, :data:`DEEPSPEED`), else ``None``; a callback that reads per-parameter values must not take them
-    for whole tensors.
+    (:data:`FSDP1`, :data:`DEEPSPEED`), else ``None``; a callback that reads per-parameter
+    values must not take them for whole tensors.
 
     FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) concatenates a wrapped
     module's parameters into one ``FlatParameter`` (``_is_flat_param``) and keeps each rank's
@@ -165,14 +166,13 @@ def flat_sharding(model: Any, ctx: RunContext) -> str | None:
     accelerator = ctx.accelerator
     kind = getattr(accelerator, "distributed_type", None)
     distributed = getattr(kind, "value", kind)  # (accelerate's DistributedType is a str enum)
-    deepspeed, fsdp1 = DEEPSPEED, FSDP1
     if any("DeepSpeed" in n for n in strategy_names) or distributed == "DEEPSPEED":
-        return deepspeed
+        return DEEPSPEED
     # (Lightning's FSDPStrategy is FSDP1; its ModelParallelStrategy, FSDP2, is another class)
     if "FSDPStrategy" in strategy_names:
-        return fsdp1
+        return FSDP1
     if distributed == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
-        return fsdp1
+        return FSDP1
     if model is None:
         return None
     # (a unit whose parameters are all frozen, a teacher wrapped in FSDP1 inside a student
@@ -180,15 +180,14 @@ def flat_sharding(model: Any, ctx: RunContext) -> str | None:
     for m in model.modules():
         names = {c.__name__ for c in type(m).__mro__}
         if "DeepSpeedEngine" in names:
-            return deepspeed
+            return DEEPSPEED
         if "FullyShardedDataParallel" in names and any(p.requires_grad for p in m.parameters()):
-            return fsdp1
+            return FSDP1
     for p in model.parameters():
-        flat = getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False)
-        if flat and p.requires_grad:
-            return fsdp1
+        if is_flat_shard(p) and p.requires_grad:
+            return FSDP1
         if hasattr(p, "ds_tensor"):
-            return deepspeed
+            return DEEPSPEED
     return None
 
 

@@ -29,8 +29,9 @@ from trainvitals.distributed import (
     local_tensor,
 )
 from trainvitals.stats.norms import (
-    canonical_name,
+    canonical_named_parameters,
     group_named_tensors,
+    is_flat_shard,
     keep_sharded_parameters,
     local_sq_norms,
     optimized_ids,
@@ -393,10 +394,7 @@ class NormMonitor(VitalsCallback):
                 self._unsupported = True
                 return
             unreached = [
-                n
-                for n, p in model.named_parameters()
-                if (getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False))
-                and id(p) not in flat
+                n for n, p in model.named_parameters() if is_flat_shard(p) and id(p) not in flat
             ]
             if unreached:
                 # A flat shard (or a view into one) of a unit the monitor cannot see (attached
@@ -421,7 +419,7 @@ class NormMonitor(VitalsCallback):
                 )
         self._model = model
         self._registered = _registered_ids(model)
-        self._named = _named_parameters(model)
+        self._named = canonical_named_parameters(model)
         ep_size = group_size(ctx.groups.ep)
         self._ep_experts = ep_size > 1 and any(self._is_expert(n, p) for n, p in self._named)
         if (
@@ -783,7 +781,7 @@ class NormMonitor(VitalsCallback):
                 self._registered = registered
                 ctx = self._ctx
                 self._named = keep_sharded_parameters(
-                    _named_parameters(self._model),
+                    canonical_named_parameters(self._model),
                     dict(self._named),
                     optimized_ids(ctx.optimizers if ctx else ()),
                 )
@@ -1046,11 +1044,6 @@ def _fsdp1_shard_groups(units: list[torch.nn.Module]) -> dict[int, tuple[Any, ..
         groups = (group,) if sharded and group_size(group) > 1 else ()
         out.update(dict.fromkeys(map(id, params), groups))
     return out
-
-
-def _named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """Every parameter of ``model`` under its canonical names (a tied one under each)."""
-    return [(canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
 
 
 def _registered_ids(model: torch.nn.Module) -> list[int]:

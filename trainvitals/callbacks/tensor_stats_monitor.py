@@ -52,6 +52,7 @@ from trainvitals.stats.moments import (
 )
 from trainvitals.stats.norms import (
     canonical_name,
+    canonical_named_parameters,
     dedupe_named_tensors,
     keep_sharded_parameters,
     optimized_ids,
@@ -469,7 +470,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._ep_info = self._expert_offsets(ctx, [n for n, _ in model.named_parameters()])
         self._names = {}
         self._params = None
-        self._found = dict(_named_parameters(model))
+        self._found = dict(canonical_named_parameters(model))
         self._parts_step, self._measured = None, set()
         # What was learned about the sites, kept by their index in the list rebuilt below, is
         # this run's only: an instance reused for a new run of another model read the earlier
@@ -1475,11 +1476,6 @@ class TensorStatsMonitor(VitalsCallback):
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-def _named_parameters(model: nn.Module) -> list[tuple[str, Any]]:
-    """Every parameter of ``model`` under its canonical names (a tied one under each)."""
-    return [(canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
 
 
 def _default_site_types() -> tuple[type, ...]:

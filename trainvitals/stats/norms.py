@@ -56,8 +56,10 @@ from trainvitals.distributed import (
 __all__ = [
     "WRAPPER_PREFIXES",
     "canonical_name",
+    "canonical_named_parameters",
     "dedupe_named_tensors",
     "group_named_tensors",
+    "is_flat_shard",
     "keep_sharded_parameters",
     "local_sq_norms",
     "optimized_ids",
@@ -107,6 +109,21 @@ def canonical_name(name: str) -> str:
     while len(parts) > 1 and parts[0] in WRAPPER_PREFIXES:
         parts = parts[1:]
     return ".".join(p for p in parts if p not in _WRAPPER_COMPONENTS)
+
+
+def canonical_named_parameters(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    """Every parameter of ``model`` under its canonical names (a tied one under each)."""
+    return [(canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
+
+
+def is_flat_shard(tensor: Any) -> bool:
+    """Whether ``tensor`` is an FSDP1 flat shard: a ``FlatParameter`` (``_is_flat_param``) or,
+    under ``use_orig_params=True``, an original parameter viewing its piece of one
+    (``_fsdp_flattened``, torch's ``_set_fsdp_flattened``): this rank's part, not a whole
+    tensor."""
+    return bool(
+        getattr(tensor, "_is_flat_param", False) or getattr(tensor, "_fsdp_flattened", False)
+    )
 
 
 def keep_sharded_parameters(
