@@ -94,7 +94,7 @@ routers                     ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Gpt
                             ``E**2 * mean_{b,e}(f_be P_be)`` over every token (its
                             ``load_balancing_loss_func`` takes no mask; the model adds it only
                             with a sparse step > 1), and, the only router with one, its router
-                            z-loss (:meth:`RouterCapture.z_losses`): ``router_z_loss_func`` of
+                            z-loss (:func:`unpack_z_losses`): ``router_z_loss_func`` of
                             the layer, the mean over every token, padding included, of
                             ``logsumexp(router_logits, -1)**2`` (logit**2; before
                             ``router_z_loss_coef``); a forward whose mask is all 0 (a micro-batch
@@ -1533,12 +1533,17 @@ class RouterCapture:
             self._ones[acc.device] = ones
         return ones[:n]
 
-    def _add_counts(self, i: int, counts: torch.Tensor) -> None:
-        device = counts.device
+    def _on_acc_device(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` on the accumulators' device; the first value added makes them, on its
+        own device."""
         if self._acc is None:
-            self._accumulator(device)
-        elif device != self._acc_device:
-            counts = _copy_to(counts, self._acc_device)
+            self._accumulator(value.device)
+        elif value.device != self._acc_device:
+            value = _copy_to(value, self._acc_device)
+        return value
+
+    def _add_counts(self, i: int, counts: torch.Tensor) -> None:
+        counts = self._on_acc_device(counts)
         self._count_rows[i].add_(counts)  # in-place add casts integer counts to the acc's dtype
         self._dirty = True
 
@@ -1640,12 +1645,7 @@ class RouterCapture:
     def _add_aux(self, i: int, aux: Any) -> None:
         if aux is None:
             return
-        aux = _as_aux_tensor(aux)
-        device = aux.device
-        if self._acc is None:
-            self._accumulator(device)
-        elif device != self._acc_device:
-            aux = _copy_to(aux, self._acc_device)
+        aux = self._on_acc_device(_as_aux_tensor(aux))
         self._aux_rows[i].add_(aux)
         self._aux_count[i] += 1
         self._dirty = True
@@ -1654,11 +1654,7 @@ class RouterCapture:
         """Add one forward's router z-loss to row ``i`` (a device add, as :meth:`_add_aux`)."""
         if z is None:
             return
-        if self._acc is None:
-            self._accumulator(z.device)
-        elif z.device != self._acc_device:
-            z = _copy_to(z, self._acc_device)
-        self._z_rows[i].add_(z)
+        self._z_rows[i].add_(self._on_acc_device(z))
         self._z_count[i] += 1
         self._dirty = True
 
@@ -1673,18 +1669,10 @@ class RouterCapture:
     def _aux_count_tensor(self, device: torch.device | None) -> torch.Tensor:
         """The ``[L]`` counts of forwards with an aux loss and a token, on ``device``, in its
         :func:`count_dtype`."""
-        # built on the host, copied without waiting for the device
-        dtype = count_dtype(device)
-        count = torch.tensor(self._aux_count, dtype=dtype).to(device, non_blocking=True)
+        count = _host_counts(self._aux_count, device)
         if self._aux_empty_dirty and self._aux_empty is not None:
-            count = count - self._aux_empty.to(count.device, dtype)
+            count = count - self._aux_empty.to(count.device, count.dtype)
         return count
-
-    def _z_count_tensor(self, device: torch.device | None) -> torch.Tensor:
-        """The ``[L]`` counts of forwards with a z-loss on ``device`` (built on the host, copied
-        without waiting for the device)."""
-        dtype = count_dtype(device)
-        return torch.tensor(self._z_count, dtype=dtype).to(device, non_blocking=True)
 
     # ------------------------------------------------------------------ reading
 
@@ -1710,22 +1698,12 @@ class RouterCapture:
             return torch.zeros(len(self.routers), dtype=count.dtype, device=dev), count
         return self._aux_sum.clone(), count
 
-    def z_losses(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sum, count)`` of the router z-losses recorded per layer since the last reset, as
-        :meth:`aux_losses` (count 0: the router reports none)."""
-        self._fold()
-        dev = self._acc.device if self._acc is not None else device
-        count = self._z_count_tensor(dev)
-        if self._z_sum is None:
-            return torch.zeros(len(self.routers), dtype=count.dtype, device=dev), count
-        return self._z_sum.clone(), count
-
     def packed(self, device: torch.device | None = None) -> torch.Tensor:
         """One new tensor (:func:`count_dtype`) of ``L * E + 2 L`` values: the loads of :meth:`loads`
         (row-major), then the aux-loss sums and counts of :meth:`aux_losses`, on the
         accumulator's device (or ``device`` when nothing was counted yet); when a router
-        reports a z-loss (:attr:`has_z_loss`), ``2 L`` more: the z-loss sums and counts of
-        :meth:`z_losses`. For a caller that reads everything in one transfer
+        reports a z-loss (:attr:`has_z_loss`), ``2 L`` more: the z-loss sums and the counts
+        of the forwards that reported one. For a caller that reads everything in one transfer
         (:func:`unpack_loads`, :func:`unpack_z_losses` split it). The counts are on the device
         because a forward with no token to average over (a Hugging Face micro-batch that is
         all padding) is known there only."""
@@ -1745,7 +1723,7 @@ class RouterCapture:
             self._aux_count_tensor(self._acc.device),
         ]
         if z:
-            parts += [self._z_sum, self._z_count_tensor(self._acc.device)]
+            parts += [self._z_sum, _host_counts(self._z_count, self._acc.device)]
         return torch.cat(parts)  # type: ignore[arg-type]
 
     def read_host(self) -> tuple[list[list[float]], list[float], list[int]]:
@@ -1887,6 +1865,12 @@ def unpack_z_losses(
     if len(host) < start + 2 * num_layers:
         return [0.0] * num_layers, [0.0] * num_layers
     return host[start : start + num_layers], host[start + num_layers : start + 2 * num_layers]
+
+
+def _host_counts(counts: list[int], device: torch.device | None) -> torch.Tensor:
+    """Host ints as a ``[L]`` tensor on ``device`` in its :func:`count_dtype`, built on the host
+    and copied without waiting for the device."""
+    return torch.tensor(counts, dtype=count_dtype(device)).to(device, non_blocking=True)
 
 
 def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
