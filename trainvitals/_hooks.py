@@ -75,10 +75,6 @@ class FullgraphRegions:
                 whole = not (inspect.ismethod(traced) and traced.__self__ is m)
                 self._inside.update(id(s) for s in m.modules() if whole or s is not m)
 
-    def inside(self, module: torch.nn.Module) -> bool:
-        """Whether a hook on ``module`` would run inside a fullgraph region."""
-        return id(module) in self._inside
-
     def target(self, module: torch.nn.Module) -> torch.nn.Module | None:
         """The module to hook to see ``module``'s calls: ``module`` itself, the
         ``OptimizedModule`` wrapping it (a compiled region's root, called through it), or
@@ -89,11 +85,6 @@ class FullgraphRegions:
         if wrapper is not None and id(wrapper) not in self._inside:
             return wrapper
         return None
-
-
-def fullgraph_regions(model: object) -> FullgraphRegions:
-    """The :class:`FullgraphRegions` of ``model`` (any object: none for a non-module)."""
-    return FullgraphRegions(model)
 
 
 def on_behalf_of(hook: Callable[..., object], module: torch.nn.Module) -> Callable[..., object]:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainvitals._hooks import eager_hook, fullgraph_regions
+from trainvitals._hooks import FullgraphRegions, eager_hook
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.adapters.jsonl import _drop_steps_from, drop_steps_from, move_aside
 from trainvitals.callbacks.base import VitalsCallback, compile_one_group, flat_sharding
@@ -455,7 +455,7 @@ class TensorStatsMonitor(VitalsCallback):
                     self._modules.append((canonical_name(n), m))
         # Sites inside code compiled with fullgraph=True get no hook (Dynamo refuses the graph
         # break of one); a compiled region's root is hooked on its wrapper, outside the graph
-        regions = fullgraph_regions(ctx.model)
+        regions = FullgraphRegions(ctx.model)
         self._targets = {}
         compiled_out, kept = [], []
         for name, m in self._modules:
@@ -1375,12 +1375,17 @@ class TensorStatsMonitor(VitalsCallback):
                 "groups with ProcessGroups.from_device_mesh on a mesh with an 'ep' dim",
             )
 
+    def _recorded_of(self, left_out: list[str]) -> list[str]:
+        """The site modules of ``left_out`` whose sites this monitor would have recorded
+        (activation or dgrad among its kinds; kept by ``include``/``exclude``)."""
+        if not any(k in self.kinds for k in ("activation", "dgrad")):
+            return []
+        return [n for n in left_out if any(self._wanted(f"{n}/{s}") for s in _SITE_SUFFIXES)]
+
     def _warn_fullgraph_sites(self, left_out: list[str]) -> None:
         """Say once which sites were left out for being inside code compiled with
         ``fullgraph=True`` (only those ``include``/``exclude`` would keep)."""
-        if not any(k in self.kinds for k in ("activation", "dgrad")):
-            return
-        named = [n for n in left_out if any(self._wanted(f"{n}/{s}") for s in _SITE_SUFFIXES)]
+        named = self._recorded_of(left_out)
         if not named:
             return
         self.warn_once(
@@ -1394,9 +1399,7 @@ class TensorStatsMonitor(VitalsCallback):
     def _warn_tensor_parallel_experts(self, left_out: list[str]) -> None:
         """Say once which fused experts modules the default rule left out for their
         tensor-parallel weights (only those whose sites ``include``/``exclude`` would keep)."""
-        if not any(k in self.kinds for k in ("activation", "dgrad")):
-            return
-        named = [n for n in left_out if any(self._wanted(f"{n}/{s}") for s in _SITE_SUFFIXES)]
+        named = self._recorded_of(left_out)
         if not named:
             return
         shown = ", ".join(named[:3]) + (f", ... ({len(named)} in all)" if len(named) > 3 else "")

@@ -188,7 +188,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainvitals._hooks import eager_hook, fullgraph_regions, on_behalf_of
+from trainvitals._hooks import FullgraphRegions, eager_hook, on_behalf_of
 from trainvitals._strict import strict as _strict
 from trainvitals.distributed import group_size, local_tensor
 from trainvitals.moe._checkpointing import CheckpointRuns
@@ -819,7 +819,7 @@ class RouterCapture:
         # graph break of one; a compiled region's root is hooked on its wrapper instead):
         # left out, by name in fullgraph_routers (torchtitan compiles the MoE module's
         # children, not the MoE module whose buffer is read: those stay)
-        regions = fullgraph_regions(model)
+        regions = FullgraphRegions(model)
         targets = [regions.target(r.module) for r in found]
         self.routers = [r for r, t in zip(found, targets, strict=True) if t is not None]
         self.fullgraph_routers = [r.name for r, t in zip(found, targets, strict=True) if t is None]
