@@ -19,6 +19,7 @@ from tests.callbacks.test_norm_monitor_helpers import (
     RecordingWriter,
     TiedLM,
     float64_norms,
+    float64_reference_norms,
     lm_loss,
     mlp_batch,
     mlp_loss,
@@ -44,27 +45,6 @@ case_runs, ran = ranks.fixtures()
 def _lm_batch(dp_rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
     return torch.randint(0, 13, (4, 6), generator=g)
-
-
-def _reference(model_cls, batch_fn, loss_fn, dp_size: int) -> dict[int, tuple[float, float]]:
-    """Float64, one process: the loss of a step is the mean of the dp ranks' losses (what DDP
-    and FSDP2 average), plain SGD between steps."""
-    torch.manual_seed(0)
-    model = model_cls().double()
-    out = {}
-    for step in range(STEPS):
-        model.zero_grad()
-        loss = sum(loss_fn(model, _double(batch_fn(r, step))) for r in range(dp_size)) / dp_size
-        loss.backward()
-        out[step] = float64_norms(list(model.parameters()))
-        with torch.no_grad():
-            for p in {id(p): p for p in model.parameters()}.values():
-                p -= LR * p.grad
-    return out
-
-
-def _double(x: torch.Tensor) -> torch.Tensor:
-    return x.double() if x.is_floating_point() else x
 
 
 def _train(model, opt, batches, monitor, groups=None):
@@ -103,7 +83,7 @@ def _ddp_body(rank: int, world_size: int) -> dict:
 @on_ranks(2, _ddp_body)
 def test_ddp_replicas_are_not_counted_twice(ran):
     _, results = ran
-    ref = _reference(TiedLM, _lm_batch, lm_loss, dp_size=2)
+    ref = float64_reference_norms(TiedLM, _lm_batch, lm_loss, 2, STEPS, LR)
     for res in results:
         for step in range(STEPS):
             row = res["steps"][step]
@@ -151,7 +131,7 @@ def _per_param_reference(step: int) -> dict[str, float]:
 @on_ranks(2, _fsdp2_body)
 def test_fsdp2_shards_are_summed_once(ran):
     _, results = ran
-    ref = _reference(TiedLM, _lm_batch, lm_loss, dp_size=2)
+    ref = float64_reference_norms(TiedLM, _lm_batch, lm_loss, 2, STEPS, LR)
     per_param = _per_param_reference(1)
     for res in results:
         for step in range(STEPS):
@@ -199,7 +179,7 @@ def _fsdp_tp_body(rank: int, world_size: int) -> dict:
 @on_ranks(4, _fsdp_tp_body)
 def test_fsdp2_tp_sums_shard_dims_never_replicate_dims(ran):
     _, results = ran
-    ref = _reference(MLP, mlp_batch, mlp_loss, dp_size=2)
+    ref = float64_reference_norms(MLP, mlp_batch, mlp_loss, 2, STEPS, LR)
     # the layout under test: sharded over dp and tp, over dp only, and Replicate over tp
     assert "Replicate()" in results[0]["placements"]["down.bias"]
     assert results[0]["placements"]["norm.weight"] == "(Shard(dim=0),)"

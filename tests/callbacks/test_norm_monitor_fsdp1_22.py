@@ -20,7 +20,7 @@ from torch import nn
 from tests.callbacks.test_norm_monitor_helpers import (
     MLP,
     RecordingWriter,
-    float64_norms,
+    float64_reference_norms,
     mlp_batch,
     mlp_loss,
 )
@@ -37,23 +37,6 @@ GLOBAL_KEYS = {"l2_norm/param/global", "l2_norm/grad/global", "l2_norm/grad/nonf
 ranks = SharedRanks(__name__)
 on_ranks = ranks.on_ranks
 case_runs, ran = ranks.fixtures()
-
-
-def _reference(dp_size: int) -> dict[int, tuple[float, float]]:
-    """Float64, one process: the loss of a step is the mean of the ranks' losses (FSDP1
-    averages the gradients over the data-parallel ranks), plain SGD between steps."""
-    torch.manual_seed(0)
-    model = MLP().double()
-    out = {}
-    for step in range(STEPS):
-        model.zero_grad()
-        loss = sum(mlp_loss(model, mlp_batch(r, step).double()) for r in range(dp_size)) / dp_size
-        loss.backward()
-        out[step] = float64_norms(list(model.parameters()))
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= LR * p.grad
-    return out
 
 
 def _fsdp1_body(rank: int, world_size: int, strategy: str, orig: bool, per_param: bool) -> dict:
@@ -113,7 +96,7 @@ def _fsdp1_body(rank: int, world_size: int, strategy: str, orig: bool, per_param
 
 
 def _check(results: list[dict], dp_size: int, collectives: int) -> None:
-    ref = _reference(dp_size)
+    ref = float64_reference_norms(MLP, mlp_batch, mlp_loss, dp_size, STEPS, LR)
     for res in results:
         assert sorted(res["steps"]) == list(range(STEPS))
         for step in range(STEPS):
@@ -218,7 +201,7 @@ def test_fsdp1_clipping_through_the_driver_clips_by_the_total(ran):
     # torch.nn.utils.clip_grad_norm_ on flat shards clipped each rank by its own shard's norm
     # (2.88 and 2.65 for a total of 3.91) and the ranks' weights drifted apart.
     _, results = ran
-    ref = _reference(dp_size=2)
+    ref = float64_reference_norms(MLP, mlp_batch, mlp_loss, 2, STEPS, LR)
     for res in results:
         assert res["returned"][0] == pytest.approx(ref[0][1], rel=REL)
         # the norms are the unclipped ones, seen before the clipping

@@ -80,6 +80,30 @@ def mlp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.pow(2).mean() + y[:, 0].mean()
 
 
+def float64_reference_norms(
+    model_cls: type, batch_fn, loss_fn, dp_size: int, steps: int, lr: float
+) -> dict[int, tuple[float, float]]:
+    """Float64, one process: ``(param norm, grad norm)`` by step of ``model_cls()`` (built after
+    ``torch.manual_seed(0)``) trained with plain SGD at ``lr``, the loss of a step being the
+    mean of the ``dp_size`` ranks' losses (what DDP, FSDP1 and FSDP2 average)."""
+    torch.manual_seed(0)
+    model = model_cls().double()
+    out = {}
+    for step in range(steps):
+        model.zero_grad()
+        loss = sum(loss_fn(model, _double(batch_fn(r, step))) for r in range(dp_size)) / dp_size
+        loss.backward()
+        out[step] = float64_norms(list(model.parameters()))
+        with torch.no_grad():
+            for p in {id(p): p for p in model.parameters()}.values():
+                p -= lr * p.grad
+    return out
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x.double() if x.is_floating_point() else x
+
+
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids[:, :-1])
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
