@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -500,3 +501,98 @@ def test_memory_monitor_under_the_cuda_malloc_async_backend() -> None:
     # at least the layer's weight (4 MiB) is allocated, within what the pool reserved
     assert 4 * 2**20 / 1e9 <= out["row"]["memory/allocated_gb"] <= out["row"]["memory/reserved_gb"]
     assert sum("cudaMallocAsync backend" in w for w in out["warnings"]) == 1
+
+
+# ------------------------------------------------------------------------------ compiled, z-loss
+
+
+def _driver_run(
+    tmp_path: Path, run: Any, params: Any, steps_of_batches: list[Any], loss_of: Any
+) -> tuple[_SyncWatch, list[dict[str, Any]]]:
+    """Every callback under the driver on a CUDA model (``run`` is what the loop calls,
+    ``params`` its parameters), one micro-batch per step: the sync watch and the JSONL rows."""
+    destroy_moe_metrics_tracker()
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    writer = FanoutWriter([JsonlSink(tmp_path / "metrics.jsonl")])
+    vitals = Vitals(_callbacks(), writer=writer, log_every_n_steps=INTERVAL, run_dir=tmp_path)
+    vitals.attach(run, optimizer)
+    torch.cuda.synchronize()
+    with _SyncWatch(lambda: vitals.ctx.step) as watch, vitals:
+        for batch in steps_of_batches:
+            vitals.batch(batch)
+            loss_of(run, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        watch.step_of = lambda: None
+    writer.close()
+    return watch, read_jsonl(tmp_path / "metrics.jsonl")
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("how", ["whole", "block"])
+def test_compiled_model_does_not_sync_on_non_logging_steps(how: str, tmp_path: Path) -> None:
+    """A ``torch.compile``d (inductor, Triton) tiny MoE model on CUDA, whole or per block:
+    TensorStatsMonitor's persistent hooks of compiled models, the flop step under the
+    force_eager stance, the router capture on compiled routers; nothing of ours syncs on a
+    non-logging step, and every kind is recorded on the logging steps."""
+    model = _model().cuda()
+    if how == "whole":
+        run = torch.compile(model)
+    else:
+        for block in model.layers:
+            block.compile()
+        run = model
+    generator = torch.Generator().manual_seed(1)
+    batches = [_to(_batch(generator), "cuda") for _ in range(STEPS)]
+    watch, rows = _driver_run(
+        tmp_path,
+        run,
+        model.parameters(),
+        batches,
+        lambda m, b: m(b["input_ids"], labels=b["labels"]).loss,
+    )
+    assert {row["step"] for row in rows} == LOGGING_STEPS
+    keys = {k for row in rows for k in row["metrics"]}
+    assert any(k.startswith("moe/") for k in keys) and any(k.startswith("memory/") for k in keys)
+    stats = [json.loads(s) for s in (tmp_path / "tensor_stats.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["kind"]) for r in stats} == {
+        (s, k) for s in LOGGING_STEPS for k in ("param", "grad", "activation", "dgrad")
+    }
+    assert watch.ours_on(LOGGING_STEPS), "the sync watch saw nothing on logging steps"
+    _check(watch)
+
+
+def test_switch_transformers_z_loss_on_cuda(tmp_path: Path) -> None:
+    """Switch Transformers on CUDA with every callback: the router z-loss written on each
+    logging step is the mean over sparse layers of transformers' z-loss of each layer's router
+    logits (float64 here), and nothing of ours syncs on a non-logging step."""
+    pytest.importorskip("transformers")
+    from tests.helpers.moe_models import tiny_switch_transformers
+
+    vocab = 64
+    model = tiny_switch_transformers(vocab, 4, router_z_loss_coef=0.01, dropout_rate=0.0).cuda()
+    generator = torch.Generator().manual_seed(2)
+    batches = [
+        {
+            "input_ids": torch.randint(3, vocab, (2, 7), generator=generator).cuda(),
+            "labels": torch.randint(3, vocab, (2, 5), generator=generator).cuda(),
+        }
+        for _ in range(STEPS)
+    ]
+    expected: dict[int, float] = {}
+
+    def loss_of(m: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = m(**batch, output_router_logits=True)
+        logits = [*out.encoder_router_logits, *out.decoder_router_logits]
+        # the test's own float64 reference (its sync is not ours: no trainvitals frame)
+        per_layer = [torch.logsumexp(t.detach().double(), -1).square().mean() for t in logits]
+        expected[len(expected)] = float(torch.stack(per_layer).mean())
+        return out.loss
+
+    watch, rows = _driver_run(tmp_path, model, model.parameters(), batches, loss_of)
+    written = {row["step"]: row["metrics"] for row in rows}
+    assert set(written) == LOGGING_STEPS
+    for step in LOGGING_STEPS:
+        assert written[step]["moe/z_loss_mean"] == pytest.approx(expected[step], rel=1e-5)
+    assert watch.ours_on(LOGGING_STEPS), "the sync watch saw nothing on logging steps"
+    _check(watch)
