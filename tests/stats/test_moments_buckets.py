@@ -48,14 +48,15 @@ def test_buckets_give_each_tensor_its_own_moments(monkeypatch, bucket: int) -> N
     got = _run(tensors)
     for i, t in enumerate(tensors):
         assert_matches(got, i, reference(t), f"tensor {i}, bucket {bucket}")
-    # the float32 bodies (30, 64, 40 and 9 rows; the float64 one apart): one call per bucket,
-    # no bucket over its size unless one body alone is
+    # every tensor whole, padded to whole rows: float32 31 (30 and a tail), 1 (small), 64, 40,
+    # 10 and 12 rows, float64 9 rows apart: one call per bucket, no bucket over its size; a
+    # body of a bucket's size alone (30, 64, 40 rows) reduced where it is, its tail bucketed
     rows = bucket // CHUNK
     if rows >= 200:
-        assert sorted(calls) == sorted([(30 + 64 + 40 + 9 + 12, CHUNK), (8, CHUNK)])
+        assert sorted(calls) == sorted([(31 + 1 + 64 + 40 + 10 + 12, CHUNK), (9, CHUNK)])
     for shape in calls:
-        assert shape[0] <= rows or shape[0] in (30, 64, 40, 9, 12, 8)
-    assert sum(c[0] for c in calls) == 30 + 64 + 40 + 9 + 12 + 8
+        assert shape[0] <= rows or (shape[0] in (30, 64, 40) and rows < shape[0])
+    assert sum(c[0] for c in calls) == 31 + 1 + 64 + 40 + 10 + 12 + 9
 
 
 def test_nonfinite_values_are_masked_in_buckets(monkeypatch) -> None:
@@ -66,8 +67,11 @@ def test_nonfinite_values_are_masked_in_buckets(monkeypatch) -> None:
     tensors[0][5] = float("nan")
     tensors[4][7] = float("inf")
     tensors[5][CHUNK : 2 * CHUNK] = float("nan")  # a whole row: no finite element in it
+    tensors[5][-1] = float("-inf")  # in the padded last row (one element and 1023 NaN of pad)
+    tensors[1][3] = float("nan")  # a small tensor: one padded row
+    tensors[3][-2] = float("nan")  # float64, in its padded tail
     got = _run(tensors)
-    bad = {0: 1.0, 4: 1.0, 5: float(CHUNK)}
+    bad = {0: 1.0, 1: 1.0, 3: 1.0, 4: 1.0, 5: float(CHUNK + 1)}
     for i, count in bad.items():
         finite = tensors[i][torch.isfinite(tensors[i])]
         assert_matches(got, i, {**reference(finite), "nonfinite": count}, f"tensor {i}")
@@ -115,6 +119,6 @@ def test_add_many_buckets_and_reduces_a_repeated_key_once(monkeypatch) -> None:
             reference(torch.cat([m.reshape(-1).double() for m in members])),
             f"slot {slot}",
         )
-    # the float32 bodies of a call in one bucket: 30 + 64 rows, then 40 + 9 + 12 rows; the
-    # float64 body its own; the repeated tensor not reduced again
-    assert sorted(calls) == sorted([30 + 64, 8, 40 + 9 + 12])
+    # each call's float32 tensors whole in one bucket: 31 + 1 + 64 rows, then 40 + 10 + 12
+    # rows; the float64 tensor its own (9 rows); the repeated tensor not reduced again
+    assert sorted(calls) == sorted([31 + 1 + 64, 9, 40 + 10 + 12])

@@ -104,6 +104,7 @@ Nothing here does I/O or talks to other ranks.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 import warnings
@@ -776,6 +777,23 @@ def _host_to(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return values.pin_memory().to(device, non_blocking=True)
 
 
+_nan_pads: dict[tuple[torch.device, torch.dtype], dict[int, torch.Tensor]] = {}
+
+
+def _nan_pad(device: torch.device, dtype: torch.dtype, size: int) -> torch.Tensor:
+    """``size`` (< :data:`CHUNK`) NaN of ``dtype`` on ``device``: views of one cached row, kept
+    per size (a lookup costs the host less than a slice)."""
+    views = _nan_pads.get((device, dtype))
+    if views is None:
+        views = _nan_pads[(device, dtype)] = {
+            CHUNK: torch.full((CHUNK,), math.nan, dtype=dtype, device=device)
+        }
+    pad = views.get(size)
+    if pad is None:
+        pad = views[size] = views[CHUNK][:size]
+    return pad
+
+
 def _owners(slots: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
     """``slots[i]`` repeated ``counts[i]`` times, on ``device``: the repeat on the device with
     its size given (a device ``repeat_interleave`` without it reads the size back: a sync)."""
@@ -888,6 +906,8 @@ class MomentAccumulator:
         # [6] of the CPU compiled kernel with their element count, and small flat tensors
         self._rows: list[torch.Tensor] = []
         self._row_slot: list[int] = []
+        # index in _rows -> NaN elements padded into that part's last row (bucketed parts)
+        self._row_pad: dict[int, int] = {}
         self._bodies: list[torch.Tensor | None] = []  # None: replaced by masked rows
         self._body_slot: list[int] = []
         self._body_count: list[int] = []
@@ -1052,6 +1072,8 @@ class MomentAccumulator:
             if where == "rows":
                 if (False, idx) in self._unchecked:
                     self._unchecked.append((False, len(self._rows)))
+                if idx in self._row_pad:
+                    self._row_pad[len(self._rows)] = self._row_pad[idx]
                 self._rows.append(self._rows[idx])
                 self._row_slot.append(slot)
             elif where == "bodies":
@@ -1069,49 +1091,89 @@ class MomentAccumulator:
     ) -> list[list[tuple[str, int]]]:
         """:meth:`add_bucketed` of ``(slot, tensor)`` items; returns the parts each item made
         (``("rows"|"small", index)``), for :meth:`add_many`'s reuse of a tensor seen again.
-        ``check_finite``: rows of the eager fallback (compilation failed) are checked at once
-        (one read back per tensor) instead of left to :meth:`fix_nonfinite`."""
+
+        Each tensor goes into its dtype's bucket whole, flattened and padded with NaN to whole
+        rows of :data:`CHUNK` (the masked kernel leaves NaN out; the pad is taken off the row's
+        non-finite count in :meth:`parts`): no tail or small tensor is left for the float64
+        segment path, and a tensor costs the host one view and one cached pad, not the four
+        views and the segment reduction of its body and tail. A tensor whose whole rows fill a
+        bucket alone is reduced where it is, its tail padded into the bucket. The bucket's
+        ``torch.cat`` copies the data, so nothing need live on. ``check_finite``: rows of the
+        eager fallback (compilation failed) are checked at once (one read back per tensor)
+        instead of left to :meth:`fix_nonfinite`."""
         made: list[list[tuple[str, int]]] = [[] for _ in items]
-        buckets: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        # per dtype: the pieces to concatenate and, per member, (item, rows, pad, the piece)
+        buckets: dict[torch.dtype, tuple[list[torch.Tensor], list[tuple[int, int, int, Any]]]]
+        buckets = {}
 
-        def run(which: list[int], bodies: list[torch.Tensor]) -> None:
-            x2 = bodies[0] if len(bodies) == 1 else torch.cat(bodies)
-            rows = _compiled(x2, True)
-            if rows is None:  # compilation failed: the eager kernel, tensor by tensor
-                for k, body in zip(which, bodies, strict=True):
-                    made[k].append(("rows", len(self._rows)))
-                    self._add_eager_rows(items[k][0], body, check_finite)
-                return
-            for k, part in zip(which, rows.split([b.shape[0] for b in bodies], 1), strict=True):
+        def keep(k: int, rows: torch.Tensor, pad: int) -> None:
+            made[k].append(("rows", len(self._rows)))
+            if pad:
+                self._row_pad[len(self._rows)] = pad
+            self._rows.append(rows)
+            self._row_slot.append(items[k][0])
+
+        def fallback(k: int, piece: torch.Tensor) -> None:
+            """Compilation failed: the eager kernel for the piece's whole rows, the small
+            path for the rest."""
+            slot = items[k][0]
+            n = piece.numel()
+            whole = 0 if n < SMALL_NUMEL else n - n % CHUNK
+            if whole:
                 made[k].append(("rows", len(self._rows)))
-                self._rows.append(part)
-                self._row_slot.append(items[k][0])
-
-        for k, (slot, tensor) in enumerate(items):
-            flat = tensor.detach().reshape(-1)
-            if flat.numel() < SMALL_NUMEL:
-                before = len(self._small)
-                self._add(slot, tensor, check_finite, copy_small)
-                made[k] += [("small", j) for j in range(before, len(self._small))]
-                continue
-            body = _body(flat)
-            if flat.numel() > body.numel():
-                tail = flat[body.numel() :]
+                self._add_eager_rows(slot, piece[:whole].view(-1, CHUNK), check_finite)
+            if n > whole:
                 made[k].append(("small", len(self._small)))
-                self._small.append(tail.clone() if copy_small else tail)
+                rest = piece[whole:]
+                self._small.append(rest.clone() if copy_small else rest)
                 self._small_slot.append(slot)
-            if body.numel() >= _BUCKET_NUMEL:
-                run([k], [body])
-                continue
-            which, bodies = buckets.setdefault(body.dtype, ([], []))
-            if sum(b.numel() for b in bodies) + body.numel() > _BUCKET_NUMEL:
-                run(which, bodies)
-                which, bodies = buckets[body.dtype] = ([], [])
-            which.append(k)
-            bodies.append(body)
-        for which, bodies in buckets.values():
-            if bodies:
-                run(which, bodies)
+
+        def run(pieces: list[torch.Tensor], members: list[tuple[int, int, int, Any]]) -> None:
+            x2 = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(-1, CHUNK)
+            rows = _compiled(x2, True)
+            if rows is None:
+                for k, _, _, piece in members:
+                    fallback(k, piece)
+                return
+            for (k, _, pad, _), part in zip(
+                members, rows.split([m[1] for m in members], 1), strict=True
+            ):
+                keep(k, part, pad)
+
+        def put(k: int, piece: torch.Tensor) -> None:
+            """``piece`` (flat, not empty) padded into its dtype's bucket."""
+            n = piece.numel()
+            rows = -(-n // CHUNK)
+            pad = rows * CHUNK - n
+            pieces, members = buckets.setdefault(piece.dtype, ([], []))
+            if members and (sum(m[1] for m in members) + rows) * CHUNK > _BUCKET_NUMEL:
+                run(pieces, members)
+                pieces, members = buckets[piece.dtype] = ([], [])
+            pieces.append(piece)
+            if pad:
+                pieces.append(_nan_pad(piece.device, piece.dtype, pad))
+            members.append((k, rows, pad, piece))
+
+        with torch.no_grad():  # (so no detach() per tensor: one host op less each)
+            for k, (_, tensor) in enumerate(items):
+                flat = tensor.reshape(-1)
+                n = flat.numel()
+                if not n:
+                    continue
+                if n < _BUCKET_NUMEL:
+                    put(k, flat)
+                    continue
+                body = _body(flat)  # a bucket's size alone: reduced where it is
+                rows = _compiled(body, True)
+                if rows is None:
+                    fallback(k, flat)
+                    continue
+                keep(k, rows, 0)
+                if n > body.numel():
+                    put(k, flat[body.numel() :])
+            for pieces, members in buckets.values():
+                if members:
+                    run(pieces, members)
         return made
 
     def fix_nonfinite(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -1175,8 +1237,18 @@ class MomentAccumulator:
             owners.append(_host_to(torch.tensor([self._body_slot[i] for i in keep]), device))
         if self._rows:
             all_rows = torch.cat(self._rows, 1)  # float32 rows (float64 if any tensor was float64)
-            parts.append(_rows_to_moments(all_rows, CHUNK))
-            owners.append(_owners(self._row_slot, [r.shape[1] for r in self._rows], device))
+            rows = _rows_to_moments(all_rows, CHUNK)
+            widths = [r.shape[1] for r in self._rows]
+            if self._row_pad:  # the NaN padding of bucketed parts is not the tensor's
+                ends = list(itertools.accumulate(widths))
+                at = sorted(self._row_pad)
+                fix = torch.tensor(
+                    [[ends[i] - 1 for i in at], [-self._row_pad[i] for i in at]], dtype=torch.long
+                )
+                fix = _host_to(fix, device)
+                rows[:, NONFINITE].index_add_(0, fix[0], fix[1].to(torch.float64))
+            parts.append(rows)
+            owners.append(_owners(self._row_slot, widths, device))
         if self._small:
             m, owner = _small_moments(self._small, self._small_slot)
             parts.append(m)
