@@ -1012,16 +1012,18 @@ class MomentAccumulator:
 
     def add_bucketed(self, tensors: Sequence[torch.Tensor]) -> None:
         """Fold ``tensors[i]`` into slot ``i`` for every ``i``, on an accelerator with the
-        compiled (masked) kernel: the whole rows of tensors of one dtype are concatenated into
-        buckets of up to :data:`_BUCKET_NUMEL` elements, one compiled call per bucket.
+        compiled (masked) kernel: tensors of one dtype are concatenated whole (each padded with
+        NaN to whole rows) into buckets of up to :data:`_BUCKET_NUMEL` elements, one compiled
+        call per bucket.
 
         Why: a compiled call costs ~120-170 us of host time on an H100 (guards, the runtime
         wrapper, the launch), several times the kernel's own time for a tensor of a few million
         elements; 121 tensors of 117M values took 8 ms of host time for 2 ms on the device
         (measured, torch 2.11). The copy into a bucket is one ``torch.cat`` per bucket, a pass
         the device makes at full bandwidth; a tensor of a bucket's size or more is reduced where
-        it is. The tensors must live until :meth:`parts` (their rows are computed here, their
-        tails kept as views), and :meth:`fix_nonfinite` is to be called with them."""
+        it is. Should compilation fail, the eager kernel's tails are kept as views: the tensors
+        must then live until :meth:`parts`, and :meth:`fix_nonfinite` is to be called with
+        them."""
         self._bucketed(list(enumerate(tensors)), check_finite=False, copy_small=False)
 
     def add_many(self, items: Sequence[tuple[int, torch.Tensor, torch.Tensor | None]]) -> None:
