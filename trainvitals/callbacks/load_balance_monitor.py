@@ -316,6 +316,9 @@ class LoadBalanceMonitor(VitalsCallback):
             # transfer (a few kernels, none per layer or micro-batch); the aux counts are host
             # ints already.
             rows, aux_sum, aux_count = capture.read_host()
+            for i in capture.broken:  # no longer counted: not measured (see _reduce_to_host)
+                rows[i] = [math.nan] * num_experts
+                aux_count[i] = 0
         else:
             # (z-losses: the packed buffer, one transfer; its reduction over one rank is a copy)
             host = self._reduce_to_host(ctx, silent)
@@ -327,11 +330,11 @@ class LoadBalanceMonitor(VitalsCallback):
             aux_count = host[num_layers * (num_experts + 1) : num_layers * (num_experts + 2)]
             rows, aux_sum = unpack_loads(host, num_layers, num_experts)
             z_sum, z_count = unpack_z_losses(host, num_layers, num_experts)
-            if all(any(v != v for v in row) for row in rows):
-                # No layer measured (NaN: a rank whose hooks never ran, or whose callback
-                # failed): nothing to write on any rank, not even the dead-expert count (the
-                # ranks that measured wrote it as if the step had been counted).
-                return
+        if all(any(v != v for v in row) for row in rows):
+            # No layer measured (NaN: a rank whose hooks never ran, or whose callback failed;
+            # routers no longer counted): nothing to write on any rank, not even the dead-expert
+            # count (the ranks that measured wrote it as if the step had been counted).
+            return
         values = self._values(rows, aux_sum, aux_count, z_sum, z_count)
         computed = layout.computed
         if computed < num_experts:  # the experts that compute, without the no-compute columns
@@ -388,6 +391,11 @@ class LoadBalanceMonitor(VitalsCallback):
         packed = capture.packed(device=capture.device or ctx.device)
         if silent:
             packed.fill_(math.nan)  # (a new tensor; before the pipeline table's zeros)
+        elif capture.broken:
+            # Routers no longer counted on this rank: their layers' counts would be the other
+            # ranks' tokens alone, summed as if complete. NaN ("not measured") instead, like
+            # a silent rank's, so those layers are left out on every rank.
+            packed[_layer_positions(capture)] = math.nan
         if layout.rows is None:
             # One SUM collective over data x context parallel carries every layer (and the aux).
             groups: tuple[Any, ...] = (ctx.groups.dp_cp,)
@@ -838,3 +846,16 @@ def _no_router_message(model_name: str, compiled: list[str] | None = None) -> st
         "tokens_per_expert buffer), and extractors registered with "
         "trainvitals.moe.capture.register_router_extractor or passed as extractors=."
     )
+
+
+def _layer_positions(capture: RouterCapture) -> list[int]:
+    """The positions of the values of ``capture``'s broken routers in its
+    :meth:`RouterCapture.packed` buffer: loads, aux sum and count, and z-loss sum and count
+    when it has them."""
+    n, e = len(capture), capture.num_experts
+    blocks = 4 if capture.has_z_loss else 2  # the per-layer blocks after the [n, e] loads
+    return [
+        at
+        for i in sorted(capture.broken)
+        for at in (*range(i * e, (i + 1) * e), *(n * (e + b) + i for b in range(blocks)))
+    ]

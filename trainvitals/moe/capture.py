@@ -965,6 +965,13 @@ class RouterCapture:
         return any(r.has_z_loss for r in self.routers)
 
     @property
+    def broken(self) -> frozenset[int]:
+        """Indices of the routers no longer counted (their counting raised, or their output was
+        not understood, each warned once): their counts stop where that happened, so from that
+        step on they are not a measurement."""
+        return frozenset(self._broken)
+
+    @property
     def device(self) -> torch.device | None:
         """Where the counts live (the routers' device), ``None`` before the first count."""
         return self._acc.device if self._acc is not None else None
