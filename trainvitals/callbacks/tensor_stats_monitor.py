@@ -47,6 +47,7 @@ from trainvitals.stats.moments import (
     combine_moments,
     derive,
     empty_moments,
+    host_to_device,
     moments_to_rows,
     partial_moments,
 )
@@ -827,18 +828,24 @@ class TensorStatsMonitor(VitalsCallback):
             likes = [local_tensor(like) for named in wanted.values() for _, _, like in named]
             device = likes[0].device if likes else torch.device("cpu")
         moments = empty_moments(len(everything), device=device)
+        # (indices from host lists go pinned and non-blocking: a pageable copy would hold the
+        # host until the backward queued before it has run, here, before the optimizer step)
         try:
             for idx in by_device.values():
                 parts, owner = partial_moments([everything[i] for i in idx], kernel=self.kernel)
                 sub = combine_moments(parts, owner, len(idx)).to(device)
-                moments[torch.tensor(idx, device=device)] = sub
+                if len(idx) == len(everything):  # one device (the usual case): no index
+                    moments = sub
+                else:
+                    moments[host_to_device(torch.tensor(idx), device)] = sub
             if zeros:
-                at = torch.tensor(list(zeros), device=device)
-                counts = torch.tensor(list(zeros.values()), dtype=torch.float64, device=device)
-                zero_part = empty_moments(len(zeros), device=device)
-                some = counts > 0  # k zeros: count k; mean, M2..M4, min and max all 0
-                zero_part[some, :7] = 0.0
-                zero_part[some, 0] = counts[some]
+                at = host_to_device(torch.tensor(list(zeros)), device)
+                zero_part = empty_moments(len(zeros))
+                for j, count in enumerate(zeros.values()):
+                    if count:  # k zeros: count k; mean, M2..M4, min and max all 0
+                        zero_part[j, :7] = 0.0
+                        zero_part[j, 0] = count
+                zero_part = host_to_device(zero_part, device)
                 moments[at] = combine_moments(torch.stack([moments[at], zero_part]), dim=0)
         except Exception as exc:
             # Rank-local (say, out of memory in the kernel): send NaN rows through the step's
@@ -854,7 +861,7 @@ class TensorStatsMonitor(VitalsCallback):
         if len(present) < rows:
             measured = moments
             moments = torch.full((rows, len(FIELDS)), math.nan, dtype=torch.float64, device=device)
-            moments[torch.tensor(present, dtype=torch.long, device=device)] = measured
+            moments[host_to_device(torch.tensor(present, dtype=torch.long), device)] = measured
         out: dict[str, _Kind] = {}
         start = 0
         for kind, (names, count, expert, groups) in kinds.items():
@@ -1166,8 +1173,8 @@ class TensorStatsMonitor(VitalsCallback):
                 # no_grad forwards of sites that never ran with autograd on (a frozen part
                 # under no_grad, a reentrant checkpoint's first run) are part of the step
                 keep = [i for i in range(n) if i not in self._grad_sites]
-                if unsure is not None and keep:
-                    at = torch.tensor(keep, device=moments.device)
+                if unsure is not None and keep and not unsure.empty:
+                    at = host_to_device(torch.tensor(keep), moments.device)
                     extra = unsure.result().to(moments.device)[at]
                     moments[at] = combine_moments(torch.stack([moments[at], extra]), dim=0)
             except Exception as exc:

@@ -768,10 +768,11 @@ def _small_moments(
     return torch.cat(outs), torch.tensor(owners, device=pieces[0].device)
 
 
-def _host_to(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor (an index, counts) copied to ``device`` without the host waiting: on CUDA
     from pinned memory, non-blocking (a copy from pageable memory waits for the kernels queued
-    before it: the training step's backward, on a logging step)."""
+    before it: the training step's backward, on a logging step). For the callbacks too: an
+    index built from a Python list is such a copy (``torch.tensor(idx, device=...)``)."""
     if device.type != "cuda":
         return values.to(device)
     return values.pin_memory().to(device, non_blocking=True)
@@ -800,8 +801,8 @@ def _owners(slots: list[int], counts: list[int], device: torch.device) -> torch.
     if device.type == "cpu":
         return torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
     return torch.repeat_interleave(
-        _host_to(torch.tensor(slots), device),
-        _host_to(torch.tensor(counts), device),
+        host_to_device(torch.tensor(slots), device),
+        host_to_device(torch.tensor(counts), device),
         output_size=sum(counts),
     )
 
@@ -812,7 +813,7 @@ def _segment_moments(
     """Moments of small 1-D pieces, exact to float64: two-pass over one concatenated buffer
     with a segment index, non-finite elements masked (no host sync)."""
     device = pieces[0].device
-    lengths = _host_to(torch.tensor([p.numel() for p in pieces]), device)
+    lengths = host_to_device(torch.tensor([p.numel() for p in pieces]), device)
     k = len(pieces)
     flat = torch.cat([p.reshape(-1) for p in pieces]).to(torch.float64)
     # (the size given: a device repeat_interleave would read it back, a sync)
@@ -831,7 +832,7 @@ def _segment_moments(
     mx = (-inf).scatter_reduce(0, seg, torch.where(fin, flat, -math.inf), "amax")
     out = _rows_to_moments(torch.stack([n, mean, *acc.unbind(1), mn, mx], 0), 0)
     out[:, NONFINITE] = lengths.to(torch.float64) - n
-    return out, _host_to(torch.tensor(owner), device)
+    return out, host_to_device(torch.tensor(owner), device)
 
 
 def fused_moments(tensors: Sequence[torch.Tensor], *, kernel: Kernel = "auto") -> torch.Tensor:
@@ -1222,6 +1223,11 @@ class MomentAccumulator:
                 self._rows[j] = rows
         self._unchecked = []
 
+    @property
+    def empty(self) -> bool:
+        """Whether nothing was added (its :meth:`result` is all identity rows)."""
+        return not (self._rows or self._bodies or self._small)
+
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The un-merged parts ``[K, NUM_FIELDS]`` and their slots ``[K]``."""
         parts: list[torch.Tensor] = []
@@ -1232,11 +1238,11 @@ class MomentAccumulator:
             # whole-body moments: mean, M2, M3, M4, min, max, with their counts, no non-finite
             m = torch.stack([self._bodies[i] for i in keep]).to(torch.float64)
             counts = [self._body_count[i] for i in keep]
-            count = _host_to(torch.tensor(counts, dtype=torch.float64), device)
+            count = host_to_device(torch.tensor(counts, dtype=torch.float64), device)
             parts.append(
                 torch.cat([count.unsqueeze(1), m, torch.zeros_like(count).unsqueeze(1)], 1)
             )
-            owners.append(_host_to(torch.tensor([self._body_slot[i] for i in keep]), device))
+            owners.append(host_to_device(torch.tensor([self._body_slot[i] for i in keep]), device))
         if self._rows:
             all_rows = torch.cat(self._rows, 1)  # float32 rows (float64 if any tensor was float64)
             rows = _rows_to_moments(all_rows, CHUNK)
@@ -1247,7 +1253,7 @@ class MomentAccumulator:
                 fix = torch.tensor(
                     [[ends[i] - 1 for i in at], [-self._row_pad[i] for i in at]], dtype=torch.long
                 )
-                fix = _host_to(fix, device)
+                fix = host_to_device(fix, device)
                 rows[:, NONFINITE].index_add_(0, fix[0], fix[1].to(torch.float64))
             parts.append(rows)
             owners.append(_owners(self._row_slot, widths, device))
