@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from trainvitals._device import host_to_device, index_on
 from trainvitals._natural import natural_order
 from trainvitals.adapters.context import RunContext
 from trainvitals.callbacks.base import (
@@ -100,7 +101,7 @@ class _Part:
         flags = self.nonfinite()
         dropped = {id(self.tracked[i].param): flags[i] for i in sorted(drop)}
         device = self.sq.device
-        rows = torch.tensor(keep, dtype=torch.long, device=device)
+        rows = index_on(keep, device)
         position = {old: new for new, old in enumerate(keep)}
         kept = _Part(
             optimizer=self.optimizer,
@@ -590,7 +591,7 @@ class NormMonitor(VitalsCallback):
         # Whether each gradient is present rides in the sums' collectives, over its gradient's
         # groups (no collective added): a gradient None on every rank of its reduction has no
         # norm (a step without backward), one None on some ranks only counts 0 there.
-        present = torch.tensor(has_grad, dtype=torch.float64, device=sq.device)
+        present = host_to_device(torch.tensor(has_grad, dtype=torch.float64), sq.device)
         n = len(tracked)
         reduced = reduce_sq_norms(
             torch.cat([sq, present]), [t.groups for t in tracked] + grad_groups * 2
@@ -648,7 +649,7 @@ class NormMonitor(VitalsCallback):
         for k, part in enumerate(parts):
             if part.optimizer is None:  # (one optimizer, or all at once: no optimizer_<i> keys)
                 continue
-            index = torch.tensor(part.owned, dtype=torch.long, device=part.sq.device)
+            index = index_on(part.owned, part.sq.device)
             mask = masks[k]
             mask = None if mask is None else mask.index_select(0, index.to(mask.device))
             owned = (
@@ -1057,7 +1058,7 @@ def _expert_mask(part: _Part) -> torch.Tensor | None:
     flags = [t.expert for t in part.tracked]
     if not any(flags):
         return None
-    return torch.tensor(flags, dtype=torch.bool, device=part.sq.device)
+    return host_to_device(torch.tensor(flags, dtype=torch.bool), part.sq.device)
 
 
 def _group_rows(
@@ -1079,7 +1080,7 @@ def _group_rows(
             rows = torch.stack(
                 [x[:n], x[n:], part.present.to(device), torch.ones_like(part.present).to(device)]
             )
-            where = torch.tensor(index, dtype=torch.long, device=device)
+            where = index_on(index, device)
             sums, expert_sums = sums_by_group(rows, where, n_groups, mask)
             out += sums
             if expert_sums is not None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainvitals._device import host_to_device, index_on
 from trainvitals._hooks import FullgraphRegions, eager_hook
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.adapters.jsonl import _drop_steps_from, drop_steps_from, move_aside
@@ -47,7 +48,6 @@ from trainvitals.stats.moments import (
     combine_moments,
     derive,
     empty_moments,
-    host_to_device,
     moments_to_rows,
     partial_moments,
 )
@@ -828,8 +828,8 @@ class TensorStatsMonitor(VitalsCallback):
             likes = [local_tensor(like) for named in wanted.values() for _, _, like in named]
             device = likes[0].device if likes else torch.device("cpu")
         moments = empty_moments(len(everything), device=device)
-        # (indices from host lists go pinned and non-blocking: a pageable copy would hold the
-        # host until the backward queued before it has run, here, before the optimizer step)
+        # (indices from host lists: index_on, pinned and non-blocking; a pageable copy would
+        # hold the host until the backward queued before it has run, before the optimizer step)
         try:
             for idx in by_device.values():
                 parts, owner = partial_moments([everything[i] for i in idx], kernel=self.kernel)
@@ -837,9 +837,9 @@ class TensorStatsMonitor(VitalsCallback):
                 if len(idx) == len(everything):  # one device (the usual case): no index
                     moments = sub
                 else:
-                    moments[host_to_device(torch.tensor(idx), device)] = sub
+                    moments[index_on(idx, device)] = sub
             if zeros:
-                at = host_to_device(torch.tensor(list(zeros)), device)
+                at = index_on(list(zeros), device)
                 zero_part = empty_moments(len(zeros))
                 for j, count in enumerate(zeros.values()):
                     if count:  # k zeros: count k; mean, M2..M4, min and max all 0
@@ -861,7 +861,7 @@ class TensorStatsMonitor(VitalsCallback):
         if len(present) < rows:
             measured = moments
             moments = torch.full((rows, len(FIELDS)), math.nan, dtype=torch.float64, device=device)
-            moments[host_to_device(torch.tensor(present, dtype=torch.long), device)] = measured
+            moments[index_on(present, device)] = measured
         out: dict[str, _Kind] = {}
         start = 0
         for kind, (names, count, expert, groups) in kinds.items():
@@ -1174,7 +1174,7 @@ class TensorStatsMonitor(VitalsCallback):
                 # under no_grad, a reentrant checkpoint's first run) are part of the step
                 keep = [i for i in range(n) if i not in self._grad_sites]
                 if unsure is not None and keep and not unsure.empty:
-                    at = host_to_device(torch.tensor(keep), moments.device)
+                    at = index_on(keep, moments.device)
                     extra = unsure.result().to(moments.device)[at]
                     moments[at] = combine_moments(torch.stack([moments[at], extra]), dim=0)
             except Exception as exc:
@@ -1208,7 +1208,7 @@ class TensorStatsMonitor(VitalsCallback):
             # Another rank of the data group holds the same values: this rank's copy counts as
             # no elements. A NaN row stays NaN (a site one rank could not measure comes out
             # missing everywhere); chosen on the device, nothing leaves it.
-            at = torch.tensor(copies, device=moments.device)
+            at = index_on(copies, moments.device)
             rows = moments[at]
             moments[at] = torch.where(
                 torch.isnan(rows[:, :1]), rows, empty_moments(len(copies), device=moments.device)
@@ -1435,17 +1435,14 @@ class TensorStatsMonitor(VitalsCallback):
         assert self._ep_info is not None
         my_rank, counts = self._ep_info
         idx = {k: [i for i, e in enumerate(pending[k].expert) if e] for k in kinds}
-        local = [
-            s[torch.tensor(idx[k], dtype=torch.long, device=s.device)]
-            for k, s in zip(kinds, stats, strict=True)
-        ]
+        local = [s[index_on(idx[k], s.device)] for k, s in zip(kinds, stats, strict=True)]
         gathered = all_gather_coalesced(local, ep)  # [ep, T_k, F] per kind
         out_names: dict[str, list[str]] = {}
         out_stats = []
         for k, s, g in zip(kinds, stats, gathered, strict=True):
             keep = [i for i, e in enumerate(pending[k].expert) if not e]
             ns = [names[k][i] for i in keep]
-            rows = [s[torch.tensor(keep, dtype=torch.long, device=s.device)]]
+            rows = [s[index_on(keep, s.device)]]
             for r in range(g.shape[0]):
                 for i in idx[k]:
                     ns.append(self._rename_expert(names[k][i], my_rank, r, counts))
@@ -1787,10 +1784,10 @@ def _merge_over_groups(kinds: list[_Kind]) -> None:
             for k, kk in zip(kinds, keys, strict=True)
         ]
         sel = [(k, idx) for k, idx in sel if idx]
-        blocks = [k.moments[torch.tensor(idx, device=k.moments.device)] for k, idx in sel]
+        blocks = [k.moments[index_on(idx, k.moments.device)] for k, idx in sel]
         gathered = all_gather_coalesced(blocks, g)
         for (k, idx), rows in zip(sel, gathered, strict=True):
-            k.moments[torch.tensor(idx, device=k.moments.device)] = combine_moments(rows, dim=0).to(
+            k.moments[index_on(idx, k.moments.device)] = combine_moments(rows, dim=0).to(
                 k.moments.device
             )
 

@@ -114,6 +114,8 @@ from typing import Any, Literal
 
 import torch
 
+from trainvitals._device import host_to_device
+
 __all__ = [
     "CHUNK",
     "DERIVED",
@@ -766,16 +768,6 @@ def _small_moments(
         outs.append(m)
         owners += o.tolist()
     return torch.cat(outs), torch.tensor(owners, device=pieces[0].device)
-
-
-def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor (an index, counts) copied to ``device`` without the host waiting: on CUDA
-    from pinned memory, non-blocking (a copy from pageable memory waits for the kernels queued
-    before it: the training step's backward, on a logging step). For the callbacks too: an
-    index built from a Python list is such a copy (``torch.tensor(idx, device=...)``)."""
-    if device.type != "cuda":
-        return values.to(device)
-    return values.pin_memory().to(device, non_blocking=True)
 
 
 _nan_pads: dict[tuple[torch.device, torch.dtype], dict[int, torch.Tensor]] = {}

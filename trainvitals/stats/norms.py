@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from trainvitals._device import index_on
 from trainvitals.distributed import (
     all_reduce_by_groups,
     group_size,
@@ -280,11 +281,11 @@ def local_sq_norms(
         order += idx
         values.append(sq.to(device))
     if order:  # (one index for every group: one host-to-device copy)
-        out.index_copy_(0, torch.tensor(order, device=device), torch.cat(values))
+        out.index_copy_(0, index_on(order, device), torch.cat(values))
     for idx, flag in unmeasured:
         # a Partial tensor some rank could not contribute to: "not measured" (-inf), which is
         # what that rank's caller reports for all of its tensors
-        index = torch.tensor(idx, device=device)
+        index = index_on(idx, device)
         marked = torch.where(flag.to(device) > 0, -math.inf, out.index_select(0, index))
         out.index_copy_(0, index, marked)
     return out
@@ -509,7 +510,7 @@ def reduce_sq_norms(sq_norms: torch.Tensor, groups: Sequence[tuple[Any, ...]]) -
     items = []
     indices = []
     for gs, idx in patterns.values():
-        index = torch.tensor(idx, device=sq_norms.device)
+        index = index_on(idx, sq_norms.device)
         items.append((sq_norms.index_select(0, index), gs))
         indices.append(index)
     reduced = all_reduce_by_groups(items, "sum", dtype=torch.float64)
