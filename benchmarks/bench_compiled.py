@@ -30,13 +30,13 @@ import argparse
 import copy
 import tempfile
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch._dynamo
 from torch import nn
 
 from benchmarks.common import (
+    DiscardWriter,
     build_lm,
     count_parameters,
     format_params,
@@ -49,20 +49,6 @@ from trainvitals.adapters.loop import Vitals
 from trainvitals.moe import TinyMoELM, destroy_moe_metrics_tracker
 
 NEVER = 10**9  # log_every_n_steps: only step 0 (the warm-up) logs
-
-
-class NullWriter:
-    def add_scalars(self, mapping: dict[str, Any], step: int) -> None:
-        pass
-
-    def add_scalar(self, name: str, value: Any, step: int) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _moe(device: str) -> nn.Module:
@@ -139,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         if factory is not None:
             vitals = Vitals(
                 factory(),
-                writer=NullWriter(),
+                writer=DiscardWriter(),
                 log_every_n_steps=NEVER,
                 run_dir=f"{run_dir.name}/{name}",
             )

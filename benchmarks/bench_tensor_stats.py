@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
+    DiscardWriter,
     HookTimer,
     LMConfig,
     build_lm,
@@ -182,20 +183,6 @@ def bench_kernel(
 # ------------------------------------------------------------------------------ training part
 
 
-class _NullWriter:
-    def add_scalars(self, mapping, step):
-        pass
-
-    def add_scalar(self, name, value, step):
-        pass
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
-
 def instrument(timer: HookTimer, monitor: TensorStatsMonitor) -> None:
     """Time the monitor's callback hooks and the forward/gradient hooks it installs."""
     for name in ("micro_batch_start", "before_optimizer_step", "step_end"):
@@ -224,7 +211,7 @@ def make_variant(
         instrument(timer, monitor)
         vitals = Vitals(
             [monitor],
-            writer=_NullWriter(),
+            writer=DiscardWriter(),
             run_dir=tmp / kind.replace(" ", "_"),
             log_every_n_steps=1,
         )

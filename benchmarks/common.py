@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "DiscardWriter",
     "HookTimer",
     "LMConfig",
     "TinyTransformerLM",
@@ -199,3 +200,20 @@ class HookTimer:
 
 def format_params(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
+
+
+class DiscardWriter:
+    """A writer that drops every value unread (no device-to-host transfer): what a benchmark
+    passes when the writer's own cost is not what it measures."""
+
+    def add_scalars(self, mapping: dict[str, Any], step: int) -> None:
+        pass
+
+    def add_scalar(self, name: str, value: Any, step: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
