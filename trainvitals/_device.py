@@ -17,15 +17,16 @@ import torch
 __all__ = ["host_to_device", "index_on"]
 
 
-def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(values: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor (an index, counts) copied to ``device`` without the host waiting: on CUDA
     from pinned memory, non-blocking (the caching host allocator keeps the pinned block until
     the copy has run); elsewhere a plain copy."""
+    device = torch.device(device)
     if device.type != "cuda":
         return values.to(device)
     return values.pin_memory().to(device, non_blocking=True)
 
 
-def index_on(positions: Sequence[int], device: torch.device) -> torch.Tensor:
+def index_on(positions: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """``positions`` as a ``long`` index tensor on ``device`` (:func:`host_to_device`)."""
     return host_to_device(torch.tensor(positions, dtype=torch.long), device)

@@ -58,10 +58,11 @@ class Breaker:
 
 
 def _train(
-    layers: set[int], break_at: int, steps: int, seed: int
+    layers: set[int], break_at: tuple[int, int], steps: int, seed: int
 ) -> tuple[dict[int, dict[str, float]], list[tuple[np.ndarray, np.ndarray]], list[str]]:
-    """``steps`` logged steps of 2 micro-batches, counting of ``layers`` failing from step
-    ``break_at``: the written rows, the test's own loads and aux per step, the warnings."""
+    """``steps`` logged steps of 2 micro-batches, counting of ``layers`` failing from
+    ``break_at`` (step, micro-batch): the written rows, the test's own loads and aux per step,
+    the warnings."""
     model = tiny_moe_lm(0)
     maps = RoutingMaps(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -75,8 +76,8 @@ def _train(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(steps):
-                breaker.on = step >= break_at
-                for _ in range(2):
+                for micro in range(2):
+                    breaker.on = (step, micro) >= break_at
                     x = torch.randint(0, VOCAB, (2, 6), generator=gen)
                     model(x, labels=x).loss.backward()
                 opt.step()
@@ -95,8 +96,10 @@ def _check_without(row: dict[str, float], loads: np.ndarray, aux: np.ndarray, go
 
 
 def test_a_router_given_up_is_left_out(monkeypatch) -> None:
+    """Given up at the second micro-batch of step 1: before, step 1 wrote that layer's first
+    micro-batch alone as the step's loads (its tokens_per_expert, CV, utilization)."""
     monkeypatch.setenv("TRAINVITALS_STRICT", "0")  # (the tests' strict mode raises instead)
-    rows, taken, messages = _train({1}, break_at=1, steps=3, seed=3)
+    rows, taken, messages = _train({1}, break_at=(1, 1), steps=3, seed=3)
     check_row(rows[0], taken[0][0], LABELS, taken[0][1], top_k=2)
     for step in (1, 2):
         _check_without(rows[step], *taken[step], gone=1)
@@ -105,7 +108,7 @@ def test_a_router_given_up_is_left_out(monkeypatch) -> None:
 
 def test_every_router_given_up_writes_nothing(monkeypatch) -> None:
     monkeypatch.setenv("TRAINVITALS_STRICT", "0")
-    rows, taken, messages = _train({0, 1, 2}, break_at=1, steps=3, seed=4)
+    rows, taken, messages = _train({0, 1, 2}, break_at=(1, 0), steps=3, seed=4)
     check_row(rows[0], taken[0][0], LABELS, taken[0][1], top_k=2)
     # before: {"moe/dead_experts_persistent": 0.0} at steps 1 and 2
     assert sorted(rows) == [0]
@@ -117,7 +120,7 @@ def test_every_router_given_up_writes_nothing(monkeypatch) -> None:
 
 def _two_ranks_body(rank: int, world_size: int) -> dict[str, Any]:
     os.environ["TRAINVITALS_STRICT"] = "0"  # (put back by the shared ranks)
-    rows, taken, messages = _train({1} if rank == 1 else set(), 0, 2, seed=20 + rank)
+    rows, taken, messages = _train({1} if rank == 1 else set(), (0, 0), 2, seed=20 + rank)
     return {
         "rows": rows,
         "loads": [t[0].tolist() for t in taken],

@@ -78,6 +78,13 @@ class LoadBalanceMonitor(VitalsCallback):
     a step without one routed nothing (its micro-batches skipped the MoE layers) and is
     written as such, without a warning.
 
+    A router that router capture gives up on (its counting raised, or its output was not the
+    kind it reads; warned once: "no longer counted") is likewise not measured from that step
+    on: its layer's values are NaN in the collective, so the layer is left out on every rank
+    (not the other ranks' tokens written as the step's), and a step in which no layer was
+    measured writes nothing. Its dead-expert streaks are kept as they were when it was given
+    up (a layer not measured is no evidence), and so stay in ``moe/dead_experts_persistent``.
+
     CV uses the population standard deviation (NeMo Automodel uses ``n - 1``; multiply ours by
     ``sqrt(E / (E - 1))`` to compare). Quantiles interpolate linearly. Layers that routed no
     tokens in the step get no per-layer keys and are left out of the aggregates (their

@@ -45,7 +45,11 @@ inside its own graph and returns one part per tensor. Tensors smaller than :data
 and the tail rows of large tensors are not worth a kernel launch each: they are reduced
 together in float64, two-pass (mean, then central sums), which is exact to float64: on CPU the
 pieces of each length as one dense matrix, elsewhere (and for pieces with a NaN/inf) one
-concatenated buffer with a segment index and ``index_add_``.
+concatenated buffer with a segment index and ``index_add_``. On accelerators with the compiled
+kernel (the CUDA default) tensors are bucketed (:meth:`MomentAccumulator.add_bucketed`): there
+every tensor goes whole, padded with NaN to whole rows, through the masked row kernel, small
+ones and tails too (float32 shifted sums per row: within 5e-6 relative of float64 in the worst
+case measured, a skewness; the budget is 1e-4), which saves the host the segment path.
 
 The eager CPU kernel skips the shift where it is not needed (:func:`_blocks_eager`): the
 formulas above hold for any shift, and with ``s = 0`` (raw power sums) they lose to
@@ -157,7 +161,8 @@ DERIVED = (
 #: Row length of the chunked kernel (elements). A power of two (the shift ``sum / CHUNK`` is
 #: exact); :func:`_body_moments_fused` spells it and its inverse as literals.
 CHUNK = 1024
-#: Tensors with fewer elements go to the batched float64 path.
+#: Tensors with fewer elements go to the batched float64 path (except in the accelerators'
+#: buckets, which take every tensor whole: :meth:`MomentAccumulator.add_bucketed`).
 SMALL_NUMEL = 8 * CHUNK
 # Elements per eager block (2 MiB of float32): the eager kernels reuse two work buffers of this
 # size, so they allocate nothing per tensor, and a block and its temporaries stay in the CPU cache
@@ -831,7 +836,8 @@ def fused_moments(tensors: Sequence[torch.Tensor], *, kernel: Kernel = "auto") -
     """Moments of each tensor in ``tensors`` (float64 ``[len(tensors), NUM_FIELDS]``).
 
     One pass over each large tensor's memory (rows of :data:`CHUNK` elements), all small tensors
-    and tails batched into one float64 reduction, every part merged exactly.
+    and tails batched into one float64 reduction (on an accelerator with the compiled kernel:
+    into the buckets of rows, padded), every part merged exactly.
 
     Args:
         tensors: floating-point tensors on one device (any shape, any float dtype; DTensors
@@ -1100,6 +1106,7 @@ class MomentAccumulator:
         # per dtype: the pieces to concatenate and, per member, (item, rows, pad, the piece)
         buckets: dict[torch.dtype, tuple[list[torch.Tensor], list[tuple[int, int, int, Any]]]]
         buckets = {}
+        filled: dict[torch.dtype, int] = {}
 
         def keep(k: int, rows: torch.Tensor, pad: int) -> None:
             made[k].append(("rows", len(self._rows)))
@@ -1141,9 +1148,14 @@ class MomentAccumulator:
             rows = -(-n // CHUNK)
             pad = rows * CHUNK - n
             pieces, members = buckets.setdefault(piece.dtype, ([], []))
-            if members and (sum(m[1] for m in members) + rows) * CHUNK > _BUCKET_NUMEL:
+            # (the bucket's rows so far, kept per dtype: summing the members' at every put
+            # made the host's cost grow with the square of the tensors, 8000 small: 0.9 s)
+            held = filled.get(piece.dtype, 0)
+            if members and (held + rows) * CHUNK > _BUCKET_NUMEL:
                 run(pieces, members)
                 pieces, members = buckets[piece.dtype] = ([], [])
+                held = 0
+            filled[piece.dtype] = held + rows
             pieces.append(piece)
             if pad:
                 pieces.append(_nan_pad(piece.device, piece.dtype, pad))

@@ -14,7 +14,7 @@ tensors of the model, each counted once:
   memory) are counted once.
 
 Per-tensor local sums of squares are computed without reading anything back to the host
-(one host-to-device copy of an index, blocking on CUDA), accumulated beyond the input
+(one host-to-device copy of an index, pinned and non-blocking on CUDA), accumulated beyond the input
 precision: on accelerators with the fused multi-tensor ``torch._foreach_norm`` (float64
 output; one call per device and dtype, the lists its fused kernel takes; not exercised by
 the CPU test suite); on CPU, where torch's norm kernel accumulates
@@ -230,7 +230,8 @@ def local_sq_norms(
 
     ``None`` entries (parameters without a gradient) give 0. The result lives on ``device``
     (default: the device of the first tensor, CPU when there is none); nothing is read back to
-    the host (the results' index goes to the device in one copy, which CUDA makes blocking).
+    the host (the results' index goes to the device in one pinned, non-blocking copy: from
+    pageable memory CUDA made it wait for the queued backward).
 
     A ``Partial`` DTensor's logical value is the sum of its local tensors, whose squares do not
     sum: such tensors are first summed elementwise over their partial groups (one collective per
