@@ -140,3 +140,40 @@ def test_a_router_given_up_on_one_rank_is_left_out_on_every_rank(ran) -> None:
         for r in results:
             # before: layer 1's loads were rank 0's alone, written as the step's
             _check_without(r["rows"][step], loads, aux, gone=1)
+
+
+def test_a_router_given_up_leaves_the_dead_expert_count(monkeypatch) -> None:
+    """Two gates that never route to expert 3 of 4 (``FixedGate``), patience 1: one dead
+    expert per measured layer. Layer 1's counting fails from step 1: its dead expert is left
+    out of ``moe/dead_experts_persistent`` like its other keys (before: its last streak was
+    counted for the rest of the run, 2 instead of 1)."""
+    from tests.callbacks.test_load_balance_monitor import FixedGate, Gated, _gate_counts
+
+    monkeypatch.setenv("TRAINVITALS_STRICT", "0")
+    failing = {"on": False}
+
+    def counts(module: Any, inputs: Any, output: Any) -> torch.Tensor:
+        if failing["on"] and module is model.layers[1]["gate"]:
+            raise RuntimeError("injected counting failure")
+        return _gate_counts(module, inputs, output)
+
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = Recorder()
+    monitor = LoadBalanceMonitor(
+        dead_expert_patience=1, extractors=[(FixedGate, counts)], mode="detailed"
+    )
+    vitals = Vitals([monitor], writer=writer, log_every_n_steps=1).attach(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            failing["on"] = step >= 1
+            vitals.batch()
+            model(torch.randn(6, 2)).backward()
+            opt.step()
+        vitals.close()
+    # token t -> expert t % 3 in every measured layer: expert 3 dead from the first step
+    expected = {0: 2.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    assert {s: r["moe/dead_experts_persistent"] for s, r in writer.rows.items()} == expected
+    assert not [k for s in (1, 2, 3) for k in writer.rows[s] if "layer_1" in k]
+    assert sum("no longer counted" in str(w.message) for w in caught) == 1

@@ -83,7 +83,8 @@ class LoadBalanceMonitor(VitalsCallback):
     on: its layer's values are NaN in the collective, so the layer is left out on every rank
     (not the other ranks' tokens written as the step's), and a step in which no layer was
     measured writes nothing. Its dead-expert streaks are kept as they were when it was given
-    up (a layer not measured is no evidence), and so stay in ``moe/dead_experts_persistent``.
+    up (a layer not measured is no evidence) but, like every other key of the layer, left out
+    of ``moe/dead_experts_persistent`` while it is not measured.
 
     CV uses the population standard deviation (NeMo Automodel uses ``n - 1``; multiply ours by
     ``sqrt(E / (E - 1))`` to compare). Quantiles interpolate linearly. Layers that routed no
@@ -560,8 +561,12 @@ class LoadBalanceMonitor(VitalsCallback):
                     if streak[e] == patience:
                         newly_dead.append(f"layer {label} expert {e}")
             # A streak kept through a step without evidence is still a streak: count it, or
-            # the count dips whenever a layer (or the whole step) routed nothing.
-            persistent += sum(s >= patience for s in streak)
+            # the count dips whenever a layer (or the whole step) routed nothing. A layer not
+            # measured (NaN: a router given up, a silent rank) is left out of the count as of
+            # every other key of the step; its streaks wait for it (a router given up for good
+            # would otherwise hold its last count for the rest of the run).
+            if not any(v != v for v in row):  # (NaN: not measured)
+                persistent += sum(s >= patience for s in streak)
         if newly_dead and ctx.global_rank == 0:
             warnings.warn(
                 f"LoadBalanceMonitor: {len(newly_dead)} expert(s) received no token on "
