@@ -169,7 +169,8 @@ class LoadBalanceMonitor(VitalsCallback):
                                                        ``top_k`` lowest experts overall
     ``moe/dead_experts_persistent``                    experts with no token for at least               count
                                                        ``dead_expert_patience`` logging steps in a row
-                                                       (when the patience is set)
+                                                       (when the patience is set), in the layers
+                                                       measured at the step
     ``moe/layer_<l>/cv``                               the layer's CV (detailed)                        1
     ``moe/layer_<l>/dead_expert_frac``                 (detailed)                                       1
     ``moe/layer_<l>/expert_diversity``                 (detailed)                                       1
