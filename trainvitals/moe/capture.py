@@ -822,7 +822,9 @@ class RouterCapture:
         regions = FullgraphRegions(model)
         targets = [regions.target(r.module) for r in found]
         self.routers = [r for r, t in zip(found, targets, strict=True) if t is not None]
-        self.fullgraph_routers = [r.name for r, t in zip(found, targets, strict=True) if t is None]
+        self.fullgraph_routers = [  # (named without torch.compile's _orig_mod., as elsewhere)
+            canonical_name(r.name) for r, t in zip(found, targets, strict=True) if t is None
+        ]
         # per router index, the torch.compile wrapper its hooks go on
         self._targets: dict[int, nn.Module] = {
             i: t
