@@ -42,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import inspect
@@ -154,6 +155,14 @@ class KeyRule:
 
     def __repr__(self) -> str:
         return f"KeyRule({self.name!r})"
+
+    def with_reserved(self, *keys: str) -> KeyRule:
+        """This rule with ``keys`` reserved too (a sink's own column, such as its step axis):
+        a metric of that name is escaped instead of being overwritten by the sink's value."""
+        rule = copy.copy(self)
+        rule.reserved = self.reserved | frozenset(keys)
+        rule._cache = {}
+        return rule
 
     def map(self, key: str) -> str:
         """The backend name for ``key`` (the key itself when the backend accepts it)."""

@@ -91,7 +91,9 @@ class WandbSink(Sink):
     loop's ``step=1``.
 
     Keys W&B writes itself (``_step``, ``_runtime``, ``_timestamp``, ``_wandb...``) are mapped
-    by :data:`~trainvitals.adapters.sinks.base.WANDB_KEYS`; with ``shared_step=True`` a ``*``
+    by :data:`~trainvitals.adapters.sinks.base.WANDB_KEYS`, and so is a metric named as the
+    sink's ``step_metric`` (``trainer/global_step`` -> ``_x74rainer/global_step``: the sink
+    writes the step under that name, which overwrote the metric); with ``shared_step=True`` a ``*``
     and a ``\\`` are escaped too (:data:`~trainvitals.adapters.sinks.base.WANDB_SHARED_KEYS`:
     ``attn*scale`` -> ``attn_x2ascale``, ``a\\.b`` -> ``a_x5c.b``), because ``define_metric``
     raises for a ``*`` inside a name (every step of the sink failed, and it was switched off)
@@ -144,6 +146,8 @@ class WandbSink(Sink):
             self.key_rule = WANDB_SHARED_KEYS  # the names go to define_metric too
         self.step_metric = SHARED_STEP_METRIC if shared_step and not step_metric else step_metric
         axis = self.step_metric
+        if axis is not None:  # a metric named as the step axis is escaped, not overwritten
+            self.key_rule = self.key_rule.with_reserved(axis)
         if shared_step and axis is not None and _metric_name(axis) is None:
             # no define_metric name W&B reads as this key: no key would get its x-axis
             raise ValueError(
