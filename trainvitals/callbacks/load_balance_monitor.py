@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from trainvitals._device import index_on
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import (
@@ -404,7 +405,10 @@ class LoadBalanceMonitor(VitalsCallback):
             # Routers no longer counted on this rank: their layers' counts would be the other
             # ranks' tokens alone, summed as if complete. NaN ("not measured") instead, like
             # a silent rank's, so those layers are left out on every rank.
-            packed[_layer_positions(capture)] = math.nan
+            broken = _packed_positions(
+                sorted(capture.broken), len(capture), capture.num_experts, capture.has_z_loss
+            )
+            packed[index_on(broken, packed.device)] = math.nan
         if layout.rows is None:
             # One SUM collective over data x context parallel carries every layer (and the aux).
             groups: tuple[Any, ...] = (ctx.groups.dp_cp,)
@@ -431,13 +435,10 @@ class LoadBalanceMonitor(VitalsCallback):
         assert rows is not None
         cached = self._table_index
         if cached is None or cached[0] != packed.device:
-            # loads: row r's E values at r * E; aux sums at n * E + r; aux counts after them,
-            # then z-loss sums and counts when this stage's buffer has them
-            index = [r * e + j for r in rows for j in range(e)]
-            index += [n * e + r for r in rows] + [n * (e + 1) + r for r in rows]
-            if self.capture is not None and self.capture.has_z_loss:
-                index += [n * (e + 2) + r for r in rows] + [n * (e + 3) + r for r in rows]
-            positions = torch.tensor(index, dtype=torch.long).to(packed.device, non_blocking=True)
+            # this stage's buffer holds its rows' values in the same order (z-losses when it
+            # has them)
+            has_z = self.capture is not None and self.capture.has_z_loss
+            positions = index_on(_packed_positions(rows, n, e, has_z), packed.device)
             cached = self._table_index = (packed.device, positions)
         size = n * (e + (4 if any(layout.has_z) else 2))
         full = torch.zeros(size, dtype=packed.dtype, device=packed.device)
@@ -861,14 +862,13 @@ def _no_router_message(model_name: str, compiled: list[str] | None = None) -> st
     )
 
 
-def _layer_positions(capture: RouterCapture) -> list[int]:
-    """The positions of the values of ``capture``'s broken routers in its
-    :meth:`RouterCapture.packed` buffer: loads, aux sum and count, and z-loss sum and count
-    when it has them."""
-    n, e = len(capture), capture.num_experts
-    blocks = 4 if capture.has_z_loss else 2  # the per-layer blocks after the [n, e] loads
-    return [
-        at
-        for i in sorted(capture.broken)
-        for at in (*range(i * e, (i + 1) * e), *(n * (e + b) + i for b in range(blocks)))
-    ]
+def _packed_positions(rows: Iterable[int], n: int, e: int, has_z: bool) -> list[int]:
+    """Where the values of layers ``rows`` stand in a :meth:`RouterCapture.packed` buffer of
+    ``n`` layers of ``e`` experts, in the buffer's order: row ``r``'s loads at ``r * e``, then
+    per-layer blocks of ``n`` values (aux sums at ``n * e + r``, aux counts after them, and,
+    when the buffer has them, the z-loss sums and counts)."""
+    rows = list(rows)
+    index = [r * e + j for r in rows for j in range(e)]
+    for block in range(4 if has_z else 2):
+        index += [n * (e + block) + r for r in rows]
+    return index
