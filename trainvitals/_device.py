@@ -20,11 +20,12 @@ __all__ = ["host_to_device", "index_on"]
 def host_to_device(values: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor (an index, counts) copied to ``device`` without the host waiting: on CUDA
     from pinned memory, non-blocking (the caching host allocator keeps the pinned block until
-    the copy has run); elsewhere a plain copy."""
+    the copy has run); on other accelerators non-blocking (a copy to a device is ordered
+    before the kernels that read it); on the CPU a plain copy."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return values.to(device)
-    return values.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device, non_blocking=device.type != "cpu")
 
 
 def index_on(positions: Sequence[int], device: torch.device | str) -> torch.Tensor:

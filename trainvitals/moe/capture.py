@@ -188,6 +188,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainvitals._device import host_to_device, index_on
 from trainvitals._hooks import FullgraphRegions, eager_hook, on_behalf_of
 from trainvitals._strict import strict as _strict
 from trainvitals.distributed import group_size, local_tensor
@@ -1647,7 +1648,7 @@ class RouterCapture:
         if index is None:
             if len(self._row_indices) > 64:
                 self._row_indices.clear()
-            index = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+            index = index_on(rows, device)
             self._row_indices[key] = index
         return index
 
@@ -1879,7 +1880,8 @@ def unpack_z_losses(
 def _host_counts(counts: list[int], device: torch.device | None) -> torch.Tensor:
     """Host ints as a ``[L]`` tensor on ``device`` in its :func:`count_dtype`, built on the host
     and copied without waiting for the device."""
-    return torch.tensor(counts, dtype=count_dtype(device)).to(device, non_blocking=True)
+    host = torch.tensor(counts, dtype=count_dtype(device))
+    return host if device is None else host_to_device(host, device)
 
 
 def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

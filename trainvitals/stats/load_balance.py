@@ -58,6 +58,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from trainvitals._device import host_to_device
+
 __all__ = [
     "LAYER_METRICS",
     "UTILIZATION_QUANTILES",
@@ -215,7 +217,7 @@ def nanquantile(x: torch.Tensor, qs: list[float]) -> torch.Tensor:
     """
     s = torch.sort(x, dim=-1).values  # NaN sort last
     n = (~x.isnan()).sum(dim=-1, keepdim=True)  # [..., 1]
-    q = torch.tensor(qs, dtype=torch.float64).to(x.device, non_blocking=True)
+    q = host_to_device(torch.tensor(qs, dtype=torch.float64), x.device)
     pos = (n - 1).clamp(min=0).to(torch.float64) * q  # [..., Q]
     lo = pos.floor()
     lo_v = s.gather(-1, lo.long())
