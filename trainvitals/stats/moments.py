@@ -108,6 +108,7 @@ Nothing here does I/O or talks to other ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import threading
@@ -775,6 +776,18 @@ def _small_moments(
     return torch.cat(outs), torch.tensor(owners, device=pieces[0].device)
 
 
+@dataclasses.dataclass
+class _Bucket:
+    """One dtype's bucket being filled by :meth:`MomentAccumulator._bucketed`: the pieces to
+    concatenate (tensors and their NaN pads), per member ``(item, rows, pad, piece)``, and the
+    rows so far (kept, not summed over the members at every put: that grew with the square of
+    the tensors, 0.9 s of host time for 8000 small ones)."""
+
+    pieces: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    members: list[tuple[int, int, int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    rows: int = 0
+
+
 _nan_pads: dict[tuple[torch.device, torch.dtype], dict[int, torch.Tensor]] = {}
 
 
@@ -1103,10 +1116,7 @@ class MomentAccumulator:
         eager fallback (compilation failed) are checked at once (one read back per tensor)
         instead of left to :meth:`fix_nonfinite`."""
         made: list[list[tuple[str, int]]] = [[] for _ in items]
-        # per dtype: the pieces to concatenate and, per member, (item, rows, pad, the piece)
-        buckets: dict[torch.dtype, tuple[list[torch.Tensor], list[tuple[int, int, int, Any]]]]
-        buckets = {}
-        filled: dict[torch.dtype, int] = {}
+        buckets: dict[torch.dtype, _Bucket] = {}
 
         def keep(k: int, rows: torch.Tensor, pad: int) -> None:
             made[k].append(("rows", len(self._rows)))
@@ -1130,7 +1140,8 @@ class MomentAccumulator:
                 self._small.append(rest.clone() if copy_small else rest)
                 self._small_slot.append(slot)
 
-        def run(pieces: list[torch.Tensor], members: list[tuple[int, int, int, Any]]) -> None:
+        def run(bucket: _Bucket) -> None:
+            pieces, members = bucket.pieces, bucket.members
             x2 = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(-1, CHUNK)
             rows = _compiled(x2, True)
             if rows is None:
@@ -1147,19 +1158,15 @@ class MomentAccumulator:
             n = piece.numel()
             rows = -(-n // CHUNK)
             pad = rows * CHUNK - n
-            pieces, members = buckets.setdefault(piece.dtype, ([], []))
-            # (the bucket's rows so far, kept per dtype: summing the members' at every put
-            # made the host's cost grow with the square of the tensors, 8000 small: 0.9 s)
-            held = filled.get(piece.dtype, 0)
-            if members and (held + rows) * CHUNK > _BUCKET_NUMEL:
-                run(pieces, members)
-                pieces, members = buckets[piece.dtype] = ([], [])
-                held = 0
-            filled[piece.dtype] = held + rows
-            pieces.append(piece)
+            bucket = buckets.setdefault(piece.dtype, _Bucket())
+            if bucket.members and (bucket.rows + rows) * CHUNK > _BUCKET_NUMEL:
+                run(bucket)
+                bucket = buckets[piece.dtype] = _Bucket()
+            bucket.rows += rows
+            bucket.pieces.append(piece)
             if pad:
-                pieces.append(_nan_pad(piece.device, piece.dtype, pad))
-            members.append((k, rows, pad, piece))
+                bucket.pieces.append(_nan_pad(piece.device, piece.dtype, pad))
+            bucket.members.append((k, rows, pad, piece))
 
         with torch.no_grad():  # (so no detach() per tensor: one host op less each)
             for k, (_, tensor) in enumerate(items):
@@ -1178,9 +1185,9 @@ class MomentAccumulator:
                 keep(k, rows, 0)
                 if n > body.numel():
                     put(k, flat[body.numel() :])
-            for pieces, members in buckets.values():
-                if members:
-                    run(pieces, members)
+            for bucket in buckets.values():
+                if bucket.members:
+                    run(bucket)
         return made
 
     def fix_nonfinite(self, tensors: Sequence[torch.Tensor]) -> None:
