@@ -18,6 +18,7 @@ from tests.callbacks.test_norm_monitor_helpers import (
     MLP,
     RecordingWriter,
     TiedLM,
+    check_lightning_norms,
     float64_norms,
     float64_reference_norms,
     lm_loss,
@@ -272,21 +273,10 @@ def _lightning_body(rank: int, world_size: int, strategy_name: str, out_dir: str
     }
 
 
-def _check_lightning(results: list[dict]) -> None:
-    for res in results:
-        assert sorted(res["steps"]) == list(range(STEPS))
-        for step in range(STEPS):
-            row = res["steps"][step]
-            p_ref, g_ref = res["refs"][step]
-            assert row["l2_norm/param/global"] == pytest.approx(p_ref, rel=1e-6)
-            assert row["l2_norm/grad/global"] == pytest.approx(g_ref, rel=1e-6)
-    assert results[0]["steps"] == results[1]["steps"]
-
-
 @on_ranks(2, _lightning_body, "ddp", CASE_DIR, needs="lightning.pytorch")
 def test_lightning_ddp_two_devices(ran):
     _, results = ran
-    _check_lightning(results)
+    check_lightning_norms(results, STEPS)
     assert results[0]["dtensor"] == "Parameter"
     assert results[0]["sizes"]["dp"] == 2 and results[0]["sizes"]["tp"] == 1
 
@@ -294,7 +284,7 @@ def test_lightning_ddp_two_devices(ran):
 @on_ranks(4, _lightning_body, "model_parallel", CASE_DIR, needs="lightning.pytorch")
 def test_lightning_model_parallel_fsdp2_tp_four_devices(ran):
     _, results = ran
-    _check_lightning(results)
+    check_lightning_norms(results, STEPS)
     assert results[0]["dtensor"] == "DTensor"
     assert results[0]["sizes"]["dp"] == 2 and results[0]["sizes"]["tp"] == 2
 

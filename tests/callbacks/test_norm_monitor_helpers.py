@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -115,3 +116,17 @@ def float64_norms(params: list[torch.Tensor]) -> tuple[float, float]:
     p2 = sum(float(p.detach().double().pow(2).sum()) for p in unique)
     g2 = sum(float(p.grad.double().pow(2).sum()) for p in unique if p.grad is not None)
     return math.sqrt(p2), math.sqrt(g2)
+
+
+def check_lightning_norms(results: list[dict], steps: int) -> None:
+    """The global param and grad norms each rank's ``RecordingWriter`` got at every step of a
+    Lightning run equal the float64 references the module kept (``refs[step]``), the same on
+    every rank."""
+    for res in results:
+        assert sorted(res["steps"]) == list(range(steps))
+        for step in range(steps):
+            row = res["steps"][step]
+            p_ref, g_ref = res["refs"][step]
+            assert row["l2_norm/param/global"] == pytest.approx(p_ref, rel=1e-6)
+            assert row["l2_norm/grad/global"] == pytest.approx(g_ref, rel=1e-6)
+    assert results[0]["steps"] == results[1]["steps"]
