@@ -15,7 +15,8 @@ Three lines in a loop::
 The driver learns of optimizer steps from the optimizer itself (``register_step_pre_hook`` and
 ``register_step_post_hook`` on the innermost torch optimizer), so under gradient accumulation,
 where the optimizer steps once per real step, each step is seen once. Gradients are observed in
-the pre-hook, or earlier, right after AMP unscaling and before clipping: when the loop clips
+the pre-hook (``optimizer.step(closure)``, LBFGS: after the closure's first call, whose backward
+makes them), or earlier, right after AMP unscaling and before clipping: when the loop clips
 with ``accelerator.clip_grad_norm_`` or :meth:`Vitals.clip_grad_norm_`, and whenever a
 ``GradScaler`` unscales (``attach(..., scaler=scaler)``; Accelerate's own scaler is found by
 itself). A step whose gradients were observed but that the optimizer skipped (``GradScaler`` on
@@ -159,7 +160,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -1042,7 +1043,37 @@ class Vitals:
         finally:
             self.ctx.stepping_optimizer = None
 
-    def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        # (torch passes the step's own arguments: ``args[0]`` is the optimizer itself)
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[1:2] or (None,))[0]
+        if callable(closure):
+            # optimizer.step(closure) (LBFGS, the pattern torch documents): the gradients are
+            # made by the closure's backward, inside step(); shown here they would be the last
+            # step's (or none). Shown after the closure's first call instead, as Lightning
+            # runs on_before_optimizer_step after its closure (LBFGS calls it again at other
+            # points: the step's gradients are those of its first call).
+            wrapped = self._closure_showing_gradients(optimizer, closure)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        self._show_gradients(optimizer)
+        return None
+
+    def _closure_showing_gradients(self, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        shown = False
+
+        def closure_then_gradients() -> Any:
+            nonlocal shown
+            loss = closure()
+            if not shown:
+                shown = True
+                self._show_gradients(optimizer)
+            return loss
+
+        return closure_then_gradients
+
+    def _show_gradients(self, optimizer: Any) -> None:
+        """The gradient hooks for ``optimizer``, about to step (its gradients are final)."""
         if self._forwards_traced and not self._loop_calls_batch and not self._warned_traced:
             self._warned_traced = True
             warnings.warn(
