@@ -32,6 +32,7 @@ from trainvitals.distributed import (
 from trainvitals.stats.norms import (
     canonical_named_parameters,
     group_named_tensors,
+    has_no_values,
     is_flat_shard,
     keep_sharded_parameters,
     local_sq_norms,
@@ -788,10 +789,11 @@ class NormMonitor(VitalsCallback):
                 )
                 self._label_new_parameters()
                 self._trainable = None
-        # A parameter on the meta device (deferred initialisation never materialised, e.g. an
-        # unused lazy weight) has no values: left out, with a warning, rather than making every
-        # norm fail (a meta tensor cannot be read) and the monitor disabled.
-        trainable = tuple(p.requires_grad and not p.is_meta for _, p in self._named)
+        # A parameter with no values is left out rather than making every norm fail (it
+        # cannot be read) and the monitor disabled: on the meta device (deferred
+        # initialisation never materialised) with a warning; a lazy module's weight before
+        # its first forward silently, as it joins when it materialises (the same object).
+        trainable = tuple(p.requires_grad and not has_no_values(p) for _, p in self._named)
         if trainable == self._trainable:
             return
         self._trainable = trainable

@@ -55,6 +55,7 @@ from trainvitals.stats.norms import (
     canonical_name,
     canonical_named_parameters,
     dedupe_named_tensors,
+    has_no_values,
     keep_sharded_parameters,
     optimized_ids,
     stored_values,
@@ -748,8 +749,8 @@ class TensorStatsMonitor(VitalsCallback):
         only when the model's parameter objects or their ``requires_grad`` change (a quarter
         of the cost: the names and the memory-aliasing check are not redone every step)."""
         raw = list(unwrap_model(ctx.model).named_parameters(remove_duplicate=False))
-        # (a parameter on the meta device, never materialised, has no values: left out, warned)
-        key = tuple((id(p), p.requires_grad and not p.is_meta) for _, p in raw)
+        # (a parameter with no values: left out; warned if on the meta device, not if lazy)
+        key = tuple((id(p), p.requires_grad and not has_no_values(p)) for _, p in raw)
         if self._params is None or self._params[0] != key:
             found = keep_sharded_parameters(
                 [(canonical_name(n), p) for n, p in raw],
@@ -762,7 +763,10 @@ class TensorStatsMonitor(VitalsCallback):
                 [n for n, p in named if p.requires_grad and p.is_meta],
                 "the param and grad lines",
             )
-            self._params = (key, [(n, p) for n, p in named if p.requires_grad and not p.is_meta])
+            self._params = (
+                key,
+                [(n, p) for n, p in named if p.requires_grad and not has_no_values(p)],
+            )
         return self._params[1]
 
     def _stepped_part(self, ctx: RunContext, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:

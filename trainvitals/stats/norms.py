@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from trainvitals._device import index_on
 from trainvitals.distributed import (
@@ -60,6 +61,7 @@ __all__ = [
     "canonical_named_parameters",
     "dedupe_named_tensors",
     "group_named_tensors",
+    "has_no_values",
     "is_flat_shard",
     "keep_sharded_parameters",
     "local_sq_norms",
@@ -117,6 +119,14 @@ def canonical_named_parameters(model: torch.nn.Module) -> list[tuple[str, Any]]:
     return [(canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
 
 
+def has_no_values(tensor: Any) -> bool:
+    """Whether ``tensor`` has no values to read yet: on the ``meta`` device (deferred
+    initialisation never materialised) or a lazy module's ``UninitializedParameter`` (its
+    first forward has not run; even ``numel()`` raises). Such a parameter keeps its identity
+    when it materialises, so callers leave it out until then."""
+    return tensor.is_meta or is_lazy(tensor)
+
+
 def is_flat_shard(tensor: Any) -> bool:
     """Whether ``tensor`` is an FSDP1 flat shard: a ``FlatParameter`` (``_is_flat_param``) or,
     under ``use_orig_params=True``, an original parameter viewing its piece of one
@@ -166,7 +176,7 @@ def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     if local_tensor(tensor) is not tensor:
         return None
     local = tensor
-    if local.numel() == 0 or local.device.type == "meta":
+    if has_no_values(local) or local.numel() == 0:
         return None
     try:
         ptr = local.untyped_storage().data_ptr()
