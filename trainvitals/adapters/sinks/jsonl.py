@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import stat
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,6 +22,10 @@ from trainvitals.adapters.sinks.base import Sink, make_folder, warn
 __all__ = ["JsonlSink"]
 
 log = logging.getLogger(__name__)
+
+# Sinks of this process with their file open (for the warning when one moves another's
+# file aside: two writers given one path, e.g. two ``Vitals`` drivers on one ``run_dir``).
+_open_sinks: weakref.WeakSet[JsonlSink] = weakref.WeakSet()
 
 
 class JsonlSink(Sink):
@@ -51,7 +56,9 @@ class JsonlSink(Sink):
     call ``resume_at`` and whose first step is at or below the step of every record in the
     file (a loop logging from step 1, run twice): a resume would keep none of its lines. So
     give each writer of a run its own file: a second writer appending at a step the first one
-    already wrote replaces its lines. A path that is not a regular file (a pipe,
+    already wrote replaces its lines, and one whose first step is 0 moves the file aside while
+    the first is still writing into it (two ``Vitals`` drivers on one ``run_dir``: warned, naming
+    the other open sink). A path that is not a regular file (a pipe,
     ``/dev/stdout``) is appended to as it is. A symbolic link (to shared storage) is followed:
     its target is cut, rewritten or moved aside, and the link is kept. A path that cannot be
     written (its folder is a regular file, it is a folder, no permission, a read-only file
@@ -96,6 +103,14 @@ class JsonlSink(Sink):
         # Unbuffered: a failed write (disk full) leaves nothing in a buffer that a later flush
         # would write after the retried line (the step twice in the file).
         self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - kept open
+        _open_sinks.add(self)
+
+    def _other_open_sink(self) -> JsonlSink | None:
+        """Another sink of this process writing to this sink's file now, if any."""
+        for sink in list(_open_sinks):
+            if sink is not self and sink._file is not None and sink.path == self.path:
+                return sink
+        return None
 
     def _drop_abandoned(self, first_step: int) -> None:
         """Make the file ready for lines from ``first_step`` on (once per cut point)."""
@@ -112,8 +127,17 @@ class JsonlSink(Sink):
             if first_step == 0 or (
                 self._resume_step is None and not _holds_step_below(self.path, first_step)
             ):
+                writing = self._other_open_sink()
                 kept = move_aside(self.path)
                 message = f"JsonlSink: {self.path} held an earlier run; moved it to {kept.name}"
+                if writing is not None:
+                    message = (
+                        f"JsonlSink: {self.path} is being written by another open JsonlSink "
+                        f"of this process (two Vitals drivers, or two writers, given one "
+                        f"run_dir or path?); its file was moved to {kept.name}, where it goes "
+                        "on writing, and this sink starts a new one: give each writer its own "
+                        "path (Vitals(run_dir=...)), or put the callbacks in one Vitals"
+                    )
             else:
                 records, cut = _drop_steps_from(self.path, first_step)
                 # resume_at named this step and the file held nothing else to drop: the lines
@@ -174,6 +198,7 @@ class JsonlSink(Sink):
             return
         self._file.close()
         self._file = None
+        _open_sinks.discard(self)
 
 
 def _size(file: io.FileIO) -> int | None:
