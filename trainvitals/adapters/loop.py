@@ -455,6 +455,7 @@ class Vitals:
         self._handles: list[Any] = []
         self._started = False
         self._grads_seen_for_step = False  # every gradient shown at once (gradients_ready)
+        self._in_closure_step = False  # inside optimizer.step(closure), between its hooks
         self._unscaled: set[int] = set()
         self._attached: set[int] = set()
         # Several attached optimizers: those whose gradients were shown and that have not
@@ -919,6 +920,10 @@ class Vitals:
             return
         if self.ctx.in_validation or not module.training or not torch.is_grad_enabled():
             return
+        if self._in_closure_step and self.ctx.micro_batches_in_step:
+            # the closure evaluated again inside one optimizer.step(closure) (LBFGS): the
+            # same micro-batch, not another one (nor, its gradients shown, a new step)
+            return
         self._micro_batch(None, None, None)
 
     def _micro_batch(self, batch: Any, batch_size: int | None, num_tokens: int | None) -> None:
@@ -1053,6 +1058,7 @@ class Vitals:
             # runs on_before_optimizer_step after its closure (LBFGS calls it again at other
             # points: the step's gradients are those of its first call).
             wrapped = self._closure_showing_gradients(optimizer, closure)
+            self._in_closure_step = True
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
@@ -1064,7 +1070,11 @@ class Vitals:
 
         def closure_then_gradients() -> Any:
             nonlocal shown
-            loss = closure()
+            try:
+                loss = closure()
+            except BaseException:
+                self._in_closure_step = False  # (step() raises: its post-hook will not run)
+                raise
             if not shown:
                 shown = True
                 self._show_gradients(optimizer)
@@ -1128,6 +1138,7 @@ class Vitals:
             self._show_optimizer(optimizer)
 
     def _on_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._in_closure_step = False
         self._start()
         self._awaiting_step.discard(id(optimizer))
         self._stepped.add(id(optimizer))
