@@ -300,6 +300,14 @@ def infer_num_tokens(batch: Any) -> int | None:
     otherwise, e.g. only real tokens with ``lambda b: b["attention_mask"].sum()``: a 0-d
     tensor stays on the device until a logging step reads it (``int(...)`` would wait for the
     device at every micro-batch).
+
+    Under context parallelism the token counts are summed over the context-parallel ranks,
+    each of which must count its own slice of the sequence: read off the batch as loaded (the
+    whole sequence, before the split that torchtitan's and Accelerate's loops make inside the
+    step), every rank counts all of it, ``cp`` times too many. Count this rank's share
+    (``num_tokens=``, ``num_tokens_fn``) or the batch after the split; ``ThroughputMonitor``
+    and ``RuntimeMonitor`` warn once per run when a count read off the batch meets more than
+    one context-parallel rank.
     """
     ids = _input_ids(batch)
     if (

@@ -12,7 +12,13 @@ import torch
 
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
-from trainvitals.callbacks.throughput_monitor import count_reduction_calls, reduce_counts
+from trainvitals.callbacks.throughput_monitor import (
+    context_parallel_ranks,
+    context_parallel_tokens_warning,
+    count_reduction_calls,
+    reduce_counts,
+    tokens_read_off_batch,
+)
 from trainvitals.distributed import CollectiveCall, PeerRankFailed, ProcessGroups
 from trainvitals.stats.runtime import (
     TIME_UNITS,
@@ -105,10 +111,18 @@ class RuntimeMonitor(VitalsCallback):
     ``time/train_<unit>``       training wall time so far, validation excluded, over all restarts    <unit>
     ``time/validation_<unit>``  validation wall time so far                                          <unit>
     ``time/total_<unit>``       training plus validation wall time so far                            <unit>
-    ``time/batches``            micro-batches consumed, summed over data-parallel ranks              batches
+    ``time/batches``            micro-batches consumed, summed over data-parallel ranks (*)          batches
     ``time/samples``            samples consumed, summed over data-parallel ranks                    samples
     ``time/tokens``             tokens consumed, summed over data- and context-parallel ranks        tokens
     ==========================  ===================================================================  ========
+
+    (*) Micro-batches, as Lightning's ``ThroughputMonitor`` counts batches: Megatron-Bridge's
+    ``time/batches`` counts iterations (optimizer steps over the global batch), data-parallel
+    size times accumulation steps below ours (the step axis is that count here).
+    ``time/tokens`` sums each context-parallel rank's own tokens: under context parallelism
+    each must count its own slice of the sequence (``num_tokens=`` or ``num_tokens_fn``, or
+    the batch told after the split); a count read off the batch with more than one
+    context-parallel rank is warned about once per run (see :class:`ThroughputMonitor`).
 
     Megatron-Bridge's ``report_runtime`` writes ``time/remaining_estimate`` and ``time/total``
     without a unit in the name; ours carry the unit (``time/remaining_hours``) and exclude
@@ -193,12 +207,17 @@ class RuntimeMonitor(VitalsCallback):
         # batches of the last epoch seen to end (the length of later epochs, as with a len).
         self._epoch_seen: tuple[int, int] | None = None
         self._epoch_batches: int | None = None
+        # context-parallel ranks while this run's first told micro-batch is still to be
+        # checked for a token count read off the whole batch (0: nothing to check)
+        self._cp_check = 0
 
     # ------------------------------------------------------------------ hooks
 
     def run_start(self, ctx: RunContext) -> None:
         self._fold_into_previous()  # (a previous run that did not end: no-op otherwise)
         self._groups = ctx.groups
+        cp = context_parallel_ranks(ctx.groups)
+        self._cp_check = cp if cp > 1 and self.num_tokens_fn is None else 0
         device = ctx.device
         self._clock.sync_fn = (
             partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
@@ -232,6 +251,11 @@ class RuntimeMonitor(VitalsCallback):
             return
         self._clock.start()
         self._counter.add(batch.batch_size, batch.num_tokens)
+        if self._cp_check and batch.batch is not None:
+            # (once per run, on its first micro-batch told with its batch: shapes only)
+            cp, self._cp_check = self._cp_check, 0
+            if tokens_read_off_batch(batch):
+                self.warn_once("cp_tokens", context_parallel_tokens_warning(cp, "time/tokens"))
 
     def validation_start(self, ctx: RunContext) -> None:
         self._clock.pause()  # waits for the device's queued work first (sync_fn)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
-from trainvitals.adapters.context import BatchInfo, RunContext
+from trainvitals.adapters.context import BatchInfo, RunContext, infer_num_tokens
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.distributed import (
     CollectiveCall,
@@ -28,10 +29,17 @@ from trainvitals.stats.flops import (
     device_name_of,
     peak_flops,
 )
-from trainvitals.stats.runtime import TrainClock
+from trainvitals.stats.runtime import TrainClock, as_float_state
 from trainvitals.stats.throughput import COUNT_FIELDS, RollingWindow, StepCounter, to_vector
 
-__all__ = ["ThroughputMonitor", "count_reduction_calls", "reduce_counts"]
+__all__ = [
+    "ThroughputMonitor",
+    "context_parallel_ranks",
+    "context_parallel_tokens_warning",
+    "count_reduction_calls",
+    "reduce_counts",
+    "tokens_read_off_batch",
+]
 
 # Which group each count of a StepRecord (COUNT_FIELDS[1:]) is summed over. Samples and batches:
 # the data-parallel ranks (tensor-, context- and pipeline-parallel peers share their samples).
@@ -129,6 +137,38 @@ def _decode_measured(entry: Any) -> tuple[tuple[str, float] | None, float | None
     return (_UNIT_CODES[int(entry[0]) - 1], float(entry[1])), seq
 
 
+def context_parallel_ranks(groups: ProcessGroups) -> int:
+    """Ranks that split each data stream's sequences (context parallelism): ``|dp_cp| / |dp|``.
+    Tokens are summed over them (each must count its own slice), samples are not."""
+    return max(group_size(groups.dp_cp) // max(group_size(groups.dp), 1), 1)
+
+
+def tokens_read_off_batch(batch: BatchInfo) -> bool:
+    """Whether ``batch``'s token count is the one :func:`infer_num_tokens` reads off the
+    batch told: an ``int`` equal to it (a count given as a 0-d tensor, or as another number,
+    is the user's). Host work only (shapes), no read of a device tensor."""
+    n = batch.num_tokens
+    if batch.batch is None or isinstance(n, bool) or not isinstance(n, int):
+        return False
+    try:
+        return n == infer_num_tokens(batch.batch)
+    except Exception:  # (a check for a warning: never the reason a step fails)
+        return False
+
+
+def context_parallel_tokens_warning(cp: int, keys: str) -> str:
+    """The warning when the token count was read off the batch under context parallelism."""
+    return (
+        f"tokens are summed over the {cp} context-parallel ranks of each data stream, each "
+        "counting its own slice of the sequence, and this rank's count was read off the batch "
+        "it was told (infer_num_tokens). If that batch holds the whole sequence (vitals.batch() "
+        "before the context-parallel split, as torchtitan's and Accelerate's loops hold it; "
+        f"Lightning's training_step batch), {keys} are {cp}x too high: pass this rank's "
+        "share as num_tokens= (driver) or num_tokens_fn, or call vitals.batch() with the "
+        "split batch (warned once; ignore it if the batch told is already this rank's slice)"
+    )
+
+
 def _nothing_untrained() -> dict[str, Any]:
     """The micro-batches, samples and tokens of a step that did not train: none yet."""
     return {"batches": 0, "samples": 0, "tokens": 0}
@@ -218,15 +258,26 @@ class ThroughputMonitor(VitalsCallback):
     so ranks that see no tokens (pipeline stages past the first) need not report any; measured,
     every rank's own count summed over all ranks, left out (not written low) while some rank
     lacks the count its flops scale with in a step of the window. A device's own flops, given
-    per token (sample), are the model's flops of its tokens (samples) split evenly over the
-    devices that share its data stream (tensor-, pipeline- and context-parallel peers): pipeline
-    stages of unequal cost are each off (their sum is not); measured, they are what the device
-    ran. MFU needs the device's dense peak FLOP/s: ``peak_flops`` (per device) or the table in
-    :mod:`trainvitals.stats.flops` for the CUDA device at ``precision`` (``tf32`` on a V100,
-    which has no TF32 tensor cores, is its ``fp32`` figure). Without ``peak_flops`` no MFU key
-    is written on a CUDA device the table lacks, on a MIG slice or at a precision the device's
-    row lacks (``fp32`` on a B200, ``fp8`` on an A100: warned once), nor on a device that is
-    not CUDA (CPU: no warning).
+    per token, are the model's flops of its tokens split evenly over the devices that hold the
+    same tokens (its tensor- and pipeline-parallel peers; a context-parallel rank counts its
+    own slice of each sequence, so it is not divided by the context-parallel size); given per
+    sample, the model's flops of its samples split evenly over the devices that share them
+    (tensor-, pipeline- and context-parallel peers): pipeline stages of unequal cost are each
+    off (their sum is not); measured, they are what the device ran. Under context parallelism
+    each rank must count its own slice of the sequence as its tokens (the token keys and, per
+    token, the flops keys are sums over the context-parallel ranks): a count read off the whole
+    sequence (``vitals.batch(batch)`` before the split, as torchtitan's and Accelerate's
+    context-parallel loops hold the batch; Lightning's ``training_step`` batch) is ``cp`` times
+    too high. Pass this rank's share (``num_tokens=`` to ``vitals.batch()``, or
+    ``num_tokens_fn``), or tell the driver the batch after the split; a count read off the
+    batch (no count given) with more than one context-parallel rank is warned about once per
+    run, at its first micro-batch (shapes only, no device read). MFU needs the device's dense
+    peak FLOP/s: ``peak_flops`` (per device) or the table in :mod:`trainvitals.stats.flops`
+    for the CUDA device at ``precision`` (``tf32`` on a V100, which has no TF32 tensor cores,
+    is its ``fp32`` figure). Without ``peak_flops`` no MFU key is written on a CUDA device
+    the table lacks, on a MIG slice or at a precision the device's row lacks (``fp32`` on a
+    B200, ``fp8`` on an A100: warned once), nor on a device that is not CUDA (CPU: no
+    warning).
 
     Args:
         window_size: optimizer steps in the rolling window.
@@ -262,10 +313,10 @@ class ThroughputMonitor(VitalsCallback):
     =====================================  =========================================================  =========
     key                                    meaning                                                    unit
     =====================================  =========================================================  =========
-    ``throughput/batches_per_sec``         micro-batches of all data-parallel ranks per second        batches/s
+    ``throughput/batches_per_sec``         micro-batches of all data-parallel ranks per second (*)    batches/s
     ``throughput/samples_per_sec``         samples of all data-parallel ranks per second              samples/s
     ``throughput/tokens_per_sec``          tokens of all data- and context-parallel ranks per second  tokens/s
-    ``throughput/device/batches_per_sec``  this rank's micro-batches per second                       batches/s
+    ``throughput/device/batches_per_sec``  this rank's micro-batches per second (*)                   batches/s
     ``throughput/device/samples_per_sec``  this rank's samples per second                             samples/s
     ``throughput/device/tokens_per_sec``   this rank's tokens per second                              tokens/s
     ``throughput/seconds_per_step``        mean training wall time per optimizer step in the window   s
@@ -275,11 +326,18 @@ class ThroughputMonitor(VitalsCallback):
     ``throughput/device/mfu``              ``device/flops_per_sec / peak`` (peak known)               fraction
     =====================================  =========================================================  =========
 
+    (*) A batch here is a micro-batch, as in Lightning's ``ThroughputMonitor`` (one per
+    ``on_train_batch_end``); in Composer's ``SpeedMonitor`` and Megatron-Bridge's
+    ``report_throughput`` a batch is one optimizer step over the global batch, so their
+    ``batches_per_sec`` is optimizer steps per second (``1 / throughput/seconds_per_step``
+    here), data-parallel size times accumulation steps below ours.
+
     Which flops: given (``flops_per_token``/``flops_per_sample``), model flops, as Megatron-LM's
     and torchtitan's MFU count them (activation recomputation not counted): ``throughput/mfu``
     is Megatron-LM's throughput per GPU over the peak (the model flops of all data streams
     over all devices' peak), ``throughput/device/mfu`` torchtitan's (the flops of this rank's
-    tokens split over its tensor-, pipeline- and context-parallel peers); measured
+    tokens split over its tensor- and pipeline-parallel peers, of its samples over its
+    tensor-, pipeline- and context-parallel peers); measured
     (``measure_flops``), the flops this rank's matmuls ran, summed over every rank for the
     global keys: hardware flops (a forward re-run by activation checkpointing and the scores
     fused attention recomputes in its backward counted, so hardware flops utilisation in
@@ -298,17 +356,24 @@ class ThroughputMonitor(VitalsCallback):
     Lightning's automatic optimization (no backward; Lightning still advances ``global_step``)
     counts in the batch, sample and token rates and its time in the window (data read, as
     Lightning's ``ThroughputMonitor`` and Composer's ``SpeedMonitor`` count every batch), but
-    adds no flops: the flops and MFU keys cover trained micro-batches only, and a step holding
-    one is not the step ``measure_flops`` measures. Under the driver every micro-batch told with
+    adds no flops: the flops and MFU keys cover trained micro-batches only (also after a
+    checkpoint, which makes the window's entries global, and after a resume: the state keeps
+    each entry's untrained samples and tokens, ``untrained``; a checkpoint without them takes
+    its entries as trained), and a step holding one is not the step ``measure_flops``
+    measures. Under the driver every micro-batch told with
     ``vitals.batch()`` counts as trained: call it only for micro-batches that run a backward.
     A rate whose count some rank could not provide (a batch without a
     tensor, no ``input_ids``) is not written. Names follow Composer's ``SpeedMonitor`` and
     Megatron-Bridge's ``report_throughput``; ``throughput/mfu`` (global) and
-    ``throughput/seconds_per_step`` are ours, and our global rates are sums over the ranks where
-    theirs are rank 0 times the world size (Lightning's ``ThroughputMonitor``).
-    ``throughput/device/*`` are this rank's own counts (Composer's meaning); Megatron-Bridge's
-    are the global rates divided by the world size, which differs under tensor or context
-    parallelism (peers share their samples).
+    ``throughput/seconds_per_step`` are ours. Deviations: ``batches`` are micro-batches (the
+    table's note); the global rates are counts summed over the ranks (Lightning's are rank
+    0's times the world size, Megatron-Bridge's the configured global batch size per
+    iteration); ``throughput/device/*`` are this rank's own counts, Lightning's per-device
+    meaning, where Composer (``composer/callbacks/speed_monitor.py``:
+    ``dev_samples_per_sec = samples_per_sec / world_size``, likewise batches, tokens and
+    flops) and Megatron-Bridge divide the global rate by the world size, which differs when
+    ranks see different counts and under tensor, pipeline or context parallelism (peers share
+    their samples).
 
     Example::
 
@@ -385,6 +450,11 @@ class ThroughputMonitor(VitalsCallback):
         self._clock = TrainClock(clock)
         self._counter = StepCounter()
         self._window = RollingWindow(window_size)
+        # Parallel to the window's entries: (samples, tokens) of each step's micro-batches that
+        # did not train (see on_train_batch_end), which the global flops leave out. Non-zero
+        # only in a single-process run (Lightning refuses a None training_step on several
+        # ranks), so they are global counts as they stand: no collective.
+        self._untrained_window: deque[tuple[Any, Any]] = deque(maxlen=window_size)
         self._last_end: float | None = None  # train-clock reading at the previous step end
         self._steps_this_run = 0
         # Steps, and micro-batches, samples and tokens summed over the ranks that see different
@@ -425,6 +495,9 @@ class ThroughputMonitor(VitalsCallback):
         self._peak: float | None = None
         self._mp = {"tokens": 1, "samples": 1}
         self._cuda: torch.device | None = None
+        # context-parallel ranks while this run's first told micro-batch is still to be
+        # checked for a token count read off the whole batch (0: nothing to check)
+        self._cp_check = 0
 
     # ------------------------------------------------------------------ hooks
 
@@ -462,6 +535,8 @@ class ThroughputMonitor(VitalsCallback):
             "tokens": max(world // group_size(ctx.groups.dp_cp), 1),
             "samples": max(world // group_size(ctx.groups.dp), 1),
         }
+        cp = context_parallel_ranks(ctx.groups)
+        self._cp_check = cp if cp > 1 and self.num_tokens_fn is None else 0
 
     def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
         self._leave_left_on()
@@ -485,6 +560,12 @@ class ThroughputMonitor(VitalsCallback):
             self._session.start()
         self._counter.add(batch.batch_size, batch.num_tokens)
         self._last_sizes = (batch.batch_size, batch.num_tokens)
+        if self._cp_check and batch.batch is not None:
+            # (once per run, on its first micro-batch told with its batch: shapes only)
+            cp, self._cp_check = self._cp_check, 0
+            if tokens_read_off_batch(batch):
+                keys = "the token rates and, with flops_per_token, the flops and MFU keys"
+                self.warn_once("cp_tokens", context_parallel_tokens_warning(cp, keys))
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -502,8 +583,9 @@ class ThroughputMonitor(VitalsCallback):
             samples, tokens = self._last_sizes
             u = self._untrained
             u["batches"] += 1
-            u["samples"] = u["samples"] + (samples or 0)
-            u["tokens"] = u["tokens"] + (tokens or 0)
+            # (``is None``, not ``or``: a 0-d device tensor's truth value is a device sync)
+            u["samples"] = u["samples"] + (0 if samples is None else samples)
+            u["tokens"] = u["tokens"] + (0 if tokens is None else tokens)
         self._last_sizes = None
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
@@ -540,6 +622,7 @@ class ThroughputMonitor(VitalsCallback):
         # several optimizers under Lightning's manual optimization)
         record = self._counter.take(seconds, steps=ctx.step_increment)
         record.flops = self._device_flops(record)
+        untrained = (self._untrained["samples"], self._untrained["tokens"])
         self._untrained = _nothing_untrained()
         if self._carried_in_step:
             self._carried_in_step = False
@@ -557,6 +640,7 @@ class ThroughputMonitor(VitalsCallback):
             )
         if self._steps_this_run > self.warmup_steps:
             self._window.append(record)
+            self._untrained_window.append(untrained)
         if log:
             self.write(ctx, self._rates(ctx))
 
@@ -666,9 +750,11 @@ class ThroughputMonitor(VitalsCallback):
     def _global_flops(self, g: dict[str, float]) -> float | None:
         """Flops of all ranks in the window (``g``: its counts summed over ranks), or ``None``
         when some count is missing. Given per token (sample), the model's flops per token times
-        the tokens of every data stream: exact however the model is split over devices, and
-        not reliant on ranks that see no data (pipeline stages past the first) reporting
-        tokens. Measured (each rank its own part of the model): the sum of every rank's."""
+        the trained tokens of every data stream (those of micro-batches that did not train left
+        out, on every path: live entries and entries restored from a checkpoint alike): exact
+        however the model is split over devices, and not reliant on ranks that see no data
+        (pipeline stages past the first) reporting tokens. Measured (each rank its own part of
+        the model): the sum of every rank's, each of trained micro-batches only."""
         unit = self._flops_unit()
         if unit is None:
             return None
@@ -677,8 +763,17 @@ class ThroughputMonitor(VitalsCallback):
             return None
         model_flops = self.flops_per_token or self.flops_per_sample
         if model_flops is not None:
-            return g[name] * model_flops
+            return (g[name] - self._untrained_sums()[name]) * model_flops
         return None if math.isnan(g["flops"]) else g["flops"]
+
+    def _untrained_sums(self) -> dict[str, float]:
+        """Samples and tokens of the window's micro-batches that did not train (host numbers:
+        read on a logging step only)."""
+        samples: Any = 0
+        tokens: Any = 0
+        for s, t in self._untrained_window:
+            samples, tokens = samples + s, tokens + t
+        return dict(zip(("samples", "tokens"), to_vector([samples, tokens]).tolist(), strict=True))
 
     def _count_totals(self, record: Any) -> None:
         self._totals["steps"] += 1
@@ -715,15 +810,6 @@ class ThroughputMonitor(VitalsCallback):
             if loc[f"{unit}_missing"] == 0:
                 out[f"throughput/device/{unit}_per_sec"] = loc[unit] / seconds
         global_flops = self._global_flops(g)
-        if (
-            global_flops is not None
-            and ctx.world_size == 1
-            and live.steps == local_sums.steps
-            and not math.isnan(loc["flops"])
-        ):
-            # one process, no entry restored from a multi-rank run: its own flops are the
-            # run's, those of trained micro-batches only (see on_train_batch_end)
-            global_flops = loc["flops"]
         if global_flops is not None:
             flops_per_sec = global_flops / seconds
             out["throughput/flops_per_sec"] = flops_per_sec
@@ -764,16 +850,19 @@ class ThroughputMonitor(VitalsCallback):
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict[str, Any]:
-        """Window, totals and measured flops. On a multi-rank run this is collective (the window's
-        counts and the totals are summed over the ranks so that rank 0's copy restores exact
-        global rates and totals): call it on every rank, as Lightning's and Accelerate's
-        checkpointing do. ``totals``: optimizer steps, and micro-batches, samples and tokens
-        summed over the ranks as the global rates are (samples and batches over data-parallel
-        ranks, tokens over data- and context-parallel ranks). ``measured_by_rank``: every rank's
-        own measured flops per unit (``[unit code, flops, tokens per sample]``, ranks in world
-        order, gathered in the same collective), so that each rank restores its own: pipeline
-        stages and tensor/expert-parallel ranks of uneven work measure different figures.
-        ``measured`` is this rank's (rank 0's in a checkpoint)."""
+        """Window, untrained counts of its entries, totals and measured flops. On a multi-rank
+        run this is collective (the window's counts and the totals are summed over the ranks so
+        that rank 0's copy restores exact global rates and totals): call it on every rank, as
+        Lightning's and Accelerate's checkpointing do. ``totals``: optimizer steps, and
+        micro-batches, samples and tokens summed over the ranks as the global rates are
+        (samples and batches over data-parallel ranks, tokens over data- and context-parallel
+        ranks). ``untrained``: ``[samples, tokens]`` of each window entry's micro-batches that
+        did not train (single-process runs only, so already global), which the global flops
+        leave out. ``measured_by_rank``: every rank's own measured flops per unit (``[unit
+        code, flops, tokens per sample]``, ranks in world order, gathered in the same
+        collective), so that each rank restores its own: pipeline stages and
+        tensor/expert-parallel ranks of uneven work measure different figures. ``measured`` is
+        this rank's (rank 0's in a checkpoint)."""
         idx, live = self._window.live_matrix()
         # window_size + 3 * slots + 2 rows on every rank, however many entries are live here:
         # the collective's size follows from the configuration alone, so the checkpoint guard
@@ -805,6 +894,10 @@ class ThroughputMonitor(VitalsCallback):
         by_rank = summed[size : size + 3 * slots, _FLOPS_COLUMN].view(slots, 3).tolist()
         return {
             "window": self._window.state_dict(),
+            # (samples, tokens) that did not train, per window entry: global counts (above)
+            "untrained": [
+                [as_float_state(s), as_float_state(t)] for s, t in self._untrained_window
+            ],
             "totals": {k: float(v) for k, v in self._totals.items()},
             "measured": list(self._measured) if self._measured is not None else None,
             "measured_tokens_per_sample": self._measured_seq,
@@ -831,6 +924,18 @@ class ThroughputMonitor(VitalsCallback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._window.load_state_dict(state_dict.get("window", {}))
+        # the window keeps the last entries of the saved ones: so does the parallel list. A
+        # state saved before it existed (or not matching the window) loads as all trained.
+        untrained = state_dict.get("untrained") or []
+        saved = len(state_dict.get("window", {}).get("records", []))
+        kept = len(self._window)
+        self._untrained_window.clear()
+        if len(untrained) == saved:
+            self._untrained_window.extend(
+                (float(s), float(t)) for s, t in untrained[saved - kept :]
+            )
+        else:
+            self._untrained_window.extend([(0.0, 0.0)] * kept)
         totals = state_dict.get("totals", {})
         self._totals = {k: totals.get(k, 0) for k in self._totals}
         self._totals["steps"] = int(self._totals["steps"])
