@@ -168,12 +168,12 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     if not spans:
         given = Path(args.run_dir)
         path = tensor_stats_path(given)
-        if _is_blank(path):
+        if _holds_no_whole_line(path):
             # (a run that has not logged yet, or whose first line was cut: "is it a
             # tensor_stats.jsonl file?" of the very file the monitor writes misled)
             return (
                 f"{path} holds no line yet: TensorStatsMonitor writes one per logging step "
-                "and kind (none logged so far)",
+                "and kind (none logged so far, or only a line cut by a crash)",
                 True,
             )
         if given.is_file():
@@ -199,11 +199,18 @@ def _why_empty(args: argparse.Namespace) -> tuple[str, bool]:
     return "no matching tensors", False
 
 
-def _is_blank(path: Path) -> bool:
-    """Whether ``path`` holds only whitespace (an empty file), read in blocks."""
+def _holds_no_whole_line(path: Path) -> bool:
+    """Whether ``path`` holds no line end after any text: empty or blank, or its only text is
+    a line cut by a crash (or still being written). Read in blocks."""
+    text = False  # text seen: the next line end closes a whole line
     with open(path, "rb") as f:
         while block := f.read(1 << 16):
-            if block.strip():
+            if not text:
+                rest = block.lstrip()
+                if not rest:
+                    continue
+                text, block = True, rest
+            if b"\n" in block:
                 return False
     return True
 

@@ -192,6 +192,45 @@ def global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def launch_rank() -> int | None:
+    """This process's global rank as far as it can be told now; ``None`` when it is known
+    only not to be rank 0.
+
+    The process group's rank when it is initialised. Before that, the launcher's environment:
+
+    * ``RANK`` (torchrun, Accelerate, DeepSpeed set it);
+    * else Lightning's own launcher, which sets ``LOCAL_RANK`` and ``NODE_RANK`` (or
+      ``GROUP_RANK``) but not ``RANK``: its global rank is ``NODE_RANK * processes per node +
+      LOCAL_RANK`` (Lightning's strategies), and processes per node is not in the
+      environment. So a non-zero ``LOCAL_RANK`` on node 0 is the rank itself, and on another
+      node the rank is unknown (``None``) but not 0. These come before ``SLURM_PROCID``, which
+      a process started by such a launcher inside one SLURM task inherits (Lightning reads
+      ``LOCAL_RANK`` first for that reason: ``lightning_utilities/core/rank_zero.py``,
+      ``_get_rank``);
+    * else ``SLURM_PROCID`` (one SLURM task per process: Lightning's ``SLURMEnvironment``
+      takes it as the global rank);
+    * else 0.
+    """
+    if is_distributed():
+        return dist.get_rank()
+    import os
+
+    def read(name: str) -> int | None:
+        value = os.environ.get(name, "").strip()
+        return int(value) if value.lstrip("-").isdigit() else None
+
+    rank = read("RANK")
+    if rank is not None:
+        return rank
+    local = read("LOCAL_RANK") or 0
+    node = read("NODE_RANK")
+    node = read("GROUP_RANK") if node is None else node
+    if local > 0 or (node or 0) > 0:  # not the first process of the first node
+        return local if not node else None
+    slurm = read("SLURM_PROCID")
+    return 0 if slurm is None else slurm
+
+
 def _torch_op(op: str) -> dist.ReduceOp:
     return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
 

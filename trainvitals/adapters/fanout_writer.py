@@ -742,6 +742,7 @@ def _after_fork_in_child() -> None:
         writer._values = {}
         writer._has_tensors = False
         writer._active = False
+        writer._resolved = True  # (a writer whose rank was not known yet stays inactive)
         writer._fork_warned = False
 
 
@@ -911,9 +912,13 @@ class FanoutWriter:
             :class:`~trainvitals.adapters.WandbSink`, :class:`~trainvitals.adapters.JsonlSink`
             or any :class:`~trainvitals.adapters.Sink`).
         rank: this process's global rank; ``None`` asks
-            :func:`trainvitals.distributed.global_rank`. Only rank 0 delivers; on every other
-            rank the writer checks its input (so every rank raises on the same bad call) and
-            drops it, and never opens a sink.
+            :func:`trainvitals.distributed.launch_rank` when the writer first needs it (its
+            first value; a ``flush()`` or ``close()`` after ``resume_at``), not when it is
+            built: the process group's rank when it exists by then, else ``RANK``, Lightning's
+            ``LOCAL_RANK``/``NODE_RANK``, ``SLURM_PROCID``, 0 (so a writer built before
+            ``trainer.fit()`` or ``init_process_group`` gets the right rank). Only rank 0
+            delivers; on every other rank the writer checks its input (so every rank raises
+            on the same bad call) and drops it, and never opens a sink.
         background: deliver from background threads (default). ``False`` delivers in the
             calling thread at each step boundary (for debugging; a hanging sink then hangs
             the caller).
@@ -982,7 +987,9 @@ class FanoutWriter:
             raise ValueError("sink_timeout must be > 0 and close_timeout >= 0")
         if len(retry_backoff) != 2 or not 0 <= retry_backoff[0] <= retry_backoff[1]:
             raise ValueError("retry_backoff must be (first, largest) with 0 <= first <= largest")
-        self.rank = distributed.global_rank() if rank is None else int(rank)
+        # None: worked out when the writer first needs it (see _resolve_rank)
+        self._rank: int | None = None if rank is None else int(rank)
+        self._resolved = False
         self.sinks = sinks
         self.background = background
         self.buffer_steps = buffer_steps
@@ -991,7 +998,7 @@ class FanoutWriter:
         self.sink_timeout = float(sink_timeout)
         self.flush_timeout = flush_timeout
         self.close_timeout = float(close_timeout)
-        self._active = self.rank == 0
+        self._active = False  # this process delivers: rank 0, once known (_activate)
 
         # training-thread state
         self._lock = threading.Lock()
@@ -1027,28 +1034,76 @@ class FanoutWriter:
         self._queued_steps: deque[tuple[int, int]] | None = None
         self._delivering = threading.local()
         self._patches: list[AttributePatch] = []  # (flush_before_finish), undone at close()
-        if self._active:
-            names: set[str] = set()
-            for s in sinks:
-                name = s.name
-                i = 2
-                while name in names:
-                    name, i = f"{s.name}#{i}", i + 1
-                names.add(name)
-                threaded = background and s.thread_safe
-                worker = _SinkWorker(self, s, name, threaded)
-                self._workers.append(worker)
-                install = getattr(s, "install_order_hook", None)
-                if not threaded and callable(install):
-                    # TrackerSink, LightningLoggerSink: the loop logs to the same object
-                    # (accelerator.log(step=), Lightning's log_metrics(step=)); it wraps that
-                    # call to have our lower steps delivered first (see _deliver_before)
-                    self._queued_steps = deque()
-                    install(_order_hook(weakref.ref(self), weakref.ref(worker)))
-            self._capturing = [w for w in self._workers if w.captures]
+        if self._rank is not None:
+            self._resolved = True
+            if self._rank == 0:
+                self._activate()
+        else:
+            # (its lock is replaced in a forked child, which never delivers for it)
             _live_writers.add(self)
-            _register_exit_hook()
-            _ProcessEnd.watch()
+
+    @property
+    def rank(self) -> int | None:
+        """This process's global rank: the ``rank=`` given, or, with ``rank=None``, the one
+        :func:`trainvitals.distributed.launch_rank` gave when the writer first needed it (its
+        first value, or a ``flush()``/``close()`` after ``resume_at``). Until then what that
+        function says now; ``None`` while the environment only says the rank is not 0."""
+        return self._rank if self._rank is not None else distributed.launch_rank()
+
+    def _resolve_rank(self) -> bool:
+        """Whether this process delivers (lock held). With ``rank=None`` the rank is worked
+        out at the first call that needs it, not in ``__init__``: a writer built before the
+        process group exists (before Lightning's ``fit()``, whose launcher sets no ``RANK``)
+        took rank 0 on every process, and each one delivered (two runs in MLflow, two writers
+        of one JSONL file). Fixed once known; while the environment says only "not rank 0"
+        (``launch_rank()`` is ``None``) nothing is delivered and it is asked again later."""
+        if self._resolved:
+            return self._active
+        if self._pid != os.getpid():  # a forked child's copy never delivers
+            self._resolved = True
+            return False
+        rank = distributed.launch_rank()
+        if rank is None:
+            return False
+        self._rank = rank
+        self._resolved = True
+        if rank == 0:
+            self._activate()
+            if self._resume_step is not None:
+                self._resume_sinks(self._resume_step)
+        return self._active
+
+    def _activate(self) -> None:
+        """Rank 0: one worker per sink; the exit hooks."""
+        self._active = True
+        names: set[str] = set()
+        for s in self.sinks:
+            name = s.name
+            i = 2
+            while name in names:
+                name, i = f"{s.name}#{i}", i + 1
+            names.add(name)
+            threaded = self.background and s.thread_safe
+            worker = _SinkWorker(self, s, name, threaded)
+            self._workers.append(worker)
+            install = getattr(s, "install_order_hook", None)
+            if not threaded and callable(install):
+                # TrackerSink, LightningLoggerSink: the loop logs to the same object
+                # (accelerator.log(step=), Lightning's log_metrics(step=)); it wraps that
+                # call to have our lower steps delivered first (see _deliver_before)
+                self._queued_steps = deque()
+                install(_order_hook(weakref.ref(self), weakref.ref(worker)))
+        self._capturing = [w for w in self._workers if w.captures]
+        _live_writers.add(self)
+        _register_exit_hook()
+        _ProcessEnd.watch()
+
+    def _resume_sinks(self, step: int) -> None:
+        for s in self.sinks:
+            try:
+                s.resume_at(step)
+            except Exception as e:  # a sink's bookkeeping must not stop the run
+                _warn(f"trainvitals FanoutWriter: sink {s.name!r}: resume_at failed: {e!r}")
 
     def __repr__(self) -> str:
         names = [w.name for w in self._workers] or [s.name for s in self.sinks]
@@ -1123,7 +1178,9 @@ class FanoutWriter:
         attribute, taken back at :meth:`close`; on a rank that does not deliver, and for an
         object that takes no attributes, it does nothing.
         """
-        if not self._active or self._closed or not callable(getattr(obj, method, None)):
+        with self._lock:
+            active = self._resolve_rank()
+        if not active or self._closed or not callable(getattr(obj, method, None)):
             return
         original = getattr(obj, method)
         with contextlib.suppress(AttributeError, TypeError):  # (no instance attributes)
@@ -1197,7 +1254,7 @@ class FanoutWriter:
                 self._advance(step, name)
             if self._closed:
                 self._warn_closed()
-            elif self._active:
+            elif self._active or (not self._resolved and self._resolve_rank()):
                 values = self._values
                 if not values:
                     self._step_time = time.time() if walltime is None else walltime
@@ -1278,7 +1335,7 @@ class FanoutWriter:
                 self._advance(step, next(iter(checked)))
             if self._closed:
                 self._warn_closed()
-            elif self._active:
+            elif self._active or (not self._resolved and self._resolve_rank()):
                 values = self._values
                 if not values:
                     self._step_time = time.time() if walltime is None else walltime
@@ -1541,13 +1598,8 @@ class FanoutWriter:
                 )
                 return
             self._resume_step = step
-            if not self._active:
-                return
-            for s in self.sinks:
-                try:
-                    s.resume_at(step)
-                except Exception as e:  # a sink's bookkeeping must not stop the run
-                    _warn(f"trainvitals FanoutWriter: sink {s.name!r}: resume_at failed: {e!r}")
+            if self._active:  # (else the sinks are told when the rank is known to be 0)
+                self._resume_sinks(step)
 
     def end_step(self) -> None:
         """Hand the current step's values to the sinks now, without waiting for the first
@@ -1584,7 +1636,12 @@ class FanoutWriter:
 
             writer.flush()   # e.g. before a checkpoint, or before reading the files back
         """
-        if not self._active or self._pid != os.getpid():
+        if not self._active:
+            with self._lock:
+                # nothing logged yet; but the sinks must act on a resume_at (cut their files)
+                if self._resume_step is None or not self._resolve_rank():
+                    return True
+        if self._pid != os.getpid():
             return True
         with self._lock:
             if self._closed:
@@ -1670,6 +1727,8 @@ class FanoutWriter:
                     for s in self.sinks:
                         s.run_failed = True
                         s.run_interrupted = interrupted
+                if not self._resolved and self._resume_step is not None:
+                    self._resolve_rank()  # rank 0's sinks act on resume_at when they close
                 if self._active and self._pid == os.getpid():
                     try:
                         self._close_step()

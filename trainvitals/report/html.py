@@ -76,7 +76,13 @@ from trainvitals.report.query import (
     parse_steps,
     read_tensor_stats,
 )
-from trainvitals.report.sources import StepValues, find_metrics, load_metrics, name_a_few
+from trainvitals.report.sources import (
+    StepValues,
+    find_metrics,
+    holds_values,
+    load_metrics,
+    name_a_few,
+)
 from trainvitals.stats.moments import FIELDS
 
 __all__ = ["DEFAULT_MAX_POINTS", "decimate", "family_of", "render_report", "write_report"]
@@ -886,23 +892,13 @@ def render_report(
         if metrics_path is not None:
             source = load_metrics(metrics_path, keep, first, last)
             series = {key: _Series(points) for key, points in source.values.items()}
-            if not series:
-                wanted = [f"keys {globs}"] * (globs is not None) + [f"steps {steps}"] * (
-                    steps is not None
-                )
-                warnings.warn(
-                    f"{source.description}: no metric "
-                    + (f"within {' and '.join(wanted)}" if wanted else "values"),
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
             times = source.times
             sources.append(html.escape(source.description))
         kinds = {kind: _KindStats(kind) for kind in KINDS}
         tensor_steps: list[int] = []  # the first and last step of the records shown
         newer = ""  # the tensor statistics file is of a newer trainvitals: why it is not shown
+        lines = 0  # the tensor-statistics records of the steps shown, of any kind
         if stats_path.exists():
-            lines = 0  # the records of the steps shown
             try:
                 # (the lines of steps outside first..last are passed over unparsed where their
                 # start tells their step: read_tensor_stats, as `trainvitals query --steps`)
@@ -935,6 +931,19 @@ def render_report(
                 )
             )
 
+        if not series and not tensor_steps and not newer:
+            filtered = globs is not None or first is not None or last is not None
+            _nothing_to_report(metrics_path, stats_path, filtered=filtered, counted=lines)
+        if metrics_path is not None and not series:
+            wanted = [f"keys {globs}"] * (globs is not None) + [f"steps {steps}"] * (
+                steps is not None
+            )
+            warnings.warn(
+                f"{source.description}: no metric "
+                + (f"within {' and '.join(wanted)}" if wanted else "values"),
+                RuntimeWarning,
+                stacklevel=2,
+            )
         load_nav, load_html = _expert_load_section(series)
         nav, sections = _metrics_sections(series, max_points)
         nav = load_nav + nav
@@ -968,9 +977,11 @@ def render_report(
     # the span of what the page shows: the metrics and the tensor records within --steps
     ends = [s for ser in series.values() for s in (ser.points.steps[0], ser.points.steps[-1])]
     ends += tensor_steps
+    # (nothing within --steps/--keys: no span, and no bare "; " opening the line)
     span = f"steps {min(ends)} to {max(ends)}" if ends else ""
-    if len(times) > 1:
+    if ends and len(times) > 1:
         span += f", {(_dt.timedelta(seconds=round(max(times) - min(times))))} of wall time"
+    span += "; " if span else ""
     name = title if title is not None else run.resolve().name
     links = "".join(['<a href="#attention">attention</a>', *nav, *t_nav])
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -978,13 +989,47 @@ def render_report(
         "<!doctype html><html lang=en><head><meta charset=utf-8>"
         f"<title>trainvitals report: {html.escape(name)}</title><style>{_CSS}</style></head><body>"
         f"<h1>trainvitals report: {html.escape(name)}</h1>"
-        f'<p class="meta">{span}; {len(series)} metric keys. Read from '
+        f'<p class="meta">{span}{len(series)} metric keys. Read from '
         f"{'; '.join(sources)}. Made {now}.</p>"
         f"<nav>{links}</nav>"
         f'<section id="attention"><h2>Attention</h2>{att_html}</section>'
         f"{load_html}"
         f"{''.join(sections)}{''.join(t_sections)}</body></html>\n"
     )
+
+
+def _nothing_to_report(
+    metrics_path: Path | None, stats_path: Path, *, filtered: bool, counted: int
+) -> None:
+    """Raise ``ValueError`` when the run's files hold nothing readable (``render_report`` found
+    nothing to show): an empty ``metrics.jsonl`` or ``tensor_stats.jsonl``, or one holding only
+    a line cut by a crash, made an empty page (exit 0) where ``trainvitals query`` says the
+    file holds no line yet (exit 2). Returns when it showed nothing only because of ``keys``
+    or ``steps`` (the files hold values outside them: the page says so). ``counted``: the
+    tensor-statistics records read, of any kind (all of them when not ``filtered``)."""
+    metrics_held = metrics_path is not None and filtered and holds_values(metrics_path)
+    stats_held = stats_path.exists() and (counted > 0 or (filtered and _holds_a_record(stats_path)))
+    if metrics_held or stats_held:
+        return
+    empty = [str(p) for p in (metrics_path, stats_path if stats_path.exists() else None) if p]
+    what = " and ".join(
+        ["no metric value"] * (metrics_path is not None)
+        + ["no tensor-statistics record"] * stats_path.exists()
+    )
+    raise ValueError(
+        f"nothing to report yet: {' and '.join(empty)} {'hold' if len(empty) > 1 else 'holds'} "
+        f"{what} (none logged so far, or only a line cut by a crash)"
+    )
+
+
+def _holds_a_record(path: Path) -> bool:
+    with warnings.catch_warnings():  # (its unreadable lines were warned about already)
+        warnings.simplefilter("ignore")
+        records = read_tensor_stats(path)
+        try:
+            return next(records, None) is not None
+        finally:
+            records.close()  # type: ignore[attr-defined]
 
 
 def _tensor_stats_path(run: Path, metrics_path: Path | None, *, metrics_given: bool) -> Path:

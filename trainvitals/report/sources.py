@@ -53,7 +53,7 @@ from pathlib import Path
 
 from trainvitals.adapters.jsonl import iter_jsonl
 
-__all__ = ["MetricsSource", "StepValues", "find_metrics", "load_metrics"]
+__all__ = ["MetricsSource", "StepValues", "find_metrics", "holds_values", "load_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 CSV_FILE = "metrics.csv"  # a Lightning CSVLogger's
@@ -246,6 +246,27 @@ def load_metrics(
     for points in src.values.values():
         points.finish()
     return src
+
+
+def holds_values(path: Path) -> bool:
+    """Whether the metrics source ``path`` (as for :func:`load_metrics`) holds at least one
+    readable value, of any key and step; reads up to the first one. Its unreadable lines are
+    not warned about again (the caller read it once already)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if path.is_dir() or path.name.startswith("events.out.tfevents."):
+            files = sorted(path.rglob(_EVENTS)) if path.is_dir() else [path]
+            values: Iterator[object] = _tensorboard_scalars(
+                files, path if path.is_dir() else None, set()
+            )
+        elif path.suffix == ".csv":
+            values = _csv_scalars(path)
+        else:
+            values = (rec for rec in iter_jsonl(path) if rec["metrics"])
+        try:
+            return next(values, None) is not None
+        finally:
+            values.close()  # type: ignore[attr-defined]  # (generators: the file is closed now)
 
 
 def _read_into(

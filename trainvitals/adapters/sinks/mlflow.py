@@ -62,7 +62,15 @@ class MLflowSink(Sink):
     ``resume=False`` creates a new run each time. MLflow keeps every point
     it was given: steps that an interrupted job logged after its checkpoint stay in the
     history beside the resumed job's values of the same steps (MLflow has no call to delete
-    points); the resumed values have the later timestamps. With ``tracking_uri`` and no
+    points); the resumed values have the later timestamps. So the run's "latest" value of a
+    metric (the runs table, ``run.data.metrics``, ``search_runs(order_by=["metrics.x"])``),
+    which MLflow's SQL store takes from the point of highest ``(step, timestamp, value)``,
+    stays the interrupted job's last value until the resumed job logs that metric at that step
+    or a later one: a job killed at step 1900 and resumed from step 1000 shows its abandoned
+    step 1900 as the run's value while the resumed job is between steps 1000 and 1899, and for
+    good when it ends before step 1900. Where runs are compared by their latest values, pass
+    ``resume=False``: the resumed job gets a new run (its history from the resume step on; the
+    earlier steps stay in the first run). With ``tracking_uri`` and no
     ``run_dir`` there is no folder to record the id in: each sink creates a run (pass
     ``run_id=`` to continue a known one).
 
