@@ -476,6 +476,11 @@ class Vitals:
         # the (innermost) optimizers handed to GradScaler.step() since its last update()
         self._scaler_stepped: set[int] = set()
         self._scaled_at_step = False  # that optimizer steps with its gradients still scaled
+        self._scaler: Any = None  # the GradScaler given to attach() (or Accelerate's)
+        # attached optimizers whose gradients are not shown in this step: clipped by
+        # vitals.clip_grad_norm_ while still multiplied by the loss scale
+        self._hidden: set[int] = set()
+        self._warned_clip_scaled = False
         self._loop_calls_batch = False
         # the attached model ran inside compiled code, where its pre-hook cannot count forwards
         self._forwards_traced = False
@@ -591,6 +596,7 @@ class Vitals:
         # GradScaler.step() calls self.unscale_(optimizer) unless the loop already did, and
         # skips optimizer.step() on inf/nan gradients (torch.amp.GradScaler.step): an instance
         # attribute catches both the explicit and the implicit call, before any skip.
+        self._scaler = scaler
         original = scaler.unscale_
         original_step = scaler.step
         original_update = scaler.update
@@ -778,6 +784,7 @@ class Vitals:
         """
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         root = self._fsdp1_root(parameters)
+        self._hide_if_scaled(parameters)
         if len(self._attached) > 1:
             self._gradients_final(parameters=parameters)
         else:
@@ -785,6 +792,41 @@ class Vitals:
         if root is not None:
             return root.clip_grad_norm_(max_norm, norm_type=kwargs.get("norm_type", 2.0))
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, **kwargs)
+
+    def _hide_if_scaled(self, parameters: list[Any]) -> None:
+        """Clipping before the attached GradScaler unscaled the gradients (torch's AMP recipe
+        calls ``scaler.unscale_(optimizer)`` first): they are still multiplied by the loss
+        scale now, and clipped after. The optimizers owning ``parameters`` show none in this
+        step rather than scaled or clipped ones (warned once)."""
+        if self._scaler is None or not _scaler_enabled(self._scaler):
+            return
+        clipped = {id(p) for p in parameters}
+        scaled = {
+            id(o)
+            for o in self.ctx.optimizers
+            if id(o) not in self._unscaled
+            and any(id(p) in clipped for group in o.param_groups for p in group["params"])
+        }
+        if not scaled or scaled <= self._hidden:
+            return
+        self._hidden |= scaled
+        if not self._warned_clip_scaled:
+            self._warned_clip_scaled = True
+            warnings.warn(
+                "trainvitals Vitals: clip_grad_norm_ was called before the GradScaler unscaled "
+                "the gradients: they are still multiplied by the loss scale (and so is what "
+                "the clipping compares with max_norm); they are not shown to the callbacks at "
+                "such steps. Call scaler.unscale_(optimizer) before clipping, as torch's AMP "
+                "recipe does (warned once)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _before_optimizer_step(self, optimizer: Any = None) -> None:
+        """The gradient hooks, unless the gradients shown would be scaled (``_hidden``)."""
+        hidden = self._hidden if optimizer is None else self._hidden & {id(optimizer)}
+        if not hidden:
+            self._each("before_optimizer_step")
 
     def _fsdp1_root(self, parameters: list[Any]) -> Any:
         """The attached FSDP1 root whose ``clip_grad_norm_`` clips ``parameters`` (flat shards,
@@ -1030,7 +1072,7 @@ class Vitals:
         self._start()
         self._grads_seen_for_step = self._shown_in_step = True
         self._awaiting_step |= self._attached
-        self._each("before_optimizer_step")
+        self._before_optimizer_step()
 
     def _show_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Several optimizers: run the gradient hooks for ``optimizer``, about to step, unless
@@ -1044,7 +1086,7 @@ class Vitals:
         self._shown_in_step = True
         self.ctx.stepping_optimizer = optimizer
         try:
-            self._each("before_optimizer_step")
+            self._before_optimizer_step(optimizer)
         finally:
             self.ctx.stepping_optimizer = None
 
@@ -1180,6 +1222,7 @@ class Vitals:
             self._last_order = self._step_order
         self._step_order = []
         self._unscaled.clear()
+        self._hidden.clear()
         self._step_batches = []
         self._carried = []
         self._carried_in_step = 0
