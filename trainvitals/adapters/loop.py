@@ -254,6 +254,18 @@ def _preparing_accelerator(model: Any, optimizers: Sequence[Any]) -> Any:
     return owners[0] if len(owners) == 1 else None
 
 
+_CLOSURE_NONE, _CLOSURE_COUNTING, _CLOSURE_DONE = 0, 1, 2
+
+
+def _probe_grad(optimizer: Any) -> torch.Tensor | None:
+    """The gradient of ``optimizer``'s first parameter that requires one (``None``: none)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                return p.grad
+    return None
+
+
 def _scaler_enabled(scaler: Any) -> bool:
     """Whether ``scaler`` scales (a ``GradScaler(enabled=False)`` never does; an object without
     ``is_enabled`` is taken to)."""
@@ -455,7 +467,18 @@ class Vitals:
         self._handles: list[Any] = []
         self._started = False
         self._grads_seen_for_step = False  # every gradient shown at once (gradients_ready)
-        self._in_closure_step = False  # inside optimizer.step(closure), between its hooks
+        # Inside optimizer.step(closure), between its hooks: _CLOSURE_COUNTING until the
+        # closure's first call returns (its micro-batches count), then _CLOSURE_DONE (later
+        # calls re-evaluate them: LBFGS); _CLOSURE_NONE outside such a step.
+        self._closure_state = _CLOSURE_NONE
+        # Per optimizer in its step(): the caller frame of its outermost step hooks and how
+        # deep its hooked steps are nested (a subclass whose step() calls super().step():
+        # torch hooks each class's step, so both fire once the parent class has an instance)
+        self._step_calls: dict[int, tuple[Any, int]] = {}
+        # Per optimizer stepped with a closure: its probe parameter's gradient (a weak
+        # reference) and version at the end of that step, to tell at the next one whether a
+        # backward made new gradients before step() (SAM's loop) or the closure will (LBFGS).
+        self._grad_marks: dict[int, tuple[Any, int] | None] = {}
         self._unscaled: set[int] = set()
         self._attached: set[int] = set()
         # Several attached optimizers: those whose gradients were shown and that have not
@@ -918,6 +941,8 @@ class Vitals:
             self._warn_closed("batch()")
             return
         self._loop_calls_batch = True
+        if self._closure_state == _CLOSURE_DONE:
+            return  # (a closure called again inside one step: the same micro-batches)
         self._micro_batch(batch, batch_size, num_tokens)
 
     def _model_pre_hook(self) -> Any:
@@ -962,9 +987,10 @@ class Vitals:
             return
         if self.ctx.in_validation or not module.training or not torch.is_grad_enabled():
             return
-        if self._in_closure_step and self.ctx.micro_batches_in_step:
-            # the closure evaluated again inside one optimizer.step(closure) (LBFGS): the
-            # same micro-batch, not another one (nor, its gradients shown, a new step)
+        if self._closure_state == _CLOSURE_DONE:
+            # the closure evaluated again inside one optimizer.step(closure) (LBFGS), or SAM's
+            # at perturbed weights: the step's micro-batches again, not new ones (nor, its
+            # gradients shown, a new step)
             return
         self._micro_batch(None, None, None)
 
@@ -1091,16 +1117,24 @@ class Vitals:
             self.ctx.stepping_optimizer = None
 
     def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        if self._nested_step(optimizer):
+            return None
         # (torch passes the step's own arguments: ``args[0]`` is the optimizer itself)
         closure = kwargs.get("closure") if "closure" in kwargs else (args[1:2] or (None,))[0]
         if callable(closure):
+            if self._new_gradients(optimizer):
+                # SAM's loop: its backward made this step's gradients before step(); the
+                # closure re-evaluates them at weights step() perturbs first: shown now
+                self._closure_state = _CLOSURE_DONE
+                self._show_gradients(optimizer)
+                return None
             # optimizer.step(closure) (LBFGS, the pattern torch documents): the gradients are
             # made by the closure's backward, inside step(); shown here they would be the last
             # step's (or none). Shown after the closure's first call instead, as Lightning
             # runs on_before_optimizer_step after its closure (LBFGS calls it again at other
             # points: the step's gradients are those of its first call).
             wrapped = self._closure_showing_gradients(optimizer, closure)
-            self._in_closure_step = True
+            self._closure_state = _CLOSURE_COUNTING
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
@@ -1115,14 +1149,25 @@ class Vitals:
             try:
                 loss = closure()
             except BaseException:
-                self._in_closure_step = False  # (step() raises: its post-hook will not run)
+                self._closure_state = _CLOSURE_NONE  # (step() raises: no post-hook)
                 raise
             if not shown:
                 shown = True
+                self._closure_state = _CLOSURE_DONE
                 self._show_gradients(optimizer)
             return loss
 
         return closure_then_gradients
+
+    def _new_gradients(self, optimizer: Any) -> bool:
+        """Whether a backward outside optimizer steps made new gradients for ``optimizer``
+        since the last step with a closure (host attributes of one parameter's gradient: its
+        object and version)."""
+        grad = _probe_grad(optimizer)
+        if grad is None:
+            return False
+        mark = self._grad_marks.get(id(optimizer))
+        return mark is None or mark[0]() is not grad or mark[1] != grad._version
 
     def _show_gradients(self, optimizer: Any) -> None:
         """The gradient hooks for ``optimizer``, about to step (its gradients are final)."""
@@ -1179,8 +1224,37 @@ class Vitals:
         else:
             self._show_optimizer(optimizer)
 
+    def _nested_step(self, optimizer: Any) -> bool:
+        """At a step pre-hook: whether this is a step() called inside the same optimizer's
+        hooked step() (``super().step()``), whose hooks are the outer call's again."""
+        key = id(optimizer)
+        outer = self._step_calls.get(key)
+        if outer is not None:
+            frame = sys._getframe(2)
+            while frame is not None:
+                if frame is outer[0]:
+                    self._step_calls[key] = (outer[0], outer[1] + 1)
+                    return True
+                frame = frame.f_back
+            # (not inside it: that step raised, its post-hook never ran)
+        self._step_calls[key] = (sys._getframe(2), 1)
+        return False
+
     def _on_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._in_closure_step = False
+        call = self._step_calls.pop(id(optimizer), None)
+        if call is not None and call[1] > 1:
+            self._step_calls[id(optimizer)] = (call[0], call[1] - 1)  # (an inner step())
+            return
+        if self._closure_state != _CLOSURE_NONE or self._grad_marks:
+            # (once a closure was seen: at every step's end, also one without a closure)
+            self._closure_state = _CLOSURE_NONE
+            # every attached optimizer's: a closure's backward also makes the gradients of
+            # another optimizer stepped next with its own closure, which are not "new" then
+            for attached in self.ctx.optimizers:
+                grad = _probe_grad(attached)
+                self._grad_marks[id(attached)] = (
+                    None if grad is None else (weakref.ref(grad), grad._version)
+                )
         self._start()
         self._awaiting_step.discard(id(optimizer))
         self._stepped.add(id(optimizer))
