@@ -199,17 +199,15 @@ def launch_rank() -> int | None:
     The process group's rank when it is initialised. Before that, the launcher's environment:
 
     * ``RANK`` (torchrun, Accelerate, DeepSpeed set it);
-    * else Lightning's own launcher, which sets ``LOCAL_RANK`` and ``NODE_RANK`` (or
-      ``GROUP_RANK``) but not ``RANK``: its global rank is ``NODE_RANK * processes per node +
-      LOCAL_RANK`` (Lightning's strategies), and processes per node is not in the
-      environment. So a non-zero ``LOCAL_RANK`` on node 0 is the rank itself, and on another
-      node the rank is unknown (``None``) but not 0. These come before ``SLURM_PROCID``, which
-      a process started by such a launcher inside one SLURM task inherits (Lightning reads
-      ``LOCAL_RANK`` first for that reason: ``lightning_utilities/core/rank_zero.py``,
-      ``_get_rank``);
-    * else ``SLURM_PROCID`` (one SLURM task per process: Lightning's ``SLURMEnvironment``
-      takes it as the global rank);
-    * else 0.
+    * else, when ``WORLD_SIZE`` is above 1, Lightning's own launcher, which sets
+      ``LOCAL_RANK`` and ``NODE_RANK`` (or ``GROUP_RANK``) but not ``RANK``: its global rank is
+      ``NODE_RANK * processes per node + LOCAL_RANK`` (Lightning's strategies), and processes
+      per node is not in the environment. So a non-zero ``LOCAL_RANK`` on node 0 is the rank
+      itself, and on another node the rank is unknown (``None``) but not 0;
+    * else 0. A single process (no ``WORLD_SIZE`` above 1) is rank 0 whatever else its
+      environment holds: a ``LOCAL_RANK`` left over, or ``SLURM_PROCID`` of one task of a
+      SLURM sweep (each task its own run), would otherwise silence it. (A multi-process
+      SLURM job's processes deliver after their process group exists: its rank then.)
     """
     if is_distributed():
         return dist.get_rank()
@@ -222,13 +220,13 @@ def launch_rank() -> int | None:
     rank = read("RANK")
     if rank is not None:
         return rank
-    local = read("LOCAL_RANK") or 0
-    node = read("NODE_RANK")
-    node = read("GROUP_RANK") if node is None else node
-    if local > 0 or (node or 0) > 0:  # not the first process of the first node
-        return local if not node else None
-    slurm = read("SLURM_PROCID")
-    return 0 if slurm is None else slurm
+    if (read("WORLD_SIZE") or 1) > 1:
+        local = read("LOCAL_RANK") or 0
+        node = read("NODE_RANK")
+        node = read("GROUP_RANK") if node is None else node
+        if local > 0 or (node or 0) > 0:  # not the first process of the first node
+            return local if not node else None
+    return 0
 
 
 def _torch_op(op: str) -> dist.ReduceOp:

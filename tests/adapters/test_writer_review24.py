@@ -17,7 +17,7 @@ from tests.adapters.conftest import RecordingSink
 from tests.helpers.dist import run_distributed
 from trainvitals.adapters import FanoutWriter, JsonlSink, read_jsonl
 
-_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID")
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "WORLD_SIZE")
 
 
 def _writer_before_the_group(rank: int, world_size: int, tmp: str) -> dict:
@@ -91,13 +91,14 @@ def test_the_rank_is_read_at_the_first_value_not_when_the_writer_is_built(no_lau
 @pytest.mark.parametrize(
     ("env", "rank"),
     [
-        ({"SLURM_PROCID": "2"}, 2),  # one SLURM task per process
         ({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2"}, 1),  # Lightning's child
-        # a Lightning child inside one SLURM task (sbatch): SLURM_PROCID is inherited
-        ({"LOCAL_RANK": "1", "SLURM_PROCID": "0"}, 1),
-        ({"LOCAL_RANK": "0", "NODE_RANK": "0", "SLURM_PROCID": "3"}, 3),
-        ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, None),  # node 1: not 0, rank unknown
-        ({"LOCAL_RANK": "1", "GROUP_RANK": "2"}, None),
+        ({"LOCAL_RANK": "0", "NODE_RANK": "1", "WORLD_SIZE": "4"}, None),  # node 1: not 0
+        ({"LOCAL_RANK": "1", "GROUP_RANK": "2", "WORLD_SIZE": "8"}, None),
+        # one process: rank 0 whatever its environment holds (a sweep's SLURM task, a
+        # LOCAL_RANK left over); before, each of these wrote nothing, without a word
+        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}, 0),
+        ({"LOCAL_RANK": "1"}, 0),
+        ({"NODE_RANK": "1", "WORLD_SIZE": "1"}, 0),
     ],
 )
 def test_rank_from_the_launchers_environment(no_launcher, env: dict, rank: int | None) -> None:
@@ -113,6 +114,7 @@ def test_rank_from_the_launchers_environment(no_launcher, env: dict, rank: int |
 
 def test_an_unknown_non_zero_rank_is_asked_again_later(no_launcher) -> None:
     no_launcher.setenv("NODE_RANK", "1")
+    no_launcher.setenv("WORLD_SIZE", "2")
     sink = RecordingSink()
     writer = FanoutWriter([sink])
     writer.add_scalar("a", 1.0, 0)  # not rank 0: dropped, the rank is not fixed

@@ -915,7 +915,7 @@ class FanoutWriter:
             :func:`trainvitals.distributed.launch_rank` when the writer first needs it (its
             first value; a ``flush()`` or ``close()`` after ``resume_at``), not when it is
             built: the process group's rank when it exists by then, else ``RANK``, Lightning's
-            ``LOCAL_RANK``/``NODE_RANK``, ``SLURM_PROCID``, 0 (so a writer built before
+            ``LOCAL_RANK``/``NODE_RANK`` (``WORLD_SIZE`` above 1), 0 (so a writer built before
             ``trainer.fit()`` or ``init_process_group`` gets the right rank). Only rank 0
             delivers; on every other rank the writer checks its input (so every rank raises
             on the same bad call) and drops it, and never opens a sink.
