@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import stat
+import threading
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 # Sinks of this process with their file open (for the warning when one moves another's
 # file aside: two writers given one path, e.g. two ``Vitals`` drivers on one ``run_dir``).
 _open_sinks: weakref.WeakSet[JsonlSink] = weakref.WeakSet()
+_open_sinks_lock = threading.Lock()  # (each writer's sinks open in their own worker thread)
 
 
 class JsonlSink(Sink):
@@ -103,11 +105,14 @@ class JsonlSink(Sink):
         # Unbuffered: a failed write (disk full) leaves nothing in a buffer that a later flush
         # would write after the retried line (the step twice in the file).
         self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - kept open
-        _open_sinks.add(self)
+        with _open_sinks_lock:
+            _open_sinks.add(self)
 
     def _other_open_sink(self) -> JsonlSink | None:
         """Another sink of this process writing to this sink's file now, if any."""
-        for sink in list(_open_sinks):
+        with _open_sinks_lock:
+            sinks = list(_open_sinks)
+        for sink in sinks:
             if sink is not self and sink._file is not None and sink.path == self.path:
                 return sink
         return None
@@ -198,7 +203,8 @@ class JsonlSink(Sink):
             return
         self._file.close()
         self._file = None
-        _open_sinks.discard(self)
+        with _open_sinks_lock:
+            _open_sinks.discard(self)
 
 
 def _size(file: io.FileIO) -> int | None:
