@@ -217,7 +217,11 @@ class TensorStatsMonitor(VitalsCallback):
     value); it is observed with tensor hooks, which never alter the autograd graph (full
     backward hooks break in-place ops such as ``ReLU(inplace=True)`` after a ``Linear``; a
     ``Linear`` output that is a view, changed in place later, is hooked through its base, see
-    :func:`_grad_target`).
+    :func:`_grad_target`). A forward that gets several backward passes (a loss per head, each
+    ``backward(retain_graph=True)``; a gradient penalty's ``torch.autograd.grad`` before
+    ``backward``) gives a site on several passes' paths one piece of its gradient per pass,
+    never the gradient of the total loss: such a site's dgrad is left out of that step on every
+    rank, with one warning per run (see :meth:`_several_backward_passes`).
 
     Args:
         kinds: which of ``"param"``, ``"grad"``, ``"activation"``, ``"dgrad"`` to record (a
@@ -243,8 +247,10 @@ class TensorStatsMonitor(VitalsCallback):
             leading ``*`` also matches ``model.lm_head/output0`` under a LightningModule).
             A glob of ``include`` or ``exclude`` that matches no name is warned about once, at
             run start (rank 0).
-        layer_pattern: regex with one capture group (e.g. ``r"layers\\.(\\d+)\\."``); when set,
-            per-layer summaries merge the tensors of each captured value.
+        layer_pattern: regex with one capture group that captures a layer number (e.g.
+            ``r"layers\\.(\\d+)\\."``); when set, per-layer summaries merge the tensors of each
+            layer number, keyed and ordered by the number. Names it matches whose capture is
+            no number (``r"^(encoder|decoder)"``) are in no layer: warned once.
         expert_pattern: regex with one capture group for the local expert index.
         kernel: ``"auto"``, ``"compile"`` or ``"eager"`` (see
             :func:`trainvitals.stats.moments.fused_moments`).
@@ -391,6 +397,8 @@ class TensorStatsMonitor(VitalsCallback):
         self._deferred_elements = 0
         self._immediate: set[tuple[str, int]] = set()
         self._dropped: set[tuple[str, int]] = set()  # left out of the current step
+        # sites whose dgrad this step got from several backward passes (left out)
+        self._refired: set[int] = set()
         self._hooks_failed = False  # hook work raised this step: no more moments this step
         self._fired = False  # a site's forward hook ran in this activation logging step
         # per site: tensors seen with autograd off that a reentrant activation checkpoint will
@@ -403,6 +411,8 @@ class TensorStatsMonitor(VitalsCallback):
         # module used outside the checkpoint too) does not cancel
         self._ckpt_held: dict[int, int] = {}
         self._grad_sites: set[int] = set()
+        # sites whose gradient hook went on a reentrant checkpoint's re-run this step
+        self._rerun_hooked: set[int] = set()
         # Several optimizers stepped apart: the step whose param/grad parts are being
         # collected, and the ids of the parameters measured in it
         self._parts_step: int | None = None
@@ -482,7 +492,7 @@ class TensorStatsMonitor(VitalsCallback):
         self._remove_site_hooks()
         self._persistent = _is_compiled(ctx.model)
         self._grad_sites, self._immediate, self._held_back = set(), set(), {}
-        self._ckpt_held = {}
+        self._ckpt_held, self._rerun_hooked = {}, set()
         self._site_groups, self._site_replicas = {}, {}
         self._sites, self._site_expert = [], []
         every_site = [
@@ -668,6 +678,8 @@ class TensorStatsMonitor(VitalsCallback):
                     self._pending[kind] = self._merged_sites(ctx, kind)
             if not self._fired and self._sites and ctx.micro_batches_in_step > 0:
                 self._warn_no_site_ran(ctx)
+            if self._refired:
+                self._warn_several_backward_passes(ctx)
         self._parts_step, self._measured = None, set()
         if not self._pending:
             return
@@ -704,6 +716,21 @@ class TensorStatsMonitor(VitalsCallback):
                 "forward"
             )
         self.warn_once("no-site-ran", f"{head}; {cause}")
+
+    def _warn_several_backward_passes(self, ctx: RunContext) -> None:
+        """Say once per run which sites' dgrads were left out for several backward passes
+        through one forward (see :meth:`_several_backward_passes`)."""
+        names = [self._sites[s] for s in sorted(self._refired)]
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+        self.warn_once(
+            "several-backward-passes",
+            f"the dgrad at {shown} got several backward passes through one forward in logging "
+            f"step {ctx.step} (backward(retain_graph=True) per loss, or torch.autograd.grad "
+            "before backward, as in a gradient penalty): each pass gives a piece of the "
+            "gradient, and the gradient of the total loss is not available per pass. Such "
+            "sites' dgrads are left out of their steps (activation, param and grad are kept; "
+            "warned once). Several losses summed into one backward() are recorded",
+        )
 
     def exception_raised(self, ctx: RunContext, exception: BaseException) -> None:
         self._drop_abandoned_steps(ctx)  # a rollback, then a crash before the next batch
@@ -881,10 +908,10 @@ class TensorStatsMonitor(VitalsCallback):
         self._acc = {
             k: MomentAccumulator(n, kernel=self.kernel) for k in ("activation", "dgrad", _UNSURE)
         }
-        self._dropped = set()
+        self._dropped, self._refired = set(), set()
         self._hooks_failed = False
         self._fired = False
-        self._held_back, self._ckpt_held = {}, {}
+        self._held_back, self._ckpt_held, self._rerun_hooked = {}, {}, set()
         self._hook_ctx = ctx
         self._collecting = True
         if not self._persistent:  # (a compiled model's are on since run_start)
@@ -942,7 +969,9 @@ class TensorStatsMonitor(VitalsCallback):
             # a forward re-run inside backward (activation checkpointing): only for the
             # gradient hooks of a reentrant checkpoint's first run, which had autograd off
             rerun = torch._C._current_graph_task_id() != -1
-            if rerun and not (want_dgrad and (self._held_back or self._ckpt_held)):
+            if rerun and not (
+                want_dgrad and (self._held_back or self._ckpt_held or self._rerun_hooked)
+            ):
                 return
             if self._hook_ctx is not None and self._hook_ctx.in_validation:
                 return
@@ -1016,6 +1045,12 @@ class TensorStatsMonitor(VitalsCallback):
                         held[site] -= 1
                         target = _grad_target(module, slot, x)
                         self._handles.append(target.register_hook(self._make_grad_hook(site)))
+                        self._rerun_hooked.add(site)
+                    elif site in self._rerun_hooked and x.requires_grad and _in_function_backward():
+                        # one re-run more than the first runs counted: a second backward pass
+                        # (retain_graph) re-ran the checkpoint, whose gradients would go
+                        # unseen beside the first pass's (no second hook call tells it here)
+                        self._several_backward_passes(site)
                     continue
                 # The gradient hook first, and even after a failure: it may hold a collective
                 # (Partial gradients) that every rank must reach.
@@ -1054,35 +1089,62 @@ class TensorStatsMonitor(VitalsCallback):
         return eager_hook(hook)
 
     def _make_grad_hook(self, site: int) -> Any:
+        # One hook per forward's tensor, and autograd calls a tensor hook once per backward
+        # pass (with the gradient summed over the tensor's consumers): a second call is a
+        # second backward pass through the same forward (see _several_backward_passes).
+        fired = False
+
         def hook(grad: torch.Tensor) -> None:
+            nonlocal fired
             if grad is None or not grad.is_floating_point():
                 return
+            again, fired = fired, True
             try:
-                observe(grad)
+                observe(grad, again)
             except Exception as exc:  # never let telemetry break the user's backward
                 self._hook_failure(exc)
 
-        def observe(grad: torch.Tensor) -> None:
+        def observe(grad: torch.Tensor, again: bool) -> None:
             groups = partial_groups(grad)
             if groups:
                 # e.g. the gradient of a replicated input of a column-parallel Linear: each
                 # tensor-parallel rank holds a partial sum. Its moments do not merge; sum the
                 # elements first (a collective per partial group, on logging steps only; every
                 # rank of the group runs the same backward, so they meet here in order, also
-                # after this rank's hook work failed).
+                # after this rank's hook work failed, and at every call of the hook: a second
+                # backward pass is only told apart after it, as skipping it on some ranks
+                # only would leave the others waiting).
                 local = all_reduce_by_groups([(local_tensor(grad).detach(), groups)], "sum")[0]
                 self._site_groups.setdefault(
                     ("dgrad", site), shard_groups(grad, include_partial=False)
                 )
                 # summed, every rank of the partial groups holds the same gradient: a replica
                 self._site_replicas.setdefault(("dgrad", site), groups + replicate_groups(grad))
-                if not self._hooks_failed:
+                if again:
+                    self._several_backward_passes(site)
+                elif not self._hooks_failed:
                     self._add_parts("dgrad", site, local.to(grad.dtype))
                 return
-            if not self._hooks_failed:
+            if again:
+                self._several_backward_passes(site)
+            elif not self._hooks_failed:
                 self._add_parts("dgrad", site, grad)
 
         return eager_hook(hook)
+
+    def _several_backward_passes(self, site: int) -> None:
+        """A site's gradient hook was called a second time, or a reentrant checkpoint re-ran
+        the site once more than its first runs counted: one forward got several backward
+        passes (several losses each with ``backward(retain_graph=True)``; a gradient penalty's
+        ``torch.autograd.grad(..., create_graph=True)`` before ``loss.backward()``). Each pass
+        brings its own piece (of one loss; of a quantity that is no loss at all), and the
+        gradient of the total loss, their elementwise sum, is never seen as one tensor: folded
+        in side by side they doubled the count and gave the statistics of the pieces (measured:
+        kurtosis 1.95 for 4.64). The site's dgrad is left out of this step, the pieces already
+        taken too (a NaN row: merged over ranks, it comes out missing on every rank, also when
+        this rank alone ran the passes; no collective added), and warned about at step end."""
+        self._dropped.add(("dgrad", site))
+        self._refired.add(site)
 
     def _add_parts(self, kind: str, site: int, x: torch.Tensor, into: str | None = None) -> None:
         """Fold ``x`` into ``kind``'s site (accumulator ``into``, default ``kind``), deferred."""
@@ -1321,10 +1383,18 @@ class TensorStatsMonitor(VitalsCallback):
             out[f"{prefix}/kurtosis_max"] = float(kurt.max())
         if self.layer_pattern is not None:
             layers: dict[int, list[int]] = {}
+            not_number: tuple[str, str | None] | None = None  # (a name, its capture)
             for i, n in enumerate(names):
                 m = self.layer_pattern.search(n)
-                if m and m.group(1).isdigit():
+                if not m:
+                    continue
+                # (isdecimal: what int() reads; isdigit() also passes superscripts)
+                if m.group(1) is not None and m.group(1).isdecimal():
                     layers.setdefault(int(m.group(1)), []).append(i)
+                elif not_number is None:
+                    not_number = (n, m.group(1))
+            if not_number is not None:
+                self._warn_not_layer_number(*not_number)
             if layers:
                 order = sorted(layers)
                 idx = torch.tensor([i for L in order for i in layers[L]])
@@ -1336,6 +1406,19 @@ class TensorStatsMonitor(VitalsCallback):
                         if math.isfinite(v):
                             out[f"{prefix}/layer_{L}/{stat}"] = v
         return out
+
+    def _warn_not_layer_number(self, name: str, captured: str | None) -> None:
+        """Say once that ``layer_pattern`` matched a tensor name (``name``, an example) whose
+        capture is not a layer number: per-layer keys are ``layer_<number>``, ordered
+        numerically, so such tensors are in no per-layer summary (a pattern capturing words
+        wrote none, silently)."""
+        pattern = self.layer_pattern.pattern if self.layer_pattern is not None else None
+        self.warn_once(
+            "layer-pattern-not-number",
+            f"layer_pattern {pattern!r} matches {name!r} but captures {captured!r}, not a "
+            "layer number: such tensors are in no tensor_stats/<kind>/layer_<i> summary. Make "
+            r"the group capture the layer number (e.g. r'layers\.(\d+)\.')",
+        )
 
     # ------------------------------------------------------------------ experts
 
