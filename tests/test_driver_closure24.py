@@ -239,3 +239,46 @@ def test_a_subclass_calling_super_step_is_one_step():
     for step, norm in enumerate(norms):
         assert writer.rows[step]["l2_norm/grad/global"] == pytest.approx(norm, rel=1e-6)
         assert writer.rows[step]["time/batches"] == step + 1
+
+
+def test_lbfgs_after_other_steps_with_gradients_zeroed_in_place():
+    """Two plain steps of another optimizer on the same parameters, then LBFGS steps, the
+    loop zeroing in place (``zero_grad(set_to_none=False)``) and calling ``batch()`` before
+    ``step()``: the gradients LBFGS's closure makes, one micro-batch per step (gradients
+    left from the earlier steps, or zeroed ones, were taken for the step's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    writer = RecordingWriter()
+    shown: list[float] = []
+    with Vitals(
+        [NormMonitor(), RuntimeMonitor()], writer=writer, log_every_n_steps=1, max_steps=4
+    ) as vitals:
+        vitals.attach(model, [adam, lbfgs])
+        for step in range(4):
+            x = torch.randn(16, 8)
+            vitals.batch(x)
+            if step < 2:
+                model(x).pow(2).mean().backward()
+                shown.append(_norm64(p.grad for p in model.parameters()))
+                adam.step()
+                adam.zero_grad(set_to_none=False)
+                continue
+            calls: list[float] = []
+
+            def closure(x=x, calls=calls) -> torch.Tensor:
+                lbfgs.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                calls.append(_norm64(p.grad for p in model.parameters()))
+                return loss
+
+            lbfgs.step(closure)
+            lbfgs.zero_grad(set_to_none=False)
+            shown.append(calls[0])
+    assert sorted(writer.rows) == [0, 1, 2, 3]
+    for step, norm in enumerate(shown):
+        row = writer.rows[step]
+        assert row["l2_norm/grad/global"] == pytest.approx(norm, rel=1e-6)
+        assert row["time/batches"] == step + 1

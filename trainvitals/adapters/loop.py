@@ -257,15 +257,6 @@ def _preparing_accelerator(model: Any, optimizers: Sequence[Any]) -> Any:
 _CLOSURE_NONE, _CLOSURE_COUNTING, _CLOSURE_DONE = 0, 1, 2
 
 
-def _probe_grad(optimizer: Any) -> torch.Tensor | None:
-    """The gradient of ``optimizer``'s first parameter that requires one (``None``: none)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad:
-                return p.grad
-    return None
-
-
 def _scaler_enabled(scaler: Any) -> bool:
     """Whether ``scaler`` scales (a ``GradScaler(enabled=False)`` never does; an object without
     ``is_enabled`` is taken to)."""
@@ -475,10 +466,10 @@ class Vitals:
         # deep its hooked steps are nested (a subclass whose step() calls super().step():
         # torch hooks each class's step, so both fire once the parent class has an instance)
         self._step_calls: dict[int, tuple[Any, int]] = {}
-        # Per optimizer stepped with a closure: its probe parameter's gradient (a weak
-        # reference) and version at the end of that step, to tell at the next one whether a
-        # backward made new gradients before step() (SAM's loop) or the closure will (LBFGS).
-        self._grad_marks: dict[int, tuple[Any, int] | None] = {}
+        # A training forward of the attached model ran since the last optimizer step: at a
+        # step(closure), the loop made the step's gradients itself (SAM's loop), else the
+        # closure will (LBFGS)
+        self._forward_seen = False
         self._unscaled: set[int] = set()
         self._attached: set[int] = set()
         # Several attached optimizers: those whose gradients were shown and that have not
@@ -964,6 +955,8 @@ class Vitals:
 
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
             if self._loop_calls_batch:
+                if not self._forward_seen and not torch.compiler.is_compiling():
+                    self._forward_seen = module.training and torch.is_grad_enabled()
                 return
             if torch.compiler.is_compiling():
                 # (a training forward: an evaluation run compiled is not one to count)
@@ -987,6 +980,7 @@ class Vitals:
             return
         if self.ctx.in_validation or not module.training or not torch.is_grad_enabled():
             return
+        self._forward_seen = True
         if self._closure_state == _CLOSURE_DONE:
             # the closure evaluated again inside one optimizer.step(closure) (LBFGS), or SAM's
             # at perturbed weights: the step's micro-batches again, not new ones (nor, its
@@ -1122,27 +1116,29 @@ class Vitals:
         # (torch passes the step's own arguments: ``args[0]`` is the optimizer itself)
         closure = kwargs.get("closure") if "closure" in kwargs else (args[1:2] or (None,))[0]
         if callable(closure):
-            if self._new_gradients(optimizer):
-                # SAM's loop: its backward made this step's gradients before step(); the
-                # closure re-evaluates them at weights step() perturbs first: shown now
-                self._closure_state = _CLOSURE_DONE
-                self._show_gradients(optimizer)
-                return None
             # optimizer.step(closure) (LBFGS, the pattern torch documents): the gradients are
             # made by the closure's backward, inside step(); shown here they would be the last
             # step's (or none). Shown after the closure's first call instead, as Lightning
             # runs on_before_optimizer_step after its closure (LBFGS calls it again at other
-            # points: the step's gradients are those of its first call).
-            wrapped = self._closure_showing_gradients(optimizer, closure)
-            self._closure_state = _CLOSURE_COUNTING
+            # points: the step's gradients are those of its first call). Unless the loop ran
+            # the step's forward (and backward) before step(), as SAM's does: its closure
+            # re-evaluates them at weights step() perturbs first, so they are shown now.
+            made_before = self._forward_seen
+            wrapped = self._closure_showing_gradients(optimizer, closure, made_before)
+            if made_before:
+                self._closure_state = _CLOSURE_DONE
+                self._show_gradients(optimizer)
+            else:
+                self._closure_state = _CLOSURE_COUNTING
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
         self._show_gradients(optimizer)
         return None
 
-    def _closure_showing_gradients(self, optimizer: Any, closure: Callable[[], Any]) -> Any:
-        shown = False
+    def _closure_showing_gradients(
+        self, optimizer: Any, closure: Callable[[], Any], shown: bool
+    ) -> Any:
 
         def closure_then_gradients() -> Any:
             nonlocal shown
@@ -1158,16 +1154,6 @@ class Vitals:
             return loss
 
         return closure_then_gradients
-
-    def _new_gradients(self, optimizer: Any) -> bool:
-        """Whether a backward outside optimizer steps made new gradients for ``optimizer``
-        since the last step with a closure (host attributes of one parameter's gradient: its
-        object and version)."""
-        grad = _probe_grad(optimizer)
-        if grad is None:
-            return False
-        mark = self._grad_marks.get(id(optimizer))
-        return mark is None or mark[0]() is not grad or mark[1] != grad._version
 
     def _show_gradients(self, optimizer: Any) -> None:
         """The gradient hooks for ``optimizer``, about to step (its gradients are final)."""
@@ -1245,16 +1231,8 @@ class Vitals:
         if call is not None and call[1] > 1:
             self._step_calls[id(optimizer)] = (call[0], call[1] - 1)  # (an inner step())
             return
-        if self._closure_state != _CLOSURE_NONE or self._grad_marks:
-            # (once a closure was seen: at every step's end, also one without a closure)
-            self._closure_state = _CLOSURE_NONE
-            # every attached optimizer's: a closure's backward also makes the gradients of
-            # another optimizer stepped next with its own closure, which are not "new" then
-            for attached in self.ctx.optimizers:
-                grad = _probe_grad(attached)
-                self._grad_marks[id(attached)] = (
-                    None if grad is None else (weakref.ref(grad), grad._version)
-                )
+        self._closure_state = _CLOSURE_NONE
+        self._forward_seen = False
         self._start()
         self._awaiting_step.discard(id(optimizer))
         self._stepped.add(id(optimizer))
