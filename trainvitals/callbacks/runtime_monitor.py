@@ -13,11 +13,9 @@ import torch
 from trainvitals.adapters.context import BatchInfo, RunContext
 from trainvitals.callbacks.base import VitalsCallback
 from trainvitals.callbacks.throughput_monitor import (
-    context_parallel_ranks,
-    context_parallel_tokens_warning,
+    ContextParallelTokensCheck,
     count_reduction_calls,
     reduce_counts,
-    tokens_read_off_batch,
 )
 from trainvitals.distributed import CollectiveCall, PeerRankFailed, ProcessGroups
 from trainvitals.stats.runtime import (
@@ -207,17 +205,14 @@ class RuntimeMonitor(VitalsCallback):
         # batches of the last epoch seen to end (the length of later epochs, as with a len).
         self._epoch_seen: tuple[int, int] | None = None
         self._epoch_batches: int | None = None
-        # context-parallel ranks while this run's first told micro-batch is still to be
-        # checked for a token count read off the whole batch (0: nothing to check)
-        self._cp_check = 0
+        self._cp_tokens = ContextParallelTokensCheck("time/tokens")
 
     # ------------------------------------------------------------------ hooks
 
     def run_start(self, ctx: RunContext) -> None:
         self._fold_into_previous()  # (a previous run that did not end: no-op otherwise)
         self._groups = ctx.groups
-        cp = context_parallel_ranks(ctx.groups)
-        self._cp_check = cp if cp > 1 and self.num_tokens_fn is None else 0
+        self._cp_tokens.arm(ctx.groups, self.num_tokens_fn)
         device = ctx.device
         self._clock.sync_fn = (
             partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
@@ -251,11 +246,7 @@ class RuntimeMonitor(VitalsCallback):
             return
         self._clock.start()
         self._counter.add(batch.batch_size, batch.num_tokens)
-        if self._cp_check and batch.batch is not None:
-            # (once per run, on its first micro-batch told with its batch: shapes only)
-            cp, self._cp_check = self._cp_check, 0
-            if tokens_read_off_batch(batch):
-                self.warn_once("cp_tokens", context_parallel_tokens_warning(cp, "time/tokens"))
+        self._cp_tokens.check(self, batch)
 
     def validation_start(self, ctx: RunContext) -> None:
         self._clock.pause()  # waits for the device's queued work first (sync_fn)

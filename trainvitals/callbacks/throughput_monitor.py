@@ -33,12 +33,10 @@ from trainvitals.stats.runtime import TrainClock, as_float_state
 from trainvitals.stats.throughput import COUNT_FIELDS, RollingWindow, StepCounter, to_vector
 
 __all__ = [
+    "ContextParallelTokensCheck",
     "ThroughputMonitor",
-    "context_parallel_ranks",
-    "context_parallel_tokens_warning",
     "count_reduction_calls",
     "reduce_counts",
-    "tokens_read_off_batch",
 ]
 
 # Which group each count of a StepRecord (COUNT_FIELDS[1:]) is summed over. Samples and batches:
@@ -137,16 +135,47 @@ def _decode_measured(entry: Any) -> tuple[tuple[str, float] | None, float | None
     return (_UNIT_CODES[int(entry[0]) - 1], float(entry[1])), seq
 
 
-def context_parallel_ranks(groups: ProcessGroups) -> int:
-    """Ranks that split each data stream's sequences (context parallelism): ``|dp_cp| / |dp|``.
-    Tokens are summed over them (each must count its own slice), samples are not."""
-    return max(group_size(groups.dp_cp) // max(group_size(groups.dp), 1), 1)
+class ContextParallelTokensCheck:
+    """Warns once per run when, with more than one context-parallel rank, the token count of
+    the run's first told micro-batch was read off the batch (:func:`infer_num_tokens`): tokens
+    are summed over the context-parallel ranks, each counting its own slice, so a count read
+    off the whole sequence is ``cp`` times too high. Shared by the monitors that sum tokens
+    (``keys``: what such a count makes too high). Host work only (shapes), no device read."""
+
+    def __init__(self, keys: str) -> None:
+        self.keys = keys
+        self._cp = 0  # context-parallel ranks while the first micro-batch is to be checked
+
+    def arm(self, groups: ProcessGroups, num_tokens_fn: Any) -> None:
+        """At run start: check the run's first micro-batch unless the user counts tokens."""
+        # ranks that split each data stream's sequences: |dp_cp| / |dp|
+        cp = max(group_size(groups.dp_cp) // max(group_size(groups.dp), 1), 1)
+        self._cp = cp if cp > 1 and num_tokens_fn is None else 0
+
+    def check(self, callback: VitalsCallback, batch: BatchInfo) -> None:
+        """At a micro-batch start: the check, once per run, on a micro-batch told with its
+        batch."""
+        if not self._cp or batch.batch is None:
+            return
+        cp, self._cp = self._cp, 0
+        if _tokens_read_off_batch(batch):
+            callback.warn_once(
+                "cp_tokens",
+                f"tokens are summed over the {cp} context-parallel ranks of each data stream, "
+                "each counting its own slice of the sequence, and this rank's count was read "
+                "off the batch it was told (infer_num_tokens). If that batch holds the whole "
+                "sequence (vitals.batch() before the context-parallel split, as torchtitan's "
+                "and Accelerate's loops hold it; Lightning's training_step batch), "
+                f"{self.keys} are {cp}x too high: pass this rank's share as num_tokens= "
+                "(driver) or num_tokens_fn, or call vitals.batch() with the split batch "
+                "(warned once; ignore it if the batch told is already this rank's slice)",
+            )
 
 
-def tokens_read_off_batch(batch: BatchInfo) -> bool:
+def _tokens_read_off_batch(batch: BatchInfo) -> bool:
     """Whether ``batch``'s token count is the one :func:`infer_num_tokens` reads off the
     batch told: an ``int`` equal to it (a count given as a 0-d tensor, or as another number,
-    is the user's). Host work only (shapes), no read of a device tensor."""
+    is the user's)."""
     n = batch.num_tokens
     if batch.batch is None or isinstance(n, bool) or not isinstance(n, int):
         return False
@@ -154,19 +183,6 @@ def tokens_read_off_batch(batch: BatchInfo) -> bool:
         return n == infer_num_tokens(batch.batch)
     except Exception:  # (a check for a warning: never the reason a step fails)
         return False
-
-
-def context_parallel_tokens_warning(cp: int, keys: str) -> str:
-    """The warning when the token count was read off the batch under context parallelism."""
-    return (
-        f"tokens are summed over the {cp} context-parallel ranks of each data stream, each "
-        "counting its own slice of the sequence, and this rank's count was read off the batch "
-        "it was told (infer_num_tokens). If that batch holds the whole sequence (vitals.batch() "
-        "before the context-parallel split, as torchtitan's and Accelerate's loops hold it; "
-        f"Lightning's training_step batch), {keys} are {cp}x too high: pass this rank's "
-        "share as num_tokens= (driver) or num_tokens_fn, or call vitals.batch() with the "
-        "split batch (warned once; ignore it if the batch told is already this rank's slice)"
-    )
 
 
 def _nothing_untrained() -> dict[str, Any]:
@@ -495,9 +511,9 @@ class ThroughputMonitor(VitalsCallback):
         self._peak: float | None = None
         self._mp = {"tokens": 1, "samples": 1}
         self._cuda: torch.device | None = None
-        # context-parallel ranks while this run's first told micro-batch is still to be
-        # checked for a token count read off the whole batch (0: nothing to check)
-        self._cp_check = 0
+        self._cp_tokens = ContextParallelTokensCheck(
+            "the token rates and, with flops_per_token, the flops and MFU keys"
+        )
 
     # ------------------------------------------------------------------ hooks
 
@@ -535,8 +551,7 @@ class ThroughputMonitor(VitalsCallback):
             "tokens": max(world // group_size(ctx.groups.dp_cp), 1),
             "samples": max(world // group_size(ctx.groups.dp), 1),
         }
-        cp = context_parallel_ranks(ctx.groups)
-        self._cp_check = cp if cp > 1 and self.num_tokens_fn is None else 0
+        self._cp_tokens.arm(ctx.groups, self.num_tokens_fn)
 
     def micro_batch_start(self, ctx: RunContext, batch: BatchInfo) -> None:
         self._leave_left_on()
@@ -560,12 +575,7 @@ class ThroughputMonitor(VitalsCallback):
             self._session.start()
         self._counter.add(batch.batch_size, batch.num_tokens)
         self._last_sizes = (batch.batch_size, batch.num_tokens)
-        if self._cp_check and batch.batch is not None:
-            # (once per run, on its first micro-batch told with its batch: shapes only)
-            cp, self._cp_check = self._cp_check, 0
-            if tokens_read_off_batch(batch):
-                keys = "the token rates and, with flops_per_token, the flops and MFU keys"
-                self.warn_once("cp_tokens", context_parallel_tokens_warning(cp, keys))
+        self._cp_tokens.check(self, batch)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
