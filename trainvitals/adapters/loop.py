@@ -254,9 +254,6 @@ def _preparing_accelerator(model: Any, optimizers: Sequence[Any]) -> Any:
     return owners[0] if len(owners) == 1 else None
 
 
-_CLOSURE_NONE, _CLOSURE_COUNTING, _CLOSURE_DONE = 0, 1, 2
-
-
 def _scaler_enabled(scaler: Any) -> bool:
     """Whether ``scaler`` scales (a ``GradScaler(enabled=False)`` never does; an object without
     ``is_enabled`` is taken to)."""
@@ -458,10 +455,10 @@ class Vitals:
         self._handles: list[Any] = []
         self._started = False
         self._grads_seen_for_step = False  # every gradient shown at once (gradients_ready)
-        # Inside optimizer.step(closure), between its hooks: _CLOSURE_COUNTING until the
-        # closure's first call returns (its micro-batches count), then _CLOSURE_DONE (later
-        # calls re-evaluate them: LBFGS); _CLOSURE_NONE outside such a step.
-        self._closure_state = _CLOSURE_NONE
+        # Inside optimizer.step(closure) once its gradients were shown (after the closure's
+        # first call, or before it: SAM), until the step's post-hook: later calls of the
+        # closure re-evaluate the step's micro-batches (LBFGS), they are not new ones.
+        self._closure_replays = False
         # Per optimizer in its step(): the caller frame of its outermost step hooks and how
         # deep its hooked steps are nested (a subclass whose step() calls super().step():
         # torch hooks each class's step, so both fire once the parent class has an instance)
@@ -814,13 +811,7 @@ class Vitals:
         step rather than scaled or clipped ones (warned once)."""
         if self._scaler is None or not _scaler_enabled(self._scaler):
             return
-        clipped = {id(p) for p in parameters}
-        scaled = {
-            id(o)
-            for o in self.ctx.optimizers
-            if id(o) not in self._unscaled
-            and any(id(p) in clipped for group in o.param_groups for p in group["params"])
-        }
+        scaled = {id(o) for o in self._owners_of(parameters) if id(o) not in self._unscaled}
         if not scaled or scaled <= self._hidden:
             return
         self._hidden |= scaled
@@ -835,6 +826,15 @@ class Vitals:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+    def _owners_of(self, parameters: list[Any]) -> list[Any]:
+        """The attached optimizers that update any of ``parameters``."""
+        ids = {id(p) for p in parameters}
+        return [
+            o
+            for o in self.ctx.optimizers
+            if any(id(p) in ids for group in o.param_groups for p in group["params"])
+        ]
 
     def _before_optimizer_step(self, optimizer: Any = None) -> None:
         """The gradient hooks, unless the gradients shown would be scaled (``_hidden``)."""
@@ -870,12 +870,7 @@ class Vitals:
         own ``step()`` would; else every gradient at once (:meth:`gradients_ready`)."""
         if len(self._attached) > 1 and not self._grads_seen_for_step:
             if parameters is not None:
-                clipped = {id(p) for p in parameters}
-                owners = [
-                    o
-                    for o in self.ctx.optimizers
-                    if any(id(p) in clipped for group in o.param_groups for p in group["params"])
-                ]
+                owners = self._owners_of(parameters)
             else:
                 listed = optimizers if isinstance(optimizers, list | tuple) else [optimizers]
                 ids = {id(inner) for o in listed if (inner := _inner_or_none(o)) is not None}
@@ -932,7 +927,7 @@ class Vitals:
             self._warn_closed("batch()")
             return
         self._loop_calls_batch = True
-        if self._closure_state == _CLOSURE_DONE:
+        if self._closure_replays:
             return  # (a closure called again inside one step: the same micro-batches)
         self._micro_batch(batch, batch_size, num_tokens)
 
@@ -981,7 +976,7 @@ class Vitals:
         if self.ctx.in_validation or not module.training or not torch.is_grad_enabled():
             return
         self._forward_seen = True
-        if self._closure_state == _CLOSURE_DONE:
+        if self._closure_replays:
             # the closure evaluated again inside one optimizer.step(closure) (LBFGS), or SAM's
             # at perturbed weights: the step's micro-batches again, not new ones (nor, its
             # gradients shown, a new step)
@@ -1126,10 +1121,8 @@ class Vitals:
             made_before = self._forward_seen
             wrapped = self._closure_showing_gradients(optimizer, closure, made_before)
             if made_before:
-                self._closure_state = _CLOSURE_DONE
+                self._closure_replays = True
                 self._show_gradients(optimizer)
-            else:
-                self._closure_state = _CLOSURE_COUNTING
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
@@ -1145,11 +1138,10 @@ class Vitals:
             try:
                 loss = closure()
             except BaseException:
-                self._closure_state = _CLOSURE_NONE  # (step() raises: no post-hook)
+                self._closure_replays = False  # (step() raises: no post-hook)
                 raise
             if not shown:
-                shown = True
-                self._closure_state = _CLOSURE_DONE
+                shown = self._closure_replays = True
                 self._show_gradients(optimizer)
             return loss
 
@@ -1231,8 +1223,7 @@ class Vitals:
         if call is not None and call[1] > 1:
             self._step_calls[id(optimizer)] = (call[0], call[1] - 1)  # (an inner step())
             return
-        self._closure_state = _CLOSURE_NONE
-        self._forward_seen = False
+        self._closure_replays = self._forward_seen = False
         self._start()
         self._awaiting_step.discard(id(optimizer))
         self._stepped.add(id(optimizer))
