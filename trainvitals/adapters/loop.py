@@ -342,7 +342,11 @@ class Vitals:
         accelerator: an ``accelerate.Accelerator``; gives the writer, the process groups and the
             gradient-accumulation steps.
         groups: the :class:`ProcessGroups`; default from the accelerator, else the world group
-            as data parallel when ``torch.distributed`` is initialised, else trivial. Anything
+            as data parallel when ``torch.distributed`` is initialised, else trivial. Without
+            an accelerator the default is looked up again at :meth:`attach` and when the run
+            starts (its first micro-batch, or step), so a driver built before
+            ``init_process_group`` (a torchrun script that builds its callbacks first) sums
+            over the world; a process group initialised after that is not seen. Anything
             other than a ``ProcessGroups`` or ``None``: ``TypeError``.
         log_every_n_steps: the default logging interval of the callbacks, in optimizer steps.
         run_dir: folder for files the callbacks write (JSONL metrics, tensor statistics); not
@@ -434,6 +438,7 @@ class Vitals:
         if writer is None:
             writer = _default_writer(accelerator, run_dir)
         if groups is None:
+            # (without an accelerator, provisional: _resolve_default_groups)
             groups = (
                 ProcessGroups.from_accelerator(accelerator)
                 if accelerator is not None
@@ -557,6 +562,7 @@ class Vitals:
         _check_not_running_elsewhere(self.callbacks, self)
         if self._accelerator is None and _accelerate_prepared(model, optimizers):
             self._adopt_accelerator(_preparing_accelerator(model, optimizers))
+        self._resolve_default_groups()
         self.ctx.model = model
         self.ctx.optimizers = inner
         self._attached = {id(o) for o in inner}
@@ -602,6 +608,17 @@ class Vitals:
             self.ctx.accumulate_grad_batches = int(steps)
         if not self._explicit_groups:
             self.ctx.groups = ProcessGroups.from_accelerator(accelerator)
+
+    def _resolve_default_groups(self) -> None:
+        """Look the default groups up again, when neither ``groups`` nor an accelerator gave
+        them: the world group once ``torch.distributed`` is initialised, else trivial. A
+        driver built before ``init_process_group`` (torchrun scripts often build callbacks,
+        writer and driver first) had found no process group: kept, its trivial groups made
+        every sum over the ranks (global samples and tokens, expert loads) this rank's alone,
+        while ``ctx.world_size`` said otherwise. Called at :meth:`attach` and at run start,
+        the last moment before any callback's ``run_start`` takes ``ctx.groups``."""
+        if not self._explicit_groups and self._accelerator is None:
+            self.ctx.groups = _default_groups()
 
     def _wrap_scaler(self, scaler: Any) -> None:
         # GradScaler.step() calls self.unscale_(optimizer) unless the loop already did, and
@@ -887,6 +904,7 @@ class Vitals:
         if self.ctx.model is None:
             raise RuntimeError("call vitals.attach(model, optimizer) before the first batch")
         self._started = True
+        self._resolve_default_groups()  # (init_process_group may have come after attach())
         self.ctx.start_step = self.ctx.step  # 0, or the step load_state_dict restored
         _close_at_exit_if_open(self)
         if self._owns_writer:
